@@ -1,0 +1,72 @@
+"""Data parallelism by hand: broadcast the weights once, all-reduce every gradient after backward.
+
+What it does: every rank holds a full copy of the model and trains on its own slice of the
+global batch. Rank 0's initial weights are broadcast so all copies start equal; after the
+backward pass each gradient tensor is summed across ranks with its own all-reduce and divided by
+the world size, so every rank applies the same averaged gradient and the copies stay equal.
+Why it is the baseline: it is what a competent engineer writes first, and it is correct. Its
+cost is structural: one collective per parameter tensor (each paying the collective's latency),
+and all communication waits until the whole backward pass has finished, so none of it overlaps
+with compute.
+Run:        torchrun --nproc_per_node=2 01_ddp/baseline_ddp.py --size small
+Look for:   the comm MB/step and the collectives per step in the summary and `make report`;
+            optimized_ddp.py sends the same bytes in a few buckets, overlapped with backward.
+Theory:     a ring all-reduce makes each rank send 2(N-1)/N x the gradient bytes, here
+            2(N-1)/N x 4 bytes x params per step, in one collective per parameter tensor.
+"""
+
+import torch
+import torch.distributed as dist
+
+import common
+
+
+def broadcast_parameters(model: torch.nn.Module) -> None:
+    """Make every rank start from rank 0's weights and buffers."""
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+
+
+def allreduce_gradients(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
+    """Average each gradient across ranks, one blocking all-reduce per tensor.
+
+    Returns (bytes all-reduced, number of collectives) so the record counts what was sent.
+    """
+    nbytes = calls = 0
+    for p in model.parameters():  # parameters() visits the tied embedding/head weight once
+        if p.grad is None:
+            continue
+        dist.all_reduce(p.grad)  # SUM: gloo has no AVG, so divide afterwards
+        p.grad.div_(world_size)
+        nbytes += p.grad.numel() * p.grad.element_size()
+        calls += 1
+    return nbytes, calls
+
+
+def main():
+    args = common.parser(__doc__).parse_args()
+    topo = common.setup(args)
+    model, batches = common.workload(args, topo)
+    broadcast_parameters(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    sent = {}
+
+    def train_step(inputs, targets):
+        loss = model(inputs, targets)
+        loss.backward()
+        sent["bytes"], sent["calls"] = allreduce_gradients(model, topo.world_size)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    common.record(args, topo, stats, baseline=None, model=model, optimizer=opt,
+                  comm_mb=common.ring_allreduce_mb(sent["bytes"], topo.world_size),
+                  collectives_per_step=sent["calls"],
+                  theory={"comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size),
+                          "collectives": len(list(model.parameters()))})
+
+
+if __name__ == "__main__":
+    common.run_main(main)

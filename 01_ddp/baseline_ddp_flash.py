@@ -1,0 +1,65 @@
+"""DDP at long context, attention written out: the T x T score matrix is materialised.
+
+What it does: the same data-parallel training as optimized_ddp_flash.py (DDP with its default
+settings) on long sequences, with attention computed the textbook way:
+softmax(mask(Q K^T / sqrt(d))) V. Every layer builds the full (batch, heads, T, T) score
+matrix, keeps the softmax output for backward, and makes several T x T temporaries on the way.
+Why it is the baseline: it is the attention most people write first and it is exact; at long
+context its memory grows with T^2 and its time is spent streaming those matrices through memory.
+Run:        torchrun --nproc_per_node=2 01_ddp/baseline_ddp_flash.py --size small
+Look for:   peak MB and step ms against optimized_ddp_flash in `make ddp report`; the record's
+            `theory.attn_saved_mb` is the score memory this script holds for backward.
+Theory:     attention keeps n_layers x batch x heads x T^2 x 4 bytes of fp32 softmax output for
+            backward (plus transient copies); FLOPs are the same as the fused kernel's.
+"""
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import common
+
+
+def materialized_attention(q, k, v):
+    """Causal attention with the (B, H, T, T) scores in memory. Shapes (B, H, T, head_dim)."""
+    T = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def attention_scores_mb(args) -> float:
+    """fp32 softmax output every layer keeps for backward, per rank."""
+    size = common.SIZES[args.size]
+    return size.n_layers * args.batch_size * size.n_heads * args.seq_len ** 2 * 4 / 2**20
+
+
+def main():
+    parser = common.parser(__doc__, long_context=True)
+    args = parser.parse_args()
+    if args.model != "gpt":
+        parser.error("the attention recipes need --model gpt")
+    topo = common.setup(args)
+    model, batches = common.workload(args, topo, attention=materialized_attention)
+    model = DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def train_step(inputs, targets):
+        loss = model(inputs, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo)
+    buckets = common.ddp_bucket_bytes(model)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
+                  comm_mb=common.ring_allreduce_mb(sum(buckets), topo.world_size),
+                  collectives_per_step=len(buckets),
+                  theory={"attn_saved_mb": attention_scores_mb(args),
+                          "comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size)})
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,688 @@
+"""Shared plumbing for every recipe: topology, the reference workload, timing, memory, results.
+
+Techniques never live here. This file only holds what every script needs so that their
+comparisons are fair: the same model, the same data in the same order, the same clock and the
+same way of counting memory. Copying one recipe plus this file is enough to run it.
+
+    python common.py report                 # table of outputs/results.jsonl -> outputs/report.md
+    python common.py mark-failed SCRIPT ... # used by the Makefile when a run died without a record
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "outputs" / "results.jsonl"
+_PROCESS_START = time.perf_counter()
+
+
+# ---------------------------------------------------------------------------------------------
+# Size presets. `tiny` is for tests, `small` the CPU default, `medium`/`large` the GPU defaults.
+# The long_* fields are the shape the attention recipes use, where the T x T scores dominate.
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Size:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    seq_len: int
+    batch_size: int  # per rank
+    long_seq_len: int
+    long_batch_size: int
+    resnet: str
+    image_size: int
+
+
+SIZES = {
+    "tiny": Size(128, 64, 2, 4, 32, 4, 128, 2, "resnet18", 16),
+    "small": Size(1024, 256, 6, 8, 128, 4, 768, 1, "resnet18", 32),
+    "medium": Size(32768, 768, 12, 12, 1024, 8, 4096, 2, "resnet50", 128),
+    "large": Size(32768, 2048, 18, 16, 1024, 4, 4096, 1, "resnet101", 224),
+}
+
+
+def gpt_param_count(size: Size, seq_len: int) -> int:
+    """Parameters of `GPT(size, seq_len)` without building it (the head is tied)."""
+    d = size.d_model
+    per_block = 12 * d * d + 13 * d  # qkv, proj, fc, fc_proj weights and biases, two LayerNorms
+    return size.vocab_size * d + seq_len * d + size.n_layers * per_block + 2 * d
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags shared by every script. Bad values end with one line that names the flag to change.
+# ---------------------------------------------------------------------------------------------
+class RecipeParser(argparse.ArgumentParser):
+    """argparse with one-line errors and size-dependent defaults filled in after parsing."""
+
+    def __init__(self, doc: str | None, long_context: bool = False):
+        summary = (doc or "").strip().splitlines()[0] if doc else None
+        super().__init__(description=summary)
+        self.long_context = long_context
+
+    def error(self, message: str):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace=None) -> argparse.Namespace:
+        ns = super().parse_args(args, namespace)
+        size = SIZES[ns.size]
+        if ns.seq_len is None:
+            ns.seq_len = size.long_seq_len if self.long_context else size.seq_len
+        if ns.batch_size is None:
+            ns.batch_size = size.long_batch_size if self.long_context else size.batch_size
+        return ns
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def parser(doc: str | None, long_context: bool = False) -> RecipeParser:
+    """The shared flags; a script adds its own. `long_context` picks the long-sequence shape."""
+    p = RecipeParser(doc, long_context)
+    p.add_argument("--size", default="small", choices=list(SIZES),
+                   help="model/data preset (default: small)")
+    p.add_argument("--model", default="gpt", choices=["gpt", "resnet"],
+                   help="workload: the GPT decoder or a torchvision ResNet classifier")
+    p.add_argument("--steps", type=_int_at_least(1), default=20, help="timed steps")
+    p.add_argument("--warmup", type=_int_at_least(0), default=5, help="untimed steps first")
+    p.add_argument("--seed", type=int, default=0, help="model init and data seed")
+    p.add_argument("--batch-size", type=_int_at_least(1), default=None,
+                   help="sequences (or images) per rank per step (default: from --size)")
+    p.add_argument("--seq-len", type=_int_at_least(2), default=None,
+                   help="tokens per sequence (default: from --size)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
+                   help="compute dtype: bf16 autocast or fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--log-every", type=_int_at_least(0), default=0,
+                   help="progress line every N steps (default: about ten lines)")
+    p.add_argument("--results", type=Path, default=RESULTS, help="JSON-lines file to append to")
+    p.add_argument("--timeout", type=_int_at_least(1), default=300,
+                   help="seconds a collective may wait for a peer before the run fails")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# Topology: torchrun's environment, or a world of one for a plain `python script.py`.
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Topology:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    nnodes: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_RUN: dict = {}  # args and topology of this process, so run_main can record a failure
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup(args: argparse.Namespace) -> Topology:
+    """Join the process group: NCCL and one GPU per local rank with CUDA, else gloo on CPU."""
+    _RUN["args"] = args
+    if "RANK" not in os.environ:  # plain `python script.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        # Processes sharing a host split its cores; oversubscription would distort every timing.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    timeout = datetime.timedelta(seconds=args.timeout)
+    dist.init_process_group(backend, timeout=timeout,
+                            device_id=device if backend == "nccl" else None)
+    if args.dtype is None:
+        args.dtype = "bf16" if device.type == "cuda" else "fp32"
+    torch.manual_seed(args.seed)
+    topo = Topology(rank, local_rank, world, local_world, max(1, world // local_world),
+                    backend, device)
+    _RUN["topo"] = topo
+    return topo
+
+
+def log(topo: Topology, message: str) -> None:
+    if topo.is_main:
+        print(message, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference workload: a GPT-style decoder and learnable synthetic tokens.
+# ---------------------------------------------------------------------------------------------
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Default attention: PyTorch's fused kernel. Shapes (batch, heads, seq, head_dim)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, attention: Callable):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.attention = attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = self.attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, attention: Callable):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, attention)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.fc_proj = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Pre-norm decoder with a tied head. `forward(tokens, targets)` returns the mean loss."""
+
+    def __init__(self, size: Size, seq_len: int, attention: Callable = causal_sdpa,
+                 autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.autocast_dtype = autocast_dtype
+        self.tok_emb = nn.Embedding(size.vocab_size, size.d_model)
+        self.pos_emb = nn.Embedding(seq_len, size.d_model)
+        self.blocks = nn.ModuleList(Block(size.d_model, size.n_heads, attention)
+                                    for _ in range(size.n_layers))
+        self.ln_f = nn.LayerNorm(size.d_model)
+        self.head = nn.Linear(size.d_model, size.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                # GPT-2 init: residual projections scaled down by depth so the stream stays O(1).
+                std = 0.02 / (2 * size.n_layers) ** 0.5 if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(tokens.device.type, dtype=self.autocast_dtype,
+                            enabled=self.autocast_dtype is not None):
+            pos = torch.arange(tokens.shape[1], device=tokens.device)
+            x = self.tok_emb(tokens) + self.pos_emb(pos)
+            for block in self.blocks:
+                x = block(x)
+            logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class Classifier(nn.Module):
+    """A torchvision ResNet whose `forward(images, labels)` returns the mean loss."""
+
+    def __init__(self, name: str, num_classes: int, autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        import torchvision  # imported here: only the ResNet workload needs it
+
+        self.net = getattr(torchvision.models, name)(num_classes=num_classes)
+        self.autocast_dtype = autocast_dtype
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(images.device.type, dtype=self.autocast_dtype,
+                            enabled=self.autocast_dtype is not None):
+            logits = self.net(images)
+        return F.cross_entropy(logits.float(), labels)
+
+
+NUM_CLASSES = 10
+_NOISE = 0.1  # fraction of tokens replaced by uniform noise: the loss floor stays above zero
+
+
+def global_token_batch(size: Size, seq_len: int, global_batch: int, step: int, seed: int
+                       ) -> torch.Tensor:
+    """Step `step`'s whole global batch, (global_batch, seq_len + 1) tokens.
+
+    Tokens follow a fixed random permutation of the vocabulary (next = P[prev]) except for 10%
+    uniform noise: a pattern a small model learns within tens of steps, with a loss floor near
+    0.1 x ln(10 x vocab). The batch depends only on (seed, step, global_batch), never on the
+    world size.
+    """
+    table = torch.randperm(size.vocab_size, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step + 1)
+    noise = torch.randint(size.vocab_size, (global_batch, seq_len + 1), generator=gen)
+    keep = torch.rand(global_batch, seq_len + 1, generator=gen) >= _NOISE
+    tokens = torch.empty(global_batch, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = noise[:, 0]
+    for t in range(1, seq_len + 1):
+        tokens[:, t] = torch.where(keep[:, t], table[tokens[:, t - 1]], noise[:, t])
+    return tokens
+
+
+def global_image_batch(size: Size, global_batch: int, step: int, seed: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images = a fixed per-class template plus noise; labels = the class. Same rule as tokens."""
+    templates = torch.randn(NUM_CLASSES, 3, size.image_size, size.image_size,
+                            generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step + 1)
+    labels = torch.randint(NUM_CLASSES, (global_batch,), generator=gen)
+    images = templates[labels] + torch.randn(global_batch, *templates.shape[1:], generator=gen)
+    return images, labels
+
+
+def rank_slice(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank r's rows of a global batch: the r-th contiguous slice, no overlap between ranks."""
+    per_rank = batch.shape[0] // world
+    return batch[rank * per_rank:(rank + 1) * per_rank]
+
+
+def workload(args: argparse.Namespace, topo: Topology, attention: Callable = causal_sdpa,
+             dp_rank: int | None = None, dp_world: int | None = None
+             ) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The model (same init on every rank) and this rank's (inputs, targets) for every step.
+
+    Data-parallel rank `dp_rank` of `dp_world` takes the dp_rank-th slice of each global batch
+    of `dp_world * batch_size` samples, so N ranks with batch b see exactly the samples that one
+    rank with batch N*b sees. Batches are made up front: data loading is not what is measured.
+    """
+    dp_rank = topo.rank if dp_rank is None else dp_rank
+    dp_world = topo.world_size if dp_world is None else dp_world
+    size = SIZES[args.size]
+    autocast_dtype = torch.bfloat16 if args.dtype == "bf16" else None
+    torch.manual_seed(args.seed)
+    global_batch = dp_world * args.batch_size
+    batches = []
+    for step in range(args.warmup + args.steps):
+        if args.model == "gpt":
+            tokens = global_token_batch(size, args.seq_len, global_batch, step, args.seed)
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        else:
+            inputs, targets = global_image_batch(size, global_batch, step, args.seed)
+        batches.append((rank_slice(inputs, dp_rank, dp_world).to(topo.device),
+                        rank_slice(targets, dp_rank, dp_world).to(topo.device)))
+    if args.model == "gpt":
+        model = GPT(size, args.seq_len, attention, autocast_dtype)
+    else:
+        model = Classifier(size.resnet, NUM_CLASSES, autocast_dtype)
+    return model.to(topo.device), batches
+
+
+def items_per_step(args: argparse.Namespace, dp_world: int) -> int:
+    """Global tokens (GPT) or images (ResNet) consumed by one optimizer step."""
+    per_sample = args.seq_len if args.model == "gpt" else 1
+    return dp_world * args.batch_size * per_sample
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and memory.
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Stats:
+    step_ms: float
+    step_ms_p90: float
+    warmup_s: float
+    losses: list[float]
+
+
+def summarize_times(seconds: Sequence[float]) -> tuple[float, float]:
+    """Median and 90th percentile (nearest rank) of step times, in milliseconds."""
+    if not seconds:
+        raise ValueError("no timed steps")
+    ordered = sorted(seconds)
+    p90 = ordered[min(len(ordered) - 1, max(0, -(-9 * len(ordered) // 10) - 1))]
+    return 1e3 * statistics.median(ordered), 1e3 * p90
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA allocator peak (max active) on GPU; the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The shard this rank holds, for a DTensor; the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tensor_mb(tensors: Iterable[torch.Tensor]) -> float:
+    """Bytes of distinct tensors (a tensor reached twice, e.g. a tied weight, counts once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        t = _local(t)
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if t.numel() and key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total / 2**20
+
+
+def state_mb(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> float:
+    """Per-rank parameters + gradients + optimizer state, counted from the tensors themselves."""
+    params = list(model.parameters())
+    tensors = params + [p.grad for p in params if p.grad is not None]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values()
+                    if torch.is_tensor(v)]
+    return tensor_mb(tensors)
+
+
+def ring_allreduce_mb(nbytes: float, world: int) -> float:
+    """MB each rank sends in a ring all-reduce of `nbytes`: 2(N-1)/N x nbytes."""
+    return 2 * (world - 1) / world * nbytes / 2**20
+
+
+def ddp_bucket_bytes(model: nn.Module) -> list[int]:
+    """Sizes of the gradient buckets a DistributedDataParallel model all-reduces each step,
+    read from DDP's own logging data (after the first step, when the buckets are final)."""
+    sizes = model._get_ddp_logging_data().get("bucket_sizes", "")
+    return [int(s) for s in str(sizes).split(",") if s.strip()]
+
+
+def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                batches: list[tuple[torch.Tensor, torch.Tensor]], args: argparse.Namespace,
+                topo: Topology) -> Stats:
+    """Run every batch through `train_step`; time the steps after the warm-up.
+
+    Each step is bracketed by device synchronisation, so the time is the whole step. The loss
+    of each step is averaged over ranks once at the end, outside the clock.
+    """
+    n = len(batches)
+    every = args.log_every or max(1, n // 10)
+    times, losses = [], []
+    for i, (inputs, targets) in enumerate(batches):
+        _sync(topo.device)
+        start = time.perf_counter()
+        loss = train_step(inputs, targets)
+        _sync(topo.device)
+        elapsed = time.perf_counter() - start
+        if i == args.warmup:
+            startup_s = start - _PROCESS_START
+        times.append(elapsed)
+        losses.append(loss.detach().float().reshape(()))
+        if (i + 1) % every == 0 or i == n - 1:
+            log(topo, f"step {i + 1:4d}/{n} | loss {loss.item():.4f} | {1e3 * elapsed:8.1f} ms | "
+                f"{items_per_step(args, topo.world_size) / elapsed:10,.0f} "
+                f"{'tok' if args.model == 'gpt' else 'img'}/s | "
+                f"mem {peak_memory_mb(topo.device):,.0f} MB")
+    mean_losses = torch.stack(losses)
+    dist.all_reduce(mean_losses)
+    mean_losses /= topo.world_size
+    step_ms, p90 = summarize_times(times[args.warmup:])
+    _RUN["startup_s"] = startup_s
+    return Stats(step_ms, p90, sum(times[:args.warmup]), mean_losses.tolist())
+
+
+# ---------------------------------------------------------------------------------------------
+# Results: one JSON line per run, appended by rank 0.
+# ---------------------------------------------------------------------------------------------
+def _script_identity() -> tuple[str, str]:
+    path = Path(sys.argv[0]).resolve()
+    return path.parent.name, path.stem
+
+
+def _device_name(device: torch.device | None = None) -> str:
+    """The GPU's name, or `cpu`; without a device, what `setup` would pick on this host."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _base_record(args: argparse.Namespace | None, topo: Topology | None, baseline: str | None,
+                 status: str, reason: str | None) -> dict:
+    folder, script = _script_identity()
+    return {
+        "folder": folder, "script": script, "baseline": baseline, "status": status,
+        "reason": reason,
+        "world_size": topo.world_size if topo else int(os.environ.get("WORLD_SIZE", "1")),
+        "nnodes": topo.nnodes if topo else None,
+        "backend": topo.backend if topo else None,
+        "device": _device_name(topo.device if topo else None),
+        "size": getattr(args, "size", None), "model": getattr(args, "model", None),
+        "torch": torch.__version__,
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
+    }
+
+
+def _append(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: str | None,
+           model: nn.Module, optimizer: torch.optim.Optimizer | None, comm_mb: float | None,
+           theory: dict, loss_tolerance: float | None = None, **extra) -> dict:
+    """Append this run's result (rank 0) and print its one-line summary."""
+    items = items_per_step(args, topo.world_size)
+    peak = torch.tensor(peak_memory_mb(topo.device), device=topo.device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the report shows the busiest rank
+    rec = _base_record(args, topo, baseline, "ok", None)
+    rec.update({
+        "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+        "step_ms": round(stats.step_ms, 3), "step_ms_p90": round(stats.step_ms_p90, 3),
+        ("tokens_per_s" if args.model == "gpt" else "samples_per_s"):
+            round(items / (stats.step_ms / 1e3), 1),
+        "peak_mem_mb": round(peak.item(), 1),
+        "state_mb": round(state_mb(model, optimizer), 2),
+        "comm_mb": None if comm_mb is None else round(comm_mb, 3),
+        "losses": [round(x, 6) for x in stats.losses],
+        "loss_tolerance": loss_tolerance,
+        "theory": {k: round(v, 3) if isinstance(v, float) else v for k, v in theory.items()},
+        "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size,
+        "seq_len": args.seq_len if args.model == "gpt" else None, "dtype": args.dtype,
+        "startup_s": round(_RUN.get("startup_s", 0.0), 2), "warmup_s": round(stats.warmup_s, 2),
+    })
+    if topo.device.type == "cuda":
+        rec["reserved_mb"] = round(torch.cuda.max_memory_reserved(topo.device) / 2**20, 1)
+    rec.update(extra)
+    if topo.is_main:
+        _append(args.results, rec)
+        unit = "tok/s" if args.model == "gpt" else "img/s"
+        comm = "" if comm_mb is None else f", comm {comm_mb:.2f} MB/step"
+        print(f"{rec['script']}: {stats.step_ms:.1f} ms/step (p90 {stats.step_ms_p90:.1f}), "
+              f"{items / (stats.step_ms / 1e3):,.0f} {unit}, peak {rec['peak_mem_mb']:,.0f} MB, "
+              f"state {rec['state_mb']:.1f} MB{comm}, final loss {stats.losses[-1]:.4f}",
+              flush=True)
+    return rec
+
+
+class Skip(Exception):
+    """Raised when the machine lacks what the recipe needs; recorded as `skipped`, exit 0."""
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """Run a recipe: skipped and failed runs still leave a record; the group is torn down."""
+    try:
+        main()
+    except Skip as why:
+        _record_outcome("skipped", str(why))
+        print(f"skipped: {why}", file=sys.stderr)
+    except Exception as err:
+        _record_outcome("failed", f"{type(err).__name__}: {err}".splitlines()[0][:300])
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _record_outcome(status: str, reason: str) -> None:
+    args, topo = _RUN.get("args"), _RUN.get("topo")
+    if args is not None and (topo is None or topo.is_main):
+        _append(args.results, _base_record(args, topo, None, status, reason))
+
+
+# ---------------------------------------------------------------------------------------------
+# The report: latest run of each script, grouped by folder, optimized rows beside their baseline.
+# ---------------------------------------------------------------------------------------------
+def load_results(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a run killed mid-write leaves a partial line; skip it, keep the rest
+    return records
+
+
+def _run_key(rec: dict) -> tuple:
+    return (rec.get("folder"), rec.get("size"), rec.get("model"), rec.get("world_size"),
+            rec.get("device"))
+
+
+def latest_runs(records: list[dict]) -> list[dict]:
+    """The last record of each (folder, script, size, model, world size, device)."""
+    latest = {}
+    for rec in records:
+        latest[_run_key(rec) + (rec.get("script"),)] = rec
+    return list(latest.values())
+
+
+def _fmt(value, spec: str = ",.1f") -> str:
+    return "" if value is None else format(value, spec)
+
+
+def max_loss_diff(losses: list[float] | None, baseline_losses: list[float] | None
+                  ) -> float | None:
+    if not losses or not baseline_losses or len(losses) != len(baseline_losses):
+        return None
+    return max(abs(a - b) for a, b in zip(losses, baseline_losses, strict=True))
+
+
+def _report_row(rec: dict, base: dict | None) -> list[str]:
+    status = rec.get("status", "?")
+    if status != "ok":
+        return [rec.get("script"), rec.get("size"), rec.get("world_size"), rec.get("device"),
+                *[""] * 9, f"{status}: {rec.get('reason') or ''}"]
+    throughput = rec.get("tokens_per_s") or rec.get("samples_per_s")
+    speedup = mem_ratio = dloss = ""
+    if base is not None and base.get("status") == "ok":
+        speedup = f"{base['step_ms'] / rec['step_ms']:.2f}x"
+        mem_ratio = f"{rec['peak_mem_mb'] / base['peak_mem_mb']:.2f}x"
+        diff = max_loss_diff(rec.get("losses"), base.get("losses"))
+        if diff is not None:
+            tol = rec.get("loss_tolerance")
+            verdict = "" if tol is None else (" (ok)" if diff <= tol else f" (> {tol:g})")
+            dloss = f"{diff:.2e}{verdict}"
+    theory = "; ".join(f"{k}={v}" for k, v in (rec.get("theory") or {}).items())
+    return [rec["script"], rec.get("size"), rec.get("world_size"), rec.get("device"),
+            f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _fmt(throughput, ",.0f"),
+            speedup, _fmt(rec.get("peak_mem_mb"), ",.0f"), mem_ratio,
+            _fmt(rec.get("state_mb")), _fmt(rec.get("comm_mb"), ",.2f"), dloss, theory, "ok"]
+
+
+REPORT_HEADERS = ["script", "size", "world", "device", "step ms (p90)", "tok/s | img/s",
+                  "speedup", "peak MB", "mem vs base", "state MB", "comm MB/step",
+                  "max |dloss|", "theory", "status"]
+
+
+def render_report(records: list[dict]) -> str:
+    """Markdown: one table per folder; baselines first, each optimized row after its baseline."""
+    from tabulate import tabulate
+
+    runs = latest_runs(records)
+    if not runs:
+        return "No results yet: run `make all` (or `make ddp`) first.\n"
+    by_key = {_run_key(r) + (r.get("script"),): r for r in runs}
+    out = ["# Distributed Training Playbook: results", ""]
+    for folder in sorted({str(r.get("folder")) for r in runs}):
+        rows = sorted((r for r in runs if str(r.get("folder")) == folder),
+                      key=lambda r: (str(r.get("size")), str(r.get("model")),
+                                     r.get("world_size") or 0, str(r.get("device")),
+                                     (r.get("baseline") or r.get("script") or ""),
+                                     r.get("baseline") is not None))
+        table = [_report_row(r, by_key.get(_run_key(r) + (r.get("baseline"),)))
+                 for r in rows]
+        out += [f"## {folder}", "", tabulate(table, REPORT_HEADERS, tablefmt="github"), ""]
+    out += ["speedup = baseline step time / this step time (same size, world and device); "
+            "mem vs base = peak memory ratio; max |dloss| = largest per-step loss difference "
+            "from the baseline, checked against the script's stated tolerance.", ""]
+    return "\n".join(out)
+
+
+def _cli(argv: Sequence[str]) -> int:
+    cli = argparse.ArgumentParser(prog="common.py", description="Results tools.")
+    sub = cli.add_subparsers(dest="command", required=True)
+    rep = sub.add_parser("report", help="print the results table and write outputs/report.md")
+    rep.add_argument("--results", type=Path, default=RESULTS)
+    rep.add_argument("--out", type=Path, default=RESULTS.parent / "report.md")
+    fail = sub.add_parser("mark-failed", help="record a run that died before it could")
+    fail.add_argument("script", type=Path)
+    fail.add_argument("--since", type=float, required=True, help="epoch seconds the run began")
+    fail.add_argument("--reason", required=True)
+    fail.add_argument("--world-size", type=int, default=1)
+    fail.add_argument("script_args", nargs=argparse.REMAINDER,
+                      help="the flags the script was given, after --")
+    args = cli.parse_args(argv)
+    if args.command == "report":
+        text = render_report(load_results(args.results))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(text)
+        return 0
+    run_args, _ = parser(None).parse_known_args([a for a in args.script_args if a != "--"])
+    folder, script = args.script.resolve().parent.name, args.script.stem
+    since = datetime.datetime.fromtimestamp(int(args.since), datetime.UTC)
+    for rec in load_results(run_args.results):
+        if (rec.get("folder"), rec.get("script")) == (folder, script) and \
+                datetime.datetime.fromisoformat(rec["time"]) >= since:
+            return 0  # the run wrote its own record (ok, skipped or failed): keep that one
+    rec = _base_record(run_args, None, None, "failed", args.reason)
+    rec.update(folder=folder, script=script, world_size=args.world_size)
+    _append(run_args.results, rec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_cli(sys.argv[1:]))
