@@ -615,16 +615,17 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
             tol = rec.get("loss_tolerance")
             verdict = "" if tol is None else (" (ok)" if diff <= tol else f" (> {tol:g})")
             dloss = f"{diff:.2e}{verdict}"
-    theory = "; ".join(f"{k}={v}" for k, v in (rec.get("theory") or {}).items())
+    theory = "; ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in (rec.get("theory") or {}).items())
     return [rec["script"], rec.get("size"), rec.get("world_size"), rec.get("device"),
             f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _fmt(throughput, ",.0f"),
             speedup, _fmt(rec.get("peak_mem_mb"), ",.0f"), mem_ratio,
             _fmt(rec.get("state_mb")), _fmt(rec.get("comm_mb"), ",.2f"), dloss, theory, "ok"]
 
 
-REPORT_HEADERS = ["script", "size", "world", "device", "step ms (p90)", "tok/s | img/s",
+REPORT_HEADERS = ["script", "size", "world", "device", "step ms (p90)", "tok/s (img/s)",
                   "speedup", "peak MB", "mem vs base", "state MB", "comm MB/step",
-                  "max |dloss|", "theory", "status"]
+                  "max Δloss", "theory", "status"]
 
 
 def render_report(records: list[dict]) -> str:
@@ -646,7 +647,7 @@ def render_report(records: list[dict]) -> str:
                  for r in rows]
         out += [f"## {folder}", "", tabulate(table, REPORT_HEADERS, tablefmt="github"), ""]
     out += ["speedup = baseline step time / this step time (same size, world and device); "
-            "mem vs base = peak memory ratio; max |dloss| = largest per-step loss difference "
+            "mem vs base = peak memory ratio; max Δloss = largest per-step loss difference "
             "from the baseline, checked against the script's stated tolerance.", ""]
     return "\n".join(out)
 
@@ -662,16 +663,17 @@ def _cli(argv: Sequence[str]) -> int:
     fail.add_argument("--since", type=float, required=True, help="epoch seconds the run began")
     fail.add_argument("--reason", required=True)
     fail.add_argument("--world-size", type=int, default=1)
-    fail.add_argument("script_args", nargs=argparse.REMAINDER,
-                      help="the flags the script was given, after --")
-    args = cli.parse_args(argv)
+    fail.epilog = "Give the script's own flags after --, to record its size and results file."
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, script_args = cli.parse_args(argv[:split]), argv[split + 1:]
     if args.command == "report":
         text = render_report(load_results(args.results))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
         print(text)
         return 0
-    run_args, _ = parser(None).parse_known_args([a for a in args.script_args if a != "--"])
+    run_args, _ = parser(None).parse_known_args(script_args)
     folder, script = args.script.resolve().parent.name, args.script.stem
     since = datetime.datetime.fromtimestamp(int(args.since), datetime.UTC)
     for rec in load_results(run_args.results):

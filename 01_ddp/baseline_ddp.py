@@ -52,11 +52,11 @@ def main():
     sent = {}
 
     def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
         loss = model(inputs, targets)
         loss.backward()
         sent["bytes"], sent["calls"] = allreduce_gradients(model, topo.world_size)
         opt.step()
-        opt.zero_grad(set_to_none=True)
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo)

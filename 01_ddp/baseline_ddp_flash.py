@@ -45,10 +45,10 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
         loss = model(inputs, targets)
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo)

@@ -5,7 +5,8 @@ into buckets in reverse order of use; as soon as a bucket is full its all-reduce
 asynchronously while backward keeps computing the earlier layers' gradients.
 `gradient_as_bucket_view` makes each .grad a view into its bucket, so there is no copy into
 and out of the communication buffer (and one gradient-sized buffer less in memory);
-`static_graph` lets DDP skip re-deriving the bucket order and unused parameters every step.
+`static_graph` lets DDP skip re-deriving the bucket order and unused parameters every step
+(off with --accum: it is broken together with no_sync() in current PyTorch, see wrap_ddp).
 With `--accum k` the per-rank batch is split into k micro-batches; the first k-1 run under
 `no_sync()`, which only accumulates local gradients, and the last one all-reduces the sum
 once. Dividing each micro-batch loss by k makes the result exactly the full-batch gradient.
@@ -21,6 +22,7 @@ Theory:     the same 2(N-1)/N x 4 bytes x params per optimizer step as the basel
             than all-reducing every micro-batch.
 """
 
+import math
 from contextlib import nullcontext
 
 import torch
@@ -29,10 +31,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import common
 
 
-def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) -> DDP:
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float, accum: int) -> DDP:
     """The technique in one call: bucketed, overlapped, no gradient copy into the buckets."""
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, static_graph=True,
+               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+               # static_graph with no_sync() crashes in the reducer and, patched past that, stops
+               # all-reducing after the first step (pytorch/pytorch#143580, fix pending in
+               # #187732): keep it for the plain step only.
+               static_graph=accum == 1,
                # BatchNorm running stats (ResNet) are not part of the loss; the baseline does
                # not sync them every step either.
                broadcast_buffers=False)
@@ -61,24 +67,26 @@ def main():
                      f"micro-batches: use an --accum that divides the batch size")
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
-    model = wrap_ddp(model, topo, args.bucket_mb)
+    model = wrap_ddp(model, topo, args.bucket_mb, args.accum)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
         loss = accumulate_and_reduce(model, inputs, targets, args.accum)
         opt.step()
-        opt.zero_grad(set_to_none=True)
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo)
     buckets = common.ddp_bucket_bytes(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    theory_mb = common.ring_allreduce_mb(grad_bytes, topo.world_size)
+    theory = {"comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size),
+              "collectives": math.ceil(grad_bytes / (args.bucket_mb * 2**20))}
+    if args.accum > 1:
+        theory["comm_mb_without_no_sync"] = args.accum * theory["comm_mb"]
     common.record(args, topo, stats, baseline="baseline_ddp", model=model.module, optimizer=opt,
                   comm_mb=common.ring_allreduce_mb(sum(buckets), topo.world_size),
                   collectives_per_step=len(buckets), accum=args.accum, loss_tolerance=1e-4,
-                  theory={"comm_mb": theory_mb, "collectives": len(buckets),
-                          "comm_mb_without_no_sync": args.accum * theory_mb})
+                  theory=theory)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,95 @@
+# Distributed Training Playbook. `make` alone lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+# Passed through to torchrun and the scripts: the same target runs on a laptop, a GPU box and
+# across nodes (run it once per node with NODE_RANK=0..NNODES-1 and the same MASTER_ADDR).
+comma := ,
+GPUS := $(if $(CUDA_VISIBLE_DEVICES),$(words $(subst $(comma), ,$(CUDA_VISIBLE_DEVICES))),$(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU'))
+NPROC ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
+NNODES ?= 1
+NODE_RANK ?= 0
+MASTER_ADDR ?= 127.0.0.1
+MASTER_PORT ?= 29500
+SIZE ?= small
+STEPS ?=
+ARGS ?=
+
+# PYTHON=/path/to/python uses an interpreter that already has the requirements (a GPU box with
+# PyTorch preinstalled); otherwise a virtual environment is made once in .venv.
+ifdef PYTHON
+PY := $(PYTHON)
+INSTALLED :=
+else
+PY := .venv/bin/python
+INSTALLED := .venv/.installed
+endif
+
+FOLDERS := $(sort $(patsubst %/,%,$(wildcard [0-9][0-9]_*/)))
+TECHNIQUES := $(foreach f,$(FOLDERS),$(word 2,$(subst _, ,$(f))))
+SCRIPT_FLAGS := --size $(SIZE) $(if $(STEPS),--steps $(STEPS)) $(ARGS)
+TORCHRUN := $(PY) -m torch.distributed.run --nproc_per_node=$(NPROC) --nnodes=$(NNODES) \
+	--node_rank=$(NODE_RANK) --master_addr=$(MASTER_ADDR) --master_port=$(MASTER_PORT)
+# torchrun sets this to 1 anyway (with a warning); the scripts size their thread pools per rank.
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: help install all report test clean distclean $(TECHNIQUES)
+
+help:
+	@echo "Distributed Training Playbook"
+	@echo
+	@echo "  make all report     run every folder under torchrun, then print the results table"
+	@echo "  make test           CPU-only test suite (lint, unit and 2-process launch tests)"
+	@echo "  make <technique>    one folder: $(TECHNIQUES)"
+	@echo "  make report         table of outputs/results.jsonl, also written to outputs/report.md"
+	@echo "  make install        create .venv and install requirements.txt (run targets do it)"
+	@echo "  make clean          remove outputs/;  make distclean also removes .venv"
+	@echo
+	@echo "Variables: NPROC=$(NPROC) NNODES=$(NNODES) NODE_RANK=$(NODE_RANK)" \
+		"MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT)"
+	@echo "           SIZE=$(SIZE) (tiny|small|medium|large) STEPS=$(STEPS) ARGS='$(ARGS)'" \
+		"PYTHON=$(PY)"
+	@echo "Example:   make ddp report NPROC=4 SIZE=medium ARGS='--dtype bf16'"
+
+install: $(INSTALLED)
+ifdef PYTHON
+	@$(PY) -c "import torch, tabulate" || { echo "$(PYTHON) lacks the requirements:" \
+		"pip install -r requirements.txt, or drop PYTHON= to use .venv"; exit 1; }
+endif
+
+.venv/.installed: requirements.txt
+	python3 -m venv .venv
+	.venv/bin/pip install -r requirements.txt
+	touch $@
+
+all: $(TECHNIQUES)
+
+# One folder: every baseline, then every optimized script, each under torchrun. A failing
+# script shows its log, is recorded as failed, and fails the target after the others ran.
+$(TECHNIQUES): %: install
+	@mkdir -p outputs/logs; status=0; folder=$(filter %_$@,$(FOLDERS)); \
+	for script in $$(ls $$folder/baseline_*.py) $$(ls $$folder/optimized_*.py); do \
+		log=outputs/logs/$$(basename $$script .py).log; since=$$(date +%s); \
+		echo "== $$script: $(NNODES) node(s) x $(NPROC) process(es), size $(SIZE) -> $$log"; \
+		if ! (set -o pipefail; $(TORCHRUN) $$script $(SCRIPT_FLAGS) 2>&1 | tee $$log \
+				| grep --line-buffered -E '^(step |[a-z_]+: |skipped: )'); then \
+			tail -n 40 $$log; echo "FAILED: $$script (whole log: $$log)"; status=1; \
+			$(PY) common.py mark-failed $$script --since $$since \
+				--world-size $$(( $(NPROC) * $(NNODES) )) \
+				--reason "torchrun failed, see $$log" -- $(SCRIPT_FLAGS); \
+		fi; \
+	done; exit $$status
+
+report: install
+	@$(PY) common.py report
+
+test: install
+	$(PY) -m ruff check .
+	$(PY) -m pytest
+
+clean:
+	rm -rf outputs .pytest_cache .ruff_cache
+	find . -name __pycache__ -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf .venv

@@ -1,0 +1,210 @@
+"""Unit tests for common.py: timing statistics, sharding, memory counting, workload, report."""
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+
+
+def tiny_args(*extra: str) -> argparse.Namespace:
+    args = common.parser(None).parse_args(["--size", "tiny", "--steps", "3", "--warmup", "1",
+                                           *extra])
+    args.dtype = "fp32"
+    return args
+
+
+def cpu_topology(rank: int = 0, world: int = 1) -> common.Topology:
+    return common.Topology(rank, rank, world, world, 1, "gloo", torch.device("cpu"))
+
+
+# --- timing -----------------------------------------------------------------------------------
+def test_summarize_times_median_and_nearest_rank_p90():
+    median, p90 = common.summarize_times([i / 1000 for i in range(10, 0, -1)])  # 1..10 ms
+    assert median == pytest.approx(5.5)
+    assert p90 == pytest.approx(9.0)
+
+
+def test_summarize_times_single_step_and_empty():
+    assert common.summarize_times([0.25]) == pytest.approx((250.0, 250.0))
+    with pytest.raises(ValueError):
+        common.summarize_times([])
+
+
+# --- sharding and data ------------------------------------------------------------------------
+def test_rank_slices_partition_the_global_batch():
+    batch = common.global_token_batch(common.SIZES["tiny"], 16, 8, step=3, seed=0)
+    slices = [common.rank_slice(batch, r, 4) for r in range(4)]
+    assert all(s.shape == (2, 17) for s in slices)
+    assert torch.equal(torch.cat(slices), batch)
+
+
+def test_n_ranks_see_exactly_the_samples_of_one_rank_with_n_times_the_batch():
+    one_rank = common.workload(tiny_args("--batch-size", "6"), cpu_topology())[1]
+    three_ranks = [common.workload(tiny_args("--batch-size", "2"), cpu_topology(r, 3))[1]
+                   for r in range(3)]
+    for step, (inputs, targets) in enumerate(one_rank):
+        assert torch.equal(inputs, torch.cat([rank[step][0] for rank in three_ranks]))
+        assert torch.equal(targets, torch.cat([rank[step][1] for rank in three_ranks]))
+
+
+def test_steps_differ_and_seed_changes_the_data():
+    size = common.SIZES["tiny"]
+    a = common.global_token_batch(size, 16, 4, step=0, seed=0)
+    assert not torch.equal(a, common.global_token_batch(size, 16, 4, step=1, seed=0))
+    assert not torch.equal(a, common.global_token_batch(size, 16, 4, step=0, seed=1))
+    assert torch.equal(a, common.global_token_batch(size, 16, 4, step=0, seed=0))
+
+
+def test_tokens_follow_the_permutation_about_ninety_percent_of_the_time():
+    size = common.SIZES["small"]
+    tokens = common.global_token_batch(size, 128, 32, step=0, seed=0)
+    table = torch.randperm(size.vocab_size, generator=torch.Generator().manual_seed(0))
+    follows = (tokens[:, 1:] == table[tokens[:, :-1]]).float().mean().item()
+    assert 0.87 < follows < 0.93
+
+
+def test_the_loss_falls_on_the_synthetic_data():
+    args = tiny_args("--steps", "30", "--batch-size", "8", "--lr", "3e-3")
+    model, batches = common.workload(args, cpu_topology())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses = []
+    for inputs, targets in batches:
+        loss = model(inputs, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(torch.log(torch.tensor(128.0)).item(), abs=0.2)
+    assert losses[-1] < losses[0] - 1.5
+
+
+def test_resnet_workload_returns_a_loss_for_images():
+    args = tiny_args("--model", "resnet")
+    model, batches = common.workload(args, cpu_topology())
+    images, labels = batches[0]
+    assert images.shape == (4, 3, 16, 16) and labels.shape == (4,)
+    assert model(images, labels).ndim == 0
+
+
+# --- parameter and memory counting ------------------------------------------------------------
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_gpt_param_count_matches_the_built_model(size):
+    model = common.GPT(common.SIZES[size], 64)
+    built = sum(p.numel() for p in model.parameters())  # parameters() yields the tied weight once
+    assert built == common.gpt_param_count(common.SIZES[size], 64)
+
+
+def test_large_preset_is_near_one_billion_parameters():
+    assert 0.9e9 < common.gpt_param_count(common.SIZES["large"], 1024) < 1.1e9
+
+
+def test_state_mb_counts_params_grads_and_adam_state():
+    model = torch.nn.Linear(100, 50)  # 5050 parameters in two tensors
+    opt = torch.optim.AdamW(model.parameters())
+    assert common.state_mb(model, opt) == pytest.approx(5050 * 4 / 2**20)
+    model(torch.randn(3, 100)).sum().backward()
+    opt.step()
+    # params + grads + exp_avg + exp_avg_sq, plus AdamW's scalar float32 `step` per tensor
+    assert common.state_mb(model, opt) == pytest.approx((4 * 5050 * 4 + 2 * 4) / 2**20)
+
+
+def test_state_mb_counts_a_tied_weight_once():
+    model = common.GPT(common.SIZES["tiny"], 32)
+    assert common.state_mb(model) == pytest.approx(
+        common.gpt_param_count(common.SIZES["tiny"], 32) * 4 / 2**20)
+
+
+def test_ring_allreduce_bytes():
+    assert common.ring_allreduce_mb(2**20, 1) == 0
+    assert common.ring_allreduce_mb(2**20, 2) == pytest.approx(1.0)
+    assert common.ring_allreduce_mb(2**20, 4) == pytest.approx(1.5)
+
+
+# --- flags ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, flag", [(["--size", "huge"], "--size"),
+                                        (["--steps", "-3"], "--steps"),
+                                        (["--batch-size", "two"], "--batch-size")])
+def test_bad_flags_exit_2_with_one_line(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        common.parser(None).parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err
+
+
+def test_long_context_flag_defaults_come_from_the_preset():
+    args = common.parser(None, long_context=True).parse_args(["--size", "small"])
+    assert (args.seq_len, args.batch_size) == (common.SIZES["small"].long_seq_len,
+                                               common.SIZES["small"].long_batch_size)
+    args = common.parser(None).parse_args(["--size", "small", "--seq-len", "64"])
+    assert (args.seq_len, args.batch_size) == (64, common.SIZES["small"].batch_size)
+
+
+# --- report -----------------------------------------------------------------------------------
+def _row(script, baseline=None, status="ok", **fields):
+    rec = {"folder": "01_ddp", "script": script, "baseline": baseline, "status": status,
+           "reason": None, "size": "tiny", "model": "gpt", "world_size": 2, "device": "cpu"}
+    if status == "ok":
+        rec.update(step_ms=100.0, step_ms_p90=110.0, tokens_per_s=1000.0, peak_mem_mb=800.0,
+                   state_mb=10.0, comm_mb=2.0, losses=[5.0, 4.0], theory={"comm_mb": 2.0})
+    rec.update(fields)
+    return rec
+
+
+def test_report_shows_ok_failed_and_skipped_rows():
+    records = [
+        _row("baseline_ddp", step_ms=999.0),  # superseded by the next baseline_ddp record
+        _row("baseline_ddp"),
+        _row("optimized_ddp", "baseline_ddp", step_ms=80.0, peak_mem_mb=400.0,
+             losses=[5.0, 4.00002], loss_tolerance=1e-4),
+        _row("baseline_ddp_flash", status="failed", reason="RuntimeError: boom"),
+        _row("optimized_ddp_flash", "baseline_ddp_flash", status="skipped",
+             reason="needs CUDA"),
+    ]
+    text = common.render_report(records)
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + 4  # header, rule, one row per script (latest record only)
+    assert len({line.count("|") for line in table}) == 1  # no cell breaks the markdown table
+    optimized = next(line for line in table if "| optimized_ddp " in line)
+    assert "1.25x" in optimized  # 100 ms / 80 ms
+    assert "0.50x" in optimized  # 400 MB / 800 MB
+    assert "2.00e-05 (ok)" in optimized
+    assert "failed: RuntimeError: boom" in text
+    assert "skipped: needs CUDA" in text
+    assert "999.0" not in text
+
+
+def test_report_flags_a_loss_difference_over_tolerance():
+    records = [_row("baseline_ddp"),
+               _row("optimized_ddp", "baseline_ddp", losses=[5.0, 4.5], loss_tolerance=1e-4)]
+    assert "5.00e-01 (> 0.0001)" in common.render_report(records)
+
+
+def test_report_cli_survives_an_empty_and_a_truncated_file(tmp_path):
+    results = tmp_path / "results.jsonl"
+    out = tmp_path / "report.md"
+    cmd = [sys.executable, str(common.ROOT / "common.py"), "report", "--results", str(results),
+           "--out", str(out)]
+    assert "No results yet" in subprocess.run(cmd, capture_output=True, text=True).stdout
+    results.write_text(json.dumps(_row("baseline_ddp")) + "\n" + '{"folder": "01_dd')
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 0 and "baseline_ddp" in out.read_text()
+
+
+def test_mark_failed_adds_a_row_only_when_the_run_left_none(tmp_path):
+    results = tmp_path / "results.jsonl"
+    script = common.ROOT / "01_ddp" / "baseline_ddp.py"
+    cmd = [sys.executable, str(common.ROOT / "common.py"), "mark-failed", str(script),
+           "--since", "0", "--world-size", "2", "--reason", "torchrun failed",
+           "--", "--size", "tiny", "--results", str(results)]
+    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True)  # the first call's row now counts as this run's record
+    rows = common.load_results(results)
+    assert len(rows) == 1
+    assert rows[0]["status"] == "failed" and rows[0]["size"] == "tiny"
+    assert rows[0]["world_size"] == 2 and rows[0]["script"] == "baseline_ddp"

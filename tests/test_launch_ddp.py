@@ -1,0 +1,146 @@
+"""Launch tests: every 01_ddp script under torchrun with 2 CPU processes at `tiny`.
+
+Each launch costs 10-20 s of start-up on a 2-core machine, so every script runs once (a
+module-scoped fixture) and the assertions share those runs.
+"""
+
+import math
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import common
+
+DDP = common.ROOT / "01_ddp"
+STEPS = ["--size", "tiny", "--steps", "6", "--warmup", "2", "--timeout", "60"]
+LAUNCH_TIMEOUT = 240  # seconds for one launch, start-up included
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script, results, *flags, nproc=2, extra_torchrun=("--standalone",)):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           *extra_torchrun, str(DDP / script), *STEPS, "--results", str(results), *flags]
+    return subprocess.Popen(cmd, cwd=common.ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc) -> str:
+    out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def only_record(results):
+    records = common.load_results(results)
+    assert len(records) == 1, records
+    return records[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """script name -> (record, console output) for each 01_ddp script at 2 processes."""
+    out = {}
+    for script in ["baseline_ddp", "optimized_ddp", "baseline_ddp_flash", "optimized_ddp_flash"]:
+        results = tmp_path_factory.mktemp(script) / "results.jsonl"
+        console = finish(torchrun(f"{script}.py", results))
+        out[script] = (only_record(results), console)
+    return out
+
+
+@pytest.mark.parametrize("script", ["baseline_ddp", "optimized_ddp", "baseline_ddp_flash",
+                                    "optimized_ddp_flash"])
+def test_each_script_records_a_sane_two_rank_run(runs, script):
+    rec, console = runs[script]
+    assert rec["status"] == "ok" and rec["script"] == script and rec["folder"] == "01_ddp"
+    assert (rec["world_size"], rec["nnodes"], rec["backend"], rec["device"]) == (2, 1, "gloo",
+                                                                                "cpu")
+    assert len(rec["losses"]) == 8 and all(math.isfinite(x) for x in rec["losses"])
+    assert 0 < rec["step_ms"] <= rec["step_ms_p90"]
+    assert rec["tokens_per_s"] > 0 and rec["peak_mem_mb"] > 0
+    seq_len = common.SIZES["tiny"].long_seq_len if "flash" in script else 32
+    assert rec["params"] == common.gpt_param_count(common.SIZES["tiny"], seq_len)
+    # AdamW after a step: params, grads and two moments, all fp32
+    assert rec["state_mb"] == pytest.approx(4 * rec["params"] * 4 / 2**20, rel=0.01)
+    # what was counted on the wire matches the ring all-reduce formula
+    assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], rel=1e-3)
+    assert "step    8/8" in console and f"{script}: " in console
+
+
+def test_baseline_all_reduces_every_parameter_tensor_and_ddp_buckets_them(runs):
+    baseline, optimized = runs["baseline_ddp"][0], runs["optimized_ddp"][0]
+    tensors = 4 + 12 * common.SIZES["tiny"].n_layers  # embeddings, final norm, 12 per block
+    assert baseline["collectives_per_step"] == tensors
+    assert optimized["collectives_per_step"] == 1  # the whole tiny model fits in one bucket
+
+
+def test_ddp_pair_losses_match_to_float_rounding(runs):
+    diff = common.max_loss_diff(runs["optimized_ddp"][0]["losses"],
+                                runs["baseline_ddp"][0]["losses"])
+    assert diff is not None and diff <= 1e-5
+
+
+def test_attention_pair_losses_match_within_stated_tolerance(runs):
+    optimized = runs["optimized_ddp_flash"][0]
+    diff = common.max_loss_diff(optimized["losses"], runs["baseline_ddp_flash"][0]["losses"])
+    assert diff is not None and diff <= optimized["loss_tolerance"] == 1e-3
+    assert runs["baseline_ddp_flash"][0]["theory"]["attn_saved_mb"] > \
+        optimized["theory"]["attn_saved_mb"]
+
+
+def test_gradient_accumulation_trains_like_the_full_batch(runs, tmp_path):
+    results = tmp_path / "results.jsonl"
+    finish(torchrun("optimized_ddp.py", results, "--accum", "2"))
+    rec = only_record(results)
+    assert rec["accum"] == 2
+    assert common.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
+    assert rec["theory"]["comm_mb_without_no_sync"] == pytest.approx(2 * rec["comm_mb"],
+                                                                     rel=1e-3)
+
+
+def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
+    """Plain `python script.py` (a world of one) with batch 2b against 2 ranks with batch b."""
+    results = tmp_path / "results.jsonl"
+    run = subprocess.run([sys.executable, str(DDP / "baseline_ddp.py"), *STEPS,
+                          "--batch-size", str(2 * common.SIZES["tiny"].batch_size),
+                          "--results", str(results)],
+                         cwd=common.ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rec = only_record(results)
+    assert rec["world_size"] == 1 and rec["comm_mb"] == 0
+    assert common.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
+
+
+def test_two_nodes_on_localhost(tmp_path):
+    """Two torchrun invocations, node ranks 0 and 1, rendezvous on 127.0.0.1."""
+    results = tmp_path / "results.jsonl"
+    port = free_port()
+    nodes = [torchrun("baseline_ddp.py", results, nproc=1,
+                      extra_torchrun=("--nnodes=2", f"--node_rank={rank}",
+                                      "--master_addr=127.0.0.1", f"--master_port={port}"))
+             for rank in (0, 1)]
+    for node in nodes:
+        finish(node)
+    rec = only_record(results)
+    assert rec["status"] == "ok" and rec["world_size"] == 2 and rec["nnodes"] == 2
+
+
+@pytest.mark.parametrize("script, flags, hint", [
+    ("baseline_ddp.py", ["--size", "huge"], "--size"),
+    ("baseline_ddp.py", ["--steps", "-1"], "--steps"),
+    ("optimized_ddp.py", ["--size", "tiny", "--accum", "3"], "--accum"),
+])
+def test_bad_input_exits_nonzero_with_one_line(script, flags, hint, tmp_path):
+    run = subprocess.run([sys.executable, str(DDP / script), *flags,
+                          "--results", str(tmp_path / "r.jsonl")],
+                         cwd=common.ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and hint in lines[0], run.stderr
+    assert not (tmp_path / "r.jsonl").exists()
