@@ -74,8 +74,8 @@ class RecipeParser(argparse.ArgumentParser):
     """argparse with one-line errors and size-dependent defaults filled in after parsing."""
 
     def __init__(self, doc: str | None, long_context: bool = False):
-        summary = (doc or "").strip().splitlines()[0] if doc else None
-        super().__init__(description=summary)
+        # --help shows the whole module docstring: what the technique is, how to run it, theory.
+        super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
         self.long_context = long_context
 
     def error(self, message: str):
@@ -179,7 +179,6 @@ def setup(args: argparse.Namespace) -> Topology:
                             device_id=device if backend == "nccl" else None)
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
-    torch.manual_seed(args.seed)
     topo = Topology(rank, local_rank, world, local_world, max(1, world // local_world),
                     backend, device)
     _RUN["topo"] = topo
@@ -363,6 +362,7 @@ def items_per_step(args: argparse.Namespace, dp_world: int) -> int:
 class Stats:
     step_ms: float
     step_ms_p90: float
+    startup_s: float  # process start to the first timed step: imports, setup, warm-up
     warmup_s: float
     losses: list[float]
 
@@ -372,7 +372,7 @@ def summarize_times(seconds: Sequence[float]) -> tuple[float, float]:
     if not seconds:
         raise ValueError("no timed steps")
     ordered = sorted(seconds)
-    p90 = ordered[min(len(ordered) - 1, max(0, -(-9 * len(ordered) // 10) - 1))]
+    p90 = ordered[-(-9 * len(ordered) // 10) - 1]  # the ceil(0.9 n)-th smallest
     return 1e3 * statistics.median(ordered), 1e3 * p90
 
 
@@ -449,7 +449,8 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         times.append(elapsed)
         losses.append(loss.detach().float().reshape(()))
         if (i + 1) % every == 0 or i == n - 1:
-            log(topo, f"step {i + 1:4d}/{n} | loss {loss.item():.4f} | {1e3 * elapsed:8.1f} ms | "
+            log(topo, f"step {i + 1:4d}/{n} | rank-0 loss {loss.item():.4f} | "
+                f"{1e3 * elapsed:8.1f} ms | "
                 f"{items_per_step(args, topo.world_size) / elapsed:10,.0f} "
                 f"{'tok' if args.model == 'gpt' else 'img'}/s | "
                 f"mem {peak_memory_mb(topo.device):,.0f} MB")
@@ -457,8 +458,7 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     dist.all_reduce(mean_losses)
     mean_losses /= topo.world_size
     step_ms, p90 = summarize_times(times[args.warmup:])
-    _RUN["startup_s"] = startup_s
-    return Stats(step_ms, p90, sum(times[:args.warmup]), mean_losses.tolist())
+    return Stats(step_ms, p90, startup_s, sum(times[:args.warmup]), mean_losses.tolist())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,7 +520,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         "theory": {k: round(v, 3) if isinstance(v, float) else v for k, v in theory.items()},
         "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size,
         "seq_len": args.seq_len if args.model == "gpt" else None, "dtype": args.dtype,
-        "startup_s": round(_RUN.get("startup_s", 0.0), 2), "warmup_s": round(stats.warmup_s, 2),
+        "startup_s": round(stats.startup_s, 2), "warmup_s": round(stats.warmup_s, 2),
     })
     if topo.device.type == "cuda":
         rec["reserved_mb"] = round(torch.cuda.max_memory_reserved(topo.device) / 2**20, 1)
@@ -531,7 +531,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         comm = "" if comm_mb is None else f", comm {comm_mb:.2f} MB/step"
         print(f"{rec['script']}: {stats.step_ms:.1f} ms/step (p90 {stats.step_ms_p90:.1f}), "
               f"{items / (stats.step_ms / 1e3):,.0f} {unit}, peak {rec['peak_mem_mb']:,.0f} MB, "
-              f"state {rec['state_mb']:.1f} MB{comm}, final loss {stats.losses[-1]:.4f}",
+              f"state {rec['state_mb']:.1f} MB{comm}, final mean loss {stats.losses[-1]:.4f}",
               flush=True)
     return rec
 

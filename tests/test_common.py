@@ -208,3 +208,27 @@ def test_mark_failed_adds_a_row_only_when_the_run_left_none(tmp_path):
     assert len(rows) == 1
     assert rows[0]["status"] == "failed" and rows[0]["size"] == "tiny"
     assert rows[0]["world_size"] == 2 and rows[0]["script"] == "baseline_ddp"
+
+
+# --- outcomes ---------------------------------------------------------------------------------
+def test_run_main_records_a_skip_and_a_failure(tmp_path, monkeypatch):
+    results = tmp_path / "results.jsonl"
+    monkeypatch.setitem(common._RUN, "args", tiny_args("--results", str(results)))
+    monkeypatch.setitem(common._RUN, "topo", cpu_topology())
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "03_fsdp" / "optimized_fsdp.py")])
+
+    def needs_cuda():
+        raise common.Skip("needs CUDA for FP8")
+
+    def breaks():
+        raise RuntimeError("NCCL error\nlong traceback text")
+
+    common.run_main(needs_cuda)  # returns normally: a skip is not an error
+    with pytest.raises(RuntimeError):
+        common.run_main(breaks)
+    skipped, failed = common.load_results(results)
+    assert (skipped["status"], skipped["reason"]) == ("skipped", "needs CUDA for FP8")
+    assert (failed["status"], failed["reason"]) == ("failed", "RuntimeError: NCCL error")
+    assert (failed["folder"], failed["script"]) == ("03_fsdp", "optimized_fsdp")
+    assert failed["size"] == "tiny" and failed["device"] == "cpu"
+    assert "skipped: needs CUDA for FP8" in common.render_report([skipped])
