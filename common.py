@@ -600,10 +600,15 @@ def max_loss_diff(losses: list[float] | None, baseline_losses: list[float] | Non
     return max(abs(a - b) for a, b in zip(losses, baseline_losses, strict=True))
 
 
+def _size_label(rec: dict) -> str:
+    model = rec.get("model")
+    return f"{rec.get('size')}" if model in (None, "gpt") else f"{rec.get('size')} {model}"
+
+
 def _report_row(rec: dict, base: dict | None) -> list[str]:
     status = rec.get("status", "?")
     if status != "ok":
-        return [rec.get("script"), rec.get("size"), rec.get("world_size"), rec.get("device"),
+        return [rec.get("script"), _size_label(rec), rec.get("world_size"), rec.get("device"),
                 *[""] * 9, f"{status}: {rec.get('reason') or ''}"]
     throughput = rec.get("tokens_per_s") or rec.get("samples_per_s")
     speedup = mem_ratio = dloss = ""
@@ -617,7 +622,7 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
             dloss = f"{diff:.2e}{verdict}"
     theory = "; ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in (rec.get("theory") or {}).items())
-    return [rec["script"], rec.get("size"), rec.get("world_size"), rec.get("device"),
+    return [rec["script"], _size_label(rec), rec.get("world_size"), rec.get("device"),
             f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _fmt(throughput, ",.0f"),
             speedup, _fmt(rec.get("peak_mem_mb"), ",.0f"), mem_ratio,
             _fmt(rec.get("state_mb")), _fmt(rec.get("comm_mb"), ",.2f"), dloss, theory, "ok"]
