@@ -9,13 +9,15 @@ and out of the communication buffer (and one gradient-sized buffer less in memor
 (off with --accum: it is broken together with no_sync() in current PyTorch, see wrap_ddp).
 With `--accum k` the per-rank batch is split into k micro-batches; the first k-1 run under
 `no_sync()`, which only accumulates local gradients, and the last one all-reduces the sum
-once. Dividing each micro-batch loss by k makes the result exactly the full-batch gradient.
-Why it helps: a few large collectives instead of one per tensor (latency paid a few times,
-not ~50 times), and the communication hides behind the rest of backward. Accumulation cuts
-the bytes per sample by k.
+once. Dividing each micro-batch loss by k makes the sum the full-batch gradient (to rounding).
+Why it helps: a few large collectives instead of one per tensor (the fixed latency is paid
+once per bucket, not 76 times for `small`), and on GPUs the communication hides behind the
+rest of backward. On a 2-core CPU it cannot hide: gloo's threads need the cores that backward
+is using, so there the win is the collective count alone (README: measured). Accumulation
+cuts the bytes sent per sample by k.
 Run:        torchrun --nproc_per_node=2 01_ddp/optimized_ddp.py --size small [--accum 2]
-Look for:   `make ddp report`: speedup over baseline_ddp and identical losses (max |dloss| at
-            float rounding: the same sums in a different grouping), the same comm MB/step in a
+Look for:   `make ddp report`: speedup over baseline_ddp at identical losses (max Δloss at
+            float rounding: the same sums, grouped differently), the same comm MB/step in a
             handful of collectives.
 Theory:     the same 2(N-1)/N x 4 bytes x params per optimizer step as the baseline, in
             ceil(bytes / bucket) collectives; with --accum k, k times fewer bytes per sample
