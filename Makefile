@@ -65,7 +65,7 @@ endif
 all: $(TECHNIQUES)
 
 # One folder: every baseline, then every optimized script, each under torchrun. A failing
-# script shows its log, is recorded as failed, and fails the target after the others ran.
+# script prints its whole log, is recorded as failed, and fails the target after the others ran.
 $(TECHNIQUES): %: install
 	@mkdir -p outputs/logs; status=0; folder=$(filter %_$@,$(FOLDERS)); \
 	for script in $$(ls $$folder/baseline_*.py) $$(ls $$folder/optimized_*.py); do \
@@ -73,7 +73,7 @@ $(TECHNIQUES): %: install
 		echo "== $$script: $(NNODES) node(s) x $(NPROC) process(es), size $(SIZE) -> $$log"; \
 		if ! (set -o pipefail; $(TORCHRUN) $$script $(SCRIPT_FLAGS) 2>&1 | tee $$log \
 				| grep --line-buffered -E '^(step |[a-z_]+: |skipped: )'); then \
-			tail -n 40 $$log; echo "FAILED: $$script (whole log: $$log)"; status=1; \
+			echo "-- $$log:"; cat $$log; echo "FAILED: $$script (log: $$log)"; status=1; \
 			$(PY) common.py mark-failed $$script --since $$since \
 				--world-size $$(( $(NPROC) * $(NNODES) )) \
 				--reason "torchrun failed, see $$log" -- $(SCRIPT_FLAGS); \

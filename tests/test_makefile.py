@@ -1,0 +1,75 @@
+"""The Makefile's contract: help by default, and a failing script fails its target, prints its
+log and still leaves a `failed` row that the report shows."""
+
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import common
+
+RAISES = '''
+    """Raises after joining the group: run_main records the failure itself."""
+    import common
+
+
+    def main():
+        common.setup(common.parser(__doc__).parse_args())
+        raise RuntimeError("broken on purpose")
+
+
+    if __name__ == "__main__":
+        common.run_main(main)
+'''
+
+DIES = '''
+    """Dies without a word, as a killed or crashed process would: no record of its own."""
+    import os
+
+    import common
+
+    common.setup(common.parser(__doc__).parse_args())
+    os._exit(3)
+'''
+
+
+def test_make_alone_prints_help():
+    run = subprocess.run(["make"], cwd=common.ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0
+    assert "make all report" in run.stdout and "make test" in run.stdout
+    assert "ddp" in run.stdout
+
+
+def test_failing_scripts_fail_the_target_show_their_log_and_are_reported(tmp_path):
+    for name in ["Makefile", "common.py"]:
+        shutil.copy(common.ROOT / name, tmp_path)
+    folder = tmp_path / "09_broken"
+    folder.mkdir()
+    (folder / "common.py").symlink_to("../common.py")
+    (folder / "baseline_raises.py").write_text(textwrap.dedent(RAISES).lstrip())
+    (folder / "optimized_dies.py").write_text(textwrap.dedent(DIES).lstrip())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    make = ["make", f"PYTHON={sys.executable}", "NPROC=1", "SIZE=tiny", f"MASTER_PORT={port}"]
+
+    run = subprocess.run([*make, "broken"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode != 0
+    assert "RuntimeError: broken on purpose" in run.stdout  # the log is shown
+    assert "FAILED: 09_broken/baseline_raises.py" in run.stdout
+    assert "FAILED: 09_broken/optimized_dies.py" in run.stdout  # the first failure did not stop it
+
+    records = common.load_results(tmp_path / "outputs" / "results.jsonl")
+    assert len(records) == 2  # one row per run: the Makefile does not add a second
+    rows = {r["script"]: r for r in records}
+    assert rows["baseline_raises"]["reason"] == "RuntimeError: broken on purpose"
+    assert rows["optimized_dies"]["reason"].startswith("torchrun failed, see outputs/logs/")
+    assert {r["status"] for r in records} == {"failed"}
+
+    report = subprocess.run([*make, "report"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60)
+    assert report.returncode == 0
+    assert "failed: RuntimeError: broken on purpose" in report.stdout
+    assert (tmp_path / "outputs" / "report.md").exists()
