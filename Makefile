@@ -66,17 +66,20 @@ all: $(TECHNIQUES)
 
 # One folder: every baseline, then every optimized script, each under torchrun. A failing
 # script prints its whole log, is recorded as failed, and fails the target after the others ran.
+# Only node 0 holds rank 0, which prints and records; other nodes keep their own logs.
+LOG_SUFFIX := $(if $(filter-out 1,$(NNODES)),.node$(NODE_RANK))
 $(TECHNIQUES): %: install
 	@mkdir -p outputs/logs; status=0; folder=$(filter %_$@,$(FOLDERS)); \
 	for script in $$(ls $$folder/baseline_*.py) $$(ls $$folder/optimized_*.py); do \
-		log=outputs/logs/$$(basename $$script .py).log; since=$$(date +%s); \
+		log=outputs/logs/$$(basename $$script .py)$(LOG_SUFFIX).log; since=$$(date +%s); \
 		echo "== $$script: $(NNODES) node(s) x $(NPROC) process(es), size $(SIZE) -> $$log"; \
-		if ! (set -o pipefail; $(TORCHRUN) $$script $(SCRIPT_FLAGS) 2>&1 | tee $$log \
-				| grep --line-buffered -E '^(step |[a-z_]+: |skipped: )'); then \
+		$(TORCHRUN) $$script $(SCRIPT_FLAGS) 2>&1 | tee $$log \
+			| { grep --line-buffered -E '^(step |[a-z_]+: |skipped: )'; true; }; \
+		if [ $${PIPESTATUS[0]} -ne 0 ]; then \
 			echo "-- $$log:"; cat $$log; echo "FAILED: $$script (log: $$log)"; status=1; \
-			$(PY) common.py mark-failed $$script --since $$since \
-				--world-size $$(( $(NPROC) * $(NNODES) )) \
-				--reason "torchrun failed, see $$log" -- $(SCRIPT_FLAGS); \
+			if [ $(NODE_RANK) -eq 0 ]; then $(PY) common.py mark-failed $$script \
+				--since $$since --world-size $$(( $(NPROC) * $(NNODES) )) \
+				--reason "torchrun failed, see $$log" -- $(SCRIPT_FLAGS); fi; \
 		fi; \
 	done; exit $$status
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -90,6 +91,11 @@ class RecipeParser(argparse.ArgumentParser):
             ns.seq_len = size.long_seq_len if self.long_context else size.seq_len
         if ns.batch_size is None:
             ns.batch_size = size.long_batch_size if self.long_context else size.batch_size
+        if ns.model == "resnet" and ns.batch_size < 2:
+            self.error("--model resnet needs --batch-size >= 2 (BatchNorm normalises over the "
+                       "batch)")
+        if ns.dtype is None:
+            ns.dtype = "bf16" if torch.cuda.is_available() else "fp32"
         return ns
 
 
@@ -106,6 +112,17 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def positive_float(text: str) -> float:
+    """argparse type for sizes and rates: a float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def parser(doc: str | None, long_context: bool = False) -> RecipeParser:
     """The shared flags; a script adds its own. `long_context` picks the long-sequence shape."""
     p = RecipeParser(doc, long_context)
@@ -120,7 +137,7 @@ def parser(doc: str | None, long_context: bool = False) -> RecipeParser:
                    help="sequences (or images) per rank per step (default: from --size)")
     p.add_argument("--seq-len", type=_int_at_least(2), default=None,
                    help="tokens per sequence (default: from --size)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                    help="compute dtype: bf16 autocast or fp32 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--log-every", type=_int_at_least(0), default=0,
@@ -173,12 +190,10 @@ def setup(args: argparse.Namespace) -> Topology:
     else:
         device, backend = torch.device("cpu"), "gloo"
         # Processes sharing a host split its cores; oversubscription would distort every timing.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
     timeout = datetime.timedelta(seconds=args.timeout)
     dist.init_process_group(backend, timeout=timeout,
                             device_id=device if backend == "nccl" else None)
-    if args.dtype is None:
-        args.dtype = "bf16" if device.type == "cuda" else "fp32"
     topo = Topology(rank, local_rank, world, local_world, max(1, world // local_world),
                     backend, device)
     _RUN["topo"] = topo
@@ -301,11 +316,16 @@ def global_token_batch(size: Size, seq_len: int, global_batch: int, step: int, s
     return tokens
 
 
+@functools.cache
+def _class_templates(image_size: int, seed: int) -> torch.Tensor:
+    return torch.randn(NUM_CLASSES, 3, image_size, image_size,
+                       generator=torch.Generator().manual_seed(seed))
+
+
 def global_image_batch(size: Size, global_batch: int, step: int, seed: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Images = a fixed per-class template plus noise; labels = the class. Same rule as tokens."""
-    templates = torch.randn(NUM_CLASSES, 3, size.image_size, size.image_size,
-                            generator=torch.Generator().manual_seed(seed))
+    templates = _class_templates(size.image_size, seed)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step + 1)
     labels = torch.randint(NUM_CLASSES, (global_batch,), generator=gen)
     images = templates[labels] + torch.randn(global_batch, *templates.shape[1:], generator=gen)
@@ -362,7 +382,7 @@ def items_per_step(args: argparse.Namespace, dp_world: int) -> int:
 class Stats:
     step_ms: float
     step_ms_p90: float
-    startup_s: float  # process start to the first timed step: imports, setup, warm-up
+    startup_s: float  # `import common` (torch already imported) to the first timed step
     warmup_s: float
     losses: list[float]
 
@@ -421,9 +441,13 @@ def ring_allreduce_mb(nbytes: float, world: int) -> float:
 
 
 def ddp_bucket_bytes(model: nn.Module) -> list[int]:
-    """Sizes of the gradient buckets a DistributedDataParallel model all-reduces each step,
-    read from DDP's own logging data (after the first step, when the buckets are final)."""
-    sizes = model._get_ddp_logging_data().get("bucket_sizes", "")
+    """Byte sizes of the gradient buckets a DistributedDataParallel model all-reduces each step.
+
+    Read from DDP's own logging data: DDP starts with provisional buckets and, after the first
+    steps, rebuilds them in the order gradients actually became ready; those are what it sends.
+    """
+    data = model._get_ddp_logging_data()
+    sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", "")
     return [int(s) for s in str(sizes).split(",") if s.strip()]
 
 
@@ -508,7 +532,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the report shows the busiest rank
     rec = _base_record(args, topo, baseline, "ok", None)
     rec.update({
-        "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+        "params": sum(p.numel() for p in model.parameters()),  # a tied weight counts once
         "step_ms": round(stats.step_ms, 3), "step_ms_p90": round(stats.step_ms_p90, 3),
         ("tokens_per_s" if args.model == "gpt" else "samples_per_s"):
             round(items / (stats.step_ms / 1e3), 1),
@@ -519,6 +543,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         "loss_tolerance": loss_tolerance,
         "theory": {k: round(v, 3) if isinstance(v, float) else v for k, v in theory.items()},
         "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size,
+        "seed": args.seed, "lr": args.lr,
         "seq_len": args.seq_len if args.model == "gpt" else None, "dtype": args.dtype,
         "startup_s": round(stats.startup_s, 2), "warmup_s": round(stats.warmup_s, 2),
     })
@@ -605,6 +630,10 @@ def _size_label(rec: dict) -> str:
     return f"{rec.get('size')}" if model in (None, "gpt") else f"{rec.get('size')} {model}"
 
 
+# An optimized row is compared with its baseline only if these settings match too.
+COMPARED = ("dtype", "batch_size", "seq_len", "steps", "warmup", "seed", "lr", "nnodes")
+
+
 def _report_row(rec: dict, base: dict | None) -> list[str]:
     status = rec.get("status", "?")
     if status != "ok":
@@ -612,7 +641,11 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
                 *[""] * 9, f"{status}: {rec.get('reason') or ''}"]
     throughput = rec.get("tokens_per_s") or rec.get("samples_per_s")
     speedup = mem_ratio = dloss = ""
-    if base is not None and base.get("status") == "ok":
+    status = "ok"
+    unlike = [k for k in COMPARED if base is not None and rec.get(k) != base.get(k)]
+    if unlike:
+        status = f"ok; not compared: baseline ran with other {', '.join(unlike)}"
+    elif base is not None and base.get("status") == "ok":
         speedup = f"{base['step_ms'] / rec['step_ms']:.2f}x"
         mem_ratio = f"{rec['peak_mem_mb'] / base['peak_mem_mb']:.2f}x"
         diff = max_loss_diff(rec.get("losses"), base.get("losses"))
@@ -625,7 +658,7 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
     return [rec["script"], _size_label(rec), rec.get("world_size"), rec.get("device"),
             f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _fmt(throughput, ",.0f"),
             speedup, _fmt(rec.get("peak_mem_mb"), ",.0f"), mem_ratio,
-            _fmt(rec.get("state_mb")), _fmt(rec.get("comm_mb"), ",.2f"), dloss, theory, "ok"]
+            _fmt(rec.get("state_mb")), _fmt(rec.get("comm_mb"), ",.2f"), dloss, theory, status]
 
 
 REPORT_HEADERS = ["script", "size", "world", "device", "step ms (p90)", "tok/s (img/s)",

@@ -15,6 +15,8 @@ Theory:     a ring all-reduce makes each rank send 2(N-1)/N x the gradient bytes
             2(N-1)/N x 4 bytes x params per step, in one collective per parameter tensor.
 """
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -22,9 +24,9 @@ import common
 
 
 def broadcast_parameters(model: torch.nn.Module) -> None:
-    """Make every rank start from rank 0's weights and buffers."""
-    for tensor in model.state_dict().values():
-        dist.broadcast(tensor, src=0)
+    """Make every rank start from rank 0's weights and buffers (a tied weight is sent once)."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        dist.broadcast(tensor.detach(), src=0)
 
 
 def allreduce_gradients(model: torch.nn.Module, world_size: int) -> tuple[int, int]:

@@ -10,7 +10,8 @@ Run:        torchrun --nproc_per_node=2 01_ddp/baseline_ddp_flash.py --size smal
 Look for:   peak MB and step ms against optimized_ddp_flash in `make ddp report`; the record's
             `theory.attn_saved_mb` is the score memory this script holds for backward.
 Theory:     attention keeps n_layers x batch x heads x T^2 x 4 bytes of fp32 softmax output for
-            backward (plus transient copies); FLOPs are the same as the fused kernel's.
+            backward (6 under bf16 autocast, plus transient copies); FLOPs are the same as the
+            fused kernel's forward.
 """
 
 import torch
@@ -29,9 +30,11 @@ def materialized_attention(q, k, v):
 
 
 def attention_scores_mb(args) -> float:
-    """fp32 softmax output every layer keeps for backward, per rank."""
+    """Score memory every layer keeps for backward, per rank: the fp32 softmax output, plus
+    under bf16 autocast the bf16 copy of it that the second matmul saves (6 bytes a score)."""
     size = common.SIZES[args.size]
-    return size.n_layers * args.batch_size * size.n_heads * args.seq_len ** 2 * 4 / 2**20
+    scores = size.n_layers * args.batch_size * size.n_heads * args.seq_len**2
+    return scores * (4 if args.dtype == "fp32" else 6) / 2**20
 
 
 def main():

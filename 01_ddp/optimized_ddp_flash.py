@@ -1,9 +1,10 @@
 """DDP at long context with fused (flash) attention, and DDP tuned around it.
 
-What it does: attention is one call to `scaled_dot_product_attention`. On GPU it runs a flash
-kernel; on CPU PyTorch's fused flash-style kernel. Both walk Q, K, V in tiles with an online
-softmax, so the (batch, heads, T, T) score matrix never exists: forward keeps only the output
-and one log-sum-exp per row, and backward recomputes the scores tile by tile.
+What it does: attention is one call to `scaled_dot_product_attention`. On GPU in bf16 it runs
+the flash kernel (in fp32, the memory-efficient kernel); on CPU PyTorch's fused flash-style
+kernel. All of them walk Q, K, V in tiles with an online softmax, so the (batch, heads, T, T)
+score matrix never exists: forward keeps only the output and one log-sum-exp per row, and
+backward recomputes the scores tile by tile.
 "Flash-aware" all-reduce tuning: flash moves where the time and memory of a step go, and DDP
 is set up for that.
   * Memory: with O(T) attention activations the gradients become a large share of the peak,
@@ -14,7 +15,8 @@ is set up for that.
     gradients) lets a block's all-reduce start as soon as that block's backward ends and run
     under the next block's backward. `--bucket-mb 25` gives DDP's default buckets; on the
     2-core CPU the two measured within a few percent of each other (README), since there the
-    collectives compete with backward for the same cores.
+    collectives compete with backward for the same cores. The report's speedup is the sum of
+    both changes, as the recipe would be used; rerun with `--bucket-mb 25` to see the split.
 Why it helps: no T^2 memory traffic (faster) and no T^2 activations (less memory, so longer
 context or a bigger batch fits), while the communication volume is unchanged.
 Run:        torchrun --nproc_per_node=2 01_ddp/optimized_ddp_flash.py --size small
@@ -49,8 +51,8 @@ def wrap_ddp_for_flash(model: common.GPT, topo: common.Topology, bucket_mb: floa
 
 def main():
     parser = common.parser(__doc__, long_context=True)
-    parser.add_argument("--bucket-mb", type=float, default=None,
-                        help="gradient bucket size (default: one transformer block's gradients)")
+    parser.add_argument("--bucket-mb", type=common.positive_float, default=None,
+                        help="gradient bucket size in MiB (default: one block's gradients)")
     args = parser.parse_args()
     if args.model != "gpt":
         parser.error("the attention recipes need --model gpt")

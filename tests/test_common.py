@@ -113,10 +113,11 @@ def test_state_mb_counts_params_grads_and_adam_state():
     assert common.state_mb(model, opt) == pytest.approx((4 * 5050 * 4 + 2 * 4) / 2**20)
 
 
-def test_state_mb_counts_a_tied_weight_once():
-    model = common.GPT(common.SIZES["tiny"], 32)
-    assert common.state_mb(model) == pytest.approx(
-        common.gpt_param_count(common.SIZES["tiny"], 32) * 4 / 2**20)
+def test_tensor_mb_counts_a_tensor_reached_twice_once_but_distinct_views_apart():
+    w = torch.zeros(256, 1024)  # 1 MiB
+    assert common.tensor_mb([w, w, w.view(-1)]) == pytest.approx(1.0)
+    assert common.tensor_mb([w[:128], w[128:]]) == pytest.approx(1.0)  # two halves of a buffer
+    assert common.tensor_mb([w, torch.zeros(256, 1024)]) == pytest.approx(2.0)
 
 
 def test_ring_allreduce_bytes():
@@ -183,6 +184,14 @@ def test_report_flags_a_loss_difference_over_tolerance():
     records = [_row("baseline_ddp"),
                _row("optimized_ddp", "baseline_ddp", losses=[5.0, 4.5], loss_tolerance=1e-4)]
     assert "5.00e-01 (> 0.0001)" in common.render_report(records)
+
+
+def test_report_does_not_compare_runs_with_other_settings():
+    records = [_row("baseline_ddp", batch_size=4),
+               _row("optimized_ddp", "baseline_ddp", batch_size=8, step_ms=50.0)]
+    text = common.render_report(records)
+    assert "not compared: baseline ran with other batch_size" in text
+    assert "2.00x" not in text
 
 
 def test_report_cli_survives_an_empty_and_a_truncated_file(tmp_path):

@@ -94,14 +94,18 @@ def test_attention_pair_losses_match_within_stated_tolerance(runs):
         optimized["theory"]["attn_saved_mb"]
 
 
-def test_gradient_accumulation_trains_like_the_full_batch(runs, tmp_path):
+def test_accumulation_with_small_buckets_trains_like_the_full_batch(runs, tmp_path):
     results = tmp_path / "results.jsonl"
-    finish(torchrun("optimized_ddp.py", results, "--accum", "2"))
+    finish(torchrun("optimized_ddp.py", results, "--accum", "2", "--bucket-mb", "0.05"))
     rec = only_record(results)
     assert rec["accum"] == 2
     assert common.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
     assert rec["theory"]["comm_mb_without_no_sync"] == pytest.approx(2 * rec["comm_mb"],
                                                                      rel=1e-3)
+    # 0.4 MB of gradients in 0.05 MiB buckets: the buckets DDP rebuilt and sends, not its one
+    # provisional bucket; fewer than bytes/cap because it never splits a tensor.
+    assert 1 < rec["collectives_per_step"] <= rec["theory"]["collectives"]
+    assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], rel=1e-3)
 
 
 def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
@@ -115,6 +119,20 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
     rec = only_record(results)
     assert rec["world_size"] == 1 and rec["comm_mb"] == 0
     assert common.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
+
+
+def test_resnet_in_bf16_as_a_world_of_one(tmp_path):
+    results = tmp_path / "results.jsonl"
+    run = subprocess.run([sys.executable, str(DDP / "optimized_ddp.py"), *STEPS, "--model",
+                          "resnet", "--dtype", "bf16", "--results", str(results)],
+                         cwd=common.ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rec = only_record(results)
+    assert (rec["status"], rec["model"], rec["dtype"], rec["world_size"]) == ("ok", "resnet",
+                                                                             "bf16", 1)
+    assert rec["samples_per_s"] > 0 and "tokens_per_s" not in rec
+    assert all(math.isfinite(x) for x in rec["losses"])
+    assert rec["loss_tolerance"] == 1e-2
 
 
 def test_two_nodes_on_localhost(tmp_path):
@@ -135,6 +153,7 @@ def test_two_nodes_on_localhost(tmp_path):
     ("baseline_ddp.py", ["--size", "huge"], "--size"),
     ("baseline_ddp.py", ["--steps", "-1"], "--steps"),
     ("optimized_ddp.py", ["--size", "tiny", "--accum", "3"], "--accum"),
+    ("optimized_ddp.py", ["--bucket-mb", "0"], "--bucket-mb"),
 ])
 def test_bad_input_exits_nonzero_with_one_line(script, flags, hint, tmp_path):
     run = subprocess.run([sys.executable, str(DDP / script), *flags,
