@@ -96,6 +96,8 @@ class RecipeParser(argparse.ArgumentParser):
                        "batch)")
         if ns.dtype is None:
             ns.dtype = "bf16" if torch.cuda.is_available() else "fp32"
+        if ns.trace and ns.warmup < 1:
+            self.error("--trace profiles warm-up steps, and there are none: add --warmup 2")
         return ns
 
 
@@ -145,6 +147,9 @@ def parser(doc: str | None, long_context: bool = False) -> RecipeParser:
     p.add_argument("--results", type=Path, default=RESULTS, help="JSON-lines file to append to")
     p.add_argument("--timeout", type=_int_at_least(1), default=300,
                    help="seconds a collective may wait for a peer before the run fails")
+    p.add_argument("--trace", action="store_true",
+                   help="profile the last two warm-up steps (untimed) into a Chrome/Perfetto "
+                        "trace per rank, in the results file's traces/ folder")
     return p
 
 
@@ -462,12 +467,19 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     n = len(batches)
     every = args.log_every or max(1, n // 10)
     times, losses = [], []
+    traced = range(max(0, args.warmup - 2), args.warmup) if args.trace else range(0)
     for i, (inputs, targets) in enumerate(batches):
+        if traced and i == traced.start:
+            profiler = torch.profiler.profile(activities=_profiler_activities(topo.device))
+            profiler.start()
         _sync(topo.device)
         start = time.perf_counter()
         loss = train_step(inputs, targets)
         _sync(topo.device)
         elapsed = time.perf_counter() - start
+        if traced and i == traced[-1]:
+            profiler.stop()
+            _export_trace(profiler, args, topo)
         if i == args.warmup:
             startup_s = start - _PROCESS_START
         times.append(elapsed)
@@ -483,6 +495,23 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     mean_losses /= topo.world_size
     step_ms, p90 = summarize_times(times[args.warmup:])
     return Stats(step_ms, p90, startup_s, sum(times[:args.warmup]), mean_losses.tolist())
+
+
+def _profiler_activities(device: torch.device) -> list:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities
+
+
+def _export_trace(profiler: torch.profiler.profile, args: argparse.Namespace,
+                  topo: Topology) -> None:
+    folder, script = _script_identity()
+    path = args.results.parent / "traces" / f"{folder}_{script}_rank{topo.rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(path))
+    log(topo, f"trace of warm-up steps {args.warmup - 1}-{args.warmup} written to {path} "
+              f"(one file per rank; open in https://ui.perfetto.dev)")
 
 
 # ---------------------------------------------------------------------------------------------

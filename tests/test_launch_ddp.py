@@ -4,6 +4,7 @@ Each launch costs 10-20 s of start-up on a 2-core machine, so every script runs 
 module-scoped fixture) and the assertions share those runs.
 """
 
+import json
 import math
 import socket
 import subprocess
@@ -109,9 +110,10 @@ def test_accumulation_with_small_buckets_trains_like_the_full_batch(runs, tmp_pa
 
 
 def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
-    """Plain `python script.py` (a world of one) with batch 2b against 2 ranks with batch b."""
+    """Plain `python script.py` (a world of one) with batch 2b against 2 ranks with batch b;
+    its --trace shows the baseline's one all-reduce per gradient tensor."""
     results = tmp_path / "results.jsonl"
-    run = subprocess.run([sys.executable, str(DDP / "baseline_ddp.py"), *STEPS,
+    run = subprocess.run([sys.executable, str(DDP / "baseline_ddp.py"), *STEPS, "--trace",
                           "--batch-size", str(2 * common.SIZES["tiny"].batch_size),
                           "--results", str(results)],
                          cwd=common.ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
@@ -119,6 +121,9 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
     rec = only_record(results)
     assert rec["world_size"] == 1 and rec["comm_mb"] == 0
     assert common.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
+    trace = json.loads((tmp_path / "traces" / "01_ddp_baseline_ddp_rank0.json").read_text())
+    all_reduces = [e for e in trace["traceEvents"] if e.get("name") == "gloo:all_reduce"]
+    assert len(all_reduces) == 2 * rec["collectives_per_step"]  # two traced warm-up steps
 
 
 def test_resnet_in_bf16_as_a_world_of_one(tmp_path):
