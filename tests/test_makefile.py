@@ -73,3 +73,29 @@ def test_failing_scripts_fail_the_target_show_their_log_and_are_reported(tmp_pat
     assert report.returncode == 0
     assert "failed: RuntimeError: broken on purpose" in report.stdout
     assert (tmp_path / "outputs" / "report.md").exists()
+
+
+def test_two_nodes_through_make(tmp_path):
+    """`make ddp` once per node: both succeed, though only node 0 holds rank 0 and prints."""
+    for name in ["Makefile", "common.py"]:
+        shutil.copy(common.ROOT / name, tmp_path)
+    folder = tmp_path / "01_ddp"
+    folder.mkdir()
+    (folder / "common.py").symlink_to("../common.py")
+    shutil.copy(common.ROOT / "01_ddp" / "baseline_ddp.py", folder)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [subprocess.Popen(["make", "ddp", f"PYTHON={sys.executable}", "NPROC=1", "NNODES=2",
+                               f"NODE_RANK={rank}", "MASTER_ADDR=127.0.0.1",
+                               f"MASTER_PORT={port}", "SIZE=tiny", "STEPS=2",
+                               "ARGS=--warmup 1 --timeout 60"],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+             for rank in (0, 1)]
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "baseline_ddp: " in outputs[0]  # rank 0's summary line
+    assert (tmp_path / "outputs" / "logs" / "baseline_ddp.node1.log").exists()
+    (rec,) = common.load_results(tmp_path / "outputs" / "results.jsonl")
+    assert (rec["status"], rec["world_size"], rec["nnodes"]) == ("ok", 2, 2)
