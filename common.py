@@ -14,6 +14,7 @@ import argparse
 import datetime
 import functools
 import json
+import math
 import os
 import platform
 import resource
@@ -492,9 +493,13 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                 f"mem {peak_memory_mb(topo.device):,.0f} MB")
     mean_losses = torch.stack(losses)
     dist.all_reduce(mean_losses)
-    mean_losses /= topo.world_size
+    mean_losses = (mean_losses / topo.world_size).tolist()
+    diverged = [step for step, loss in enumerate(mean_losses, 1) if not math.isfinite(loss)]
+    if diverged:  # a run that diverged is not a result, however fast it was
+        raise FloatingPointError(f"the loss is not finite from step {diverged[0]} on: "
+                                 f"lower --lr or use --dtype fp32")
     step_ms, p90 = summarize_times(times[args.warmup:])
-    return Stats(step_ms, p90, startup_s, sum(times[:args.warmup]), mean_losses.tolist())
+    return Stats(step_ms, p90, startup_s, sum(times[:args.warmup]), mean_losses)
 
 
 def _profiler_activities(device: torch.device) -> list:

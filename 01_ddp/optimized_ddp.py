@@ -43,10 +43,7 @@ def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float, ac
                # static_graph with no_sync() crashes in the reducer and, patched past that, stops
                # all-reducing after the first step (pytorch/pytorch#143580, fix pending in
                # #187732): keep it for the plain step only.
-               static_graph=accum == 1,
-               # BatchNorm running stats (ResNet) are not part of the loss; the baseline does
-               # not sync them every step either.
-               broadcast_buffers=False)
+               static_graph=accum == 1)
 
 
 def accumulate_and_reduce(model: DDP, inputs, targets, accum: int) -> torch.Tensor:

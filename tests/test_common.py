@@ -241,3 +241,20 @@ def test_run_main_records_a_skip_and_a_failure(tmp_path, monkeypatch):
     assert (failed["folder"], failed["script"]) == ("03_fsdp", "optimized_fsdp")
     assert failed["size"] == "tiny" and failed["device"] == "cpu"
     assert "skipped: needs CUDA for FP8" in common.render_report([skipped])
+
+
+def test_a_diverged_run_is_an_error_not_a_result(monkeypatch):
+    # torchrun's variables for a world of one, undone after the test (later tests launch
+    # subprocesses that must not inherit them)
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common._free_port())).items():
+        monkeypatch.setenv(name, value)
+    args = tiny_args("--steps", "2", "--timeout", "30")
+    topo = common.setup(args)
+    try:
+        batches = [(torch.zeros(1), torch.zeros(1))] * 3
+        losses = iter([1.0, 2.0, float("nan")])
+        with pytest.raises(FloatingPointError, match="not finite from step 3"):
+            common.timed_steps(lambda x, y: torch.tensor(next(losses)), batches, args, topo)
+    finally:
+        torch.distributed.destroy_process_group()
