@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "outputs" / "results.jsonl"
-_PROCESS_START = time.perf_counter()
+_IMPORTED_AT = time.perf_counter()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ class Size:
     image_size: int
 
 
-SIZES = {
+SIZES = {  # vocab, d_model, layers, heads, seq, batch, long seq, long batch, resnet, image px
     "tiny": Size(128, 64, 2, 4, 32, 4, 128, 2, "resnet18", 16),
     "small": Size(1024, 256, 6, 8, 128, 4, 768, 1, "resnet18", 32),
     "medium": Size(32768, 768, 12, 12, 1024, 8, 4096, 2, "resnet50", 128),
@@ -482,7 +482,7 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
             profiler.stop()
             _export_trace(profiler, args, topo)
         if i == args.warmup:
-            startup_s = start - _PROCESS_START
+            startup_s = start - _IMPORTED_AT
         times.append(elapsed)
         losses.append(loss.detach().float().reshape(()))
         if (i + 1) % every == 0 or i == n - 1:
@@ -730,12 +730,13 @@ def _cli(argv: Sequence[str]) -> int:
     rep = sub.add_parser("report", help="print the results table and write outputs/report.md")
     rep.add_argument("--results", type=Path, default=RESULTS)
     rep.add_argument("--out", type=Path, default=RESULTS.parent / "report.md")
-    fail = sub.add_parser("mark-failed", help="record a run that died before it could")
+    fail = sub.add_parser("mark-failed", help="record a run that died before it could",
+                          epilog="Give the script's own flags after --, to record its size "
+                                 "and find its results file.")
     fail.add_argument("script", type=Path)
     fail.add_argument("--since", type=float, required=True, help="epoch seconds the run began")
     fail.add_argument("--reason", required=True)
     fail.add_argument("--world-size", type=int, default=1)
-    fail.epilog = "Give the script's own flags after --, to record its size and results file."
     argv = list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
     args, script_args = cli.parse_args(argv[:split]), argv[split + 1:]

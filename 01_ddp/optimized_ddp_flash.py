@@ -8,8 +8,8 @@ backward recomputes the scores tile by tile.
 "Flash-aware" all-reduce tuning: flash moves where the time and memory of a step go, and DDP
 is set up for that.
   * Memory: with O(T) attention activations the gradients become a large share of the peak,
-    so `gradient_as_bucket_view=True` drops the separate gradient buffers (each .grad is a view
-    into its communication bucket) and `static_graph=True` fixes the bucket order after step 1.
+    so `gradient_as_bucket_view=True` drops the separate gradient buffers: each .grad is a view
+    into its communication bucket, one gradient-sized copy less.
   * Overlap: flash backward recomputes the scores, so each block's backward is compute-heavy
     relative to the gradients it produces; `--bucket-mb` (default: one transformer block's
     gradients) lets a block's all-reduce start as soon as that block's backward ends and run
@@ -46,7 +46,7 @@ def block_gradient_mb(model: common.GPT) -> float:
 
 def wrap_ddp_for_flash(model: common.GPT, topo: common.Topology, bucket_mb: float) -> DDP:
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, static_graph=True)
+               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
 
 
 def main():
