@@ -16,11 +16,14 @@ Theory:     a ring all-reduce makes each rank send 2(N-1)/N x the gradient bytes
 """
 
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
 
 
 def broadcast_parameters(model: torch.nn.Module) -> None:

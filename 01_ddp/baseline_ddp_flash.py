@@ -14,10 +14,14 @@ Theory:     attention keeps n_layers x batch x heads x T^2 x 4 bytes of fp32 sof
             fused kernel's forward.
 """
 
+import sys
+from pathlib import Path
+
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
 
 
 def materialized_attention(q, k, v):

@@ -28,12 +28,15 @@ Theory:     the same 2(N-1)/N x 4 bytes x params per optimizer step as the basel
 """
 
 import math
+import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
 
 
 def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float, accum: int) -> DDP:

@@ -27,11 +27,15 @@ Theory:     attention memory drops from n_layers x batch x heads x T^2 x 4 bytes
             gradient bytes sent are unchanged: 2(N-1)/N x 4 bytes x params.
 """
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
 
 
 def flash_attention(q, k, v):

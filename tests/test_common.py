@@ -247,7 +247,7 @@ def test_a_diverged_run_is_an_error_not_a_result(monkeypatch):
     # torchrun's variables for a world of one, undone after the test (later tests launch
     # subprocesses that must not inherit them)
     for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common._free_port())).items():
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port())).items():
         monkeypatch.setenv(name, value)
     args = tiny_args("--steps", "2", "--timeout", "30")
     topo = common.setup(args)

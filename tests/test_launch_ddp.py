@@ -6,7 +6,6 @@ module-scoped fixture) and the assertions share those runs.
 
 import json
 import math
-import socket
 import subprocess
 import sys
 
@@ -17,12 +16,6 @@ import common
 DDP = common.ROOT / "01_ddp"
 STEPS = ["--size", "tiny", "--steps", "6", "--warmup", "2", "--timeout", "60"]
 LAUNCH_TIMEOUT = 240  # seconds for one launch, start-up included
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(script, results, *flags, nproc=2, extra_torchrun=("--standalone",)):
@@ -145,7 +138,7 @@ def test_resnet_and_bf16_as_a_world_of_one(flags, model, dtype, tmp_path):
 def test_two_nodes_on_localhost(tmp_path):
     """Two torchrun invocations, node ranks 0 and 1, rendezvous on 127.0.0.1."""
     results = tmp_path / "results.jsonl"
-    port = free_port()
+    port = common.free_port()
     nodes = [torchrun("baseline_ddp.py", results, nproc=1,
                       extra_torchrun=("--nnodes=2", f"--node_rank={rank}",
                                       "--master_addr=127.0.0.1", f"--master_port={port}"))

@@ -2,7 +2,6 @@
 log and still leaves a `failed` row that the report shows."""
 
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -11,6 +10,10 @@ import common
 
 RAISES = '''
     """Raises after joining the group: run_main records the failure itself."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import common
 
 
@@ -26,12 +29,24 @@ RAISES = '''
 DIES = '''
     """Dies without a word, as a killed or crashed process would: no record of its own."""
     import os
+    import sys
+    from pathlib import Path
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import common
 
     common.setup(common.parser(__doc__).parse_args())
     os._exit(3)
 '''
+
+
+def project_copy(root, folder: str, scripts: dict[str, str]):
+    """The Makefile and common.py with one numbered folder of the given scripts."""
+    for name in ["Makefile", "common.py"]:
+        shutil.copy(common.ROOT / name, root)
+    (root / folder).mkdir()
+    for name, text in scripts.items():
+        (root / folder / name).write_text(text)
 
 
 def test_make_alone_prints_help():
@@ -42,17 +57,10 @@ def test_make_alone_prints_help():
 
 
 def test_failing_scripts_fail_the_target_show_their_log_and_are_reported(tmp_path):
-    for name in ["Makefile", "common.py"]:
-        shutil.copy(common.ROOT / name, tmp_path)
-    folder = tmp_path / "09_broken"
-    folder.mkdir()
-    (folder / "common.py").symlink_to("../common.py")
-    (folder / "baseline_raises.py").write_text(textwrap.dedent(RAISES).lstrip())
-    (folder / "optimized_dies.py").write_text(textwrap.dedent(DIES).lstrip())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    make = ["make", f"PYTHON={sys.executable}", "NPROC=1", "SIZE=tiny", f"MASTER_PORT={port}"]
+    project_copy(tmp_path, "09_broken", {"baseline_raises.py": textwrap.dedent(RAISES).lstrip(),
+                                         "optimized_dies.py": textwrap.dedent(DIES).lstrip()})
+    make = ["make", f"PYTHON={sys.executable}", "NPROC=1", "SIZE=tiny",
+            f"MASTER_PORT={common.free_port()}"]
 
     run = subprocess.run([*make, "broken"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=240)
@@ -77,15 +85,9 @@ def test_failing_scripts_fail_the_target_show_their_log_and_are_reported(tmp_pat
 
 def test_two_nodes_through_make(tmp_path):
     """`make ddp` once per node: both succeed, though only node 0 holds rank 0 and prints."""
-    for name in ["Makefile", "common.py"]:
-        shutil.copy(common.ROOT / name, tmp_path)
-    folder = tmp_path / "01_ddp"
-    folder.mkdir()
-    (folder / "common.py").symlink_to("../common.py")
-    shutil.copy(common.ROOT / "01_ddp" / "baseline_ddp.py", folder)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    project_copy(tmp_path, "01_ddp",
+                 {"baseline_ddp.py": (common.ROOT / "01_ddp" / "baseline_ddp.py").read_text()})
+    port = common.free_port()
     nodes = [subprocess.Popen(["make", "ddp", f"PYTHON={sys.executable}", "NPROC=1", "NNODES=2",
                                f"NODE_RANK={rank}", "MASTER_ADDR=127.0.0.1",
                                f"MASTER_PORT={port}", "SIZE=tiny", "STEPS=2",
