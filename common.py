@@ -102,7 +102,9 @@ class RecipeParser(argparse.ArgumentParser):
         return ns
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type for counts: an integer >= `minimum`."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -133,20 +135,20 @@ def parser(doc: str | None, long_context: bool = False) -> RecipeParser:
                    help="model/data preset (default: small)")
     p.add_argument("--model", default="gpt", choices=["gpt", "resnet"],
                    help="workload: the GPT decoder or a torchvision ResNet classifier")
-    p.add_argument("--steps", type=_int_at_least(1), default=20, help="timed steps")
-    p.add_argument("--warmup", type=_int_at_least(0), default=5, help="untimed steps first")
+    p.add_argument("--steps", type=int_at_least(1), default=20, help="timed steps")
+    p.add_argument("--warmup", type=int_at_least(0), default=5, help="untimed steps first")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
-    p.add_argument("--batch-size", type=_int_at_least(1), default=None,
+    p.add_argument("--batch-size", type=int_at_least(1), default=None,
                    help="sequences (or images) per rank per step (default: from --size)")
-    p.add_argument("--seq-len", type=_int_at_least(2), default=None,
+    p.add_argument("--seq-len", type=int_at_least(2), default=None,
                    help="tokens per sequence (default: from --size)")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                    help="compute dtype: bf16 autocast or fp32 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--log-every", type=_int_at_least(0), default=0,
+    p.add_argument("--log-every", type=int_at_least(0), default=0,
                    help="progress line every N steps (default: about ten lines)")
     p.add_argument("--results", type=Path, default=RESULTS, help="JSON-lines file to append to")
-    p.add_argument("--timeout", type=_int_at_least(1), default=300,
+    p.add_argument("--timeout", type=int_at_least(1), default=300,
                    help="seconds a collective may wait for a peer before the run fails")
     p.add_argument("--trace", action="store_true",
                    help="profile the last two warm-up steps (untimed) into a Chrome/Perfetto "

@@ -66,9 +66,10 @@ def main():
     parser = common.parser(__doc__)
     parser.add_argument("--bucket-mb", type=common.positive_float, default=25.0,
                         help="gradient bucket size in MiB (DDP's default: 25)")
-    parser.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--accum", type=common.int_at_least(1), default=1,
+                        help="micro-batches per optimizer step")
     args = parser.parse_args()
-    if args.accum < 1 or args.batch_size % args.accum:
+    if args.batch_size % args.accum:
         parser.error(f"--batch-size {args.batch_size} does not split into --accum {args.accum} "
                      f"micro-batches: use an --accum that divides the batch size")
     if args.model == "resnet" and args.batch_size // args.accum < 2:
