@@ -14,6 +14,28 @@ MASTER_PORT ?= 29500
 SIZE ?= small
 STEPS ?=
 ARGS ?=
+LINK ?=
+
+# LINK=1gbit (any rate tc accepts): each launch runs in a private network namespace whose
+# loopback is rate-limited with tc, so the ranks on this host talk as over a slow link. All
+# traffic stays on 127.0.0.1; the shaped loopback carries both directions, so LINK is the
+# link's total rate. Records carry it as `link`.
+ifdef LINK
+TBF := tc qdisc add dev lo root tbf rate $(LINK) burst 1mb latency 50ms
+LINK_PROBLEM := $(shell \
+	if [ "$(NNODES)" != 1 ]; then echo "LINK shapes this host's loopback: use it with NNODES=1"; \
+	elif ! command -v tc >/dev/null || ! command -v ip >/dev/null; then \
+		echo "LINK needs tc and ip: apt-get install iproute2, or drop LINK"; \
+	elif ! unshare --net true 2>/dev/null; then \
+		echo "LINK needs a private network namespace (unshare --net): run as root, or drop LINK"; \
+	elif ! unshare --net $(TBF) 2>/dev/null; then \
+		echo "LINK=$(LINK) is not a rate tc accepts: use e.g. LINK=1gbit or LINK=100mbit"; fi)
+ifneq ($(LINK_PROBLEM),)
+$(error $(LINK_PROBLEM))
+endif
+SHAPED := unshare --net -- sh -c 'ip link set lo up && $(TBF) && exec "$$@"' shaped
+endif
+export PLAYBOOK_LINK := $(LINK)
 
 # PYTHON=/path/to/python uses an interpreter that already has the requirements (a GPU box with
 # PyTorch preinstalled); otherwise a virtual environment is made once in .venv.
@@ -48,7 +70,7 @@ help:
 	@echo "Variables: NPROC=$(NPROC) NNODES=$(NNODES) NODE_RANK=$(NODE_RANK)" \
 		"MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT)"
 	@echo "           SIZE=$(SIZE) (tiny|small|medium|large) STEPS=$(STEPS) ARGS='$(ARGS)'" \
-		"PYTHON=$(PY)"
+		"PYTHON=$(PY) LINK=$(LINK) (e.g. 1gbit: a rate-limited loopback)"
 	@echo "Example:   make ddp report NPROC=4 SIZE=medium ARGS='--dtype bf16'"
 
 install: $(INSTALLED)
@@ -72,9 +94,9 @@ $(TECHNIQUES): %: install
 	@mkdir -p outputs/logs; status=0; folder=$(filter %_$@,$(FOLDERS)); \
 	for script in $$(ls $$folder/baseline_*.py) $$(ls $$folder/optimized_*.py); do \
 		log=outputs/logs/$$(basename $$script .py)$(LOG_SUFFIX).log; since=$$(date +%s); \
-		echo "== $$script: $(NNODES) node(s) x $(NPROC) process(es), size $(SIZE) -> $$log"; \
-		$(TORCHRUN) $$script $(SCRIPT_FLAGS) 2>&1 | tee $$log \
-			| { grep --line-buffered -E '^(step |[a-z_]+: |skipped: )'; true; }; \
+		echo "== $$script: $(NNODES) node(s) x $(NPROC) process(es), size $(SIZE)$(if $(LINK),$(comma) link $(LINK)) -> $$log"; \
+		$(SHAPED) $(TORCHRUN) $$script $(SCRIPT_FLAGS) 2>&1 | tee $$log \
+			| { grep --line-buffered -E '^(step |[a-z0-9_]+: |skipped: )'; true; }; \
 		if [ $${PIPESTATUS[0]} -ne 0 ]; then \
 			echo "-- $$log:"; cat $$log; echo "FAILED: $$script (log: $$log)"; status=1; \
 			if [ $(NODE_RANK) -eq 0 ]; then $(PY) common.py mark-failed $$script \

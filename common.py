@@ -17,12 +17,13 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,7 +158,8 @@ def parser(doc: str | None, long_context: bool = False) -> RecipeParser:
 
 
 # ---------------------------------------------------------------------------------------------
-# Topology: torchrun's environment, or a world of one for a plain `python script.py`.
+# Topology: torchrun's environment, SLURM's (`srun python script.py`), or a world of one for a
+# plain `python script.py`.
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Topology:
@@ -184,9 +186,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: `gpu[07-09,12],cpu1` -> `gpu07`."""
+    first = re.split(r",(?![^\[]*\])", nodelist)[0]  # commas inside brackets separate ranges
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], first)
+
+
+def slurm_tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """Tasks on node `node` from SLURM_TASKS_PER_NODE, e.g. `2(x3),1`: 2, 2, 2, then 1."""
+    counts = []
+    for part in tasks_per_node.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    return counts[node]
+
+
+def torchrun_env_from_slurm(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables torchrun would set, from those `srun` sets for each task.
+
+    MASTER_ADDR is the job's first host and MASTER_PORT (unless set) is derived from the job
+    id, so every task of a job agrees without talking, and two jobs on one node do not clash.
+    """
+    node = int(env.get("SLURM_NODEID", "0"))
+    local_world = env.get("SLURM_NTASKS_PER_NODE") or str(
+        slurm_tasks_on_node(env["SLURM_TASKS_PER_NODE"], node))
+    return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"],
+            "LOCAL_RANK": env["SLURM_LOCALID"], "LOCAL_WORLD_SIZE": local_world,
+            "MASTER_ADDR": env.get("MASTER_ADDR") or first_slurm_host(env["SLURM_JOB_NODELIST"]),
+            "MASTER_PORT": env.get("MASTER_PORT")
+            or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)}
+
+
 def setup(args: argparse.Namespace) -> Topology:
     """Join the process group: NCCL and one GPU per local rank with CUDA, else gloo on CPU."""
     _RUN["args"] = args
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # `srun python script.py`
+        os.environ.update(torchrun_env_from_slurm(os.environ))
     if "RANK" not in os.environ:  # plain `python script.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -212,6 +247,11 @@ def setup(args: argparse.Namespace) -> Topology:
 def log(topo: Topology, message: str) -> None:
     if topo.is_main:
         print(message, flush=True)
+
+
+# PyTorch 2.14 names the tensor-to-tensor all-gather `all_gather_single` (the old name now warns);
+# older releases, such as a GPU image's preinstalled torch, have only the old name.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,6 +588,7 @@ def _base_record(args: argparse.Namespace | None, topo: Topology | None, baselin
         "backend": topo.backend if topo else None,
         "device": _device_name(topo.device if topo else None),
         "size": getattr(args, "size", None), "model": getattr(args, "model", None),
+        "link": os.environ.get("PLAYBOOK_LINK") or None,  # set by `make ... LINK=1gbit`
         "torch": torch.__version__,
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
@@ -640,11 +681,11 @@ def load_results(path: Path) -> list[dict]:
 
 def _run_key(rec: dict) -> tuple:
     return (rec.get("folder"), rec.get("size"), rec.get("model"), rec.get("world_size"),
-            rec.get("device"))
+            rec.get("device"), rec.get("link"))
 
 
 def latest_runs(records: list[dict]) -> list[dict]:
-    """The last record of each (folder, script, size, model, world size, device)."""
+    """The last record of each (folder, script, size, model, world size, device, link)."""
     latest = {}
     for rec in records:
         latest[_run_key(rec) + (rec.get("script"),)] = rec
@@ -663,8 +704,10 @@ def max_loss_diff(losses: list[float] | None, baseline_losses: list[float] | Non
 
 
 def _size_label(rec: dict) -> str:
-    model = rec.get("model")
-    return f"{rec.get('size')}" if model in (None, "gpt") else f"{rec.get('size')} {model}"
+    """The size, the model unless it is the GPT, and the link where LINK shaped it."""
+    model, link = rec.get("model"), rec.get("link")
+    return " ".join([str(rec.get("size"))] + ([model] if model not in (None, "gpt") else [])
+                    + ([f"@{link}"] if link else []))
 
 
 # An optimized row is compared with its baseline only if these settings match too.
@@ -690,12 +733,28 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
             tol = rec.get("loss_tolerance")
             verdict = "" if tol is None else (" (ok)" if diff <= tol else f" (> {tol:g})")
             dloss = f"{diff:.2e}{verdict}"
-    theory = "; ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in (rec.get("theory") or {}).items())
+    theory = _theory_cell(rec)
     return [rec["script"], _size_label(rec), rec.get("world_size"), rec.get("device"),
             f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _fmt(throughput, ",.0f"),
             speedup, _fmt(rec.get("peak_mem_mb"), ",.0f"), mem_ratio,
             _fmt(rec.get("state_mb")), _fmt(rec.get("comm_mb"), ",.2f"), dloss, theory, status]
+
+
+def _number(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else f"{value}"
+
+
+def _theory_cell(rec: dict) -> str:
+    """Each predicted figure, with the measured one beside it where the record has it under the
+    same name and the table has no column for it (e.g. compression)."""
+    cells = []
+    for key, predicted in (rec.get("theory") or {}).items():
+        cell = f"{key}={_number(predicted)}"
+        if key not in ("comm_mb", "peak_mem_mb", "state_mb") and \
+                isinstance(rec.get(key), (int, float)):
+            cell += f" (measured {_number(rec[key])})"
+        cells.append(cell)
+    return "; ".join(cells)
 
 
 REPORT_HEADERS = ["script", "size", "world", "device", "step ms (p90)", "tok/s (img/s)",
@@ -714,14 +773,14 @@ def render_report(records: list[dict]) -> str:
     out = ["# Distributed Training Playbook: results", ""]
     for folder in sorted({str(r.get("folder")) for r in runs}):
         rows = sorted((r for r in runs if str(r.get("folder")) == folder),
-                      key=lambda r: (str(r.get("size")), str(r.get("model")),
+                      key=lambda r: (str(r.get("size")), str(r.get("model")), r.get("link") or "",
                                      r.get("world_size") or 0, str(r.get("device")),
                                      (r.get("baseline") or r.get("script") or ""),
                                      r.get("baseline") is not None))
         table = [_report_row(r, by_key.get(_run_key(r) + (r.get("baseline"),)))
                  for r in rows]
         out += [f"## {folder}", "", tabulate(table, REPORT_HEADERS, tablefmt="github"), ""]
-    out += ["speedup = baseline step time / this step time (same size, world and device); "
+    out += ["speedup = baseline step time / this step time (same size, world, device and link); "
             "mem vs base = peak memory ratio; max Δloss = largest per-step loss difference "
             "from the baseline, checked against the script's stated tolerance.", ""]
     return "\n".join(out)

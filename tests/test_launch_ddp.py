@@ -12,29 +12,15 @@ import sys
 import pytest
 
 import common
+from helpers import LAUNCH_TIMEOUT, finish, only_record
+from helpers import TINY as STEPS
+from helpers import torchrun as torchrun_script
 
 DDP = common.ROOT / "01_ddp"
-STEPS = ["--size", "tiny", "--steps", "6", "--warmup", "2", "--timeout", "60"]
-LAUNCH_TIMEOUT = 240  # seconds for one launch, start-up included
 
 
-def torchrun(script, results, *flags, nproc=2, extra_torchrun=("--standalone",)):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           *extra_torchrun, str(DDP / script), *STEPS, "--results", str(results), *flags]
-    return subprocess.Popen(cmd, cwd=common.ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def finish(proc) -> str:
-    out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    assert proc.returncode == 0, out[-3000:]
-    return out
-
-
-def only_record(results):
-    records = common.load_results(results)
-    assert len(records) == 1, records
-    return records[0]
+def torchrun(script, results, *flags, **kwargs):
+    return torchrun_script(DDP / script, results, *flags, **kwargs)
 
 
 @pytest.fixture(scope="module")

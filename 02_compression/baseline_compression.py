@@ -1,0 +1,65 @@
+"""Gradient communication uncompressed: DDP's fp32 bucketed all-reduce, tuned as in 01_ddp.
+
+What it does: DistributedDataParallel packs the gradients into ~25 MB buckets and all-reduces
+each in fp32 (4 bytes a value) as soon as it is complete, with `gradient_as_bucket_view` and
+`static_graph` as in 01_ddp/optimized_ddp.py. Compression is judged against this, a good DDP,
+never against a per-tensor strawman: the optimized scripts keep the same DDP wrapper and swap
+only the communication hook, the function that turns a bucket of local gradients into the
+averaged one.
+Why it is the baseline: it sends every bit. On one node the all-reduce costs little (NVLink,
+or loopback here); across nodes on Ethernet the gradient bytes dominate the step, and that
+is what INT8 (4x fewer bytes) and PowerSGD (~40x fewer at `small`) buy back.
+Run:        torchrun --nproc_per_node=2 02_compression/baseline_compression.py --size small
+            make compression LINK=1gbit     (the same launch over a rate-limited loopback)
+Look for:   comm MB/step, the figure the compressed scripts divide; with LINK=1gbit the step
+            time grows by about the bytes over the link rate, which compression wins back.
+Theory:     a ring all-reduce makes each rank send 2(N-1)/N x 4 bytes x params per step; the
+            communication share of a step grows as tokens per rank per step shrink (compute
+            is ~6 x params x tokens FLOPs, the bytes do not depend on tokens), and as the link
+            slows.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) -> DDP:
+    """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph."""
+    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, static_graph=True)
+
+
+def main():
+    parser = common.parser(__doc__)
+    parser.add_argument("--bucket-mb", type=common.positive_float, default=25.0,
+                        help="gradient bucket size in MiB (DDP's default: 25)")
+    args = parser.parse_args()
+    topo = common.setup(args)
+    model, batches = common.workload(args, topo)
+    model = wrap_ddp(model, topo, args.bucket_mb)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        loss = model(inputs, targets)
+        loss.backward()
+        opt.step()
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo)
+    buckets = common.ddp_bucket_bytes(model)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
+                  comm_mb=common.ring_allreduce_mb(sum(buckets), topo.world_size),
+                  collectives_per_step=len(buckets),
+                  theory={"comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size)})
+
+
+if __name__ == "__main__":
+    common.run_main(main)

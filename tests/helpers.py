@@ -1,0 +1,41 @@
+"""What the launch and unit tests share: torchrun launches, their records, loading a recipe."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import common
+
+TINY = ["--size", "tiny", "--steps", "6", "--warmup", "2", "--timeout", "60"]
+LAUNCH_TIMEOUT = 240  # seconds for one launch, start-up included
+
+
+def torchrun(script: Path, results: Path, *flags: str, nproc: int = 2,
+             extra_torchrun=("--standalone",)) -> subprocess.Popen:
+    """Start `script` at `tiny` under torchrun; `finish` waits for it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           *extra_torchrun, str(script), *TINY, "--results", str(results), *flags]
+    return subprocess.Popen(cmd, cwd=common.ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def only_record(results: Path) -> dict:
+    records = common.load_results(results)
+    assert len(records) == 1, records
+    return records[0]
+
+
+def load_recipe(path: Path) -> ModuleType:
+    """Import a recipe by path (its folder name starts with a digit, so `import` cannot)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
