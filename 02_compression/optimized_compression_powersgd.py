@@ -249,6 +249,7 @@ def main():
                torch_hook_sent_bytes(state, model.module, topo.world_size)) / 2**20
     common.record(args, topo, stats, baseline="baseline_compression", model=model.module,
                   optimizer=opt, comm_mb=comm_mb, impl=args.impl,
+                  collectives_per_step=(2 if args.impl == "hand" else 3) * len(buckets),
                   compression=fp32_mb / comm_mb if comm_mb else None,
                   loss_tolerance=LOSS_TOLERANCE,
                   theory={"comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size)

@@ -146,6 +146,30 @@ def test_long_context_flag_defaults_come_from_the_preset():
     assert (args.seq_len, args.batch_size) == (64, common.SIZES["small"].batch_size)
 
 
+# --- SLURM --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("nodelist, first", [("gpu[07-09,12],cpu1", "gpu07"), ("n1,n2", "n1"),
+                                             ("rack[2-3]-node[010-011]", "rack2-node010"),
+                                             ("localhost", "localhost")])
+def test_first_slurm_host(nodelist, first):
+    assert common.first_slurm_host(nodelist) == first
+
+
+def test_slurm_tasks_per_node_expands_repeats():
+    assert [common.slurm_tasks_on_node("2(x3),1", n) for n in range(4)] == [2, 2, 2, 1]
+    assert common.slurm_tasks_on_node("4", 0) == 4
+
+
+def test_torchrun_env_from_slurm_for_the_second_task_of_the_second_node():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+           "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]",
+           "SLURM_JOB_ID": "123456"}
+    derived = common.torchrun_env_from_slurm(env)
+    assert derived == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                       "MASTER_ADDR": "gpu07", "MASTER_PORT": str(20000 + 123456 % 20000)}
+    assert common.torchrun_env_from_slurm({**env, "SLURM_NTASKS_PER_NODE": "3",
+                                           "MASTER_PORT": "29400"})["MASTER_PORT"] == "29400"
+
+
 # --- report -----------------------------------------------------------------------------------
 def _row(script, baseline=None, status="ok", **fields):
     rec = {"folder": "01_ddp", "script": script, "baseline": baseline, "status": status,
@@ -258,3 +282,14 @@ def test_a_diverged_run_is_an_error_not_a_result(monkeypatch):
             common.timed_steps(lambda x, y: torch.tensor(next(losses)), batches, args, topo)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_report_compares_rows_only_on_the_same_link_and_shows_measured_beside_theory():
+    records = [_row("baseline_ddp"), _row("baseline_ddp", link="1gbit", step_ms=400.0),
+               _row("optimized_ddp", "baseline_ddp", link="1gbit", step_ms=200.0,
+                    compression=3.9, theory={"comm_mb": 0.5, "compression": 3.94})]
+    text = common.render_report(records)
+    optimized = next(line for line in text.splitlines() if "| optimized_ddp " in line)
+    assert "tiny @1gbit" in optimized and "2.00x" in optimized  # 400 ms / 200 ms, not 100 / 200
+    assert "compression=3.94 (measured 3.9)" in optimized
+    assert "comm_mb=0.5;" in optimized  # comm MB has its own column

@@ -1,10 +1,12 @@
-"""The Makefile's contract: help by default, and a failing script fails its target, prints its
-log and still leaves a `failed` row that the report shows."""
+"""The Makefile's contract: help by default, a failing script fails its target, prints its log
+and still leaves a `failed` row that the report shows; LINK really slows the ranks' loopback."""
 
 import shutil
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 import common
 
@@ -101,3 +103,54 @@ def test_two_nodes_through_make(tmp_path):
     assert (tmp_path / "outputs" / "logs" / "baseline_ddp.node1.log").exists()
     (rec,) = common.load_results(tmp_path / "outputs" / "results.jsonl")
     assert (rec["status"], rec["world_size"], rec["nnodes"]) == ("ok", 2, 2)
+
+
+PROBE = '''
+    """Each step all-reduces 4 MiB beside a tiny model; records the qdisc its loopback has."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import common
+
+
+    def main():
+        args = common.parser(__doc__).parse_args()
+        topo = common.setup(args)
+        model, batches = common.workload(args, topo)
+        payload = torch.zeros(2**20)
+
+        def train_step(inputs, targets):
+            dist.all_reduce(payload)
+            return model(inputs, targets)
+
+        stats = common.timed_steps(train_step, batches, args, topo)
+        qdisc = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True,
+                               text=True).stdout
+        common.record(args, topo, stats, baseline=None, model=model, optimizer=None,
+                      comm_mb=common.ring_allreduce_mb(payload.nbytes, topo.world_size),
+                      theory={}, qdisc=qdisc)
+
+
+    if __name__ == "__main__":
+        common.run_main(main)
+'''
+
+
+def test_link_runs_the_launch_behind_a_rate_limited_loopback(tmp_path):
+    if subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode != 0:
+        pytest.skip("LINK needs root (unshare --net), which this machine does not give")
+    project_copy(tmp_path, "09_probe", {"baseline_probe.py": textwrap.dedent(PROBE).lstrip()})
+    run = subprocess.run(["make", "probe", f"PYTHON={sys.executable}", "NPROC=2", "SIZE=tiny",
+                          "STEPS=2", "ARGS=--warmup 1 --timeout 60", "LINK=100mbit"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:]
+    (rec,) = common.load_results(tmp_path / "outputs" / "results.jsonl")
+    assert rec["status"] == "ok" and rec["link"] == "100mbit"
+    assert "tbf" in rec["qdisc"] and "rate 100Mbit" in rec["qdisc"]
+    # each rank sends 4 MiB a step and the shaped loopback carries 12.5 MB/s in all: ~0.7 s
+    assert rec["step_ms"] > 400

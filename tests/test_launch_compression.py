@@ -1,0 +1,133 @@
+"""Launch tests: the 02_compression scripts under torchrun with CPU processes at `tiny`.
+
+Seven launches (10-20 s of start-up each), shared through one module-scoped fixture: each
+script at 2 processes, PyTorch's PowerSGD hook beside the hand-written one, both hooks with
+several buckets at an odd world size, and PyTorch's hook where it cannot run.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import common
+from helpers import LAUNCH_TIMEOUT, TINY, finish, only_record, torchrun
+
+FOLDER = common.ROOT / "02_compression"
+SEVERAL_BUCKETS = ["--bucket-mb", "0.05"]  # tiny's 0.4 MB of gradients in 7 buckets
+RUNS = {  # name: (script, processes, flags)
+    "baseline": ("baseline_compression", 2, []),
+    "int8": ("optimized_compression_int8", 2, []),
+    "powersgd": ("optimized_compression_powersgd", 2, []),
+    "powersgd_torch": ("optimized_compression_powersgd", 2, ["--impl", "torch"]),
+    "int8_3ranks_buckets": ("optimized_compression_int8", 3, SEVERAL_BUCKETS),
+    "powersgd_3ranks_buckets": ("optimized_compression_powersgd", 3, SEVERAL_BUCKETS),
+    "powersgd_torch_buckets": ("optimized_compression_powersgd", 2,
+                               ["--impl", "torch", *SEVERAL_BUCKETS]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for name, (script, nproc, flags) in RUNS.items():
+        results = tmp_path_factory.mktemp(name) / "results.jsonl"
+        finish(torchrun(FOLDER / f"{script}.py", results, *flags, nproc=nproc))
+        out[name] = only_record(results)
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if n != "powersgd_torch_buckets"])
+def test_each_run_records_sane_figures_and_the_bytes_its_theory_predicts(runs, name):
+    rec = runs[name]
+    script, nproc, _ = RUNS[name]
+    assert (rec["status"], rec["script"], rec["folder"]) == ("ok", script, "02_compression")
+    assert (rec["world_size"], rec["backend"], rec["link"]) == (nproc, "gloo", None)
+    assert len(rec["losses"]) == 8 and all(math.isfinite(x) for x in rec["losses"])
+    assert rec["losses"][-1] < rec["losses"][0]
+    assert rec["params"] == common.gpt_param_count(common.SIZES["tiny"], 32)
+    # int8 pads every bucket to whole blocks per rank; PowerSGD and fp32 send exact shapes
+    assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"],
+                                           rel=0.05 if "int8" in name else 1e-3)
+    if "compression" in rec["theory"]:
+        assert rec["compression"] == pytest.approx(rec["theory"]["compression"], rel=0.05)
+
+
+def test_int8_sends_a_quarter_and_trains_like_fp32(runs):
+    base, rec = runs["baseline"], runs["int8"]
+    assert base["comm_mb"] / rec["comm_mb"] >= 3.8
+    assert common.max_loss_diff(rec["losses"], base["losses"]) <= rec["loss_tolerance"]
+
+
+def test_hand_written_powersgd_gives_pytorchs_losses_and_bytes(runs):
+    hand, torch_hook = runs["powersgd"], runs["powersgd_torch"]
+    assert (hand["impl"], torch_hook["impl"]) == ("hand", "torch")
+    assert common.max_loss_diff(hand["losses"], torch_hook["losses"]) <= 1e-5
+    assert hand["comm_mb"] == pytest.approx(torch_hook["comm_mb"], rel=1e-6)
+    assert hand["collectives_per_step"] == 2 and torch_hook["collectives_per_step"] == 3
+
+
+def test_powersgd_sends_far_less_than_int8_and_loses_more(runs):
+    base, int8, powersgd = runs["baseline"], runs["int8"], runs["powersgd"]
+    assert powersgd["comm_mb"] < int8["comm_mb"] < base["comm_mb"]
+    assert common.max_loss_diff(powersgd["losses"], base["losses"]) > \
+        common.max_loss_diff(int8["losses"], base["losses"])
+
+
+@pytest.mark.parametrize("name", ["int8_3ranks_buckets", "powersgd_3ranks_buckets"])
+def test_hand_written_hooks_run_several_buckets_on_gloo_at_an_odd_world_size(runs, name):
+    rec = runs[name]
+    assert rec["collectives_per_step"] == 2 * 7
+
+
+def test_pytorchs_hook_with_several_buckets_on_gloo_is_skipped_with_the_reason(runs):
+    rec = runs["powersgd_torch_buckets"]
+    assert rec["status"] == "skipped" and "several buckets" in rec["reason"]
+    assert "--bucket-mb" in rec["reason"]
+
+
+def test_srun_without_torchrun_builds_the_same_two_rank_world(runs, tmp_path):
+    """Two plain `python` tasks with the variables srun sets: the same run as torchrun's."""
+    results = tmp_path / "results.jsonl"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                       "LOCAL_WORLD_SIZE", "MASTER_ADDR")}
+    env.update(SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2", SLURM_NODEID="0",
+               SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(common.free_port()),
+               OMP_NUM_THREADS="1")
+    tasks = [subprocess.Popen([sys.executable, str(FOLDER / "baseline_compression.py"), *TINY,
+                               "--results", str(results)], cwd=common.ROOT,
+                              env={**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    for task in tasks:
+        finish(task)
+    rec = only_record(results)
+    assert (rec["status"], rec["world_size"], rec["nnodes"]) == ("ok", 2, 1)
+    assert rec["losses"] == runs["baseline"]["losses"]
+
+
+@pytest.mark.parametrize("script, flags, hint", [
+    ("optimized_compression_powersgd", ["--rank", "0"], "--rank"),
+    ("optimized_compression_powersgd", ["--start-iter", "1"], "--start-iter"),
+    ("optimized_compression_int8", ["--start-iter", "4", "--warmup", "3"], "--start-iter"),
+    ("optimized_compression_int8", ["--block", "3"], "--block"),
+])
+def test_bad_input_exits_2_with_one_line(script, flags, hint, tmp_path):
+    run = subprocess.run([sys.executable, str(FOLDER / f"{script}.py"), *flags,
+                          "--results", str(tmp_path / "r.jsonl")],
+                         cwd=common.ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and hint in lines[0], run.stderr
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_a_rate_tc_does_not_accept_is_one_line(tmp_path):
+    run = subprocess.run(["make", "compression", "LINK=fast", f"PYTHON={sys.executable}"],
+                         cwd=common.ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert run.returncode != 0
+    lines = (run.stdout + run.stderr).strip().splitlines()
+    assert len(lines) == 1 and "LINK=fast" in lines[0], lines
