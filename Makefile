@@ -89,7 +89,7 @@ all: $(TECHNIQUES)
 # One folder: every baseline, then every optimized script, each under torchrun. A failing
 # script prints its whole log, is recorded as failed, and fails the target after the others ran.
 # Only node 0 holds rank 0, which prints and records; other nodes keep their own logs.
-LOG_SUFFIX := $(if $(filter-out 1,$(NNODES)),.node$(NODE_RANK))
+LOG_SUFFIX := $(if $(filter-out 1,$(NNODES)),.node$(NODE_RANK))$(if $(LINK),.$(LINK))
 $(TECHNIQUES): %: install
 	@mkdir -p outputs/logs; status=0; folder=$(filter %_$@,$(FOLDERS)); \
 	for script in $$(ls $$folder/baseline_*.py) $$(ls $$folder/optimized_*.py); do \

@@ -41,12 +41,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
-LOSS_TOLERANCE = 0.05
+# Per step, against the fp32 baseline: int8 rounding under error feedback moves the losses by
+# about 1e-4 here; 0.01 (a quarter of 1% of a loss near 4) leaves room for other seeds and sizes.
+LOSS_TOLERANCE = 0.01
 
 
 def quantize(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8, one fp32 scale per row of `blocks`: x ~ q * scale, |x - q * scale| <=
     scale / 2. The largest magnitude maps to 127, so no value needs clamping."""
+    # max(max, -min) is the largest |x| without an |x| temporary the size of the bucket
     absmax = torch.maximum(blocks.amax(dim=1, keepdim=True), -blocks.amin(dim=1, keepdim=True))
     q = (blocks * (127 / absmax.clamp_min(1e-30))).round_().to(torch.int8)
     return q, absmax / 127
@@ -73,7 +76,7 @@ class Int8State:
     block: int
     start_iter: int  # plain fp32 steps first, while DDP settles its buckets
     step: int = 0
-    sent_bytes: int = 0  # to peers, this step: payload and scales
+    sent_bytes: float = 0  # to peers, this step: payload and scales
     sender_residual: dict = field(default_factory=dict)  # bucket -> what our quantization dropped
     owner_residual: dict = field(default_factory=dict)  # bucket -> what re-quantizing dropped
 

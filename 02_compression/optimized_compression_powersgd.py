@@ -13,21 +13,26 @@ fp32 all-reduces, as the paper and PyTorch do (and DDP rebuilds its buckets mean
 Error feedback: each rank keeps M - P Q^T of its compensated gradient and adds it to the next
 step's gradient before compressing, so what the approximation dropped is delayed, never lost.
 The algorithm is linear in M up to each all-reduce, so only the sum of the ranks' residuals
-matters: Vogels et al. keep M - P Q_local^T (before Q's all-reduce), PyTorch and this recipe
-M - P Q^T (after it, one subtraction less); the sums are equal.
+matters: Vogels et al. keep M - P Q_local^T (before Q's all-reduce), this recipe and PyTorch
+M - P Q^T (after it, one matmul less); the sums are equal.
 Collective order: PyTorch's `powerSGD_hook` issues the P and Q all-reduces from future
 callbacks, which run when the previous collective of that bucket completes; with several
 buckets two ranks can then issue bucket 1's first all-reduce and bucket 0's second in opposite
-orders, which gloo reports as "Received data size doesn't match expected size". Here every
-collective is issued from the hook on the autograd thread, in bucket order (DDP calls hooks in
-bucket order on every rank), and the completion callback only computes: the order is the same
-on every rank, on gloo and on NCCL.
+orders, and gloo fails ("Received data size doesn't match expected size", or a hang until the
+timeout). Here every collective is issued from the hook on the autograd thread, in bucket
+order (DDP calls hooks in bucket order on every rank), and the completion callback only
+computes: the order is the same on every rank, on gloo and on NCCL.
 Run:        torchrun --nproc_per_node=2 02_compression/optimized_compression_powersgd.py
             --impl torch runs PyTorch's powerSGD_hook with the same settings, for comparison
-Look for:   comm MB/step about 40x below baseline_compression at `small` and rank 4, the
-            losses within the stated tolerance, and at LINK=1gbit the speedup it buys.
+Look for:   comm MB/step about 40x below baseline_compression at `small` and rank 4, and at
+            LINK=1gbit the speedup it buys; the max loss difference against its tolerance.
 Theory:     theory.compression = (sum of n*m + uncompressed) / (sum of r(n+m) + uncompressed),
             from the parameter shapes; each rank sends 2(N-1)/N x 4 bytes x that denominator.
+            Accuracy depends on how much of each gradient lies in its top r directions. This
+            workload's tokens follow a random permutation of the vocabulary, learned in the
+            tied embedding/head, whose gradient is far from low rank (about a third of its
+            energy in the top 4 directions after 12 steps), so rank 4 learns it more slowly
+            than fp32 and misses its tolerance here; a higher --rank closes the gap (README).
 """
 
 import math
@@ -44,6 +49,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
+# Per step, against the fp32 baseline: 5% of the final loss at `small`. Rank 4 does not hold it
+# on this workload (see "Theory" above and the README); a higher --rank does.
 LOSS_TOLERANCE = 0.2
 MIN_COMPRESSION_RATE = 2  # compress n x m only if r(n+m) is under half of n*m (PyTorch's default)
 
@@ -103,12 +110,12 @@ def powersgd_allreduce(state: PowerSGDState, bucket: int, grad: torch.Tensor,
     first = torch.cat([t.flatten() for t in plain + ps])  # uncompressed tensors ride along
     dist.all_reduce(first)
     state.sent_bytes += 2 * (N - 1) / N * first.nbytes
-    plain_sums, p_sums = first.split([sum(t.numel() for t in plain), first.numel()
-                                      - sum(t.numel() for t in plain)])
+    plain_numel = sum(t.numel() for t in plain)
+    plain_sums, p_sums = first.split([plain_numel, first.numel() - plain_numel])
     for t, total in zip(plain, plain_sums.split([t.numel() for t in plain]), strict=True):
         t.copy_(total.view_as(t)).div_(N)
-    ps = [torch.linalg.qr(p.view_as(p0)).Q for p, p0 in
-          zip(p_sums.split([p.numel() for p in ps]), ps, strict=True)]
+    ps = [torch.linalg.qr(total.view_as(p)).Q  # an orthonormal basis of the summed P
+          for total, p in zip(p_sums.split([p.numel() for p in ps]), ps, strict=True)]
 
     second = torch.cat([(m.T @ p).flatten() for m, p in zip(matrices, ps, strict=True)])
     work = dist.all_reduce(second, async_op=True)

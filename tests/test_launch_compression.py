@@ -125,8 +125,9 @@ def test_bad_input_exits_2_with_one_line(script, flags, hint, tmp_path):
     assert not (tmp_path / "r.jsonl").exists()
 
 
-def test_a_rate_tc_does_not_accept_is_one_line(tmp_path):
-    run = subprocess.run(["make", "compression", "LINK=fast", f"PYTHON={sys.executable}"],
+def test_a_rate_tc_does_not_accept_is_one_line():
+    run = subprocess.run(["make", "--no-print-directory", "compression", "LINK=fast",
+                          f"PYTHON={sys.executable}"],
                          cwd=common.ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert run.returncode != 0
     lines = (run.stdout + run.stderr).strip().splitlines()
