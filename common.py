@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import gc
 import json
 import math
 import os
@@ -98,8 +99,9 @@ class RecipeParser(argparse.ArgumentParser):
                        "batch)")
         if ns.dtype is None:
             ns.dtype = "bf16" if torch.cuda.is_available() else "fp32"
-        if ns.trace and ns.warmup < 1:
-            self.error("--trace profiles warm-up steps, and there are none: add --warmup 2")
+        if ns.trace and ns.warmup < 3:
+            self.error("--trace profiles the two warm-up steps before the last (which measures "
+                       "memory): use --warmup 3 or more")
         return ns
 
 
@@ -152,8 +154,8 @@ def parser(doc: str | None, long_context: bool = False) -> RecipeParser:
     p.add_argument("--timeout", type=int_at_least(1), default=300,
                    help="seconds a collective may wait for a peer before the run fails")
     p.add_argument("--trace", action="store_true",
-                   help="profile the last two warm-up steps (untimed) into a Chrome/Perfetto "
-                        "trace per rank, in the results file's traces/ folder")
+                   help="profile two warm-up steps (untimed; the two before the last) into a "
+                        "Chrome/Perfetto trace per rank, in the results file's traces/ folder")
     return p
 
 
@@ -434,6 +436,7 @@ class Stats:
     startup_s: float  # `import common` (torch already imported) to the first timed step
     warmup_s: float
     losses: list[float]
+    memory: dict[str, float] | None = None  # peak live tensor MB and its split (CPU)
 
 
 def summarize_times(seconds: Sequence[float]) -> tuple[float, float]:
@@ -455,6 +458,50 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+MEMORY_KINDS = {"params": ("Parameter", "Buffer"), "grads": ("Gradient",),
+                "optim": ("Optstate",), "activations": ("Activation",),
+                "other": ("Temp", "Other")}
+
+
+def peak_tensor_memory(step: Callable[[], object], tracked: Sequence, device: torch.device
+                       ) -> tuple[object, dict[str, float]]:
+    """Run `step` once; return its result and the peak of live tensor bytes during it, in MB.
+
+    Counted from the tensors by PyTorch's MemTracker (a dispatch mode: every op's outputs, and
+    storages as FSDP resizes them), so neither PyTorch's own memory nor the allocator's caching
+    is in it. What lives before the step counts from its start: the modules and optimizers in
+    `tracked` by kind, every other live tensor (hook state, DDP's buckets) as `other`. Ops run
+    on another thread (a communication hook's completion callback) are not seen. The result has
+    the total and its split at the peak: params, grads, optim, activations, other.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepTracker(MemTracker):
+        """MemTracker refuses a root module called twice (it keeps per-module stats, which are
+        not used here): start them afresh at each micro-batch of gradient accumulation."""
+
+        def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
+            name = self._mod_tracker.get_known_fqn(module)
+            if module in self.memory_tracking and not self._mod_tracker.is_bw and \
+                    set(self._mod_tracker.parents) - {name} == {"Global"}:
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+    tracker = StepTracker()
+    # Every live tensor as `other` first (type(), not isinstance(): that reads __class__, which
+    # some deprecated torch objects answer with a warning); tracking `tracked` after relabels
+    # theirs by kind.
+    tracker.track_external(*[o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)])
+    tracker.track_external(*tracked)
+    with tracker:
+        result = step()
+    peak = {str(getattr(k, "value", k)): v
+            for k, v in tracker.get_tracker_snapshot("peak").get(device, {}).items()}
+    split = {kind: sum(peak.get(name, 0) for name in names) / 2**20
+             for kind, names in MEMORY_KINDS.items()}
+    return result, {"total": peak.get("Total", 0) / 2**20, **split}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -502,23 +549,30 @@ def ddp_bucket_bytes(model: nn.Module) -> list[int]:
 
 def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                 batches: list[tuple[torch.Tensor, torch.Tensor]], args: argparse.Namespace,
-                topo: Topology) -> Stats:
+                topo: Topology, memory_of: Sequence = ()) -> Stats:
     """Run every batch through `train_step`; time the steps after the warm-up.
 
     Each step is bracketed by device synchronisation, so the time is the whole step. The loss
-    of each step is averaged over ranks once at the end, outside the clock.
+    of each step is averaged over ranks once at the end, outside the clock. On CPU the last
+    warm-up step (optimizer state exists, nothing is timed or traced) is run under
+    `peak_tensor_memory`, with the model and optimizer given as `memory_of` counted by kind.
     """
     n = len(batches)
     every = args.log_every or max(1, n // 10)
-    times, losses = [], []
-    traced = range(max(0, args.warmup - 2), args.warmup) if args.trace else range(0)
+    times, losses, memory = [], [], None
+    traced = range(max(0, args.warmup - 3), args.warmup - 1) if args.trace else range(0)
+    measured = args.warmup - 1 if topo.device.type == "cpu" and memory_of else None
     for i, (inputs, targets) in enumerate(batches):
         if traced and i == traced.start:
             profiler = torch.profiler.profile(activities=_profiler_activities(topo.device))
             profiler.start()
         _sync(topo.device)
         start = time.perf_counter()
-        loss = train_step(inputs, targets)
+        if i == measured:
+            loss, memory = peak_tensor_memory(functools.partial(train_step, inputs, targets),
+                                              memory_of, topo.device)
+        else:
+            loss = train_step(inputs, targets)
         _sync(topo.device)
         elapsed = time.perf_counter() - start
         if traced and i == traced[-1]:
@@ -542,7 +596,7 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         raise FloatingPointError(f"the loss is not finite from step {diverged[0]} on: "
                                  f"lower --lr or use --dtype fp32")
     step_ms, p90 = summarize_times(times[args.warmup:])
-    return Stats(step_ms, p90, startup_s, sum(times[:args.warmup]), mean_losses)
+    return Stats(step_ms, p90, startup_s, sum(times[:args.warmup]), mean_losses, memory)
 
 
 def _profiler_activities(device: torch.device) -> list:
@@ -558,7 +612,7 @@ def _export_trace(profiler: torch.profiler.profile, args: argparse.Namespace,
     path = args.results.parent / "traces" / f"{folder}_{script}_rank{topo.rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     profiler.export_chrome_trace(str(path))
-    log(topo, f"trace of warm-up steps {args.warmup - 1}-{args.warmup} written to {path} "
+    log(topo, f"trace of warm-up steps {args.warmup - 2}-{args.warmup - 1} written to {path} "
               f"(one file per rank; open in https://ui.perfetto.dev)")
 
 
@@ -606,15 +660,18 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
            theory: dict, loss_tolerance: float | None = None, **extra) -> dict:
     """Append this run's result (rank 0) and print its one-line summary."""
     items = items_per_step(args, topo.world_size)
-    peak = torch.tensor(peak_memory_mb(topo.device), device=topo.device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the report shows the busiest rank
+    # The report shows the busiest rank: on CPU the one with the most live tensor bytes.
+    ranks = [None] * topo.world_size
+    dist.all_gather_object(ranks, (peak_memory_mb(topo.device), stats.memory))
+    allocator_peak = max(peak for peak, _ in ranks)
+    memory = max((m for _, m in ranks if m), key=lambda m: m["total"], default=None)
     rec = _base_record(args, topo, baseline, "ok", None)
     rec.update({
         "params": sum(p.numel() for p in model.parameters()),  # a tied weight counts once
         "step_ms": round(stats.step_ms, 3), "step_ms_p90": round(stats.step_ms_p90, 3),
         ("tokens_per_s" if args.model == "gpt" else "samples_per_s"):
             round(items / (stats.step_ms / 1e3), 1),
-        "peak_mem_mb": round(peak.item(), 1),
+        "peak_mem_mb": round(memory["total"] if memory else allocator_peak, 1),
         "state_mb": round(state_mb(model, optimizer), 2),
         "comm_mb": None if comm_mb is None else round(comm_mb, 3),
         "losses": [round(x, 6) for x in stats.losses],
@@ -627,6 +684,10 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     })
     if topo.device.type == "cuda":
         rec["reserved_mb"] = round(torch.cuda.max_memory_reserved(topo.device) / 2**20, 1)
+    else:
+        rec["peak_rss_mb"] = round(allocator_peak, 1)
+    if memory:
+        rec["memory"] = {k: round(v, 2) for k, v in memory.items() if k != "total"}
     rec.update(extra)
     if topo.is_main:
         _append(args.results, rec)

@@ -64,7 +64,7 @@ def main():
         opt.step()
         return loss
 
-    stats = common.timed_steps(train_step, batches, args, topo)
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     common.record(args, topo, stats, baseline=None, model=model, optimizer=opt,
                   comm_mb=common.ring_allreduce_mb(sent["bytes"], topo.world_size),

@@ -73,7 +73,7 @@ def main():
         opt.step()
         return loss
 
-    stats = common.timed_steps(train_step, batches, args, topo)
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     size = common.SIZES[args.size]
     buckets = common.ddp_bucket_bytes(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -171,7 +171,7 @@ def main():
         opt.step()
         return loss
 
-    stats = common.timed_steps(train_step, batches, args, topo)
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     buckets = common.ddp_bucket_bytes(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     fp32_mb = common.ring_allreduce_mb(sum(buckets), topo.world_size)

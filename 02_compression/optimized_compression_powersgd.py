@@ -247,7 +247,7 @@ def main():
         opt.step()
         return loss
 
-    stats = common.timed_steps(train_step, batches, args, topo)
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     buckets = common.ddp_bucket_bytes(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     compression = compression_theory(model.module, args.rank)

@@ -120,6 +120,28 @@ def test_tensor_mb_counts_a_tensor_reached_twice_once_but_distinct_views_apart()
     assert common.tensor_mb([w, torch.zeros(256, 1024)]) == pytest.approx(2.0)
 
 
+def test_peak_tensor_memory_holds_a_known_allocation_pattern_within_5_percent():
+    model = torch.nn.Linear(512, 512, bias=False)  # 1 MiB of parameters
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 512)).sum().backward()  # 1 MiB of gradients
+    opt.step()  # 2 MiB of Adam moments
+    held = torch.zeros(2**20)  # 4 MiB alive before the step, outside the model: "other"
+
+    def step():
+        first = torch.ones(2**21)  # 8 MiB
+        second = first * 2  # 8 MiB more while the first lives: the step's peak
+        del first, second
+        return torch.zeros(())
+
+    _, memory = common.peak_tensor_memory(step, (model, opt), torch.device("cpu"))
+    assert memory["total"] == pytest.approx(1 + 1 + 2 + 4 + 16, rel=0.05)
+    assert (memory["params"], memory["grads"]) == (pytest.approx(1), pytest.approx(1))
+    assert memory["optim"] == pytest.approx(2, rel=0.01)
+    assert memory["activations"] == pytest.approx(16)
+    assert memory["other"] == pytest.approx(4, rel=0.05)
+    del held
+
+
 def test_ring_allreduce_bytes():
     assert common.ring_allreduce_mb(2**20, 1) == 0
     assert common.ring_allreduce_mb(2**20, 2) == pytest.approx(1.0)

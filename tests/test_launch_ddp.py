@@ -43,7 +43,11 @@ def test_each_script_records_a_sane_two_rank_run(runs, script):
                                                                                 "cpu")
     assert len(rec["losses"]) == 8 and all(math.isfinite(x) for x in rec["losses"])
     assert 0 < rec["step_ms"] <= rec["step_ms_p90"]
-    assert rec["tokens_per_s"] > 0 and rec["peak_mem_mb"] > 0
+    assert rec["tokens_per_s"] > 0
+    # peak live tensor bytes in the last warm-up step, split by kind; RSS (PyTorch too) beside
+    assert rec["memory"]["params"] == pytest.approx(rec["params"] * 4 / 2**20, rel=0.01)
+    assert rec["peak_mem_mb"] == pytest.approx(sum(rec["memory"].values()), abs=0.1)
+    assert rec["peak_rss_mb"] > rec["peak_mem_mb"]
     seq_len = common.SIZES["tiny"].long_seq_len if "flash" in script else 32
     assert rec["params"] == common.gpt_param_count(common.SIZES["tiny"], seq_len)
     # AdamW after a step: params, grads and two moments, all fp32
@@ -93,6 +97,7 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
     its --trace shows the baseline's one all-reduce per gradient tensor."""
     results = tmp_path / "results.jsonl"
     run = subprocess.run([sys.executable, str(DDP / "baseline_ddp.py"), *STEPS, "--trace",
+                          "--warmup", "3", "--steps", "5",  # the same 8 batches, 3 untimed
                           "--batch-size", str(2 * common.SIZES["tiny"].batch_size),
                           "--results", str(results)],
                          cwd=common.ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
