@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "outputs" / "results.jsonl"
@@ -102,6 +103,12 @@ class RecipeParser(argparse.ArgumentParser):
         if ns.trace and ns.warmup < 3:
             self.error("--trace profiles the two warm-up steps before the last (which measures "
                        "memory): use --warmup 3 or more")
+        # The script's own flags that differ from their defaults name the run's variant: the
+        # report shows `optimized_fsdp --wrap root` as a row of its own.
+        ns.variant = " ".join(
+            f"--{a.dest.replace('_', '-')}" + ("" if v is True else f" {v}")
+            for a in self._actions[self.shared_flags:] if a.dest != "help"
+            for v in [getattr(ns, a.dest)] if v != a.default) or None
         return ns
 
 
@@ -156,6 +163,7 @@ def parser(doc: str | None, long_context: bool = False) -> RecipeParser:
     p.add_argument("--trace", action="store_true",
                    help="profile two warm-up steps (untimed; the two before the last) into a "
                         "Chrome/Perfetto trace per rank, in the results file's traces/ folder")
+    p.shared_flags = len(p._actions)
     return p
 
 
@@ -254,6 +262,36 @@ def log(topo: Topology, message: str) -> None:
 # PyTorch 2.14 names the tensor-to-tensor all-gather `all_gather_single` (the old name now warns);
 # older releases, such as a GPU image's preinstalled torch, have only the old name.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# c10d op: (argument holding the tensor(s) sent, argument holding the group, bytes a rank of a
+# group of N sends per byte of that tensor, as ring algorithms move them)
+_SENT_PER_BYTE = {
+    "allreduce_": (0, 1, lambda n: 2 * (n - 1) / n),
+    "_allgather_base_": (1, 2, lambda n: n - 1),
+    "_reduce_scatter_base_": (1, 2, lambda n: (n - 1) / n),
+    "alltoall_base_": (1, 2, lambda n: (n - 1) / n),
+    "send": (0, 1, lambda n: 1),
+}
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Counts the bytes this rank sends in the collectives issued in its context (on this
+    thread), from the tensors handed to them: all-reduce 2(N-1)/N x the tensor, all-gather
+    (N-1) x the input, reduce-scatter and all-to-all (N-1)/N x the input, send the tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.removeprefix("c10d::")
+        if func.namespace == "c10d" and name in _SENT_PER_BYTE:
+            sent, group, per_byte = _SENT_PER_BYTE[name]
+            tensors = args[sent] if isinstance(args[sent], list) else [args[sent]]
+            n = dist.ProcessGroup.unbox(args[group]).size()
+            self.bytes += per_byte(n) * sum(t.numel() * t.element_size() for t in tensors)
+        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,6 +475,7 @@ class Stats:
     warmup_s: float
     losses: list[float]
     memory: dict[str, float] | None = None  # peak live tensor MB and its split (CPU)
+    comm_mb: float | None = None  # sent by this rank in the last warm-up step, counted
 
 
 def summarize_times(seconds: Sequence[float]) -> tuple[float, float]:
@@ -553,24 +592,29 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """Run every batch through `train_step`; time the steps after the warm-up.
 
     Each step is bracketed by device synchronisation, so the time is the whole step. The loss
-    of each step is averaged over ranks once at the end, outside the clock. On CPU the last
-    warm-up step (optimizer state exists, nothing is timed or traced) is run under
-    `peak_tensor_memory`, with the model and optimizer given as `memory_of` counted by kind.
+    of each step is averaged over ranks once at the end, outside the clock. The last warm-up
+    step (optimizer state exists, nothing is timed or traced) counts the bytes this rank sends
+    (`CollectiveBytes`) and, on CPU, runs under `peak_tensor_memory` with the model and
+    optimizer given as `memory_of` counted by kind.
     """
     n = len(batches)
     every = args.log_every or max(1, n // 10)
-    times, losses, memory = [], [], None
+    times, losses, memory, comm_mb = [], [], None, None
     traced = range(max(0, args.warmup - 3), args.warmup - 1) if args.trace else range(0)
-    measured = args.warmup - 1 if topo.device.type == "cpu" and memory_of else None
     for i, (inputs, targets) in enumerate(batches):
         if traced and i == traced.start:
             profiler = torch.profiler.profile(activities=_profiler_activities(topo.device))
             profiler.start()
         _sync(topo.device)
         start = time.perf_counter()
-        if i == measured:
-            loss, memory = peak_tensor_memory(functools.partial(train_step, inputs, targets),
-                                              memory_of, topo.device)
+        if i == args.warmup - 1:  # the last untimed step: count bytes sent and memory
+            with CollectiveBytes() as sent:
+                if topo.device.type == "cpu" and memory_of:
+                    loss, memory = peak_tensor_memory(
+                        functools.partial(train_step, inputs, targets), memory_of, topo.device)
+                else:
+                    loss = train_step(inputs, targets)
+            comm_mb = sent.bytes / 2**20
         else:
             loss = train_step(inputs, targets)
         _sync(topo.device)
@@ -596,7 +640,8 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         raise FloatingPointError(f"the loss is not finite from step {diverged[0]} on: "
                                  f"lower --lr or use --dtype fp32")
     step_ms, p90 = summarize_times(times[args.warmup:])
-    return Stats(step_ms, p90, startup_s, sum(times[:args.warmup]), mean_losses, memory)
+    return Stats(step_ms, p90, startup_s, sum(times[:args.warmup]), mean_losses, memory,
+                 comm_mb)
 
 
 def _profiler_activities(device: torch.device) -> list:
@@ -642,6 +687,7 @@ def _base_record(args: argparse.Namespace | None, topo: Topology | None, baselin
         "backend": topo.backend if topo else None,
         "device": _device_name(topo.device if topo else None),
         "size": getattr(args, "size", None), "model": getattr(args, "model", None),
+        "variant": getattr(args, "variant", None),
         "link": os.environ.get("PLAYBOOK_LINK") or None,  # set by `make ... LINK=1gbit`
         "torch": torch.__version__,
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -745,11 +791,16 @@ def _run_key(rec: dict) -> tuple:
             rec.get("device"), rec.get("link"))
 
 
+def _script_label(rec: dict) -> str:
+    """The script, and its flags where they differ from the defaults."""
+    return " ".join(filter(None, [rec.get("script"), rec.get("variant")]))
+
+
 def latest_runs(records: list[dict]) -> list[dict]:
-    """The last record of each (folder, script, size, model, world size, device, link)."""
+    """The last record of each (folder, script and variant, size, model, world, device, link)."""
     latest = {}
     for rec in records:
-        latest[_run_key(rec) + (rec.get("script"),)] = rec
+        latest[_run_key(rec) + (_script_label(rec),)] = rec
     return list(latest.values())
 
 
@@ -778,7 +829,7 @@ COMPARED = ("dtype", "batch_size", "seq_len", "steps", "warmup", "seed", "lr", "
 def _report_row(rec: dict, base: dict | None) -> list[str]:
     status = rec.get("status", "?")
     if status != "ok":
-        return [rec.get("script"), _size_label(rec), rec.get("world_size"), rec.get("device"),
+        return [_script_label(rec), _size_label(rec), rec.get("world_size"), rec.get("device"),
                 *[""] * 9, f"{status}: {rec.get('reason') or ''}"]
     throughput = rec.get("tokens_per_s") or rec.get("samples_per_s")
     speedup = mem_ratio = dloss = ""
@@ -795,7 +846,7 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
             verdict = "" if tol is None else (" (ok)" if diff <= tol else f" (> {tol:g})")
             dloss = f"{diff:.2e}{verdict}"
     theory = _theory_cell(rec)
-    return [rec["script"], _size_label(rec), rec.get("world_size"), rec.get("device"),
+    return [_script_label(rec), _size_label(rec), rec.get("world_size"), rec.get("device"),
             f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _fmt(throughput, ",.0f"),
             speedup, _fmt(rec.get("peak_mem_mb"), ",.0f"), mem_ratio,
             _fmt(rec.get("state_mb")), _fmt(rec.get("comm_mb"), ",.2f"), dloss, theory, status]
@@ -830,14 +881,14 @@ def render_report(records: list[dict]) -> str:
     runs = latest_runs(records)
     if not runs:
         return "No results yet: run `make all` (or `make ddp`) first.\n"
-    by_key = {_run_key(r) + (r.get("script"),): r for r in runs}
+    by_key = {_run_key(r) + (_script_label(r),): r for r in runs}
     out = ["# Distributed Training Playbook: results", ""]
     for folder in sorted({str(r.get("folder")) for r in runs}):
         rows = sorted((r for r in runs if str(r.get("folder")) == folder),
                       key=lambda r: (str(r.get("size")), str(r.get("model")), r.get("link") or "",
                                      r.get("world_size") or 0, str(r.get("device")),
                                      (r.get("baseline") or r.get("script") or ""),
-                                     r.get("baseline") is not None))
+                                     r.get("baseline") is not None, r.get("variant") or ""))
         table = [_report_row(r, by_key.get(_run_key(r) + (r.get("baseline"),)))
                  for r in rows]
         out += [f"## {folder}", "", tabulate(table, REPORT_HEADERS, tablefmt="github"), ""]

@@ -1,0 +1,59 @@
+"""Every rank holds everything: DDP with AdamW, the replicated reference FSDP is measured against.
+
+What it does: DistributedDataParallel as tuned in 01_ddp/optimized_ddp.py (25 MB buckets,
+`gradient_as_bucket_view`, `static_graph`): each rank keeps the whole model, its whole
+gradient (as views into DDP's buckets, so there is no second copy and the tensor count sees
+the real gradient memory) and the whole AdamW state, and all-reduces the gradients each step.
+Why it is the baseline: it is the fastest way to train a model that fits on every rank, and
+its memory is what FSDP divides: in fp32 every rank holds 16 bytes per parameter (4 weight,
+4 gradient, 8 for Adam's two moments), whatever the world size.
+Run:        torchrun --nproc_per_node=2 03_fsdp/baseline_fsdp.py --size small
+Look for:   state MB = theory.state_mb (16 x params), and the peak tensor memory and tokens/s
+            that optimized_fsdp.py is compared with in `make fsdp report`.
+Theory:     state 16 x params bytes per rank; each rank sends 2(N-1)/N x 4 x params bytes a
+            step (ring all-reduce).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) -> DDP:
+    """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph."""
+    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, static_graph=True)
+
+
+def main():
+    parser = common.parser(__doc__)
+    parser.add_argument("--bucket-mb", type=common.positive_float, default=25.0,
+                        help="gradient bucket size in MiB (DDP's default: 25)")
+    args = parser.parse_args()
+    topo = common.setup(args)
+    model, batches = common.workload(args, topo)
+    model = wrap_ddp(model, topo, args.bucket_mb)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        loss = model(inputs, targets)
+        loss.backward()
+        opt.step()
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
+    params = sum(p.numel() for p in model.parameters())
+    common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
+                  comm_mb=stats.comm_mb, strategy="ddp",
+                  theory={"state_mb": 16 * params / 2**20,
+                          "comm_mb": common.ring_allreduce_mb(4 * params, topo.world_size)})
+
+
+if __name__ == "__main__":
+    common.run_main(main)

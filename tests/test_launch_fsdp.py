@@ -1,0 +1,90 @@
+"""Launch tests: 03_fsdp under torchrun with CPU processes at `tiny`.
+
+Six launches shared through one module-scoped fixture: DDP, FSDP in each strategy and wrap,
+hybrid sharding at 4 ranks and a ResNet, the last two validated step by step against a DDP
+replica in the same process.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import common
+from helpers import finish, only_record, torchrun
+
+FOLDER = common.ROOT / "03_fsdp"
+RUNS = {  # name: (script, processes, flags)
+    "ddp": ("baseline_fsdp", 2, []),
+    "full_shard": ("optimized_fsdp", 2, []),
+    "shard_grad_op": ("optimized_fsdp", 2, ["--reshard-after-forward", "false"]),
+    "root": ("optimized_fsdp", 2, ["--wrap", "root"]),
+    "hybrid": ("optimized_fsdp", 4, ["--hsdp", "2", "--validate"]),
+    "resnet": ("optimized_fsdp", 2, ["--model", "resnet", "--validate"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for name, (script, nproc, flags) in RUNS.items():
+        results = tmp_path_factory.mktemp(name) / "results.jsonl"
+        console = finish(torchrun(FOLDER / f"{script}.py", results, *flags, nproc=nproc))
+        out[name] = (only_record(results), console)
+    return out
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_each_run_records_state_and_bytes_as_its_theory_predicts(runs, name):
+    rec, _ = runs[name]
+    assert rec["status"] == "ok" and rec["world_size"] == RUNS[name][1]
+    assert len(rec["losses"]) == 8 and all(math.isfinite(x) for x in rec["losses"])
+    # exact: counted from the tensors and from what was handed to the collectives
+    assert rec["state_mb"] == pytest.approx(rec["theory"]["state_mb"], rel=0.01)
+    if name not in ("hybrid", "resnet"):  # the validated runs also send the DDP replica's bytes
+        assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], rel=1e-3)
+    assert rec["peak_mem_mb"] > rec["state_mb"]
+
+
+@pytest.mark.parametrize("name", ["full_shard", "shard_grad_op", "root"])
+def test_fsdp_trains_like_ddp_to_float_rounding(runs, name):
+    ddp, fsdp = runs["ddp"][0], runs[name][0]
+    assert max(abs(a - b) / b for a, b in zip(fsdp["losses"], ddp["losses"], strict=True)) <= 1e-5
+    assert fsdp["state_mb"] == pytest.approx(ddp["state_mb"] / 2, rel=0.01)  # 16/N bytes
+
+
+def test_strategies_trade_bytes_for_memory(runs):
+    ddp, full, grad_op = (runs[n][0] for n in ("ddp", "full_shard", "shard_grad_op"))
+    assert full["strategy"] == "full_shard" and grad_op["strategy"] == "shard_grad_op"
+    assert full["comm_mb"] > grad_op["comm_mb"] == pytest.approx(ddp["comm_mb"], rel=0.01)
+    assert full["memory"]["params"] < grad_op["memory"]["params"]  # blocks freed after forward
+
+
+def test_one_unit_for_the_whole_model_peaks_higher_than_one_per_block(runs):
+    block, root = runs["full_shard"][0], runs["root"][0]
+    assert root["wrap"] == "root" and root["variant"] == "--wrap root"
+    assert root["peak_mem_mb"] > block["peak_mem_mb"]
+
+
+@pytest.mark.parametrize("name, mesh", [("hybrid", [2, 2]), ("resnet", [2])])
+def test_validated_runs_match_a_ddp_replica_every_step(runs, name, mesh):
+    rec, console = runs[name]
+    assert rec["validated"] and rec["mesh"] == mesh
+    assert "validate: losses equal DDP's every step" in console
+    if name == "hybrid":
+        assert rec["strategy"] == "hybrid_full_shard"
+        assert rec["state_mb"] == pytest.approx(runs["full_shard"][0]["state_mb"], rel=0.01)
+
+
+@pytest.mark.parametrize("flags, world, hint", [(["--hsdp", "3"], "4", "--hsdp"),
+                                                (["--cpu-offload"], "1", "--cpu-offload")])
+def test_bad_input_exits_2_with_one_line(flags, world, hint, tmp_path):
+    run = subprocess.run([sys.executable, str(FOLDER / "optimized_fsdp.py"), *flags,
+                          "--results", str(tmp_path / "r.jsonl")],
+                         cwd=common.ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "WORLD_SIZE": world})
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and hint in lines[0], run.stderr
