@@ -50,8 +50,20 @@ endif
 FOLDERS := $(sort $(patsubst %/,%,$(wildcard [0-9][0-9]_*/)))
 TECHNIQUES := $(foreach f,$(FOLDERS),$(word 2,$(subst _, ,$(f))))
 SCRIPT_FLAGS := --size $(SIZE) $(if $(STEPS),--steps $(STEPS)) $(ARGS)
+# RESTARTS=1: torchrun restarts the whole group (same flags) when a process dies; a script run
+# with --resume then continues from its last checkpoint. RDZV=c10d: elastic c10d rendezvous at
+# MASTER_ADDR:MASTER_PORT (ranks assigned at rendezvous, NODE_RANK unused) instead of static.
+RESTARTS ?= 0
+RDZV ?=
+ifeq ($(RDZV),c10d)
+RENDEZVOUS := --rdzv-backend=c10d --rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT) --rdzv-id=playbook
+else ifeq ($(RDZV),)
+RENDEZVOUS := --node_rank=$(NODE_RANK) --master_addr=$(MASTER_ADDR) --master_port=$(MASTER_PORT)
+else
+$(error RDZV=$(RDZV) is not a rendezvous this Makefile knows: use RDZV=c10d, or leave it unset)
+endif
 TORCHRUN := $(PY) -m torch.distributed.run --nproc_per_node=$(NPROC) --nnodes=$(NNODES) \
-	--node_rank=$(NODE_RANK) --master_addr=$(MASTER_ADDR) --master_port=$(MASTER_PORT)
+	--max-restarts=$(RESTARTS) $(RENDEZVOUS)
 # torchrun sets this to 1 anyway (with a warning); the scripts size their thread pools per rank.
 export OMP_NUM_THREADS ?= 1
 
@@ -71,6 +83,8 @@ help:
 		"MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT)"
 	@echo "           SIZE=$(SIZE) (tiny|small|medium|large) STEPS=$(STEPS) ARGS='$(ARGS)'" \
 		"PYTHON=$(PY) LINK=$(LINK) (e.g. 1gbit: a rate-limited loopback)"
+	@echo "           RESTARTS=$(RESTARTS) (torchrun --max-restarts) RDZV=$(RDZV) (c10d: elastic" \
+		"rendezvous)"
 	@echo "Example:   make ddp report NPROC=4 SIZE=medium ARGS='--dtype bf16'"
 
 install: $(INSTALLED)

@@ -42,6 +42,9 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -128,6 +131,31 @@ def validated(train_step, reference: DDP, reference_opt, tolerance: float):
     return step
 
 
+def save_checkpoint(model, opt, directory: Path, step: int, topo: common.Topology) -> None:
+    """Each rank writes its own shards (nothing is gathered) into a hidden folder, which rank 0
+    renames once every rank is done: a run killed mid-save leaves the last checkpoint intact."""
+    partial, final = directory / f".step-{step:06d}.partial", directory / f"step-{step:06d}"
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+    dist.barrier()
+    if topo.is_main:
+        partial.rename(final)
+
+
+def load_latest_checkpoint(model, opt, directory: Path) -> int:
+    """Load the newest complete checkpoint, each rank reading its own shards; return its step
+    (0, and nothing loaded, when there is none yet)."""
+    found = [sorted(directory.glob("step-*"))[-1:] if directory.exists() else []]
+    dist.broadcast_object_list(found)  # rank 0's listing: every rank loads the same one
+    if not found[0]:
+        return 0
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=found[0][0])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(found[0][0].name.removeprefix("step-"))
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--reshard-after-forward", choices=["true", "false"], default="true",
@@ -145,7 +173,18 @@ def main():
     parser.add_argument("--validate", action="store_true",
                         help="train a DDP replica beside it and assert equal losses and "
                              "parameters")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="save sharded checkpoints here (a folder every rank can reach)")
+    parser.add_argument("--checkpoint-every", type=common.int_at_least(1), default=None,
+                        help="steps between checkpoints")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in --checkpoint-dir (start "
+                             "fresh if there is none), at the step after it, on the same data")
     args = parser.parse_args()
+    if (args.checkpoint_every or args.resume) and args.checkpoint_dir is None:
+        parser.error("--checkpoint-every and --resume need --checkpoint-dir DIR")
+    if args.resume and args.validate:
+        parser.error("--validate cannot resume: its DDP replica is not checkpointed; drop one")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % args.hsdp or (args.hsdp > 1 and args.hsdp == world):
         parser.error(f"--hsdp {args.hsdp} must divide the world size {world} into groups of "
@@ -165,12 +204,20 @@ def main():
     if not args.no_prefetch:
         prefetch_one_ahead(units)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    start = load_latest_checkpoint(model, opt, args.checkpoint_dir) if args.resume else 0
+    if len(batches) - start <= args.warmup:
+        raise ValueError(f"resuming after step {start} leaves no timed step: raise --steps")
+    batches, done = batches[start:], start  # the data the interrupted run would have seen next
 
     def train_step(inputs, targets):
+        nonlocal done
         opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
         loss = model(inputs, targets)
         loss.backward()
         opt.step()
+        done += 1
+        if args.checkpoint_every and done % args.checkpoint_every == 0:
+            save_checkpoint(model, opt, args.checkpoint_dir, done, topo)
         return loss
 
     step = train_step
@@ -193,6 +240,7 @@ def main():
                   comm_mb=stats.comm_mb, strategy=strategy, wrap=args.wrap,
                   mesh=list(mesh.shape), prefetch=not args.no_prefetch,
                   validated=args.validate, loss_tolerance=LOSS_TOLERANCE,
+                  resumed_from=start,
                   theory=theory(model, units, group, args.hsdp, reshard, 2 if bf16 else 4))
 
 

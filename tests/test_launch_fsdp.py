@@ -1,14 +1,18 @@
 """Launch tests: 03_fsdp under torchrun with CPU processes at `tiny`.
 
-Six launches shared through one module-scoped fixture: DDP, FSDP in each strategy and wrap,
-hybrid sharding at 4 ranks and a ResNet, the last two validated step by step against a DDP
-replica in the same process.
+Six launches shared through one module-scoped fixture: DDP, FSDP in each strategy and wrap
+(60 steps, so that checkpointed runs have room to be killed and resumed), hybrid sharding at 4
+ranks and a ResNet, the last two validated step by step against a DDP replica in the same
+process. Three more launches checkpoint, resume and survive a killed rank.
 """
 
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -16,11 +20,12 @@ import common
 from helpers import finish, only_record, torchrun
 
 FOLDER = common.ROOT / "03_fsdp"
+LONG = ["--steps", "58"]  # 60 steps with the 2 of warm-up
 RUNS = {  # name: (script, processes, flags)
-    "ddp": ("baseline_fsdp", 2, []),
-    "full_shard": ("optimized_fsdp", 2, []),
-    "shard_grad_op": ("optimized_fsdp", 2, ["--reshard-after-forward", "false"]),
-    "root": ("optimized_fsdp", 2, ["--wrap", "root"]),
+    "ddp": ("baseline_fsdp", 2, LONG),
+    "full_shard": ("optimized_fsdp", 2, LONG),
+    "shard_grad_op": ("optimized_fsdp", 2, [*LONG, "--reshard-after-forward", "false"]),
+    "root": ("optimized_fsdp", 2, [*LONG, "--wrap", "root"]),
     "hybrid": ("optimized_fsdp", 4, ["--hsdp", "2", "--validate"]),
     "resnet": ("optimized_fsdp", 2, ["--model", "resnet", "--validate"]),
 }
@@ -40,7 +45,8 @@ def runs(tmp_path_factory):
 def test_each_run_records_state_and_bytes_as_its_theory_predicts(runs, name):
     rec, _ = runs[name]
     assert rec["status"] == "ok" and rec["world_size"] == RUNS[name][1]
-    assert len(rec["losses"]) == 8 and all(math.isfinite(x) for x in rec["losses"])
+    assert len(rec["losses"]) == (60 if LONG[1] in RUNS[name][2] else 8)
+    assert all(math.isfinite(x) for x in rec["losses"]) and rec.get("resumed_from", 0) == 0
     # exact: counted from the tensors and from what was handed to the collectives
     assert rec["state_mb"] == pytest.approx(rec["theory"]["state_mb"], rel=0.01)
     if name not in ("hybrid", "resnet"):  # the validated runs also send the DDP replica's bytes
@@ -88,3 +94,48 @@ def test_bad_input_exits_2_with_one_line(flags, world, hint, tmp_path):
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and hint in lines[0], run.stderr
+
+
+def test_k_steps_then_a_resumed_run_give_the_losses_of_one_uninterrupted_run(runs, tmp_path):
+    results, checkpoints = tmp_path / "results.jsonl", tmp_path / "checkpoints"
+    script = FOLDER / "optimized_fsdp.py"
+    finish(torchrun(script, results, "--steps", "2", "--checkpoint-dir", str(checkpoints),
+                    "--checkpoint-every", "4"))  # steps 1-4, saved after step 4
+    (checkpoints / ".step-000008.partial").mkdir()  # what a save killed midway leaves
+    finish(torchrun(script, results, *LONG, "--checkpoint-dir", str(checkpoints), "--resume"))
+    first, resumed = common.load_results(results)
+    uninterrupted = runs["full_shard"][0]["losses"]
+    assert first["losses"] == uninterrupted[:4]
+    assert resumed["resumed_from"] == 4 and resumed["losses"] == uninterrupted[4:]
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """Local rank -> pid of the processes a torchrun agent started."""
+    workers = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        rank = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"LOCAL_RANK=")]
+        if ppid == agent_pid and rank:
+            workers[int(rank[0])] = int(stat.parent.name)
+    return workers
+
+
+def test_a_killed_rank_restarts_the_job_which_resumes_from_its_last_checkpoint(runs, tmp_path):
+    results, checkpoints = tmp_path / "results.jsonl", tmp_path / "checkpoints"
+    job = torchrun(FOLDER / "optimized_fsdp.py", results, *LONG, "--checkpoint-dir",
+                   str(checkpoints), "--checkpoint-every", "10", "--resume",
+                   extra_torchrun=("--standalone", "--max-restarts=1"))
+    deadline = time.monotonic() + 120
+    while not (checkpoints / "step-000010").exists():
+        assert job.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.01)
+    os.kill(worker_pids(job.pid)[1], signal.SIGKILL)
+    finish(job)
+    final = common.load_results(results)[-1]  # the killed group's rank 0 may record `failed`
+    assert final["status"] == "ok" and final["resumed_from"] >= 10
+    uninterrupted = runs["full_shard"][0]["losses"]
+    assert final["losses"] == uninterrupted[final["resumed_from"]:]
