@@ -227,6 +227,19 @@ def torchrun_env_from_slurm(env: Mapping[str, str]) -> dict[str, str]:
             or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)}
 
 
+def _restarted_group_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """After a torchrun restart (--max-restarts), the agent's store still holds the keys of the
+    group that died, such as a dead peer's address, which the new group could read before its
+    own peer overwrites it ("Connection refused"): give each restart a key prefix of its own.
+    None (the usual env:// store) otherwise."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"restart-{restart}", agent_store)
+
+
 def setup(args: argparse.Namespace) -> Topology:
     """Join the process group: NCCL and one GPU per local rank with CUDA, else gloo on CPU."""
     _RUN["args"] = args
@@ -246,7 +259,8 @@ def setup(args: argparse.Namespace) -> Topology:
         # Processes sharing a host split its cores; oversubscription would distort every timing.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
     timeout = datetime.timedelta(seconds=args.timeout)
-    dist.init_process_group(backend, timeout=timeout,
+    dist.init_process_group(backend, timeout=timeout, store=_restarted_group_store(timeout),
+                            rank=rank, world_size=world,
                             device_id=device if backend == "nccl" else None)
     topo = Topology(rank, local_rank, world, local_world, max(1, world // local_world),
                     backend, device)
