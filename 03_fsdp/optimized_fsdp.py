@@ -22,6 +22,11 @@ Mixed precision: a MixedPrecisionPolicy follows --dtype: bf16 weights gathered a
 in bf16 with gradients reduced in fp32 on CUDA; plain fp32 on CPU.
 --validate trains a DDP replica beside it on the same batches and checks, step by step, equal
 losses and, at the end, equal parameters (to float rounding).
+Checkpoints: `--checkpoint-dir D --checkpoint-every K` saves the sharded model and optimizer
+with torch.distributed.checkpoint, each rank writing its own shards (never gathered), into a
+folder renamed into place once complete; `--resume` loads the newest one (or starts fresh)
+and continues at the next step on the same data. Under `torchrun --max-restarts 1 ...
+--resume`, a rank that dies makes torchrun restart the group, which resumes.
 Why it helps: per-rank state falls from 16 x params bytes (DDP, fp32 AdamW) to 16 x params / N,
 and the peak to that plus one or two gathered blocks and the activations, so a model N times
 larger fits. It costs communication: 1.5x DDP's bytes for FULL_SHARD.

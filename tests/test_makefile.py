@@ -154,3 +154,18 @@ def test_link_runs_the_launch_behind_a_rate_limited_loopback(tmp_path):
     assert "tbf" in rec["qdisc"] and "rate 100Mbit" in rec["qdisc"]
     # each rank sends 4 MiB a step and the shaped loopback carries 12.5 MB/s in all: ~0.7 s
     assert rec["step_ms"] > 400
+
+
+def test_restarts_and_c10d_rendezvous_pass_through_to_torchrun(tmp_path):
+    project_copy(tmp_path, "01_ddp",
+                 {"baseline_ddp.py": (common.ROOT / "01_ddp" / "baseline_ddp.py").read_text()})
+    run = subprocess.run(["make", "ddp", f"PYTHON={sys.executable}", "NPROC=2", "SIZE=tiny",
+                          "STEPS=2", "ARGS=--warmup 1 --timeout 60", "RESTARTS=1", "RDZV=c10d",
+                          f"MASTER_PORT={common.free_port()}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:]
+    (rec,) = common.load_results(tmp_path / "outputs" / "results.jsonl")
+    assert rec["status"] == "ok" and rec["world_size"] == 2
+    dry = subprocess.run(["make", "-n", "ddp", f"PYTHON={sys.executable}", "RESTARTS=1",
+                          "RDZV=c10d"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert "--max-restarts=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:" in dry.stdout
