@@ -1,6 +1,7 @@
 """What the launch and unit tests share: torchrun launches, their records, loading a recipe."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +40,16 @@ def load_recipe(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def assert_bad_input_is_one_line(script: Path, flags: list[str], hint: str, tmp_path: Path,
+                                 **env: str) -> None:
+    """The script refuses `flags` with exit 2 and one line naming `hint`, and records nothing."""
+    results = tmp_path / "r.jsonl"
+    run = subprocess.run([sys.executable, str(script), *flags, "--results", str(results)],
+                         cwd=common.ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **env})
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and hint in lines[0], run.stderr
+    assert not results.exists()

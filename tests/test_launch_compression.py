@@ -13,7 +13,14 @@ import sys
 import pytest
 
 import common
-from helpers import LAUNCH_TIMEOUT, TINY, finish, only_record, torchrun
+from helpers import (
+    LAUNCH_TIMEOUT,
+    TINY,
+    assert_bad_input_is_one_line,
+    finish,
+    only_record,
+    torchrun,
+)
 
 FOLDER = common.ROOT / "02_compression"
 SEVERAL_BUCKETS = ["--bucket-mb", "0.05"]  # tiny's 0.4 MB of gradients in 7 buckets
@@ -116,13 +123,7 @@ def test_srun_without_torchrun_builds_the_same_two_rank_world(runs, tmp_path):
     ("optimized_compression_int8", ["--block", "3"], "--block"),
 ])
 def test_bad_input_exits_2_with_one_line(script, flags, hint, tmp_path):
-    run = subprocess.run([sys.executable, str(FOLDER / f"{script}.py"), *flags,
-                          "--results", str(tmp_path / "r.jsonl")],
-                         cwd=common.ROOT, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and hint in lines[0], run.stderr
-    assert not (tmp_path / "r.jsonl").exists()
+    assert_bad_input_is_one_line(FOLDER / f"{script}.py", flags, hint, tmp_path)
 
 
 def test_a_rate_tc_does_not_accept_is_one_line():

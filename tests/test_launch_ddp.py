@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import common
-from helpers import LAUNCH_TIMEOUT, finish, only_record
+from helpers import LAUNCH_TIMEOUT, assert_bad_input_is_one_line, finish, only_record
 from helpers import TINY as STEPS
 from helpers import torchrun as torchrun_script
 
@@ -147,10 +147,4 @@ def test_two_nodes_on_localhost(tmp_path):
     ("optimized_ddp.py", ["--bucket-mb", "0"], "--bucket-mb"),
 ])
 def test_bad_input_exits_nonzero_with_one_line(script, flags, hint, tmp_path):
-    run = subprocess.run([sys.executable, str(DDP / script), *flags,
-                          "--results", str(tmp_path / "r.jsonl")],
-                         cwd=common.ROOT, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and hint in lines[0], run.stderr
-    assert not (tmp_path / "r.jsonl").exists()
+    assert_bad_input_is_one_line(DDP / script, flags, hint, tmp_path)

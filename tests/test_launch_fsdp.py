@@ -9,15 +9,13 @@ process. Three more launches checkpoint, resume and survive a killed rank.
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 import common
-from helpers import finish, only_record, torchrun
+from helpers import assert_bad_input_is_one_line, finish, only_record, torchrun
 
 FOLDER = common.ROOT / "03_fsdp"
 LONG = ["--steps", "58"]  # 60 steps with the 2 of warm-up
@@ -87,13 +85,8 @@ def test_validated_runs_match_a_ddp_replica_every_step(runs, name, mesh):
 @pytest.mark.parametrize("flags, world, hint", [(["--hsdp", "3"], "4", "--hsdp"),
                                                 (["--cpu-offload"], "1", "--cpu-offload")])
 def test_bad_input_exits_2_with_one_line(flags, world, hint, tmp_path):
-    run = subprocess.run([sys.executable, str(FOLDER / "optimized_fsdp.py"), *flags,
-                          "--results", str(tmp_path / "r.jsonl")],
-                         cwd=common.ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "WORLD_SIZE": world})
-    assert run.returncode == 2
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and hint in lines[0], run.stderr
+    assert_bad_input_is_one_line(FOLDER / "optimized_fsdp.py", flags, hint, tmp_path,
+                                 WORLD_SIZE=world)
 
 
 def test_k_steps_then_a_resumed_run_give_the_losses_of_one_uninterrupted_run(runs, tmp_path):
