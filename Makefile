@@ -67,7 +67,7 @@ TORCHRUN := $(PY) -m torch.distributed.run --nproc_per_node=$(NPROC) --nnodes=$(
 # torchrun sets this to 1 anyway (with a warning); the scripts size their thread pools per rank.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: help install all report test clean distclean $(TECHNIQUES)
+.PHONY: help install all report test clean distclean fsdp-ablation $(TECHNIQUES)
 
 help:
 	@echo "Distributed Training Playbook"
@@ -75,6 +75,7 @@ help:
 	@echo "  make all report     run every folder under torchrun, then print the results table"
 	@echo "  make test           CPU-only test suite (lint, unit and 2-process launch tests)"
 	@echo "  make <technique>    one folder: $(TECHNIQUES)"
+	@echo "  make fsdp-ablation  03_fsdp's FP8 / activation checkpointing rows, one flag apart"
 	@echo "  make report         table of outputs/results.jsonl, also written to outputs/report.md"
 	@echo "  make install        create .venv and install requirements.txt (run targets do it)"
 	@echo "  make clean          remove outputs/;  make distclean also removes .venv"
@@ -118,6 +119,17 @@ $(TECHNIQUES): %: install
 				--reason "torchrun failed, see $$log" -- $(SCRIPT_FLAGS); fi; \
 		fi; \
 	done; exit $$status
+
+# 03_fsdp's FP8 / activation-checkpointing ablation: the folder (optimized_fsdp_fp8 with both),
+# then the three other rows, each one flag apart; `make report` shows them as one table.
+fsdp-ablation: fsdp
+	@for flags in --no-checkpointing --no-fp8 "--no-fp8 --no-checkpointing"; do \
+		log=outputs/logs/optimized_fsdp_fp8$$(echo $$flags | tr -d ' ')$(LOG_SUFFIX).log; \
+		echo "== 03_fsdp/optimized_fsdp_fp8.py $$flags -> $$log"; \
+		$(SHAPED) $(TORCHRUN) 03_fsdp/optimized_fsdp_fp8.py $(SCRIPT_FLAGS) $$flags > $$log 2>&1 \
+			|| { cat $$log; echo "FAILED: optimized_fsdp_fp8 $$flags (log: $$log)"; exit 1; }; \
+		grep -E '^[a-z0-9_]+: ' $$log; \
+	done
 
 report: install
 	@$(PY) common.py report

@@ -297,6 +297,7 @@ class CollectiveBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.bytes = 0.0
+        self.by_kind: dict[str, float] = {}  # "<collective> <dtype>" -> bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.removeprefix("c10d::")
@@ -304,7 +305,12 @@ class CollectiveBytes(TorchDispatchMode):
             sent, group, per_byte = _SENT_PER_BYTE[name]
             tensors = args[sent] if isinstance(args[sent], list) else [args[sent]]
             n = dist.ProcessGroup.unbox(args[group]).size()
-            self.bytes += per_byte(n) * sum(t.numel() * t.element_size() for t in tensors)
+            for t in tensors:
+                sent_bytes = per_byte(n) * t.numel() * t.element_size()
+                dtype = str(t.dtype).removeprefix("torch.")
+                kind = f"{name.strip('_').removesuffix('_base')} {dtype}"  # "allgather uint8"
+                self.bytes += sent_bytes
+                self.by_kind[kind] = self.by_kind.get(kind, 0.0) + sent_bytes
         return func(*args, **(kwargs or {}))
 
 
@@ -490,6 +496,7 @@ class Stats:
     losses: list[float]
     memory: dict[str, float] | None = None  # peak live tensor MB and its split (CPU)
     comm_mb: float | None = None  # sent by this rank in the last warm-up step, counted
+    comm_mb_by_kind: dict[str, float] | None = None  # the same, by collective and dtype
 
 
 def summarize_times(seconds: Sequence[float]) -> tuple[float, float]:
@@ -557,16 +564,20 @@ def peak_tensor_memory(step: Callable[[], object], tracked: Sequence, device: to
     return result, {"total": peak.get("Total", 0) / 2**20, **split}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The shard this rank holds, for a DTensor; the tensor itself otherwise."""
-    return t.to_local() if hasattr(t, "to_local") else t
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `t`'s data on this rank: a DTensor's local shard, and the
+    inner tensors of a wrapper subclass (torchao's float8 weights) rather than the wrapper."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [p for name in names for p in _plain(getattr(t, name))]
+    return [t]
 
 
 def tensor_mb(tensors: Iterable[torch.Tensor]) -> float:
     """Bytes of distinct tensors (a tensor reached twice, e.g. a tied weight, counts once)."""
     seen, total = set(), 0
-    for t in tensors:
-        t = _local(t)
+    for t in (p for tensor in tensors for p in _plain(tensor)):
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
         if t.numel() and key not in seen:
             seen.add(key)
@@ -613,7 +624,7 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """
     n = len(batches)
     every = args.log_every or max(1, n // 10)
-    times, losses, memory, comm_mb = [], [], None, None
+    times, losses, memory, comm_mb, comm_by_kind = [], [], None, None, None
     traced = range(max(0, args.warmup - 3), args.warmup - 1) if args.trace else range(0)
     for i, (inputs, targets) in enumerate(batches):
         if traced and i == traced.start:
@@ -628,7 +639,8 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                         functools.partial(train_step, inputs, targets), memory_of, topo.device)
                 else:
                     loss = train_step(inputs, targets)
-            comm_mb = sent.bytes / 2**20
+            comm_mb, comm_by_kind = sent.bytes / 2**20, {k: v / 2**20 for k, v in
+                                                          sent.by_kind.items()}
         else:
             loss = train_step(inputs, targets)
         _sync(topo.device)
@@ -655,7 +667,7 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                                  f"lower --lr or use --dtype fp32")
     step_ms, p90 = summarize_times(times[args.warmup:])
     return Stats(step_ms, p90, startup_s, sum(times[:args.warmup]), mean_losses, memory,
-                 comm_mb)
+                 comm_mb, comm_by_kind)
 
 
 def _profiler_activities(device: torch.device) -> list:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import common
-from helpers import assert_bad_input_is_one_line, finish, only_record, torchrun
+from helpers import assert_bad_input_is_one_line, finish, load_recipe, only_record, torchrun
 
 FOLDER = common.ROOT / "03_fsdp"
 LONG = ["--steps", "58"]  # 60 steps with the 2 of warm-up
@@ -144,3 +144,47 @@ def test_a_killed_rank_restarts_the_job_which_resumes_from_its_last_checkpoint(r
     assert final["status"] == "ok" and final["resumed_from"] >= 10
     uninterrupted = runs["full_shard"][0]["losses"]
     assert final["losses"] == uninterrupted[final["resumed_from"]:]
+
+
+# --- FP8 and activation checkpointing (optimized_fsdp_fp8.py) ----------------------------------
+fp8_recipe = load_recipe(FOLDER / "optimized_fsdp_fp8.py")
+
+
+@pytest.mark.parametrize("shape, fqn, converted", [((64, 192), "blocks.0.attn.qkv", True),
+                                                   ((64, 24), "blocks.0.fc", False),
+                                                   ((40, 64), "blocks.0.fc_proj", False),
+                                                   ((64, 128), "head", False)])
+def test_fp8_takes_linears_of_multiples_of_16_but_not_the_tied_head(shape, fqn, converted):
+    assert fp8_recipe.fp8_eligible(torch.nn.Linear(*shape), fqn) == converted
+
+
+@pytest.fixture(scope="module")
+def ablation(tmp_path_factory):
+    """The FP8 + checkpointing run and checkpointing alone, at 2 processes (8 steps each)."""
+    out = {}
+    for name, flags in {"both": [], "checkpointing": ["--no-fp8"]}.items():
+        results = tmp_path_factory.mktemp(name) / "results.jsonl"
+        finish(torchrun(FOLDER / "optimized_fsdp_fp8.py", results, *flags))
+        out[name] = only_record(results)
+    return out
+
+
+def test_checkpointing_alone_keeps_fsdps_losses_and_cuts_the_activations(runs, ablation):
+    rec, fsdp = ablation["checkpointing"], runs["full_shard"][0]
+    assert rec["checkpointing"] and rec["fp8"] is None and rec["baseline"] == "optimized_fsdp"
+    assert max(abs(a - b) / b for a, b in zip(rec["losses"], fsdp["losses"], strict=False)) <= 1e-5
+    assert rec["memory"]["activations"] < 0.5 * fsdp["memory"]["activations"]
+    assert rec["theory"]["activation_mb"] < rec["theory"]["activation_mb_without_checkpointing"]
+
+
+def test_fp8_trains_within_its_tolerance_and_gathers_fewer_bytes(ablation):
+    both, exact = ablation["both"], ablation["checkpointing"]
+    assert both["fp8"]["scaling"] == "tensorwise" and len(both["fp8"]["layers"]) == 8
+    assert 0 < common.max_loss_diff(both["losses"], exact["losses"]) <= both["loss_tolerance"]
+    assert both["gathered_mb"]["uint8"] > 0  # float8 weights travel as bytes
+    assert sum(both["gathered_mb"].values()) < 0.6 * sum(exact["gathered_mb"].values())
+
+
+def test_fp8_bad_input_is_one_line(tmp_path):
+    assert_bad_input_is_one_line(FOLDER / "optimized_fsdp_fp8.py", ["--model", "resnet"],
+                                 "--model", tmp_path)

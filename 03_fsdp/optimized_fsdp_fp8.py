@@ -1,0 +1,159 @@
+"""FP8 linears and activation checkpointing on FSDP2: the two levers once the model fits.
+
+What it does: optimized_fsdp.py's FSDP2 (a unit per block plus the root, FULL_SHARD, the next
+block's all-gather prefetched, a MixedPrecisionPolicy following --dtype), with two additions,
+each one flag away so that the four rows of an ablation differ in one thing:
+  FP8 (torchao, tensorwise scaling; --no-fp8 drops it): every nn.Linear whose in and out
+    features are multiples of 16, except the output head tied to the embedding, becomes a
+    Float8Linear. Its matmuls take float8 operands, E4M3 (3 mantissa bits) for activations
+    and weights in forward and E5M2 (more range) for gradients in backward, each tensor scaled
+    by its largest magnitude. The sharded weights are cast to float8 *before* FSDP gathers them
+    (`enable_fsdp_float8_all_gather`), so they travel as 1 byte a value (FSDP2 sends them as
+    uint8 beside the fp32 tensors it does not convert); the scales of that cast are computed
+    for every weight at once after each optimizer step (`precompute_float8_dynamic_scale_for_
+    fsdp`: one all-reduce, not one per weight).
+  Activation checkpointing per block (--no-checkpointing drops it): applied before sharding, a
+    block keeps only its input for backward and runs its forward again there, so activation
+    memory falls from every block's intermediates to the block inputs plus one block's, for
+    about one more forward pass of compute.
+  torch.compile of each block (--compile; on by default on CUDA): torchao's float8 casts and
+  scaling only pay off fused into the neighbouring kernels.
+Why it helps: on GPUs with FP8 tensor cores (sm89+) float8 matmuls run at twice the bf16 rate
+and the gathers move half the bytes; checkpointing buys memory (a longer sequence, a bigger
+batch) with compute. On CPU, torchao's float8 runs through torch's CPU `_scaled_mm`, slower
+than fp32: there this run proves correctness and the loss tolerance, not speed.
+Run:        torchrun --nproc_per_node=2 03_fsdp/optimized_fsdp_fp8.py --size small
+            make fsdp-ablation     (the four rows: FSDP, +checkpointing, +FP8, both)
+Look for:   the activations share of the peak (record `memory`) against theory.activation_mb,
+            bytes gathered per dtype (`gathered_mb`), tokens/s, losses within the tolerance.
+Theory:     a block saves, per token, its input and LayerNorm outputs, q/k/v, the attention
+            output and its reshaped copy, the residual, the MLP's hidden and GELU output:
+            17 x d_model values plus one log-sum-exp per head; with checkpointing, its input
+            (d_model) plus, while it recomputes, one block's full set.
+"""
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+# Per step, absolute, against optimized_fsdp: float8's 3-bit mantissa moves each matmul by about
+# 1e-2 relative and the trajectories drift apart; 0.15 is 3% of a loss near 5 (at `small` the
+# largest difference was 0.10, the final losses 1% apart). Without FP8 the run is exact.
+LOSS_TOLERANCE = {"fp8": 0.15, "exact": 1e-4}
+
+
+def build_mesh(topo: common.Topology) -> DeviceMesh:
+    """All ranks on one dim; the device type explicit (pytorch/pytorch#132471)."""
+    return init_device_mesh(topo.device.type, (topo.world_size,), mesh_dim_names=("shard",))
+
+
+def fp8_eligible(module: torch.nn.Module, fqn: str) -> bool:
+    """Linears whose shapes float8 matmuls take (multiples of 16), not the tied output head."""
+    return isinstance(module, torch.nn.Linear) and fqn != "head" and \
+        module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_to_fp8(model: torch.nn.Module) -> list[str]:
+    """Swap the eligible linears for torchao's Float8Linear; return their names."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    converted = [name for name, m in model.named_modules() if fp8_eligible(m, name)]
+    convert_to_float8_training(model, module_filter_fn=fp8_eligible,
+                               config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    return converted
+
+
+def checkpoint_blocks(model: common.GPT) -> None:
+    """Each block keeps only its input for backward and recomputes the rest there."""
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block)
+
+
+def shard(model: common.GPT, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+          compile_blocks: bool) -> list[torch.nn.Module]:
+    """optimized_fsdp.py's layout: a FULL_SHARD unit per block, the root, prefetching."""
+    units = list(model.blocks)
+    for unit in units:
+        if compile_blocks:
+            unit.compile()
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    for earlier, later in zip(units, units[1:], strict=False):
+        earlier.set_modules_to_forward_prefetch([later])
+        later.set_modules_to_backward_prefetch([earlier])
+    return units
+
+
+def activation_theory(args, checkpointing: bool) -> float:
+    """MB of activations the blocks save for backward on one rank (see Theory above)."""
+    size = common.SIZES[args.size]
+    tokens, d = args.batch_size * args.seq_len, size.d_model
+    per_block = tokens * (17 * d + size.n_heads)
+    saved = size.n_layers * tokens * d + per_block if checkpointing else size.n_layers * per_block
+    return saved * (2 if args.dtype == "bf16" else 4) / 2**20
+
+
+def main():
+    parser = common.parser(__doc__)
+    parser.add_argument("--no-fp8", action="store_true", help="keep every linear in --dtype")
+    parser.add_argument("--no-checkpointing", action="store_true",
+                        help="keep every block's activations for backward")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile each block (default: on with CUDA, off on CPU)")
+    args = parser.parse_args()
+    if args.model != "gpt":
+        parser.error("--model resnet has no float8 linears to speak of: use --model gpt")
+    compile_blocks = torch.cuda.is_available() if args.compile is None else args.compile
+    fp8, checkpointing = not args.no_fp8, not args.no_checkpointing
+    topo = common.setup(args)
+    if fp8 and importlib.util.find_spec("torchao") is None:
+        raise common.Skip("FP8 needs torchao (pip install torchao): or run with --no-fp8")
+    if fp8 and topo.device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        raise common.Skip("float8 matmuls need a GPU of compute capability 8.9 or more: "
+                          "run with --no-fp8 for checkpointing alone")
+    model, batches = common.workload(args, topo)
+    converted = convert_to_fp8(model) if fp8 else []
+    if checkpointing:
+        checkpoint_blocks(model)
+    bf16 = args.dtype == "bf16"
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                     reduce_dtype=torch.float32 if bf16 else None)
+    shard(model, build_mesh(topo), mp_policy, compile_blocks)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        loss = model(inputs, targets)
+        loss.backward()
+        opt.step()
+        if fp8:  # the float8 scales of every sharded weight, for the next step's all-gathers
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
+    gathered = {kind.split()[1]: round(mb, 3) for kind, mb in
+                (stats.comm_mb_by_kind or {}).items() if kind.startswith("allgather")}
+    common.record(args, topo, stats, baseline="optimized_fsdp", model=model, optimizer=opt,
+                  comm_mb=stats.comm_mb, gathered_mb=gathered, checkpointing=checkpointing,
+                  activation_mb=stats.memory and stats.memory["activations"],
+                  compile=compile_blocks,
+                  loss_tolerance=LOSS_TOLERANCE["fp8" if fp8 else "exact"],
+                  fp8={"layers": converted, "scaling": "tensorwise",
+                       "all_gather": "float8_e4m3fn"} if fp8 else None,
+                  theory={"activation_mb": activation_theory(args, checkpointing),
+                          "activation_mb_without_checkpointing":
+                              activation_theory(args, False)})
+
+
+if __name__ == "__main__":
+    common.run_main(main)
