@@ -24,6 +24,7 @@ import socket
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,7 @@ class RecipeParser(argparse.ArgumentParser):
         # --help shows the whole module docstring: what the technique is, how to run it, theory.
         super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
         self.long_context = long_context
+        self.output_only: set[str] = set()  # flags that change what is printed, not what runs
 
     def error(self, message: str):
         if int(os.environ.get("RANK", "0")) == 0:
@@ -107,9 +109,17 @@ class RecipeParser(argparse.ArgumentParser):
         # report shows `optimized_fsdp --wrap root` as a row of its own.
         ns.variant = " ".join(
             f"--{a.dest.replace('_', '-')}" + ("" if v is True else f" {v}")
-            for a in self._actions[self.shared_flags:] if a.dest != "help"
+            for a in self._actions[self.shared_flags:] if a.dest not in {"help", *self.output_only}
             for v in [getattr(ns, a.dest)] if v != a.default) or None
         return ns
+
+
+    def add_summary_flag(self) -> None:
+        """`--summary` (see `print_summary`); it prints more, so the run is no variant."""
+        self.add_argument("--summary", action="store_true",
+                          help="print each rank's parameter, gradient and optimizer MB beside "
+                               "the formula, its peak memory and the MB it sent per step")
+        self.output_only.add("summary")
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -273,9 +283,11 @@ def log(topo: Topology, message: str) -> None:
         print(message, flush=True)
 
 
-# PyTorch 2.14 names the tensor-to-tensor all-gather `all_gather_single` (the old name now warns);
-# older releases, such as a GPU image's preinstalled torch, have only the old name.
+# PyTorch 2.14 names the tensor-to-tensor all-gather and reduce-scatter `all_gather_single` and
+# `reduce_scatter_single` (the old names now warn); older releases, such as a GPU image's
+# preinstalled torch, have only the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # c10d op: (argument holding the tensor(s) sent, argument holding the group, bytes a rank of a
@@ -285,6 +297,7 @@ _SENT_PER_BYTE = {
     "_allgather_base_": (1, 2, lambda n: n - 1),
     "_reduce_scatter_base_": (1, 2, lambda n: (n - 1) / n),
     "alltoall_base_": (1, 2, lambda n: (n - 1) / n),
+    "broadcast_": (0, 1, lambda n: (n - 1) / n),  # pipelined: all ranks but one forward it once
     "send": (0, 1, lambda n: 1),
 }
 
@@ -292,7 +305,8 @@ _SENT_PER_BYTE = {
 class CollectiveBytes(TorchDispatchMode):
     """Counts the bytes this rank sends in the collectives issued in its context (on this
     thread), from the tensors handed to them: all-reduce 2(N-1)/N x the tensor, all-gather
-    (N-1) x the input, reduce-scatter and all-to-all (N-1)/N x the input, send the tensor."""
+    (N-1) x the input, reduce-scatter, all-to-all and broadcast (N-1)/N x the tensor (for a
+    broadcast, the average over ranks), send the tensor."""
 
     def __init__(self):
         super().__init__()
@@ -555,7 +569,14 @@ def peak_tensor_memory(step: Callable[[], object], tracked: Sequence, device: to
     # theirs by kind.
     tracker.track_external(*[o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)])
     tracker.track_external(*tracked)
-    with tracker:
+    # An optimizer's parameters and their gradients count as params and grads even when they
+    # are not a module's (ZeRO's shards).
+    tracker.track_external(*[nn.ParameterList(g["params"]) for opt in tracked
+                             if isinstance(opt, torch.optim.Optimizer) for g in opt.param_groups])
+    with tracker, warnings.catch_warnings():
+        # A hook that frees a gradient as soon as it is reduced (ZeRO-2) leaves MemTracker's own
+        # post-accumulate hook, which runs after it, nothing to label; it warns and goes on.
+        warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
         result = step()
     peak = {str(getattr(k, "value", k)): v
             for k, v in tracker.get_tracker_snapshot("peak").get(device, {}).items()}
@@ -575,24 +596,39 @@ def _plain(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def tensor_mb(tensors: Iterable[torch.Tensor]) -> float:
-    """Bytes of distinct tensors (a tensor reached twice, e.g. a tied weight, counts once)."""
+    """Bytes of the distinct storages holding `tensors`, as allocated: a tensor reached twice (a
+    tied weight) or views into one buffer (ZeRO's flat parameters, DDP's gradient buckets) count
+    the buffer once, padding included; a freed storage (resized to zero) counts nothing."""
     seen, total = set(), 0
     for t in (p for tensor in tensors for p in _plain(tensor)):
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
-        if t.numel() and key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total / 2**20
+
+
+def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None
+                   ) -> dict[str, list[torch.Tensor]]:
+    params = list(model.parameters())
+    if optimizer is not None:  # ZeRO's shards are the optimizer's parameters, not the model's
+        params += [p for group in optimizer.param_groups for p in group["params"]]
+    optim = [] if optimizer is None else [v for state in optimizer.state.values()
+                                          for v in state.values() if torch.is_tensor(v)]
+    return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+            "optim": optim}
 
 
 def state_mb(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> float:
     """Per-rank parameters + gradients + optimizer state, counted from the tensors themselves."""
-    params = list(model.parameters())
-    tensors = params + [p.grad for p in params if p.grad is not None]
-    if optimizer is not None:
-        tensors += [v for state in optimizer.state.values() for v in state.values()
-                    if torch.is_tensor(v)]
-    return tensor_mb(tensors)
+    return tensor_mb(t for kind in _state_tensors(model, optimizer).values() for t in kind)
+
+
+def state_split_mb(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+                   ) -> dict[str, float]:
+    """`state_mb` split: {"params_mb", "grads_mb", "optim_mb"}."""
+    return {f"{kind}_mb": tensor_mb(tensors)
+            for kind, tensors in _state_tensors(model, optimizer).items()}
 
 
 def ring_allreduce_mb(nbytes: float, world: int) -> float:
@@ -770,6 +806,33 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
               f"state {rec['state_mb']:.1f} MB{comm}, final mean loss {stats.losses[-1]:.4f}",
               flush=True)
     return rec
+
+
+def print_summary(args: argparse.Namespace, topo: Topology, stats: Stats, *,
+                  baseline: str | None, measured: dict[str, float], theory: dict) -> None:
+    """`--summary`: a table, one row per rank, of the parameter, gradient and optimizer-state MB
+    counted from that rank's tensors and the MB it sent in a step, each beside its formula, and
+    its peak memory beside the baseline's (its last recorded run like this one)."""
+    peak = stats.memory["total"] if stats.memory else peak_memory_mb(topo.device)
+    rows = [None] * topo.world_size
+    dist.all_gather_object(rows, {**measured, "peak_mb": peak, "comm_mb": stats.comm_mb})
+    if not topo.is_main:
+        return
+    from tabulate import tabulate
+
+    here = _base_record(args, topo, baseline, "ok", None)
+    base = next((r for r in reversed(load_results(args.results)) if r.get("script") == baseline
+                 and r.get("status") == "ok" and _run_key(r) == _run_key(here)), None)
+    kinds = ["params_mb", "grads_mb", "optim_mb"]
+    table = [[rank, *[f"{row[k]:,.2f} ({theory[k]:,.2f})" for k in kinds],
+              f"{sum(row[k] for k in kinds):,.2f} ({theory['state_mb']:,.2f})",
+              f"{row['peak_mb']:,.1f}" + (f" ({base['peak_mem_mb']:,.1f})" if base else ""),
+              f"{row['comm_mb']:,.2f} ({theory['comm_mb']:,.2f})"] for rank, row in enumerate(rows)]
+    print(tabulate(table, ["rank", "params MB", "grads MB", "optim MB", "state MB", "peak MB",
+                           "comm MB/step"], tablefmt="github"))
+    compared = "" if baseline is None else f" ({baseline}'s busiest rank)" if base else \
+        f"; {baseline} has no recorded run like this one to compare with"
+    print(f"measured (formula); peak = live tensor MB at the step's peak{compared}", flush=True)
 
 
 class Skip(Exception):

@@ -1,0 +1,66 @@
+"""Every rank holds everything: DDP with AdamW, the replicated trainer ZeRO divides.
+
+What it does: DistributedDataParallel as tuned in 01_ddp/optimized_ddp.py (25 MB buckets,
+`gradient_as_bucket_view`, `static_graph`): each rank keeps the whole model, its whole gradient
+(views into DDP's buckets, so no second copy) and the whole AdamW state, and all-reduces the
+gradients each step.
+Why it is the baseline: it is the fastest way to train a model that fits on every rank, and its
+memory is what the ZeRO stages take apart. In fp32 every rank holds 16 bytes per parameter,
+whatever the world size: 4 for the weight, 4 for its gradient, 8 for Adam's two moments.
+(The ZeRO paper's 16 bytes are a mixed-precision count: 2 + 2 + 12 with fp32 master weights.)
+Run:        torchrun --nproc_per_node=2 04_zero/baseline_zero.py --size small [--summary]
+Look for:   state MB = theory.state_mb (16 x params); `--summary` prints each rank's parameter,
+            gradient and optimizer MB beside the formula. The ZeRO stages in `make zero report`
+            are compared with this row's step time and peak memory.
+Theory:     state 16 x params bytes per rank (4 params, 4 grads, 8 optimizer); each rank sends
+            2(N-1)/N x 4 x params bytes a step (ring all-reduce).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) -> DDP:
+    """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph."""
+    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, static_graph=True)
+
+
+def main():
+    parser = common.parser(__doc__)
+    parser.add_argument("--bucket-mb", type=common.positive_float, default=25.0,
+                        help="gradient bucket size in MiB (DDP's default: 25)")
+    parser.add_summary_flag()
+    args = parser.parse_args()
+    topo = common.setup(args)
+    model, batches = common.workload(args, topo)
+    model = wrap_ddp(model, topo, args.bucket_mb)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        loss = model(inputs, targets)
+        loss.backward()
+        opt.step()
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
+    psi = sum(p.numel() for p in model.parameters())
+    theory = {"params_mb": 4 * psi / 2**20, "grads_mb": 4 * psi / 2**20,
+              "optim_mb": 8 * psi / 2**20, "state_mb": 16 * psi / 2**20,
+              "comm_mb": common.ring_allreduce_mb(4 * psi, topo.world_size)}
+    measured = common.state_split_mb(model, opt)
+    common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
+                  comm_mb=stats.comm_mb, theory=theory, stage=0, **measured)
+    if args.summary:
+        common.print_summary(args, topo, stats, baseline=None, measured=measured, theory=theory)
+
+
+if __name__ == "__main__":
+    common.run_main(main)

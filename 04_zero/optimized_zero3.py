@@ -1,0 +1,229 @@
+"""ZeRO-3 by hand: ZeRO-2, and each rank keeps only its 1/N of the parameters too.
+
+What it does: the same buckets and ownership as optimized_zero1.py and optimized_zero2.py, one
+bucket per transformer block plus one for the embeddings and final norm. At rest a rank holds
+only its slices: parameters, gradients and AdamW state, 1/N of the model each. Each bucket's
+parameters are views into a buffer whose storage exists only while it is needed. Hooks
+all-gather a block's parameters just before its forward (starting the next block's all-gather
+meanwhile) and free them right after; gather them again just before its backward (starting the
+previous block's); and, as in ZeRO-2, reduce-scatter its gradients as soon as backward has
+produced them, freeing the parameters then. The embeddings and final norm, used at both ends of
+the step, are gathered once at the start of forward and freed at the end of backward, as FSDP2
+does for its root. AdamW updates the owned slices in place: there is nothing to all-gather after
+the step, the next forward gathers what it needs.
+Why it helps: memory per rank falls to 16 bytes per parameter / N plus about two blocks in full,
+so a model N times larger than one rank's memory trains; the price is one more all-gather of
+the parameters per step (1.5x ZeRO-2's traffic), which the prefetching hides where it can.
+Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero3.py --size small [--summary]
+Look for:   `make zero report`: state MB = theory.state_mb, losses equal to baseline_zero's to
+            float rounding, the lowest peak of the folder; optimized_zero_pytorch.py --stage 3
+            runs FSDP2's fully_shard on the same blocks beside it.
+Theory:     per rank 16P/N bytes (params, grads, optimizer 4P/N, 4P/N, 8P/N), P = the parameters
+            with each bucket's padding, plus the blocks gathered at a time; sent per step
+            (N-1)/N x 4 bytes x (3 x the blocks' parameters + 2 x the embeddings' and final
+            norm's): two all-gathers and a reduce-scatter, against ZeRO-2's 2 x (N-1)/N x 4P.
+            Under bf16 autocast (GPU), autograd keeps the bf16 copies of the weights it saved for
+            backward, so the parameters' saving shrinks by 2 bytes per parameter; FSDP2's
+            MixedPrecisionPolicy gathers in bf16 to avoid that.
+"""
+
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+
+def units_in_gradient_order(model: common.GPT) -> list[list[nn.Parameter]]:
+    """The parameters grouped by block, in the order backward completes their gradients: the
+    last block first, the embeddings and final norm last (the tied embedding's gradient is only
+    complete when backward reaches the input)."""
+    blocks = [list(block.parameters()) for block in reversed(model.blocks)]
+    in_blocks = {p for unit in blocks for p in unit}
+    return blocks + [[p for p in model.parameters() if p not in in_blocks]]
+
+
+@dataclass
+class Bucket:
+    """Parameters laid out one after another at [offset, offset + numel) of a flat buffer;
+    numel is padded to a multiple of the world size so every rank owns an equal slice."""
+    params: list[nn.Parameter]
+    offset: int
+    numel: int
+
+    def shard(self, flat_shards: torch.Tensor, world: int) -> torch.Tensor:
+        """This bucket's slice of a buffer that holds only the owned slices (1/N of the model)."""
+        return flat_shards[self.offset // world:(self.offset + self.numel) // world]
+
+
+def partition(units: list[list[nn.Parameter]], world: int) -> list[Bucket]:
+    buckets, offset = [], 0
+    for params in units:
+        numel = -(-sum(p.numel() for p in params) // world) * world  # rounded up to N
+        buckets.append(Bucket(params, offset, numel))
+        offset += numel
+    return buckets
+
+
+def shard_params(buckets: list[Bucket], topo: common.Topology
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Keep this rank's slice of every bucket in one buffer of 1/N of the model; each parameter
+    becomes a view into its bucket's unsharded buffer, whose storage is freed until gathered."""
+    n = topo.world_size
+    param_shards = torch.zeros(sum(b.numel for b in buckets) // n, device=topo.device)
+    unsharded = []
+    for bucket in buckets:
+        flat = torch.zeros(bucket.numel, device=topo.device)
+        offset = 0
+        for p in bucket.params:
+            view = slice(offset, offset + p.numel())
+            flat[view].copy_(p.detach().flatten())
+            p.data = flat[view].view_as(p)
+            offset += p.numel()
+        k = bucket.numel // n
+        bucket.shard(param_shards, n).copy_(flat[topo.rank * k:(topo.rank + 1) * k])
+        flat.untyped_storage().resize_(0)
+        unsharded.append(flat)
+    return param_shards, unsharded
+
+
+def owned_shards(buckets: list[Bucket], param_shards: torch.Tensor,
+                 topo: common.Topology) -> list[nn.Parameter]:
+    """The slices this rank owns, one per bucket, as the parameters AdamW updates: views, so an
+    update lands in the parameter shards, and AdamW's moments exist for 1/N of the model. Their
+    gradients come from GradReducer."""
+    return [nn.Parameter(b.shard(param_shards, topo.world_size)) for b in buckets]
+
+
+class ParamGatherer:
+    """Hooks that hold a bucket's parameters in full only around its compute (see the top)."""
+
+    def __init__(self, model: common.GPT, shards: list[nn.Parameter],
+                 unsharded: list[torch.Tensor]):
+        self.shards, self.unsharded = shards, unsharded
+        self.pending: dict[int, dist.Work] = {}  # bucket index -> its all-gather in flight
+        root, last = len(shards) - 1, len(model.blocks) - 1
+        model.register_forward_pre_hook(lambda *_: self.gather(root, prefetch=last))
+        for j, block in enumerate(model.blocks):
+            i = last - j  # block j's bucket; block j + 1's is i - 1
+            block.register_forward_pre_hook(
+                lambda *_, i=i, j=j: self.gather(i, prefetch=i - 1 if j < last else None))
+            block.register_forward_hook(
+                lambda _, __, out, i=i, j=j: self.after_forward(i, j > 0, out))
+
+    def start_gather(self, i: int) -> None:
+        buffer = self.unsharded[i]
+        if i in self.pending or buffer.untyped_storage().nbytes():
+            return
+        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        self.pending[i] = common.all_gather_single(buffer, self.shards[i].detach(), async_op=True)
+
+    def gather(self, i: int, prefetch: int | None = None) -> None:
+        """Bucket i's parameters in full when this returns; the next one's on their way."""
+        self.start_gather(i)
+        if prefetch is not None:
+            self.start_gather(prefetch)
+        if i in self.pending:
+            self.pending.pop(i).wait()
+
+    def after_forward(self, i: int, has_previous: bool, out: torch.Tensor) -> None:
+        self.free(i)
+        # The gradient of a block's output arrives just before backward enters the block.
+        out.register_hook(lambda _: self.gather(i, prefetch=i + 1 if has_previous else None))
+
+    def free(self, i: int) -> None:
+        self.unsharded[i].untyped_storage().resize_(0)
+
+
+class GradReducer:
+    """Backward hooks that keep only this rank's slice of the gradient. A parameter's gradient
+    is copied into its bucket's buffer and freed as soon as backward has produced it; a full
+    bucket is reduce-scattered at once (backward goes on with the buckets before it) into the
+    gradient of this rank's shard, and its buffer dropped when that is done. Averaged over ranks
+    as DDP does: divided, then summed. Backward is then done with the bucket's parameters, so
+    they are freed too."""
+
+    def __init__(self, buckets: list[Bucket], shards: list[nn.Parameter], topo: common.Topology,
+                 gatherer: ParamGatherer):
+        self.buckets, self.shards, self.topo = buckets, shards, topo
+        self.gatherer = gatherer
+        self.filling: dict[int, list] = {}  # bucket index -> [buffer, gradients copied in]
+        self.in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+        for i, bucket in enumerate(buckets):
+            offset = 0
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(functools.partial(self.add_grad, i, offset))
+                offset += p.numel()
+
+    def add_grad(self, i: int, offset: int, p: nn.Parameter) -> None:
+        self.in_flight = [(w, b) for w, b in self.in_flight if not w.is_completed()]
+        bucket = self.buckets[i]
+        if i not in self.filling:
+            self.filling[i] = [torch.zeros(bucket.numel, device=p.device), 0]
+        filling = self.filling[i]
+        filling[0][offset:offset + p.numel()].copy_(p.grad.flatten())
+        p.grad = None
+        filling[1] += 1
+        if filling[1] == len(bucket.params):
+            buffer = self.filling.pop(i)[0].div_(self.topo.world_size)
+            shard = self.shards[i]
+            shard.grad = torch.empty_like(shard)
+            work = common.reduce_scatter_single(shard.grad, buffer, async_op=True)
+            self.in_flight.append((work, buffer))
+            self.gatherer.free(i)
+
+    def wait(self) -> None:
+        """After backward: every bucket's slice has arrived."""
+        for work, _ in self.in_flight:
+            work.wait()
+        self.in_flight.clear()
+
+
+def main():
+    parser = common.parser(__doc__)
+    parser.add_summary_flag()
+    args = parser.parse_args()
+    if args.model != "gpt":
+        parser.error("04_zero buckets the GPT's blocks: use --model gpt")
+    topo = common.setup(args)
+    model, batches = common.workload(args, topo)
+    n = topo.world_size
+    buckets = partition(units_in_gradient_order(model), n)
+    param_shards, unsharded = shard_params(buckets, topo)
+    shards = owned_shards(buckets, param_shards, topo)
+    gatherer = ParamGatherer(model, shards, unsharded)
+    reducer = GradReducer(buckets, shards, topo, gatherer)
+    opt = torch.optim.AdamW(shards, lr=args.lr)
+
+    def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        loss = model(inputs, targets)
+        loss.backward()
+        reducer.wait()
+        opt.step()
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
+    mb = 4 * sum(b.numel for b in buckets) / 2**20  # 4P bytes, P = parameters with padding
+    gathers = [2] * len(model.blocks) + [1]  # per bucket and step; the root's stay gathered
+    theory = {"params_mb": mb / n, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
+              "state_mb": 4 * mb / n,
+              "comm_mb": sum((g + 1) * (n - 1) / n * 4 * b.numel / 2**20
+                             for g, b in zip(gathers, buckets, strict=True))}
+    measured = common.state_split_mb(model, opt)
+    common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
+                  comm_mb=stats.comm_mb, theory=theory, loss_tolerance=1e-5, stage=3,
+                  **measured)
+    if args.summary:
+        common.print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
+                             theory=theory)
+
+
+if __name__ == "__main__":
+    common.run_main(main)
