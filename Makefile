@@ -101,22 +101,28 @@ endif
 
 all: $(TECHNIQUES)
 
-# One folder: every baseline, then every optimized script, each under torchrun. A failing
-# script prints its whole log, is recorded as failed, and fails the target after the others ran.
-# Only node 0 holds rank 0, which prints and records; other nodes keep their own logs.
+# Runs a folder makes beyond one per script, as "script flags": PyTorch's FSDP2 as ZeRO-3 beside
+# the hand-written optimized_zero3.py (the script's default, ZeroRedundancyOptimizer, runs anyway).
+EXTRA_RUNS_zero := "04_zero/optimized_zero_pytorch.py --stage 3"
+
+# One folder: every baseline, then every optimized script (then its extra runs), each under
+# torchrun. A failing run prints its whole log, is recorded as failed, and fails the target after
+# the others ran. Only node 0 holds rank 0, which prints and records; other nodes keep own logs.
 LOG_SUFFIX := $(if $(filter-out 1,$(NNODES)),.node$(NODE_RANK))$(if $(LINK),.$(LINK))
 $(TECHNIQUES): %: install
 	@mkdir -p outputs/logs; status=0; folder=$(filter %_$@,$(FOLDERS)); \
-	for script in $$(ls $$folder/baseline_*.py) $$(ls $$folder/optimized_*.py); do \
-		log=outputs/logs/$$(basename $$script .py)$(LOG_SUFFIX).log; since=$$(date +%s); \
-		echo "== $$script: $(NNODES) node(s) x $(NPROC) process(es), size $(SIZE)$(if $(LINK),$(comma) link $(LINK)) -> $$log"; \
-		$(SHAPED) $(TORCHRUN) $$script $(SCRIPT_FLAGS) 2>&1 | tee $$log \
+	for run in $$(ls $$folder/baseline_*.py) $$(ls $$folder/optimized_*.py) $(EXTRA_RUNS_$@); do \
+		script=$${run%% *}; flags=$${run#$$script}; \
+		log=outputs/logs/$$(basename $$script .py)$$(echo $$flags | tr -d ' ')$(LOG_SUFFIX).log; \
+		since=$$(date +%s); \
+		echo "== $$script$$flags: $(NNODES) node(s) x $(NPROC) process(es), size $(SIZE)$(if $(LINK),$(comma) link $(LINK)) -> $$log"; \
+		$(SHAPED) $(TORCHRUN) $$script $(SCRIPT_FLAGS) $$flags 2>&1 | tee $$log \
 			| { grep --line-buffered -E '^(step |[a-z0-9_]+: |skipped: )'; true; }; \
 		if [ $${PIPESTATUS[0]} -ne 0 ]; then \
-			echo "-- $$log:"; cat $$log; echo "FAILED: $$script (log: $$log)"; status=1; \
+			echo "-- $$log:"; cat $$log; echo "FAILED: $$script$$flags (log: $$log)"; status=1; \
 			if [ $(NODE_RANK) -eq 0 ]; then $(PY) common.py mark-failed $$script \
 				--since $$since --world-size $$(( $(NPROC) * $(NNODES) )) \
-				--reason "torchrun failed, see $$log" -- $(SCRIPT_FLAGS); fi; \
+				--reason "torchrun failed, see $$log" -- $(SCRIPT_FLAGS) $$flags; fi; \
 		fi; \
 	done; exit $$status
 

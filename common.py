@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import functools
 import gc
 import json
@@ -840,7 +841,14 @@ class Skip(Exception):
 
 
 def run_main(main: Callable[[], None]) -> None:
-    """Run a recipe: skipped and failed runs still leave a record; the group is torn down."""
+    """Run a recipe: skipped and failed runs still leave a record; the group is torn down.
+
+    Run as the script itself, a run that finished (or skipped) then leaves without the
+    interpreter's teardown: there, after a run had recorded its result, a rank has now and then
+    aborted in C++ ("terminate called without an active exception", once in some hundred gloo
+    launches), failing a good run. `faulthandler` prints where Python was if a rank aborts.
+    """
+    faulthandler.enable()
     try:
         main()
     except Skip as why:
@@ -852,6 +860,11 @@ def run_main(main: Callable[[], None]) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    main_file = getattr(sys.modules["__main__"], "__file__", None)
+    if main_file and Path(main_file).resolve() == Path(sys.argv[0]).resolve():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _record_outcome(status: str, reason: str) -> None:
@@ -1009,7 +1022,7 @@ def _cli(argv: Sequence[str]) -> int:
         args.out.write_text(text)
         print(text)
         return 0
-    run_args, _ = parser(None).parse_known_args(script_args)
+    run_args, own_flags = parser(None).parse_known_args(script_args)
     folder, script = args.script.resolve().parent.name, args.script.stem
     since = datetime.datetime.fromtimestamp(int(args.since), datetime.UTC)
     for rec in load_results(run_args.results):
@@ -1017,7 +1030,8 @@ def _cli(argv: Sequence[str]) -> int:
                 datetime.datetime.fromisoformat(rec["time"]) >= since:
             return 0  # the run wrote its own record (ok, skipped or failed): keep that one
     rec = _base_record(run_args, None, None, "failed", args.reason)
-    rec.update(folder=folder, script=script, world_size=args.world_size)
+    rec.update(folder=folder, script=script, world_size=args.world_size,
+               variant=" ".join(own_flags) or None)
     _append(run_args.results, rec)
     return 0
 

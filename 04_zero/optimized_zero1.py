@@ -100,13 +100,15 @@ def owned_shards(buckets: list[Bucket], flat_params: torch.Tensor, flat_grads: t
 
 def reduce_scatter_grads(buckets: list[Bucket], flat_grads: torch.Tensor,
                          topo: common.Topology) -> None:
-    """Average each bucket's gradient over ranks into the slice this rank owns, in place (the
-    output is the input's own slice, which NCCL and gloo both allow); the rest is stale after."""
-    flat_grads.div_(topo.world_size)  # DDP's order: divide, then sum
-    works = [common.reduce_scatter_single(b.owned(flat_grads, topo.rank, topo.world_size),
-                                          b.whole(flat_grads), async_op=True) for b in buckets]
-    for work in works:
+    """Sum each bucket's gradient over ranks into the slice this rank owns, in place (the output
+    is the input's own slice, which NCCL and gloo both allow; the rest is stale after), then
+    average that slice: 1/N of the work of dividing the whole gradient first, as DDP does."""
+    owned = [b.owned(flat_grads, topo.rank, topo.world_size) for b in buckets]
+    works = [common.reduce_scatter_single(mine, b.whole(flat_grads), async_op=True)
+             for mine, b in zip(owned, buckets, strict=True)]
+    for work, mine in zip(works, owned, strict=True):
         work.wait()
+        mine.div_(topo.world_size)
 
 
 class ParamGatherer:

@@ -145,9 +145,9 @@ class GradReducer:
     """Backward hooks that keep only this rank's slice of the gradient. A parameter's gradient
     is copied into its bucket's buffer and freed as soon as backward has produced it; a full
     bucket is reduce-scattered at once (backward goes on with the buckets before it) into the
-    gradient of this rank's shard, and its buffer dropped when that is done. Averaged over ranks
-    as DDP does: divided, then summed. Backward is then done with the bucket's parameters, so
-    they are freed too."""
+    gradient of this rank's shard, and its buffer dropped when that is done. Summed over ranks,
+    then averaged on the shard: 1/N of the work of dividing the whole gradient first. Backward
+    is then done with the bucket's parameters, so they are freed too."""
 
     def __init__(self, buckets: list[Bucket], shards: list[nn.Parameter], topo: common.Topology,
                  gatherer: ParamGatherer):
@@ -165,13 +165,15 @@ class GradReducer:
         self.in_flight = [(w, b) for w, b in self.in_flight if not w.is_completed()]
         bucket = self.buckets[i]
         if i not in self.filling:
-            self.filling[i] = [torch.zeros(bucket.numel, device=p.device), 0]
+            buffer = torch.empty(bucket.numel, device=p.device)
+            buffer[sum(q.numel() for q in bucket.params):].zero_()  # the padding
+            self.filling[i] = [buffer, 0]
         filling = self.filling[i]
         filling[0][offset:offset + p.numel()].copy_(p.grad.flatten())
         p.grad = None
         filling[1] += 1
         if filling[1] == len(bucket.params):
-            buffer = self.filling.pop(i)[0].div_(self.topo.world_size)
+            buffer = self.filling.pop(i)[0]
             shard = self.shards[i]
             shard.grad = torch.empty_like(shard)
             work = common.reduce_scatter_single(shard.grad, buffer, async_op=True)
@@ -179,10 +181,12 @@ class GradReducer:
             self.gatherer.free(i)
 
     def wait(self) -> None:
-        """After backward: every bucket's slice has arrived."""
+        """After backward: every bucket's slice has arrived, averaged."""
         for work, _ in self.in_flight:
             work.wait()
         self.in_flight.clear()
+        for shard in self.shards:
+            shard.grad.div_(self.topo.world_size)
 
 
 def main():

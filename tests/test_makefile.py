@@ -85,6 +85,22 @@ def test_failing_scripts_fail_the_target_show_their_log_and_are_reported(tmp_pat
     assert (tmp_path / "outputs" / "report.md").exists()
 
 
+def test_a_folders_extra_runs_are_runs_of_their_own_with_their_flags(tmp_path):
+    """04_zero adds `optimized_zero_pytorch.py --stage 3` to its scripts' runs: its own log, and
+    a failed row that names its flags (the script here dies, so the Makefile writes the row)."""
+    project_copy(tmp_path, "04_zero",
+                 {"optimized_zero_pytorch.py": textwrap.dedent(DIES).lstrip()})
+    make = ["make", f"PYTHON={sys.executable}", "NPROC=1", "SIZE=tiny",
+            f"MASTER_PORT={common.free_port()}"]
+    run = subprocess.run([*make, "zero"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode != 0
+    assert "FAILED: 04_zero/optimized_zero_pytorch.py --stage 3" in run.stdout
+    assert (tmp_path / "outputs" / "logs" / "optimized_zero_pytorch--stage3.log").exists()
+    records = common.load_results(tmp_path / "outputs" / "results.jsonl")
+    assert sorted(str(r["variant"]) for r in records) == ["--stage 3", "None"]
+
+
 def test_two_nodes_through_make(tmp_path):
     """`make ddp` once per node: both succeed, though only node 0 holds rank 0 and prints."""
     project_copy(tmp_path, "01_ddp",

@@ -1,0 +1,99 @@
+"""PyTorch's own ZeRO on the same workload as the hand-written stages: the side-by-side check.
+
+What it does: `--stage 1` (the default) trains with DDP, tuned as baseline_zero.py, and
+torch.distributed.optim.ZeroRedundancyOptimizer around AdamW: DDP all-reduces the whole
+gradient, each rank runs AdamW on the parameters assigned to it (whole tensors, spread over the
+ranks greedily by size) and broadcasts them to the others. `--stage 3` applies FSDP2's
+`fully_shard` to each transformer block and then to the model (the embeddings and final norm):
+the same units as optimized_zero3.py's buckets, with FSDP2's own prefetching.
+Why it is here: a technique written by hand is checked against the library's. The losses must
+match the hand-written stage's to float rounding (tests/test_zero.py checks it), and
+`make zero report` puts the step time, peak memory and bytes sent side by side.
+Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero_pytorch.py --size small
+            torchrun --nproc_per_node=2 04_zero/optimized_zero_pytorch.py --size small --stage 3
+Look for:   the rows `optimized_zero_pytorch` (beside optimized_zero1) and
+            `optimized_zero_pytorch --stage 3` (beside optimized_zero3): step time, peak MB,
+            state MB and comm MB/step.
+Theory:     stage 1: per rank 4P + 4P + 8P/N bytes (its share of whole tensors is only close to
+            1/N); sent 2(N-1)/N x 4P all-reduced plus (N-1)/N x 4P broadcast (counted as a
+            pipelined broadcast), 1.5x the hand-written ZeRO-1's reduce-scatter + all-gather.
+            stage 3: per rank 16P/N bytes; sent (N-1)/N x 4 bytes x (3 x the blocks' parameters
+            + 2 x the root's, which FSDP2 keeps gathered from forward to backward).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+
+def pytorch_zero1(model: nn.Module, topo: common.Topology, lr: float):
+    """DDP + ZeroRedundancyOptimizer. Returns the model to train, the optimizer to step and the
+    one whose state this rank holds (ZeroRedundancyOptimizer's AdamW over its share)."""
+    ddp = DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+              gradient_as_bucket_view=True, static_graph=True)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+    return ddp, opt, opt.optim
+
+
+def pytorch_zero3(model: common.GPT, lr: float):
+    """FSDP2 on each block, then on the model for what is left (embeddings, final norm)."""
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    return model, opt, opt
+
+
+def main():
+    parser = common.parser(__doc__)
+    parser.add_argument("--stage", type=int, choices=[1, 3], default=1,
+                        help="1: DDP + ZeroRedundancyOptimizer; 3: FSDP2 fully_shard per block")
+    parser.add_summary_flag()
+    args = parser.parse_args()
+    if args.model != "gpt":
+        parser.error("04_zero shards the GPT's blocks: use --model gpt")
+    topo = common.setup(args)
+    model, batches = common.workload(args, topo)
+    n = topo.world_size
+    psi = sum(p.numel() for p in model.parameters())
+    in_blocks = sum(p.numel() for p in model.blocks.parameters())
+    if args.stage == 1:
+        model, opt, counted_opt = pytorch_zero1(model, topo, args.lr)
+    else:
+        model, opt, counted_opt = pytorch_zero3(model, args.lr)
+
+    def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        loss = model(inputs, targets)
+        loss.backward()
+        opt.step()
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, counted_opt))
+    mb = 4 * psi / 2**20
+    if args.stage == 1:
+        theory = {"params_mb": mb, "grads_mb": mb, "optim_mb": 2 * mb / n,
+                  "state_mb": 2 * mb + 2 * mb / n, "comm_mb": 3 * (n - 1) / n * mb}
+    else:
+        theory = {"params_mb": mb / n, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
+                  "state_mb": 4 * mb / n,
+                  "comm_mb": (n - 1) / n * 4 * (3 * in_blocks + 2 * (psi - in_blocks)) / 2**20}
+    measured = common.state_split_mb(model, counted_opt)
+    common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=counted_opt,
+                  comm_mb=stats.comm_mb, theory=theory, loss_tolerance=1e-5, stage=args.stage,
+                  **measured)
+    if args.summary:
+        common.print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
+                             theory=theory)
+
+
+if __name__ == "__main__":
+    common.run_main(main)

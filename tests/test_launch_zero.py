@@ -1,0 +1,102 @@
+"""Launch tests: 04_zero under torchrun with 2 CPU processes at `tiny`.
+
+Six launches shared through one module-scoped fixture: the DDP baseline, the three hand-written
+stages (ZeRO-3 with --summary) and PyTorch's own ZeRO-1 and ZeRO-3 on the same workload.
+"""
+
+import math
+
+import pytest
+
+import common
+from helpers import assert_bad_input_is_one_line, finish, only_record, torchrun
+
+FOLDER = common.ROOT / "04_zero"
+RUNS = {  # name: (script, flags)
+    "ddp": ("baseline_zero", []),
+    "zero1": ("optimized_zero1", []),
+    "zero2": ("optimized_zero2", []),
+    "zero3": ("optimized_zero3", ["--summary"]),
+    "pytorch1": ("optimized_zero_pytorch", []),
+    "pytorch3": ("optimized_zero_pytorch", ["--stage", "3"]),
+}
+STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "pytorch1": 1, "pytorch3": 3}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for name, (script, flags) in RUNS.items():
+        results = tmp_path_factory.mktemp(name) / "results.jsonl"
+        console = finish(torchrun(FOLDER / f"{script}.py", results, *flags))
+        out[name] = (only_record(results), console)
+    return out
+
+
+def relative_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / y for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_state_and_bytes_are_their_formulas_counted_from_the_tensors(runs, name):
+    rec, _ = runs[name]
+    assert rec["status"] == "ok" and rec["world_size"] == 2 and rec["stage"] == STAGE[name]
+    assert len(rec["losses"]) == 8 and all(math.isfinite(x) for x in rec["losses"])
+    for key in ("state_mb", "params_mb", "grads_mb", "optim_mb"):
+        assert rec[key] == pytest.approx(rec["theory"][key], rel=0.05), key
+    assert rec["state_mb"] == pytest.approx(
+        rec["params_mb"] + rec["grads_mb"] + rec["optim_mb"], abs=0.01)  # rounded to 0.01
+    assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
+def test_each_stage_trains_like_ddp_to_float_rounding(runs, name):
+    assert relative_diff(runs[name][0]["losses"], runs["ddp"][0]["losses"]) <= 1e-5
+
+
+@pytest.mark.parametrize("mine, theirs", [("zero1", "pytorch1"), ("zero3", "pytorch3")])
+def test_the_hand_written_stage_trains_like_pytorchs_own(runs, mine, theirs):
+    assert relative_diff(runs[mine][0]["losses"], runs[theirs][0]["losses"]) <= 1e-5
+    assert runs[theirs][0]["variant"] == (None if theirs == "pytorch1" else "--stage 3")
+
+
+def test_each_stage_shards_one_more_kind_of_state(runs):
+    ddp, z1, z2, z3 = (runs[n][0] for n in ("ddp", "zero1", "zero2", "zero3"))
+    assert ddp["optim_mb"] > 1.9 * z1["optim_mb"]
+    assert z1["grads_mb"] > 1.9 * z2["grads_mb"] and z2["params_mb"] > 1.9 * z3["params_mb"]
+    assert ddp["state_mb"] > z1["state_mb"] > z2["state_mb"] > z3["state_mb"]
+
+
+def test_the_peak_shows_a_full_gradient_only_where_one_is_kept(runs):
+    ddp, z1, z2, z3 = (runs[n][0] for n in ("ddp", "zero1", "zero2", "zero3"))
+    full = 4 * ddp["params"] / 2**20
+    assert z1["memory"]["grads"] == pytest.approx(full, rel=0.02)  # ZeRO-1 keeps it
+    assert z2["memory"]["grads"] < full / 2 and z3["memory"]["grads"] < full / 2
+    assert z1["memory"]["optim"] == pytest.approx(ddp["memory"]["optim"] / 2, rel=0.02)
+    assert ddp["peak_mem_mb"] > z1["peak_mem_mb"] > z2["peak_mem_mb"]
+    assert z3["peak_mem_mb"] < ddp["peak_mem_mb"]
+
+
+def test_zero3_holds_its_shards_and_at_most_two_blocks_and_the_root_in_full(runs):
+    z3 = runs["zero3"][0]
+    size = common.SIZES["tiny"]
+    d = size.d_model
+    block, root = 12 * d * d + 13 * d, (size.vocab_size + size.seq_len + 2) * d
+    gathered = z3["memory"]["params"] - z3["params_mb"]
+    assert 0 < gathered <= 4 * (2 * block + root) / 2**20 * 1.01
+
+
+def test_summary_prints_each_ranks_state_beside_its_formula(runs):
+    rec, console = runs["zero3"]
+    assert rec["variant"] is None  # --summary changes what is printed, not what runs
+    table = [line for line in console.splitlines() if line.startswith("|")]
+    assert "params MB" in table[0] and "comm MB/step" in table[0]
+    rows = {line.split("|")[1].strip(): line for line in table[2:]}
+    assert set(rows) == {"0", "1"}
+    params = f"{rec['params_mb']:,.2f} ({rec['theory']['params_mb']:,.2f})"
+    assert params in rows["0"] and "measured (formula)" in console
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path):
+    assert_bad_input_is_one_line(FOLDER / "optimized_zero2.py", ["--model", "resnet"],
+                                 "--model gpt", tmp_path)
