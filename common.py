@@ -114,7 +114,6 @@ class RecipeParser(argparse.ArgumentParser):
             for v in [getattr(ns, a.dest)] if v != a.default) or None
         return ns
 
-
     def add_summary_flag(self) -> None:
         """`--summary` (see `print_summary`); it prints more, so the run is no variant."""
         self.add_argument("--summary", action="store_true",
@@ -563,6 +562,15 @@ def peak_tensor_memory(step: Callable[[], object], tracked: Sequence, device: to
                     set(self._mod_tracker.parents) - {name} == {"Global"}:
                 self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+            """A buffer labelled after it was made (a backward hook allocates a gradient bucket,
+            then makes parameters' .grad views into it) is relabelled at the peak it made too."""
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            current = self._curr_mem_snap.get(winfo.device, {})
+            if old_reftype is not None and current.get("Total") == \
+                    self._peak_mem.get(winfo.device):
+                self._peak_mem_snap[winfo.device] = dict(current)
 
     tracker = StepTracker()
     # Every live tensor as `other` first (type(), not isinstance(): that reads __class__, which

@@ -38,6 +38,8 @@ def main():
                         help="gradient bucket size in MiB (DDP's default: 25)")
     parser.add_summary_flag()
     args = parser.parse_args()
+    if args.model != "gpt":
+        parser.error("04_zero buckets the GPT's blocks: use --model gpt")
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     model = wrap_ddp(model, topo, args.bucket_mb)

@@ -43,8 +43,8 @@ def units_in_gradient_order(model: common.GPT) -> list[list[nn.Parameter]]:
 
 @dataclass
 class Bucket:
-    """Parameters laid out one after another at [offset, offset + numel) of a flat buffer;
-    numel is padded to a multiple of the world size so every rank owns an equal slice."""
+    """Parameters laid out one after another at [offset, offset + numel) of the model's flat
+    layout; numel is padded to a multiple of the world size so every rank owns an equal slice."""
     params: list[nn.Parameter]
     offset: int
     numel: int
@@ -59,6 +59,7 @@ class Bucket:
 
 
 def partition(units: list[list[nn.Parameter]], world: int) -> list[Bucket]:
+    """One bucket per unit, back to back: rank r owns the r-th 1/N of every bucket."""
     buckets, offset = [], 0
     for params in units:
         numel = -(-sum(p.numel() for p in params) // world) * world  # rounded up to N
@@ -98,25 +99,13 @@ def owned_shards(buckets: list[Bucket], flat_params: torch.Tensor, flat_grads: t
     return shards
 
 
-def reduce_scatter_grads(buckets: list[Bucket], flat_grads: torch.Tensor,
-                         topo: common.Topology) -> None:
-    """Sum each bucket's gradient over ranks into the slice this rank owns, in place (the output
-    is the input's own slice, which NCCL and gloo both allow; the rest is stale after), then
-    average that slice: 1/N of the work of dividing the whole gradient first, as DDP does."""
-    owned = [b.owned(flat_grads, topo.rank, topo.world_size) for b in buckets]
-    works = [common.reduce_scatter_single(mine, b.whole(flat_grads), async_op=True)
-             for mine, b in zip(owned, buckets, strict=True)]
-    for work, mine in zip(works, owned, strict=True):
-        work.wait()
-        mine.div_(topo.world_size)
-
-
 class ParamGatherer:
     """All-gathers every rank's updated slices into every rank's parameters, overlapped with the
     next forward (Megatron-LM's distributed optimizer does the same: --overlap-param-gather).
     `start`, after the step, launches every bucket's all-gather in the order forward uses them;
     a hook before each block (before the model, for the embeddings) waits for that block's
-    bucket only. In place: each rank's input is its own slice of the output."""
+    bucket only. In place: each rank's input is its own slice of the output. (On GPU, timed
+    with the device synchronised after each step, the all-gathers finish inside the step.)"""
 
     def __init__(self, model: common.GPT, buckets: list[Bucket], flat_params: torch.Tensor,
                  topo: common.Topology):
@@ -135,11 +124,27 @@ class ParamGatherer:
                 bucket.whole(self.flat_params), bucket.owned(self.flat_params, rank, world),
                 async_op=True)
 
-    def wait(self, i: int | None = None) -> None:
-        """Bucket i's parameters (without i: every bucket's) are up to date when this returns."""
-        for j in list(self.pending) if i is None else [i]:
-            if j in self.pending:
-                self.pending.pop(j).wait()
+    def wait(self, i: int) -> None:
+        """Bucket i's parameters are up to date when this returns."""
+        if i in self.pending:
+            self.pending.pop(i).wait()
+
+    def wait_all(self) -> None:
+        for i in list(self.pending):
+            self.wait(i)
+
+
+def reduce_scatter_grads(buckets: list[Bucket], flat_grads: torch.Tensor,
+                         topo: common.Topology) -> None:
+    """Sum each bucket's gradient over ranks into the slice this rank owns, in place (the output
+    is the input's own slice, which NCCL and gloo both allow; the rest is stale after), then
+    average that slice: 1/N of the work of dividing the whole gradient first, as DDP does."""
+    owned = [b.owned(flat_grads, topo.rank, topo.world_size) for b in buckets]
+    works = [common.reduce_scatter_single(mine, b.whole(flat_grads), async_op=True)
+             for mine, b in zip(owned, buckets, strict=True)]
+    for work, mine in zip(works, owned, strict=True):
+        work.wait()
+        mine.div_(topo.world_size)
 
 
 def main():
@@ -166,7 +171,7 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    gatherer.wait()  # the last step's parameters, before anything reads them
+    gatherer.wait_all()  # the last step's parameters, before anything reads them
     mb = 4 * sum(b.numel for b in buckets) / 2**20  # 4P bytes, P = parameters with padding
     theory = {"params_mb": mb, "grads_mb": mb, "optim_mb": 2 * mb / n,
               "state_mb": 2 * mb + 2 * mb / n, "comm_mb": 2 * (n - 1) / n * mb}

@@ -43,8 +43,8 @@ def units_in_gradient_order(model: common.GPT) -> list[list[nn.Parameter]]:
 
 @dataclass
 class Bucket:
-    """Parameters laid out one after another at [offset, offset + numel) of a flat buffer;
-    numel is padded to a multiple of the world size so every rank owns an equal slice."""
+    """Parameters laid out one after another at [offset, offset + numel) of the model's flat
+    layout; numel is padded to a multiple of the world size so every rank owns an equal slice."""
     params: list[nn.Parameter]
     offset: int
     numel: int
@@ -59,6 +59,7 @@ class Bucket:
 
 
 def partition(units: list[list[nn.Parameter]], world: int) -> list[Bucket]:
+    """One bucket per unit, back to back: rank r owns the r-th 1/N of every bucket."""
     buckets, offset = [], 0
     for params in units:
         numel = -(-sum(p.numel() for p in params) // world) * world  # rounded up to N
@@ -90,56 +91,13 @@ def owned_shards(buckets: list[Bucket], flat_params: torch.Tensor,
     return [nn.Parameter(b.owned(flat_params, topo.rank, topo.world_size)) for b in buckets]
 
 
-class GradReducer:
-    """Backward hooks that keep only this rank's slice of the gradient. A parameter's gradient
-    is copied into its bucket's buffer and freed as soon as backward has produced it; a full
-    bucket is reduce-scattered at once (backward goes on with the buckets before it) into the
-    gradient of this rank's shard, and its buffer dropped when that is done. Summed over ranks,
-    then averaged on the shard: 1/N of the work of dividing the whole gradient first."""
-
-    def __init__(self, buckets: list[Bucket], shards: list[nn.Parameter], topo: common.Topology):
-        self.buckets, self.shards, self.topo = buckets, shards, topo
-        self.filling: dict[int, list] = {}  # bucket index -> [buffer, gradients copied in]
-        self.in_flight: list[tuple[dist.Work, torch.Tensor]] = []
-        for i, bucket in enumerate(buckets):
-            offset = 0
-            for p in bucket.params:
-                p.register_post_accumulate_grad_hook(functools.partial(self.add_grad, i, offset))
-                offset += p.numel()
-
-    def add_grad(self, i: int, offset: int, p: nn.Parameter) -> None:
-        self.in_flight = [(w, b) for w, b in self.in_flight if not w.is_completed()]
-        bucket = self.buckets[i]
-        if i not in self.filling:
-            buffer = torch.empty(bucket.numel, device=p.device)
-            buffer[sum(q.numel() for q in bucket.params):].zero_()  # the padding
-            self.filling[i] = [buffer, 0]
-        filling = self.filling[i]
-        filling[0][offset:offset + p.numel()].copy_(p.grad.flatten())
-        p.grad = None
-        filling[1] += 1
-        if filling[1] == len(bucket.params):
-            buffer = self.filling.pop(i)[0]
-            shard = self.shards[i]
-            shard.grad = torch.empty_like(shard)
-            work = common.reduce_scatter_single(shard.grad, buffer, async_op=True)
-            self.in_flight.append((work, buffer))
-
-    def wait(self) -> None:
-        """After backward: every bucket's slice has arrived, averaged."""
-        for work, _ in self.in_flight:
-            work.wait()
-        self.in_flight.clear()
-        for shard in self.shards:
-            shard.grad.div_(self.topo.world_size)
-
-
 class ParamGatherer:
     """All-gathers every rank's updated slices into every rank's parameters, overlapped with the
     next forward (Megatron-LM's distributed optimizer does the same: --overlap-param-gather).
     `start`, after the step, launches every bucket's all-gather in the order forward uses them;
     a hook before each block (before the model, for the embeddings) waits for that block's
-    bucket only. In place: each rank's input is its own slice of the output."""
+    bucket only. In place: each rank's input is its own slice of the output. (On GPU, timed
+    with the device synchronised after each step, the all-gathers finish inside the step.)"""
 
     def __init__(self, model: common.GPT, buckets: list[Bucket], flat_params: torch.Tensor,
                  topo: common.Topology):
@@ -158,11 +116,75 @@ class ParamGatherer:
                 bucket.whole(self.flat_params), bucket.owned(self.flat_params, rank, world),
                 async_op=True)
 
-    def wait(self, i: int | None = None) -> None:
-        """Bucket i's parameters (without i: every bucket's) are up to date when this returns."""
-        for j in list(self.pending) if i is None else [i]:
-            if j in self.pending:
-                self.pending.pop(j).wait()
+    def wait(self, i: int) -> None:
+        """Bucket i's parameters are up to date when this returns."""
+        if i in self.pending:
+            self.pending.pop(i).wait()
+
+    def wait_all(self) -> None:
+        for i in list(self.pending):
+            self.wait(i)
+
+
+class GradReducer:
+    """Backward hooks that keep only this rank's slice of the gradient. As soon as backward has
+    produced a parameter's gradient it is copied into its bucket's buffer, and the parameter's
+    .grad becomes a view there (the tensor autograd made is freed). When a bucket's last
+    gradient is in, the bucket is reduce-scattered at once, while backward goes on with the
+    buckets before it, into the gradient of this rank's shard; once that is done the bucket, the
+    full gradient of its parameters, is dropped. Summed over ranks, then averaged on the shard:
+    1/N of the work of dividing the whole gradient first."""
+
+    def __init__(self, buckets: list[Bucket], shards: list[nn.Parameter], topo: common.Topology):
+        self.buckets, self.shards, self.topo = buckets, shards, topo
+        self.buffers: dict[int, torch.Tensor] = {}  # bucket index -> its full gradient
+        self.copied: dict[int, int] = {}  # bucket index -> gradients copied into it so far
+        self.in_flight: list[tuple[dist.Work, int]] = []  # reduce-scatters and their buckets
+        for i, bucket in enumerate(buckets):
+            offset = 0
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(functools.partial(self.add_grad, i, offset))
+                offset += p.numel()
+
+    def add_grad(self, i: int, offset: int, p: nn.Parameter) -> None:
+        self.drop_reduced()
+        bucket = self.buckets[i]
+        if i not in self.buffers:
+            self.buffers[i] = torch.empty(bucket.numel, device=p.device)
+            self.buffers[i][sum(q.numel() for q in bucket.params):].zero_()  # the padding
+            self.copied[i] = 0
+        grad = self.buffers[i][offset:offset + p.numel()].view_as(p)
+        grad.copy_(p.grad)
+        p.grad = grad
+        self.copied[i] += 1
+        if self.copied[i] == len(bucket.params):
+            shard = self.shards[i]
+            shard.grad = torch.empty_like(shard)
+            work = common.reduce_scatter_single(shard.grad, self.buffers[i], async_op=True)
+            self.in_flight.append((work, i))
+
+    def drop_reduced(self, wait: bool = False) -> None:
+        """Drop the buckets whose reduce-scatter is done; with `wait`, all of them."""
+        pending = []
+        for work, i in self.in_flight:
+            if wait:
+                work.wait()
+            elif not work.is_completed():
+                pending.append((work, i))
+                continue
+            del self.buffers[i], self.copied[i]
+            for p in self.buckets[i].params:
+                p.grad = None
+        self.in_flight = pending
+
+    def wait(self) -> None:
+        """After backward: every bucket reduced and dropped, every shard's gradient averaged."""
+        self.drop_reduced(wait=True)
+        for i, shard in enumerate(self.shards):
+            if shard.grad is None:
+                raise RuntimeError(f"bucket {i} got no gradient: these hooks need every "
+                                   "parameter to take part in every step")
+            shard.grad.div_(self.topo.world_size)
 
 
 def main():
@@ -191,7 +213,7 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    gatherer.wait()  # the last step's parameters, before anything reads them
+    gatherer.wait_all()  # the last step's parameters, before anything reads them
     mb = 4 * sum(b.numel for b in buckets) / 2**20  # 4P bytes, P = parameters with padding
     theory = {"params_mb": mb, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
               "state_mb": mb + 3 * mb / n, "comm_mb": 2 * (n - 1) / n * mb}

@@ -11,9 +11,10 @@ produced them, freeing the parameters then. The embeddings and final norm, used 
 the step, are gathered once at the start of forward and freed at the end of backward, as FSDP2
 does for its root. AdamW updates the owned slices in place: there is nothing to all-gather after
 the step, the next forward gathers what it needs.
-Why it helps: memory per rank falls to 16 bytes per parameter / N plus about two blocks in full,
-so a model N times larger than one rank's memory trains; the price is one more all-gather of
-the parameters per step (1.5x ZeRO-2's traffic), which the prefetching hides where it can.
+Why it helps: memory per rank falls to 16 bytes per parameter / N, plus about two blocks and
+the embeddings in full, so a model N times larger than one rank's memory trains; the price is
+one more all-gather of the parameters per step (1.5x ZeRO-2's traffic), which the prefetching
+hides where it can.
 Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero3.py --size small [--summary]
 Look for:   `make zero report`: state MB = theory.state_mb, losses equal to baseline_zero's to
             float rounding, the lowest peak of the folder; optimized_zero_pytorch.py --stage 3
@@ -22,9 +23,9 @@ Theory:     per rank 16P/N bytes (params, grads, optimizer 4P/N, 4P/N, 8P/N), P 
             with each bucket's padding, plus the blocks gathered at a time; sent per step
             (N-1)/N x 4 bytes x (3 x the blocks' parameters + 2 x the embeddings' and final
             norm's): two all-gathers and a reduce-scatter, against ZeRO-2's 2 x (N-1)/N x 4P.
-            Under bf16 autocast (GPU), autograd keeps the bf16 copies of the weights it saved for
-            backward, so the parameters' saving shrinks by 2 bytes per parameter; FSDP2's
-            MixedPrecisionPolicy gathers in bf16 to avoid that.
+            Expect less under bf16 autocast (the GPU default; not measured here, no GPU was
+            available): autograd keeps the bf16 copies of the weights it saved for backward
+            until then, 2 bytes per parameter; FSDP2's MixedPrecisionPolicy gathers in bf16.
 """
 
 import functools
@@ -51,8 +52,8 @@ def units_in_gradient_order(model: common.GPT) -> list[list[nn.Parameter]]:
 
 @dataclass
 class Bucket:
-    """Parameters laid out one after another at [offset, offset + numel) of a flat buffer;
-    numel is padded to a multiple of the world size so every rank owns an equal slice."""
+    """Parameters laid out one after another at [offset, offset + numel) of the model's flat
+    layout; numel is padded to a multiple of the world size so every rank owns an equal slice."""
     params: list[nn.Parameter]
     offset: int
     numel: int
@@ -63,6 +64,7 @@ class Bucket:
 
 
 def partition(units: list[list[nn.Parameter]], world: int) -> list[Bucket]:
+    """One bucket per unit, back to back: rank r owns the r-th 1/N of every bucket."""
     buckets, offset = [], 0
     for params in units:
         numel = -(-sum(p.numel() for p in params) // world) * world  # rounded up to N
@@ -74,7 +76,11 @@ def partition(units: list[list[nn.Parameter]], world: int) -> list[Bucket]:
 def shard_params(buckets: list[Bucket], topo: common.Topology
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Keep this rank's slice of every bucket in one buffer of 1/N of the model; each parameter
-    becomes a view into its bucket's unsharded buffer, whose storage is freed until gathered."""
+    becomes a view into its bucket's unsharded buffer, whose storage is freed until gathered.
+    Made with `p.data = ...`, the views keep their own autograd version counters, so refilling
+    the storage does not trip the check on the weights autograd saved for backward (a plain
+    slice shares the buffer's counter; FSDP2 refills under
+    torch.autograd._unsafe_preserve_version_counter instead)."""
     n = topo.world_size
     param_shards = torch.zeros(sum(b.numel for b in buckets) // n, device=topo.device)
     unsharded = []
@@ -102,7 +108,11 @@ def owned_shards(buckets: list[Bucket], param_shards: torch.Tensor,
 
 
 class ParamGatherer:
-    """Hooks that hold a bucket's parameters in full only around its compute (see the top)."""
+    """Hooks that hold a bucket's parameters in full only around its compute. Before a block's
+    forward: gather it (if its prefetch has not) and start the next block's all-gather; after:
+    free it, and hook its output's gradient, which arrives just before backward enters the
+    block, to gather it again and start the previous block's. The embeddings and final norm are
+    gathered before the model's forward and freed by GradReducer after their backward."""
 
     def __init__(self, model: common.GPT, shards: list[nn.Parameter],
                  unsharded: list[torch.Tensor]):
@@ -142,19 +152,22 @@ class ParamGatherer:
 
 
 class GradReducer:
-    """Backward hooks that keep only this rank's slice of the gradient. A parameter's gradient
-    is copied into its bucket's buffer and freed as soon as backward has produced it; a full
-    bucket is reduce-scattered at once (backward goes on with the buckets before it) into the
-    gradient of this rank's shard, and its buffer dropped when that is done. Summed over ranks,
-    then averaged on the shard: 1/N of the work of dividing the whole gradient first. Backward
-    is then done with the bucket's parameters, so they are freed too."""
+    """Backward hooks that keep only this rank's slice of the gradient. As soon as backward has
+    produced a parameter's gradient it is copied into its bucket's buffer, and the parameter's
+    .grad becomes a view there (the tensor autograd made is freed). When a bucket's last
+    gradient is in, the bucket is reduce-scattered at once, while backward goes on with the
+    buckets before it, into the gradient of this rank's shard; once that is done the bucket, the
+    full gradient of its parameters, is dropped. Summed over ranks, then averaged on the shard:
+    1/N of the work of dividing the whole gradient first. Backward is then done with the
+    bucket's parameters, so they are freed as soon as its reduce-scatter starts."""
 
     def __init__(self, buckets: list[Bucket], shards: list[nn.Parameter], topo: common.Topology,
                  gatherer: ParamGatherer):
         self.buckets, self.shards, self.topo = buckets, shards, topo
         self.gatherer = gatherer
-        self.filling: dict[int, list] = {}  # bucket index -> [buffer, gradients copied in]
-        self.in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+        self.buffers: dict[int, torch.Tensor] = {}  # bucket index -> its full gradient
+        self.copied: dict[int, int] = {}  # bucket index -> gradients copied into it so far
+        self.in_flight: list[tuple[dist.Work, int]] = []  # reduce-scatters and their buckets
         for i, bucket in enumerate(buckets):
             offset = 0
             for p in bucket.params:
@@ -162,30 +175,44 @@ class GradReducer:
                 offset += p.numel()
 
     def add_grad(self, i: int, offset: int, p: nn.Parameter) -> None:
-        self.in_flight = [(w, b) for w, b in self.in_flight if not w.is_completed()]
+        self.drop_reduced()
         bucket = self.buckets[i]
-        if i not in self.filling:
-            buffer = torch.empty(bucket.numel, device=p.device)
-            buffer[sum(q.numel() for q in bucket.params):].zero_()  # the padding
-            self.filling[i] = [buffer, 0]
-        filling = self.filling[i]
-        filling[0][offset:offset + p.numel()].copy_(p.grad.flatten())
-        p.grad = None
-        filling[1] += 1
-        if filling[1] == len(bucket.params):
-            buffer = self.filling.pop(i)[0]
+        if i not in self.buffers:
+            self.buffers[i] = torch.empty(bucket.numel, device=p.device)
+            self.buffers[i][sum(q.numel() for q in bucket.params):].zero_()  # the padding
+            self.copied[i] = 0
+        grad = self.buffers[i][offset:offset + p.numel()].view_as(p)
+        grad.copy_(p.grad)
+        p.grad = grad
+        self.copied[i] += 1
+        if self.copied[i] == len(bucket.params):
             shard = self.shards[i]
             shard.grad = torch.empty_like(shard)
-            work = common.reduce_scatter_single(shard.grad, buffer, async_op=True)
-            self.in_flight.append((work, buffer))
+            work = common.reduce_scatter_single(shard.grad, self.buffers[i], async_op=True)
+            self.in_flight.append((work, i))
             self.gatherer.free(i)
 
+    def drop_reduced(self, wait: bool = False) -> None:
+        """Drop the buckets whose reduce-scatter is done; with `wait`, all of them."""
+        pending = []
+        for work, i in self.in_flight:
+            if wait:
+                work.wait()
+            elif not work.is_completed():
+                pending.append((work, i))
+                continue
+            del self.buffers[i], self.copied[i]
+            for p in self.buckets[i].params:
+                p.grad = None
+        self.in_flight = pending
+
     def wait(self) -> None:
-        """After backward: every bucket's slice has arrived, averaged."""
-        for work, _ in self.in_flight:
-            work.wait()
-        self.in_flight.clear()
-        for shard in self.shards:
+        """After backward: every bucket reduced and dropped, every shard's gradient averaged."""
+        self.drop_reduced(wait=True)
+        for i, shard in enumerate(self.shards):
+            if shard.grad is None:
+                raise RuntimeError(f"bucket {i} got no gradient: these hooks need every "
+                                   "parameter to take part in every step")
             shard.grad.div_(self.topo.world_size)
 
 

@@ -5,11 +5,12 @@ stages (ZeRO-3 with --summary) and PyTorch's own ZeRO-1 and ZeRO-3 on the same w
 """
 
 import math
+import shutil
 
 import pytest
 
 import common
-from helpers import assert_bad_input_is_one_line, finish, only_record, torchrun
+from helpers import assert_bad_input_is_one_line, finish, torchrun
 
 FOLDER = common.ROOT / "04_zero"
 RUNS = {  # name: (script, flags)
@@ -21,15 +22,21 @@ RUNS = {  # name: (script, flags)
     "pytorch3": ("optimized_zero_pytorch", ["--stage", "3"]),
 }
 STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "pytorch1": 1, "pytorch3": 3}
+TINY = common.SIZES["tiny"]
+BLOCK = 12 * TINY.d_model**2 + 13 * TINY.d_model  # parameters of a block, and of the rest:
+ROOT = (TINY.vocab_size + TINY.seq_len + 2) * TINY.d_model  # embeddings and final norm
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
+    out, files = {}, {}
     for name, (script, flags) in RUNS.items():
-        results = tmp_path_factory.mktemp(name) / "results.jsonl"
-        console = finish(torchrun(FOLDER / f"{script}.py", results, *flags))
-        out[name] = (only_record(results), console)
+        files[name] = tmp_path_factory.mktemp(name) / "results.jsonl"
+        if name == "zero3":  # --summary finds the baseline's peak in the results file
+            shutil.copy(files["ddp"], files[name])
+        console = finish(torchrun(FOLDER / f"{script}.py", files[name], *flags))
+        out[name] = (common.load_results(files[name])[-1], console)
+    assert all(len(common.load_results(files[name])) == 1 for name in RUNS if name != "zero3")
     return out
 
 
@@ -71,7 +78,9 @@ def test_the_peak_shows_a_full_gradient_only_where_one_is_kept(runs):
     ddp, z1, z2, z3 = (runs[n][0] for n in ("ddp", "zero1", "zero2", "zero3"))
     full = 4 * ddp["params"] / 2**20
     assert z1["memory"]["grads"] == pytest.approx(full, rel=0.02)  # ZeRO-1 keeps it
-    assert z2["memory"]["grads"] < full / 2 and z3["memory"]["grads"] < full / 2
+    for rec in (z2, z3):  # the buckets being filled or reduced (here 2 blocks are all of them)
+        assert 0 < rec["memory"]["grads"] <= 4 * (2 * BLOCK + ROOT) / 2**20
+        assert rec["memory"]["grads"] < 0.9 * z1["memory"]["grads"]
     assert z1["memory"]["optim"] == pytest.approx(ddp["memory"]["optim"] / 2, rel=0.02)
     assert ddp["peak_mem_mb"] > z1["peak_mem_mb"] > z2["peak_mem_mb"]
     assert z3["peak_mem_mb"] < ddp["peak_mem_mb"]
@@ -79,11 +88,8 @@ def test_the_peak_shows_a_full_gradient_only_where_one_is_kept(runs):
 
 def test_zero3_holds_its_shards_and_at_most_two_blocks_and_the_root_in_full(runs):
     z3 = runs["zero3"][0]
-    size = common.SIZES["tiny"]
-    d = size.d_model
-    block, root = 12 * d * d + 13 * d, (size.vocab_size + size.seq_len + 2) * d
     gathered = z3["memory"]["params"] - z3["params_mb"]
-    assert 0 < gathered <= 4 * (2 * block + root) / 2**20 * 1.01
+    assert 0 < gathered <= 4 * (2 * BLOCK + ROOT) / 2**20 * 1.01
 
 
 def test_summary_prints_each_ranks_state_beside_its_formula(runs):
@@ -95,6 +101,7 @@ def test_summary_prints_each_ranks_state_beside_its_formula(runs):
     assert set(rows) == {"0", "1"}
     params = f"{rec['params_mb']:,.2f} ({rec['theory']['params_mb']:,.2f})"
     assert params in rows["0"] and "measured (formula)" in console
+    assert f"({runs['ddp'][0]['peak_mem_mb']:,.1f})" in rows["0"]  # beside the baseline's peak
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path):

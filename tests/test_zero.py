@@ -1,8 +1,8 @@
 """Unit tests for 04_zero's pure parts (units, the flat partitioner, flattening, sharding), and
-every stage against the DDP baseline at an odd world size.
+every stage against the DDP baseline at odd world sizes, 3 and 1.
 
-The odd world runs each script's own `main()` in three spawned gloo processes (cheaper than four
-torchrun launches); rank 0 writes the records and the test compares their losses here.
+Those run each script's own `main()` in spawned gloo processes (cheaper than torchrun
+launches); rank 0 writes the records and the tests compare them here.
 """
 
 import os
@@ -131,17 +131,19 @@ def _run_every_script(rank: int, world: int, port: int, results: str) -> None:
         common.run_main(load_recipe(path).main)
 
 
-@pytest.fixture(scope="module")
-def odd_world(tmp_path_factory):
-    results = tmp_path_factory.mktemp("odd") / "results.jsonl"
-    mp.spawn(_run_every_script, args=(3, common.free_port(), str(results)), nprocs=3)
-    return {rec["script"]: rec for rec in common.load_results(results)}
+@pytest.fixture(scope="module", params=[3, 1], ids=["3 ranks", "a world of one"])
+def world(request, tmp_path_factory):
+    results = tmp_path_factory.mktemp("world") / "results.jsonl"
+    mp.spawn(_run_every_script, args=(request.param, common.free_port(), str(results)),
+             nprocs=request.param)
+    return request.param, {rec["script"]: rec for rec in common.load_results(results)}
 
 
 @pytest.mark.parametrize("script", SCRIPTS[1:])
-def test_each_stage_trains_like_ddp_at_three_ranks(odd_world, script):
-    base, rec = odd_world["baseline_zero"], odd_world[script]
-    assert rec["status"] == "ok" and rec["world_size"] == 3
+def test_each_stage_trains_like_ddp_at_an_odd_world_size(world, script):
+    n, runs = world
+    base, rec = runs["baseline_zero"], runs[script]
+    assert rec["status"] == "ok" and rec["world_size"] == n
     assert max(abs(a - b) / b for a, b in zip(rec["losses"], base["losses"], strict=True)) <= 1e-5
     for key in ("state_mb", "params_mb", "grads_mb", "optim_mb", "comm_mb"):
         assert rec[key] == pytest.approx(rec["theory"][key], rel=0.05), key
