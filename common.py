@@ -1032,14 +1032,15 @@ def _cli(argv: Sequence[str]) -> int:
         return 0
     run_args, own_flags = parser(None).parse_known_args(script_args)
     folder, script = args.script.resolve().parent.name, args.script.stem
+    variant = " ".join(own_flags) or None
     since = datetime.datetime.fromtimestamp(int(args.since), datetime.UTC)
     for rec in load_results(run_args.results):
-        if (rec.get("folder"), rec.get("script")) == (folder, script) and \
+        if (rec.get("folder"), rec.get("script"), rec.get("variant")) == \
+                (folder, script, variant) and \
                 datetime.datetime.fromisoformat(rec["time"]) >= since:
             return 0  # the run wrote its own record (ok, skipped or failed): keep that one
     rec = _base_record(run_args, None, None, "failed", args.reason)
-    rec.update(folder=folder, script=script, world_size=args.world_size,
-               variant=" ".join(own_flags) or None)
+    rec.update(folder=folder, script=script, world_size=args.world_size, variant=variant)
     _append(run_args.results, rec)
     return 0
 

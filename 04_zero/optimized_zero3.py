@@ -40,6 +40,10 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
+# Exact in fp32: the same sums, in another order at most. Under bf16 autocast (GPU) such
+# last-bit differences grow through the low-precision steps, as for FSDP in 03_fsdp.
+LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+
 
 def units_in_gradient_order(model: common.GPT) -> list[list[nn.Parameter]]:
     """The parameters grouped by block, in the order backward completes their gradients: the
@@ -249,8 +253,8 @@ def main():
                              for g, b in zip(gathers, buckets, strict=True))}
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
-                  comm_mb=stats.comm_mb, theory=theory, loss_tolerance=1e-5, stage=3,
-                  **measured)
+                  comm_mb=stats.comm_mb, theory=theory, stage=3,
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], **measured)
     if args.summary:
         common.print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
                              theory=theory)

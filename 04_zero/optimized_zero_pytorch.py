@@ -33,6 +33,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
+# Exact in fp32: the same sums, in another order at most. Under bf16 autocast (GPU) such
+# last-bit differences grow through the low-precision steps, as for FSDP in 03_fsdp.
+LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+
 
 def pytorch_zero1(model: nn.Module, topo: common.Topology, lr: float):
     """DDP + ZeroRedundancyOptimizer. Returns the model to train, the optimizer to step and the
@@ -88,8 +92,8 @@ def main():
                   "comm_mb": (n - 1) / n * 4 * (3 * in_blocks + 2 * (psi - in_blocks)) / 2**20}
     measured = common.state_split_mb(model, counted_opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=counted_opt,
-                  comm_mb=stats.comm_mb, theory=theory, loss_tolerance=1e-5, stage=args.stage,
-                  **measured)
+                  comm_mb=stats.comm_mb, theory=theory, stage=args.stage,
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], **measured)
     if args.summary:
         common.print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
                              theory=theory)
