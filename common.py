@@ -365,6 +365,30 @@ class Block(nn.Module):
         return x + self.fc_proj(F.gelu(self.fc(self.ln2(x))))
 
 
+class Embeddings(nn.Module):
+    """Token plus position embeddings: a pipeline's first layer (wraps the GPT's own modules)."""
+
+    def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding):
+        super().__init__()
+        self.tok_emb, self.pos_emb = tok_emb, pos_emb
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1],
+                                                                device=tokens.device))
+
+
+class LossHead(nn.Module):
+    """Final norm, head and mean cross-entropy: a pipeline's last layer (the GPT's own modules)."""
+
+    def __init__(self, ln_f: nn.LayerNorm, head: nn.Linear):
+        super().__init__()
+        self.ln_f, self.head = ln_f, head
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
 class GPT(nn.Module):
     """Pre-norm decoder with a tied head. `forward(tokens, targets)` returns the mean loss."""
 
@@ -396,6 +420,16 @@ class GPT(nn.Module):
                 x = block(x)
             logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model as the ordered layers a pipeline cuts into stages: the embeddings, each
+        block, then the final norm, head and loss (`layers[-1](x, targets)`). They are this
+        model's own modules, so cutting changes neither the parameters nor their initialisation;
+        run in order under the model's autocast they compute `forward` (a unit test checks it).
+        The head's weight is the embedding's: cut apart, the first and last stages each hold it,
+        and a pipeline sums its two gradients every step (as Megatron-LM does)."""
+        return [Embeddings(self.tok_emb, self.pos_emb), *self.blocks,
+                LossHead(self.ln_f, self.head)]
 
 
 class Classifier(nn.Module):

@@ -91,6 +91,21 @@ def test_resnet_workload_returns_a_loss_for_images():
     assert model(images, labels).ndim == 0
 
 
+def test_the_gpts_pipeline_layers_are_its_own_modules_in_forward_order():
+    torch.manual_seed(0)
+    model = common.GPT(common.SIZES["tiny"], 16)
+    names_before = [name for name, _ in model.named_parameters()]
+    layers = model.pipeline_layers()
+    assert len(layers) == len(model.blocks) + 2 and layers[1] is model.blocks[0]
+    assert layers[0].tok_emb.weight is layers[-1].head.weight is model.tok_emb.weight  # tied
+    assert [name for name, _ in model.named_parameters()] == names_before  # nothing registered
+    tokens = torch.randint(common.SIZES["tiny"].vocab_size, (2, 17))
+    x = tokens[:, :-1]
+    for layer in layers[:-1]:
+        x = layer(x)
+    assert torch.equal(layers[-1](x, tokens[:, 1:]), model(tokens[:, :-1], tokens[:, 1:]))
+
+
 # --- parameter and memory counting ------------------------------------------------------------
 @pytest.mark.parametrize("size", ["tiny", "small"])
 def test_gpt_param_count_matches_the_built_model(size):
