@@ -692,14 +692,18 @@ def ddp_bucket_bytes(model: nn.Module) -> list[int]:
 
 def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                 batches: list[tuple[torch.Tensor, torch.Tensor]], args: argparse.Namespace,
-                topo: Topology, memory_of: Sequence = ()) -> Stats:
+                topo: Topology, memory_of: Sequence = (), loss_rank: int | None = None,
+                dp_world: int | None = None) -> Stats:
     """Run every batch through `train_step`; time the steps after the warm-up.
 
     Each step is bracketed by device synchronisation, so the time is the whole step. The loss
-    of each step is averaged over ranks once at the end, outside the clock. The last warm-up
-    step (optimizer state exists, nothing is timed or traced) counts the bytes this rank sends
-    (`CollectiveBytes`) and, on CPU, runs under `peak_tensor_memory` with the model and
-    optimizer given as `memory_of` counted by kind.
+    of each step is averaged over ranks once at the end, outside the clock; with `loss_rank`
+    (a pipeline's last stage, the only one that computes it) it is that rank's, which also
+    prints the progress lines. `dp_world`: the ranks that each take their own share of the
+    batch, for tokens/s (default: all; a pipeline's ranks share one batch: 1). The last
+    warm-up step (optimizer state exists, nothing is timed or traced) counts the bytes this
+    rank sends (`CollectiveBytes`) and, on CPU, runs under `peak_tensor_memory` with the
+    model and optimizer given as `memory_of` counted by kind.
     """
     n = len(batches)
     every = args.log_every or max(1, n // 10)
@@ -731,15 +735,19 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
             startup_s = start - _IMPORTED_AT
         times.append(elapsed)
         losses.append(loss.detach().float().reshape(()))
-        if (i + 1) % every == 0 or i == n - 1:
-            log(topo, f"step {i + 1:4d}/{n} | rank-0 loss {loss.item():.4f} | "
-                f"{1e3 * elapsed:8.1f} ms | "
-                f"{items_per_step(args, topo.world_size) / elapsed:10,.0f} "
-                f"{'tok' if args.model == 'gpt' else 'img'}/s | "
-                f"mem {peak_memory_mb(topo.device):,.0f} MB")
+        if ((i + 1) % every == 0 or i == n - 1) and topo.rank == (loss_rank or 0):
+            print(f"step {i + 1:4d}/{n} | rank-{topo.rank} loss {loss.item():.4f} | "
+                  f"{1e3 * elapsed:8.1f} ms | "
+                  f"{items_per_step(args, dp_world or topo.world_size) / elapsed:10,.0f} "
+                  f"{'tok' if args.model == 'gpt' else 'img'}/s | "
+                  f"mem {peak_memory_mb(topo.device):,.0f} MB", flush=True)
     mean_losses = torch.stack(losses)
-    dist.all_reduce(mean_losses)
-    mean_losses = (mean_losses / topo.world_size).tolist()
+    if loss_rank is None:
+        dist.all_reduce(mean_losses)
+        mean_losses = (mean_losses / topo.world_size).tolist()
+    else:
+        dist.broadcast(mean_losses, src=loss_rank)
+        mean_losses = mean_losses.tolist()
     diverged = [step for step, loss in enumerate(mean_losses, 1) if not math.isfinite(loss)]
     if diverged:  # a run that diverged is not a result, however fast it was
         raise FloatingPointError(f"the loss is not finite from step {diverged[0]} on: "
@@ -764,6 +772,44 @@ def _export_trace(profiler: torch.profiler.profile, args: argparse.Namespace,
     profiler.export_chrome_trace(str(path))
     log(topo, f"trace of warm-up steps {args.warmup - 2}-{args.warmup - 1} written to {path} "
               f"(one file per rank; open in https://ui.perfetto.dev)")
+
+
+def render_timeline(timelines: Sequence[Sequence[tuple[str, int, float, float]]],
+                    width: int = 96) -> str:
+    """One step of a pipeline as text: a row per rank, a column per 1/width of the step; an
+    action (kind, micro-batch, start, end in seconds) is its label (`F3`) then its kind letter,
+    idle time is '.'."""
+    t0 = min(s for tl in timelines for _, _, s, _ in tl)
+    scale = width / (max(e for tl in timelines for *_, e in tl) - t0)
+    rows = [f"one step, {1e3 * width / scale:.1f} ms, {1e3 / scale:.2f} ms a column:"]
+    for rank, tl in enumerate(timelines):
+        row = ["."] * width
+        for kind, mb, start, end in tl:
+            first = min(int((start - t0) * scale), width - 1)
+            label = f"{kind}{mb}"
+            for k in range(first, max(first + 1, min(width, round((end - t0) * scale)))):
+                row[k] = label[k - first] if k - first < len(label) else kind
+        rows.append(f"rank {rank:2d} |{''.join(row)}|")
+    return "\n".join(rows)
+
+
+def write_timeline_trace(timelines: Sequence[Sequence[tuple[str, int, float, float]]],
+                         args: argparse.Namespace, topo: Topology) -> None:
+    """The same step as a Chrome/Perfetto trace, a track per rank, in the traces/ folder beside
+    the results file (rank 0 writes it)."""
+    if not topo.is_main:
+        return
+    t0 = min(s for tl in timelines for _, _, s, _ in tl)
+    events = [{"name": f"rank {r}", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+              for r in range(len(timelines))]
+    events += [{"name": f"{kind}{mb}", "cat": kind, "ph": "X", "pid": 0, "tid": r,
+                "ts": 1e6 * (start - t0), "dur": 1e6 * (end - start)}
+               for r, tl in enumerate(timelines) for kind, mb, start, end in tl]
+    folder, script = _script_identity()
+    path = args.results.parent / "traces" / f"{folder}_{script}_timeline.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": events}))
+    log(topo, f"timeline of one step written to {path} (open in https://ui.perfetto.dev)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -808,9 +854,11 @@ def _append(path: Path, record: dict) -> None:
 
 def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: str | None,
            model: nn.Module, optimizer: torch.optim.Optimizer | None, comm_mb: float | None,
-           theory: dict, loss_tolerance: float | None = None, **extra) -> dict:
-    """Append this run's result (rank 0) and print its one-line summary."""
-    items = items_per_step(args, topo.world_size)
+           theory: dict, loss_tolerance: float | None = None, dp_world: int | None = None,
+           **extra) -> dict:
+    """Append this run's result (rank 0) and print its one-line summary. `dp_world` as in
+    `timed_steps`."""
+    items = items_per_step(args, dp_world or topo.world_size)
     # The report shows the busiest rank: on CPU the one with the most live tensor bytes.
     ranks = [None] * topo.world_size
     dist.all_gather_object(ranks, (peak_memory_mb(topo.device), stats.memory))

@@ -1,0 +1,225 @@
+"""1F1B pipeline by hand: each rank alternates one forward and one backward, over send/recv.
+
+What it does: the GPT's layers (embeddings, blocks, final norm + head + loss) are cut into p
+contiguous stages, one per rank; the batch is split into m micro-batches. Rank r runs p-1-r
+forwards to fill the pipeline (warm-up), then one forward and one backward in turn (steady
+state), then the remaining backwards (cool-down). Activations go to the next rank and their
+gradients come back with isend/irecv. The schedule is data: `schedule(p, m)` returns every
+rank's ordered list of actions, and a small runtime executes them. The tied embedding/head
+weight lives on the first and last ranks; its two gradients are summed between them each step
+(as Megatron-LM does), so the pipeline trains exactly the unsplit model.
+Why it helps: with the whole batch as one piece (baseline_pipeline.py) one rank computes at a
+time and a step leaves each rank idle (p-1)/p of the time. With m micro-batches the ranks work
+on different micro-batches at once; the idle fraction, the bubble, falls to (p-1)/(m+p-1). 1F1B
+has GPipe's bubble but starts backwards early, so a rank holds the activations of at most p
+micro-batches instead of all m.
+Run:        torchrun --nproc_per_node=2 05_pipeline/optimized_pipeline_1f1b.py --size small
+Look for:   `make pipeline report`: speedup over the baseline, `bubble` beside `theory.bubble`,
+            `inflight_max` beside its theory (p, against GPipe's m), and the ASCII timeline of one
+            real step printed at the end (a trace per run goes to outputs/traces/).
+Theory:     bubble = idle fraction of these action lists run with the measured mean forward
+            and backward times, (p-1)/(m+p-1) when they are uniform; at most min(p, m)
+            micro-batches in flight on the first rank.
+"""
+
+import collections
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+Action = collections.namedtuple("Action", "kind mb")  # kind "F": forward, "B": backward
+
+
+def schedule(p: int, m: int) -> list[list[Action]]:
+    """1F1B: rank r's warm-up forwards, then forward/backward pairs, then the last backwards."""
+    ranks = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        actions = [Action("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            actions += [Action("F", warmup + i), Action("B", i)]
+        actions += [Action("B", i) for i in range(m - warmup, m)]
+        ranks.append(actions)
+    return ranks
+
+
+# --- the runtime: the same in every 05_pipeline script -------------------------------------------
+def cut(n_layers: int, p: int) -> list[range]:
+    """p contiguous stages whose sizes differ by at most one layer."""
+    bounds = [round(r * n_layers / p) for r in range(p + 1)]
+    return [range(bounds[r], bounds[r + 1]) for r in range(p)]
+
+
+def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]]) -> tuple[float, int]:
+    """The idle fraction of running these action lists with each rank's durations of an F and a
+    B and free communication, and the most micro-batches a rank holds between their F and B."""
+    p, done, clock, at = len(ranks), {}, [0.0] * len(ranks), [0] * len(ranks)
+    while any(at[r] < len(ranks[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            if at[r] == len(ranks[r]):
+                continue
+            kind, mb = ranks[r][at[r]]
+            needs = [(kind, mb, r - 1)] if kind == "F" else [(kind, mb, r + 1), ("F", mb, r)]
+            needs = [n for n in needs if 0 <= n[2] < p]  # a neighbour's action, or its own F
+            if any(n not in done for n in needs):
+                continue
+            start = max([clock[r]] + [done[n] for n in needs])
+            clock[r] = done[(kind, mb, r)] = start + seconds[r][kind]
+            at[r] += 1
+            progressed = True
+        if not progressed:
+            raise ValueError("the schedule deadlocks: every rank waits for another")
+    busy = sum(seconds[r][a.kind] for r, actions in enumerate(ranks) for a in actions)
+    inflight = max(max(sum(1 if a.kind == "F" else -1 for a in actions[:k + 1])
+                       for k in range(len(actions))) for actions in ranks)
+    return 1 - busy / (p * max(clock)), inflight
+
+
+class Stage:
+    """This rank's layers; runs its actions, keeping each micro-batch's input and output until
+    its backward; times every action, from the moment its input is here."""
+
+    def __init__(self, layers: list[nn.Module], topo: common.Topology, m: int,
+                 shape: tuple[int, ...], autocast_dtype: torch.dtype | None):
+        self.layers, self.topo, self.m, self.shape = nn.ModuleList(layers), topo, m, shape
+        self.first, self.last = topo.rank == 0, topo.rank == topo.world_size - 1
+        self.autocast_dtype = autocast_dtype
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, output)
+        self.sends: list[dist.Work] = []
+        self.timeline: list[tuple[str, int, float, float]] = []
+        self.inflight_max = 0
+
+    def receive(self, src: int) -> torch.Tensor:
+        x = torch.empty(self.shape, device=self.topo.device)
+        dist.irecv(x, src).wait()
+        return x
+
+    def forward(self, mb: int, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = tokens if self.first else self.receive(self.topo.rank - 1).requires_grad_()
+        start = time.time()
+        with torch.autocast(self.topo.device.type, dtype=self.autocast_dtype,
+                            enabled=self.autocast_dtype is not None):
+            out = x
+            for layer in self.layers:
+                out = layer(out, targets) if isinstance(layer, common.LossHead) else layer(out)
+        if self.last:
+            out = out / self.m  # the step's loss is the mean over micro-batches
+        else:
+            self.sends.append(dist.isend(out.detach(), self.topo.rank + 1))
+        self.kept[mb] = (x, out)
+        self.inflight_max = max(self.inflight_max, len(self.kept))
+        self.timeline.append(("F", mb, start, time.time()))
+        return out.detach()
+
+    def backward(self, mb: int) -> None:
+        grad = None if self.last else self.receive(self.topo.rank + 1)
+        start = time.time()
+        x, out = self.kept.pop(mb)
+        out.backward(grad)
+        if not self.first:
+            self.sends.append(dist.isend(x.grad, self.topo.rank - 1))
+        self.timeline.append(("B", mb, start, time.time()))
+
+    def run(self, actions: list[Action], tokens: torch.Tensor, targets: torch.Tensor
+            ) -> torch.Tensor:
+        """One step's actions; returns the step's loss (on the last rank; 0 elsewhere)."""
+        self.timeline, loss = [], torch.zeros((), device=self.topo.device)
+        micro = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
+        for kind, mb in actions:
+            if kind == "F":
+                out = self.forward(mb, *micro[mb])
+                if self.last:
+                    loss += out
+            else:
+                self.backward(mb)
+        for work in self.sends:
+            work.wait()
+        self.sends.clear()
+        return loss
+
+
+def comm_theory_mb(shape: tuple[int, ...], m: int, tied: int, topo: common.Topology) -> float:
+    """What rank 0 sends a step: each micro-batch's activations to rank 1, and its share of the
+    tied weight's gradient all-reduce with the last rank (a group of two: the tensor once)."""
+    if topo.world_size == 1:
+        return 0.0
+    return (m * 4 * shape[0] * shape[1] * shape[2] + 4 * tied) / 2**20
+
+
+def main():
+    parser = common.parser(__doc__)
+    parser.add_argument("--microbatches", type=common.int_at_least(1), default=8,
+                        help="micro-batches m the batch is split into (default: 8)")
+    # The whole batch, split into m: by default two sequences per micro-batch (one is faster to
+    # run but on a CPU a GEMM that small runs well below its speed, which the bubble is not).
+    parser.set_defaults(batch_size=0)
+    args = parser.parse_args()
+    args.batch_size = args.batch_size or 2 * args.microbatches
+    if args.model != "gpt":
+        parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
+    layers = common.SIZES[args.size].n_layers + 2  # embeddings, blocks, norm + head + loss
+    if int(os.environ.get("WORLD_SIZE", "1")) > layers:
+        parser.error(f"--size {args.size} has {layers} layers, fewer than the "
+                     f"{os.environ['WORLD_SIZE']} stages (processes): use fewer processes")
+    if args.batch_size % args.microbatches:
+        parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
+                     f"{args.microbatches}: use a multiple of it")
+    topo = common.setup(args)
+    p, m = topo.world_size, args.microbatches
+    model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
+    layers = model.pipeline_layers()
+    params = sum(q.numel() for q in model.parameters())
+    params_tied = model.tok_emb.weight.numel()
+    mine = [layers[i] for i in cut(len(layers), p)[topo.rank]]
+    shape = (args.batch_size // m, args.seq_len, model.tok_emb.embedding_dim)
+    stage = Stage(mine, topo, m, shape, model.autocast_dtype)
+    del model, layers  # the other ranks' layers are freed: a rank holds its stage only
+    tied = dist.new_group([0, p - 1]) if p > 1 else None
+    tied_weight = mine[0].tok_emb.weight if topo.rank == 0 else \
+        mine[-1].head.weight if topo.rank == p - 1 else None
+    opt = torch.optim.AdamW(stage.layers.parameters(), lr=args.lr)
+    actions = schedule(p, m)[topo.rank]
+
+    def train_step(tokens, targets):
+        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        loss = stage.run(actions, tokens, targets)
+        if tied_weight is not None and tied is not None:
+            dist.all_reduce(tied_weight.grad, group=tied)  # embedding's + head's gradient
+        opt.step()
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(stage.layers, opt),
+                               loss_rank=p - 1, dp_world=1)
+    timelines = [None] * p
+    dist.all_gather_object(timelines, (stage.timeline, stage.inflight_max))
+    step_s = max(end for tl, _ in timelines for *_, end in tl) - \
+        min(start for tl, _ in timelines for _, _, start, _ in tl)
+    busy = [sum(end - start for _, _, start, end in tl) for tl, _ in timelines]
+    mean = [{k: sum(end - start for kind, _, start, end in tl if kind == k) /
+             sum(1 for kind, *_ in tl if kind == k) for k in "FB"} for tl, _ in timelines]
+    bubble, inflight = simulate(schedule(p, m), mean)  # each rank's mean F and B
+    common.log(topo, common.render_timeline([tl for tl, _ in timelines]))
+    common.write_timeline_trace([tl for tl, _ in timelines], args, topo)
+    common.record(args, topo, stats, baseline="baseline_pipeline", model=stage.layers,
+                  optimizer=opt, comm_mb=stats.comm_mb, dp_world=1, params=params,
+                  loss_tolerance=1e-5 if args.dtype == "fp32" else 5e-2,
+                  schedule="1f1b", microbatches=m, stages=p,
+                  timeline=[[list(a) for a in tl] for tl, _ in timelines],
+                  bubble=round(1 - sum(busy) / (p * step_s), 4),
+                  inflight_max=max(n for _, n in timelines),
+                  theory={"bubble": round(bubble, 4), "inflight_max": inflight,
+                          "bubble_uniform": round((p - 1) / (m + p - 1), 4),
+                          "comm_mb": comm_theory_mb(shape, m, params_tied, topo)})
+
+
+if __name__ == "__main__":
+    common.run_main(main)

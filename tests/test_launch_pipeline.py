@@ -1,0 +1,88 @@
+"""Launch tests: 05_pipeline under torchrun with 2 CPU processes at `tiny`.
+
+Three launches shared through one module-scoped fixture (the naive baseline, GPipe, 1F1B), each
+checked against the unsplit model trained in this process on the same batches.
+"""
+
+import pytest
+import torch
+
+import common
+from helpers import TINY, assert_bad_input_is_one_line, finish, only_record, torchrun
+
+FOLDER = common.ROOT / "05_pipeline"
+SCRIPTS = ["baseline_pipeline", "optimized_pipeline_gpipe", "optimized_pipeline_1f1b"]
+M = 4  # micro-batches at tiny, 2 sequences each
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for script in SCRIPTS:
+        results = tmp_path_factory.mktemp(script) / "results.jsonl"
+        flags = ["--batch-size", str(2 * M)] + (["--microbatches", str(M)] if "optimized" in
+                                                  script else [])
+        console = finish(torchrun(FOLDER / f"{script}.py", results, *flags))
+        out[script] = (only_record(results), console)
+    return out
+
+
+@pytest.fixture(scope="module")
+def unsplit_losses():
+    """The whole GPT on one process, the same batches, AdamW: what every schedule must match."""
+    args = common.parser(None).parse_args([*TINY, "--batch-size", str(2 * M)])
+    args.dtype = "fp32"
+    topo = common.Topology(0, 0, 1, 1, 1, "gloo", torch.device("cpu"))
+    model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses = []
+    for inputs, targets in batches:
+        opt.zero_grad()
+        loss = model(inputs, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_schedule_trains_the_unsplit_model(runs, unsplit_losses, script):
+    rec, _ = runs[script]
+    assert rec["status"] == "ok" and rec["world_size"] == 2 and rec["stages"] == 2
+    assert max(abs(a - b) / b for a, b in zip(rec["losses"], unsplit_losses, strict=True)) <= 1e-5
+    assert rec["params"] == common.gpt_param_count(common.SIZES["tiny"], 32)  # all stages
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_records_carry_a_real_timeline_and_its_bubble_beside_theory(runs, script):
+    rec, console = runs[script]
+    m = 1 if script == "baseline_pipeline" else M
+    assert rec["microbatches"] == m and rec["tokens_per_s"] > 0
+    timeline = rec["timeline"]
+    assert len(timeline) == 2
+    for actions in timeline:  # every micro-batch's F and B, each taking time, in order
+        assert sorted((kind, mb) for kind, mb, *_ in actions) == \
+            sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        assert all(end > start for *_, start, end in actions)
+        assert all(a[3] <= b[2] for a, b in zip(actions[:-1], actions[1:], strict=True))
+    assert 0 < rec["bubble"] < 1 and 0 < rec["theory"]["bubble"] < 1
+    assert rec["theory"]["bubble_uniform"] == pytest.approx(1 / (m + 1), abs=1e-4)
+    assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], rel=1e-3)
+    assert "rank  0 |" in console and "rank  1 |" in console
+
+
+def test_1f1b_holds_at_most_p_micro_batches_gpipe_all_m(runs):
+    gpipe, one_f_one_b = runs["optimized_pipeline_gpipe"][0], runs["optimized_pipeline_1f1b"][0]
+    assert gpipe["inflight_max"] == gpipe["theory"]["inflight_max"] == M
+    assert one_f_one_b["inflight_max"] == one_f_one_b["theory"]["inflight_max"] == 2
+    assert one_f_one_b["memory"]["activations"] < gpipe["memory"]["activations"]
+
+
+@pytest.mark.parametrize("flags, world, hint", [
+    (["--batch-size", "6", "--microbatches", "4"], "1", "--microbatches"),
+    (["--size", "tiny"], "5", "fewer processes"),  # tiny: 4 layers for 5 stages
+    (["--model", "resnet", "--batch-size", "8"], "1", "--model gpt"),
+])
+def test_bad_input_exits_2_with_one_line(flags, world, hint, tmp_path):
+    assert_bad_input_is_one_line(FOLDER / "optimized_pipeline_1f1b.py", flags, hint, tmp_path,
+                                 WORLD_SIZE=world)
