@@ -101,9 +101,10 @@ endif
 
 all: $(TECHNIQUES)
 
-# Runs a folder makes beyond one per script, as "script flags": PyTorch's FSDP2 as ZeRO-3 beside
-# the hand-written optimized_zero3.py (the script's default, ZeroRedundancyOptimizer, runs anyway).
+# Runs a folder makes beyond one per script, as "script flags": PyTorch's own implementation of
+# a second technique beside the hand-written one (the script's default runs anyway).
 EXTRA_RUNS_zero := "04_zero/optimized_zero_pytorch.py --stage 3"
+EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1b"
 
 # One folder: every baseline, then every optimized script (then its extra runs), each under
 # torchrun. A failing run prints its whole log, is recorded as failed, and fails the target after
@@ -117,7 +118,8 @@ $(TECHNIQUES): %: install
 		since=$$(date +%s); \
 		echo "== $$script$$flags: $(NNODES) node(s) x $(NPROC) process(es), size $(SIZE)$(if $(LINK),$(comma) link $(LINK)) -> $$log"; \
 		$(SHAPED) $(TORCHRUN) $$script $(SCRIPT_FLAGS) $$flags 2>&1 | tee $$log \
-			| { grep --line-buffered -E '^(step |[a-z0-9_]+: |skipped: )'; true; }; \
+			| { grep --line-buffered -E '^(step |[a-z0-9_]+: |skipped: |one step|rank +[0-9]+ \|)'; \
+			true; }; \
 		if [ $${PIPESTATUS[0]} -ne 0 ]; then \
 			echo "-- $$log:"; cat $$log; echo "FAILED: $$script$$flags (log: $$log)"; status=1; \
 			if [ $(NODE_RANK) -eq 0 ]; then $(PY) common.py mark-failed $$script \

@@ -1,7 +1,8 @@
 """Launch tests: 05_pipeline under torchrun with 2 CPU processes at `tiny`.
 
-Three launches shared through one module-scoped fixture (the naive baseline, GPipe, 1F1B), each
-checked against the unsplit model trained in this process on the same batches.
+Five launches shared through one module-scoped fixture (the naive baseline, GPipe, 1F1B, and
+torch.distributed.pipelining's GPipe and 1F1B), each checked against the unsplit model trained
+in this process on the same batches.
 """
 
 import pytest
@@ -13,17 +14,20 @@ from helpers import TINY, assert_bad_input_is_one_line, finish, only_record, tor
 FOLDER = common.ROOT / "05_pipeline"
 SCRIPTS = ["baseline_pipeline", "optimized_pipeline_gpipe", "optimized_pipeline_1f1b"]
 M = 4  # micro-batches at tiny, 2 sequences each
+RUNS = {script: (script, []) for script in SCRIPTS} | {  # and torch.distributed.pipelining's
+    "torch gpipe": ("optimized_pipeline_pytorch", []),
+    "torch 1f1b": ("optimized_pipeline_pytorch", ["--schedule", "1f1b"])}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for script in SCRIPTS:
+    for name, (script, flags) in RUNS.items():
         results = tmp_path_factory.mktemp(script) / "results.jsonl"
-        flags = ["--batch-size", str(2 * M)] + (["--microbatches", str(M)] if "optimized" in
-                                                  script else [])
+        flags = [*flags, "--batch-size", str(2 * M)] + \
+            (["--microbatches", str(M)] if "optimized" in script else [])
         console = finish(torchrun(FOLDER / f"{script}.py", results, *flags))
-        out[script] = (only_record(results), console)
+        out[name] = (only_record(results), console)
     return out
 
 
@@ -45,7 +49,7 @@ def unsplit_losses():
     return losses
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", list(RUNS))
 def test_every_schedule_trains_the_unsplit_model(runs, unsplit_losses, script):
     rec, _ = runs[script]
     assert rec["status"] == "ok" and rec["world_size"] == 2 and rec["stages"] == 2
@@ -86,3 +90,13 @@ def test_1f1b_holds_at_most_p_micro_batches_gpipe_all_m(runs):
 def test_bad_input_exits_2_with_one_line(flags, world, hint, tmp_path):
     assert_bad_input_is_one_line(FOLDER / "optimized_pipeline_1f1b.py", flags, hint, tmp_path,
                                  WORLD_SIZE=world)
+
+
+@pytest.mark.parametrize("mine, theirs", [("optimized_pipeline_gpipe", "torch gpipe"),
+                                          ("optimized_pipeline_1f1b", "torch 1f1b")])
+def test_the_hand_written_schedule_trains_like_torchs_own(runs, mine, theirs):
+    ours, torchs = runs[mine][0], runs[theirs][0]
+    assert max(abs(a - b) / b for a, b in zip(ours["losses"], torchs["losses"], strict=True)) \
+        <= 1e-5
+    assert ("--schedule 1f1b" in torchs["variant"]) == (theirs == "torch 1f1b")
+    assert ours["comm_mb"] == pytest.approx(torchs["comm_mb"], rel=1e-3)  # the same tensors
