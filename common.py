@@ -785,7 +785,7 @@ def render_timeline(timelines: Sequence[Sequence[tuple[str, int, float, float]]]
     for rank, tl in enumerate(timelines):
         row = ["."] * width
         for kind, mb, start, end in tl:
-            first = min(int((start - t0) * scale), width - 1)
+            first = min(round((start - t0) * scale), width - 1)
             label = f"{kind}{mb}"
             for k in range(first, max(first + 1, min(width, round((end - t0) * scale)))):
                 row[k] = label[k - first] if k - first < len(label) else kind

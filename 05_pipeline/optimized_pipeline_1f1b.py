@@ -86,7 +86,14 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]]) -> tupl
 
 class Stage:
     """This rank's layers; runs its actions, keeping each micro-batch's input and output until
-    its backward; times every action, from the moment its input is here."""
+    its backward, and times every action from the moment its input is here.
+
+    Sends go out together with the next receive, in one `batch_isend_irecv` (or at once when
+    the next action receives nothing): in 1F1B's steady state both ranks of a link send and
+    then receive, and NCCL runs a send until its peer's receive starts, so unpaired, two large
+    messages would wait for each other (Megatron-LM and torch.distributed.pipelining pair them
+    the same way). On CUDA the clock is read after synchronising the device, so an action's
+    time is its kernels', not their launch."""
 
     def __init__(self, layers: list[nn.Module], topo: common.Topology, m: int,
                  shape: tuple[int, ...], autocast_dtype: torch.dtype | None):
@@ -94,18 +101,38 @@ class Stage:
         self.first, self.last = topo.rank == 0, topo.rank == topo.world_size - 1
         self.autocast_dtype = autocast_dtype
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, output)
-        self.sends: list[dist.Work] = []
+        self.outbox: list[dist.P2POp] = []  # sends not posted yet
+        self.sent: list[dist.Work] = []  # sends posted, dropped once done (their tensors too)
         self.timeline: list[tuple[str, int, float, float]] = []
         self.inflight_max = 0
 
+    def now(self) -> float:
+        if self.topo.device.type == "cuda":
+            torch.cuda.synchronize(self.topo.device)
+        return time.time()
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.outbox.append(dist.P2POp(dist.isend, tensor, dst))
+
+    def flush(self) -> None:
+        """Post the sends still owed; forget those that are done."""
+        if self.outbox:
+            self.sent += dist.batch_isend_irecv(self.outbox)
+            self.outbox = []
+        self.sent = [work for work in self.sent if not work.is_completed()]
+
     def receive(self, src: int) -> torch.Tensor:
+        """The next action's input; the sends still owed go out with its receive."""
         x = torch.empty(self.shape, device=self.topo.device)
-        dist.irecv(x, src).wait()
+        works = dist.batch_isend_irecv([*self.outbox, dist.P2POp(dist.irecv, x, src)])
+        works[-1].wait()  # the receive (NCCL: the whole group)
+        self.sent += works[:-1]
+        self.outbox = []
         return x
 
     def forward(self, mb: int, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = tokens if self.first else self.receive(self.topo.rank - 1).requires_grad_()
-        start = time.time()
+        start = self.now()
         with torch.autocast(self.topo.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
             out = x
@@ -114,20 +141,20 @@ class Stage:
         if self.last:
             out = out / self.m  # the step's loss is the mean over micro-batches
         else:
-            self.sends.append(dist.isend(out.detach(), self.topo.rank + 1))
+            self.send(out.detach(), self.topo.rank + 1)
         self.kept[mb] = (x, out)
         self.inflight_max = max(self.inflight_max, len(self.kept))
-        self.timeline.append(("F", mb, start, time.time()))
+        self.timeline.append(("F", mb, start, self.now()))
         return out.detach()
 
     def backward(self, mb: int) -> None:
         grad = None if self.last else self.receive(self.topo.rank + 1)
-        start = time.time()
+        start = self.now()
         x, out = self.kept.pop(mb)
         out.backward(grad)
         if not self.first:
-            self.sends.append(dist.isend(x.grad, self.topo.rank - 1))
-        self.timeline.append(("B", mb, start, time.time()))
+            self.send(x.grad, self.topo.rank - 1)
+        self.timeline.append(("B", mb, start, self.now()))
 
     def run(self, actions: list[Action], tokens: torch.Tensor, targets: torch.Tensor
             ) -> torch.Tensor:
@@ -135,21 +162,25 @@ class Stage:
         self.timeline, loss = [], torch.zeros((), device=self.topo.device)
         micro = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
         for kind, mb in actions:
+            if (kind == "F" and self.first) or (kind == "B" and self.last):
+                self.flush()  # this action receives nothing: what it owes goes out now
             if kind == "F":
                 out = self.forward(mb, *micro[mb])
                 if self.last:
                     loss += out
             else:
                 self.backward(mb)
-        for work in self.sends:
+        self.flush()
+        for work in self.sent:
             work.wait()
-        self.sends.clear()
+        self.sent.clear()
         return loss
 
 
 def comm_theory_mb(shape: tuple[int, ...], m: int, tied: int, topo: common.Topology) -> float:
     """What rank 0 sends a step: each micro-batch's activations to rank 1, and its share of the
-    tied weight's gradient all-reduce with the last rank (a group of two: the tensor once)."""
+    tied weight's gradient all-reduce with the last rank (a group of two: the tensor once).
+    4 bytes a value: the residual stream between blocks stays fp32, under autocast too."""
     if topo.world_size == 1:
         return 0.0
     return (m * 4 * shape[0] * shape[1] * shape[2] + 4 * tied) / 2**20

@@ -1,8 +1,8 @@
-"""Launch tests: 05_pipeline under torchrun with 2 CPU processes at `tiny`.
+"""Launch tests: 05_pipeline under torchrun with CPU processes at `tiny`.
 
-Five launches shared through one module-scoped fixture (the naive baseline, GPipe, 1F1B, and
-torch.distributed.pipelining's GPipe and 1F1B), each checked against the unsplit model trained
-in this process on the same batches.
+Six launches shared through one module-scoped fixture (the naive baseline, GPipe, 1F1B,
+torch.distributed.pipelining's GPipe and 1F1B, and 1F1B at 3 ranks with an odd m), each checked
+against the unsplit model trained in this process on the same batches.
 """
 
 import pytest
@@ -14,65 +14,70 @@ from helpers import TINY, assert_bad_input_is_one_line, finish, only_record, tor
 FOLDER = common.ROOT / "05_pipeline"
 SCRIPTS = ["baseline_pipeline", "optimized_pipeline_gpipe", "optimized_pipeline_1f1b"]
 M = 4  # micro-batches at tiny, 2 sequences each
-RUNS = {script: (script, []) for script in SCRIPTS} | {  # and torch.distributed.pipelining's
-    "torch gpipe": ("optimized_pipeline_pytorch", []),
-    "torch 1f1b": ("optimized_pipeline_pytorch", ["--schedule", "1f1b"])}
+RUNS = {script: (script, 2, []) for script in SCRIPTS} | {  # torch.distributed.pipelining's,
+    "torch gpipe": ("optimized_pipeline_pytorch", 2, []),  # and a middle rank with an odd m
+    "torch 1f1b": ("optimized_pipeline_pytorch", 2, ["--schedule", "1f1b"]),
+    "1f1b at 3 ranks": ("optimized_pipeline_1f1b", 3, ["--microbatches", "3", "--batch-size", "6"])}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for name, (script, flags) in RUNS.items():
+    for name, (script, nproc, flags) in RUNS.items():
         results = tmp_path_factory.mktemp(script) / "results.jsonl"
-        flags = [*flags, "--batch-size", str(2 * M)] + \
-            (["--microbatches", str(M)] if "optimized" in script else [])
-        console = finish(torchrun(FOLDER / f"{script}.py", results, *flags))
+        flags = ["--batch-size", str(2 * M), "--microbatches", str(M), *flags]
+        console = finish(torchrun(FOLDER / f"{script}.py", results, *flags, nproc=nproc))
         out[name] = (only_record(results), console)
     return out
 
 
 @pytest.fixture(scope="module")
 def unsplit_losses():
-    """The whole GPT on one process, the same batches, AdamW: what every schedule must match."""
-    args = common.parser(None).parse_args([*TINY, "--batch-size", str(2 * M)])
-    args.dtype = "fp32"
-    topo = common.Topology(0, 0, 1, 1, 1, "gloo", torch.device("cpu"))
-    model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    losses = []
-    for inputs, targets in batches:
-        opt.zero_grad()
-        loss = model(inputs, targets)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    """The whole GPT on one process, the same batches, AdamW: what every schedule must match
+    (by batch size)."""
+    out = {}
+    for batch in (2 * M, 6):
+        args = common.parser(None).parse_args([*TINY, "--batch-size", str(batch)])
+        args.dtype = "fp32"
+        topo = common.Topology(0, 0, 1, 1, 1, "gloo", torch.device("cpu"))
+        model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        out[batch] = []
+        for inputs, targets in batches:
+            opt.zero_grad()
+            loss = model(inputs, targets)
+            loss.backward()
+            opt.step()
+            out[batch].append(loss.item())
+    return out
 
 
 @pytest.mark.parametrize("script", list(RUNS))
 def test_every_schedule_trains_the_unsplit_model(runs, unsplit_losses, script):
     rec, _ = runs[script]
-    assert rec["status"] == "ok" and rec["world_size"] == 2 and rec["stages"] == 2
-    assert max(abs(a - b) / b for a, b in zip(rec["losses"], unsplit_losses, strict=True)) <= 1e-5
+    assert rec["status"] == "ok" and rec["world_size"] == rec["stages"] == RUNS[script][1]
+    reference = unsplit_losses[rec["batch_size"]]
+    assert max(abs(a - b) / b for a, b in zip(rec["losses"], reference, strict=True)) <= 1e-5
     assert rec["params"] == common.gpt_param_count(common.SIZES["tiny"], 32)  # all stages
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", [*SCRIPTS, "1f1b at 3 ranks"])
 def test_records_carry_a_real_timeline_and_its_bubble_beside_theory(runs, script):
     rec, console = runs[script]
-    m = 1 if script == "baseline_pipeline" else M
-    assert rec["microbatches"] == m and rec["tokens_per_s"] > 0
+    m, p = rec["microbatches"], rec["stages"]
+    assert m == {"baseline_pipeline": 1, "1f1b at 3 ranks": 3}.get(script, M)
+    assert rec["tokens_per_s"] > 0
     timeline = rec["timeline"]
-    assert len(timeline) == 2
+    assert len(timeline) == p
     for actions in timeline:  # every micro-batch's F and B, each taking time, in order
         assert sorted((kind, mb) for kind, mb, *_ in actions) == \
             sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
         assert all(end > start for *_, start, end in actions)
         assert all(a[3] <= b[2] for a, b in zip(actions[:-1], actions[1:], strict=True))
     assert 0 < rec["bubble"] < 1 and 0 < rec["theory"]["bubble"] < 1
-    assert rec["theory"]["bubble_uniform"] == pytest.approx(1 / (m + 1), abs=1e-4)
+    assert rec["theory"]["bubble_uniform"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-4)
     assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], rel=1e-3)
-    assert "rank  0 |" in console and "rank  1 |" in console
+    assert all(f"rank  {r} |" in console for r in range(p))
 
 
 def test_1f1b_holds_at_most_p_micro_batches_gpipe_all_m(runs):
@@ -87,8 +92,12 @@ def test_1f1b_holds_at_most_p_micro_batches_gpipe_all_m(runs):
     (["--size", "tiny"], "5", "fewer processes"),  # tiny: 4 layers for 5 stages
     (["--model", "resnet", "--batch-size", "8"], "1", "--model gpt"),
 ])
-def test_bad_input_exits_2_with_one_line(flags, world, hint, tmp_path):
-    assert_bad_input_is_one_line(FOLDER / "optimized_pipeline_1f1b.py", flags, hint, tmp_path,
+@pytest.mark.parametrize("script", ["baseline_pipeline", "optimized_pipeline_1f1b"])
+def test_bad_input_exits_2_with_one_line(script, flags, world, hint, tmp_path):
+    if script == "baseline_pipeline" and hint == "--microbatches":
+        flags = ["--batch-size", "6", "--microbatches", "4", "--size", "nano"]  # any m splits
+        hint = "--size"
+    assert_bad_input_is_one_line(FOLDER / f"{script}.py", flags, hint, tmp_path,
                                  WORLD_SIZE=world)
 
 
