@@ -42,6 +42,21 @@ def cut(n_layers: int, p: int) -> list[range]:
     return [range(bounds[r], bounds[r + 1]) for r in range(p)]
 
 
+def measure(steps: list[list[list[tuple[str, int, float, float]]]]
+            ) -> tuple[float, list[dict[str, float]]]:
+    """Over steps of every rank's timed actions: the mean idle fraction of a step (1 - busy
+    time / (ranks x the span from its first action's start to its last's end)), and each
+    rank's mean F and B times."""
+    bubbles = []
+    for ranks in steps:
+        span = max(a[3] for tl in ranks for a in tl) - min(a[2] for tl in ranks for a in tl)
+        bubbles.append(1 - sum(a[3] - a[2] for tl in ranks for a in tl) / (len(ranks) * span))
+    per_rank = [[a for ranks in steps for a in ranks[r]] for r in range(len(steps[0]))]
+    means = [{k: sum(a[3] - a[2] for a in acts if a[0] == k) / sum(a[0] == k for a in acts)
+              for k in "FB"} for acts in per_rank]
+    return sum(bubbles) / len(bubbles), means
+
+
 def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]]) -> tuple[float, int]:
     """The idle fraction of running these action lists with each rank's durations of an F and a
     B and free communication, and the most micro-batches a rank holds between their F and B."""
@@ -87,7 +102,7 @@ class Stage:
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, output)
         self.outbox: list[dist.P2POp] = []  # sends not posted yet
         self.sent: list[dist.Work] = []  # sends posted, dropped once done (their tensors too)
-        self.timeline: list[tuple[str, int, float, float]] = []
+        self.timelines: list[list[tuple[str, int, float, float]]] = []  # per step, per action
         self.inflight_max = 0
 
     def now(self) -> float:
@@ -128,7 +143,7 @@ class Stage:
             self.send(out.detach(), self.topo.rank + 1)
         self.kept[mb] = (x, out)
         self.inflight_max = max(self.inflight_max, len(self.kept))
-        self.timeline.append(("F", mb, start, self.now()))
+        self.timelines[-1].append(("F", mb, start, self.now()))
         return out.detach()
 
     def backward(self, mb: int) -> None:
@@ -138,12 +153,13 @@ class Stage:
         out.backward(grad)
         if not self.first:
             self.send(x.grad, self.topo.rank - 1)
-        self.timeline.append(("B", mb, start, self.now()))
+        self.timelines[-1].append(("B", mb, start, self.now()))
 
     def run(self, actions: list[Action], tokens: torch.Tensor, targets: torch.Tensor
             ) -> torch.Tensor:
         """One step's actions; returns the step's loss (on the last rank; 0 elsewhere)."""
-        self.timeline, loss = [], torch.zeros((), device=self.topo.device)
+        self.timelines.append([])
+        loss = torch.zeros((), device=self.topo.device)
         micro = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
         for kind, mb in actions:
             if (kind == "F" and self.first) or (kind == "B" and self.last):
@@ -211,22 +227,18 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(stage.layers, opt),
                                loss_rank=p - 1, dp_world=1)
-    timelines = [None] * p
-    dist.all_gather_object(timelines, (stage.timeline, stage.inflight_max))
-    step_s = max(end for tl, _ in timelines for *_, end in tl) - \
-        min(start for tl, _ in timelines for _, _, start, _ in tl)
-    busy = [sum(end - start for _, _, start, end in tl) for tl, _ in timelines]
-    mean = [{k: sum(end - start for kind, _, start, end in tl if kind == k) /
-             sum(1 for kind, *_ in tl if kind == k) for k in "FB"} for tl, _ in timelines]
-    bubble, inflight = simulate(schedule(p, m), mean)  # each rank's mean F and B
-    common.log(topo, common.render_timeline([tl for tl, _ in timelines]))
-    common.write_timeline_trace([tl for tl, _ in timelines], args, topo)
+    gathered = [None] * p  # every rank's timed steps
+    dist.all_gather_object(gathered, (stage.timelines[args.warmup:], stage.inflight_max))
+    steps = [list(ranks) for ranks in zip(*[tls for tls, _ in gathered], strict=True)]
+    measured, means = measure(steps)
+    bubble, inflight = simulate(schedule(p, m), means)
+    common.log(topo, common.render_timeline(steps[-1]))
+    common.write_timeline_trace(steps[-1], args, topo)
     common.record(args, topo, stats, baseline=None, model=stage.layers,
                   optimizer=opt, comm_mb=stats.comm_mb, dp_world=1, params=params,
                   schedule="naive", microbatches=m, stages=p,
-                  timeline=[[list(a) for a in tl] for tl, _ in timelines],
-                  bubble=round(1 - sum(busy) / (p * step_s), 4),
-                  inflight_max=max(n for _, n in timelines),
+                  timeline=[[list(a) for a in tl] for tl in steps[-1]],
+                  bubble=round(measured, 4), inflight_max=max(n for _, n in gathered),
                   theory={"bubble": round(bubble, 4), "inflight_max": inflight,
                           "bubble_uniform": round((p - 1) / (m + p - 1), 4),
                           "comm_mb": comm_theory_mb(shape, m, params_tied, topo)})
