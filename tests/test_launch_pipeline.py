@@ -87,16 +87,17 @@ def test_1f1b_holds_at_most_p_micro_batches_gpipe_all_m(runs):
     assert one_f_one_b["memory"]["activations"] < gpipe["memory"]["activations"]
 
 
-@pytest.mark.parametrize("flags, world, hint", [
-    (["--batch-size", "6", "--microbatches", "4"], "1", "--microbatches"),
-    (["--size", "tiny"], "5", "fewer processes"),  # tiny: 4 layers for 5 stages
-    (["--model", "resnet", "--batch-size", "8"], "1", "--model gpt"),
+@pytest.mark.parametrize("script, flags, world, hint", [
+    ("optimized_pipeline_1f1b", ["--batch-size", "6", "--microbatches", "4"], "1",
+     "--microbatches"),
+    ("optimized_pipeline_1f1b", ["--size", "tiny"], "5", "fewer processes"),  # 4 layers
+    ("optimized_pipeline_1f1b", ["--model", "resnet", "--batch-size", "8"], "1", "--model gpt"),
+    ("baseline_pipeline", ["--size", "tiny"], "5", "fewer processes"),  # any m splits its batch
+    ("baseline_pipeline", ["--model", "resnet", "--batch-size", "8"], "1", "--model gpt"),
+    ("optimized_pipeline_pytorch", ["--batch-size", "6", "--microbatches", "4"], "1",
+     "--microbatches"),
 ])
-@pytest.mark.parametrize("script", ["baseline_pipeline", "optimized_pipeline_1f1b"])
 def test_bad_input_exits_2_with_one_line(script, flags, world, hint, tmp_path):
-    if script == "baseline_pipeline" and hint == "--microbatches":
-        flags = ["--batch-size", "6", "--microbatches", "4", "--size", "nano"]  # any m splits
-        hint = "--size"
     assert_bad_input_is_one_line(FOLDER / f"{script}.py", flags, hint, tmp_path,
                                  WORLD_SIZE=world)
 
