@@ -585,16 +585,32 @@ def peak_tensor_memory(step: Callable[[], object], tracked: Sequence, device: to
     the total and its split at the peak: params, grads, optim, activations, other.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class LeafSafeModTracker(ModTracker):
+        """ModTracker marks a module's backward done by a hook on all its inputs' gradients,
+        which PyTorch cannot count for a leaf input under `autograd.grad` (a pipeline stage's
+        received activations, in torch.distributed.pipelining's split backward): leaves are
+        left out of that hook; only per-module stats, unused here, would see it."""
+
+        def _fw_pre_hook(self, mod: nn.Module, inputs) -> None:
+            super()._fw_pre_hook(mod, tuple(a for a in inputs if not (
+                isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad)))
 
     class StepTracker(MemTracker):
         """MemTracker refuses a root module called twice (it keeps per-module stats, which are
-        not used here): start them afresh at each micro-batch of gradient accumulation."""
+        not used here): start that module's afresh at each micro-batch (only its own: a
+        pipeline rank's other stage may be between its forward and its backward)."""
+
+        def __init__(self):
+            super().__init__()
+            self._mod_tracker = LeafSafeModTracker()
 
         def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
             name = self._mod_tracker.get_known_fqn(module)
             if module in self.memory_tracking and not self._mod_tracker.is_bw and \
                     set(self._mod_tracker.parents) - {name} == {"Global"}:
-                self.reset_mod_stats()
+                del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
@@ -774,17 +790,19 @@ def _export_trace(profiler: torch.profiler.profile, args: argparse.Namespace,
               f"(one file per rank; open in https://ui.perfetto.dev)")
 
 
-def render_timeline(timelines: Sequence[Sequence[tuple[str, int, float, float]]],
+def render_timeline(timelines: Sequence[Sequence[tuple[str, int, int, float, float]]],
                     width: int = 96) -> str:
     """One step of a pipeline as text: a row per rank, a column per 1/width of the step; an
-    action (kind, micro-batch, start, end in seconds) is its label (`F3`) then its kind letter,
-    idle time is '.'."""
-    t0 = min(s for tl in timelines for _, _, s, _ in tl)
-    scale = width / (max(e for tl in timelines for *_, e in tl) - t0)
+    action (kind, micro-batch, stage, start, end in seconds) is its label (`F3`) then its kind
+    letter, in lower case when it is not the rank's first stage (DualPipe's second); idle time
+    is '.'."""
+    t0 = min(a[3] for tl in timelines for a in tl)
+    scale = width / (max(a[4] for tl in timelines for a in tl) - t0)
     rows = [f"one step, {1e3 * width / scale:.1f} ms, {1e3 / scale:.2f} ms a column:"]
     for rank, tl in enumerate(timelines):
-        row = ["."] * width
-        for kind, mb, start, end in tl:
+        row, first_stage = ["."] * width, min(a[2] for a in tl)
+        for kind, mb, stage, start, end in tl:
+            kind = kind if stage == first_stage else kind.lower()
             first = min(round((start - t0) * scale), width - 1)
             label = f"{kind}{mb}"
             for k in range(first, max(first + 1, min(width, round((end - t0) * scale)))):
@@ -793,18 +811,19 @@ def render_timeline(timelines: Sequence[Sequence[tuple[str, int, float, float]]]
     return "\n".join(rows)
 
 
-def write_timeline_trace(timelines: Sequence[Sequence[tuple[str, int, float, float]]],
+def write_timeline_trace(timelines: Sequence[Sequence[tuple[str, int, int, float, float]]],
                          args: argparse.Namespace, topo: Topology) -> None:
     """The same step as a Chrome/Perfetto trace, a track per rank, in the traces/ folder beside
     the results file (rank 0 writes it)."""
     if not topo.is_main:
         return
-    t0 = min(s for tl in timelines for _, _, s, _ in tl)
+    t0 = min(a[3] for tl in timelines for a in tl)
     events = [{"name": f"rank {r}", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
               for r in range(len(timelines))]
     events += [{"name": f"{kind}{mb}", "cat": kind, "ph": "X", "pid": 0, "tid": r,
-                "ts": 1e6 * (start - t0), "dur": 1e6 * (end - start)}
-               for r, tl in enumerate(timelines) for kind, mb, start, end in tl]
+                "ts": 1e6 * (start - t0), "dur": 1e6 * (end - start),
+                "args": {"micro-batch": mb, "stage": stage}}
+               for r, tl in enumerate(timelines) for kind, mb, stage, start, end in tl]
     folder, script = _script_identity()
     path = args.results.parent / "traces" / f"{folder}_{script}_timeline.json"
     path.parent.mkdir(parents=True, exist_ok=True)

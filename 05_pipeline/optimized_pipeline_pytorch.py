@@ -3,18 +3,26 @@
 What it does: the same stages as the hand-written scripts (the GPT's layers cut into p
 contiguous stages, the tied embedding/head weight's gradients summed between the first and last
 rank), run by torch.distributed.pipelining: a `PipelineStage` per rank and `ScheduleGPipe`
-(`--schedule gpipe`, the default) or `Schedule1F1B` (`--schedule 1f1b`). The last stage hands
-its logits to the schedule's loss function, which averages the micro-batches' gradients.
+(`--schedule gpipe`, the default) or `Schedule1F1B` (`--schedule 1f1b`); or two stages per rank
+in a V (rank r: stages r and 2p-1-r, the tied weight twice on rank 0, nothing to sum) and
+`ScheduleDualPipeV` (`--schedule dualpipev`). The last stage hands its logits to the schedule's
+loss function, and the schedule divides each stage's gradients by m after the step. In the V
+that would divide the tied weight's gradient twice (rank 0's two stages share it; torch 2.14
+scales per stage), so there the loss function divides each micro-batch's loss by m instead
+(`scale_grads=False`): the same gradients, once.
 Why it is here: a schedule written by hand is checked against the library's. The losses must
 match the hand-written one's to float rounding (the launch tests check it), and
 `make pipeline report` puts the step times side by side.
 Run:        torchrun --nproc_per_node=2 05_pipeline/optimized_pipeline_pytorch.py --size small
             torchrun --nproc_per_node=2 05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1b
-Look for:   the rows `optimized_pipeline_pytorch` (beside optimized_pipeline_gpipe) and
-            `optimized_pipeline_pytorch --schedule 1f1b` (beside optimized_pipeline_1f1b).
+            (and --schedule dualpipev)
+Look for:   the rows `optimized_pipeline_pytorch` (beside optimized_pipeline_gpipe),
+            `optimized_pipeline_pytorch --schedule 1f1b` (beside optimized_pipeline_1f1b) and
+            `--schedule dualpipev` (beside optimized_pipeline_dualpipev).
 Theory:     the same bubble as the hand-written schedule; torch records no timeline here.
 """
 
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -23,18 +31,34 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "dualpipev": ScheduleDualPipeV}
 
 
-def cut(n_layers: int, p: int) -> list[range]:
-    """p contiguous stages whose sizes differ by at most one layer (as the hand-written ones)."""
-    bounds = [round(r * n_layers / p) for r in range(p + 1)]
-    return [range(bounds[r], bounds[r + 1]) for r in range(p)]
+def layer_cost(layer: nn.Module) -> int:
+    """A layer's compute, roughly: the weights of its matrix multiplies (2 FLOPs each a token);
+    the embedding lookups, norms and the attention's own product are small beside them."""
+    return sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear))
+
+
+def cut(costs: list[int], stages: int) -> list[range]:
+    """Contiguous stages of about equal cost, each of at least one layer: stage s ends where the
+    running cost comes nearest to s/stages of the total (the embeddings cost nearly nothing and
+    the head a third of a block at `small`, so equal numbers of layers would not balance)."""
+    running, bounds = list(itertools.accumulate(costs)), [0]
+    for s in range(1, stages):
+        ends = range(bounds[-1] + 1, len(costs) - (stages - s) + 1)
+        bounds.append(min(ends, key=lambda end: abs(running[end - 1] - s * running[-1] / stages)))
+    return [range(a, b) for a, b in zip(bounds, [*bounds[1:], len(costs)], strict=True)]
 
 
 def stage_module(layers: list[nn.Module]) -> nn.Sequential:
@@ -62,45 +86,60 @@ def main():
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    v = args.schedule == "dualpipev"
+    n_stages = 2 * world if v else world
     layers = common.SIZES[args.size].n_layers + 2
-    if int(os.environ.get("WORLD_SIZE", "1")) > layers:
-        parser.error(f"--size {args.size} has {layers} layers, fewer than the "
-                     f"{os.environ['WORLD_SIZE']} stages (processes): use fewer processes")
+    if n_stages > layers:
+        parser.error(f"--size {args.size} has {layers} layers, fewer than the {n_stages} "
+                     f"stages on {world} processes: use fewer processes")
+    if v and args.microbatches < n_stages:
+        parser.error(f"ScheduleDualPipeV needs at least as many micro-batches as its {n_stages} "
+                     f"stages: use --microbatches {n_stages} or more")
     topo = common.setup(args)
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
     layers = model.pipeline_layers()
     params = sum(q.numel() for q in model.parameters())
-    mine = [layers[i] for i in cut(len(layers), p)[topo.rank]]
-    module = stage_module(mine)
+    stages = cut([layer_cost(layer) for layer in layers], n_stages)
+    mine = [topo.rank, 2 * p - 1 - topo.rank] if v else [topo.rank]  # stage indices
+    modules = {s: stage_module([layers[i] for i in stages[s]]) for s in mine}
     autocast_dtype = model.autocast_dtype
     del model, layers
-    stage = PipelineStage(module, topo.rank, p, topo.device)
-    pipe = SCHEDULES[args.schedule](stage, m, loss_fn=loss_fn)
-    tied = dist.new_group([0, p - 1]) if p > 1 else None
-    tied_weight = mine[0].tok_emb.weight if topo.rank == 0 else \
-        mine[-1].head.weight if topo.rank == p - 1 else None
-    opt = torch.optim.AdamW(module.parameters(), lr=args.lr)
+    held = nn.ModuleList(modules.values())
+    pipe_stages = [PipelineStage(modules[s], s, n_stages, topo.device) for s in mine]
+    if v:  # see the docstring: the loss divided by m, not the gradients
+        pipe = ScheduleDualPipeV(pipe_stages, m, scale_grads=False,
+                                 loss_fn=lambda logits, targets: loss_fn(logits, targets) / m)
+    else:
+        pipe = SCHEDULES[args.schedule](pipe_stages[0], m, loss_fn=loss_fn)
+    first, last = 0 in mine, n_stages - 1 in mine  # this rank feeds the tokens, the targets
+    tied = dist.new_group([0, p - 1]) if p > 1 and not v else None  # the V: both on rank 0
+    tied_weight = None if tied is None else modules[0][0].tok_emb.weight if topo.rank == 0 \
+        else modules[p - 1][-1].weight if topo.rank == p - 1 else None
+    opt = torch.optim.AdamW(held.parameters(), lr=args.lr)
 
     def train_step(tokens, targets):
         opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
         losses = []
         with torch.autocast(topo.device.type, dtype=autocast_dtype,
                             enabled=autocast_dtype is not None):
-            pipe.step(*([tokens] if topo.rank == 0 else []),
-                      **({"target": targets, "losses": losses} if topo.rank == p - 1 else {}))
+            pipe.step(*([tokens] if first else []),
+                      **({"target": targets, "losses": losses} if last else {}))
         if tied_weight is not None and tied is not None:
             dist.all_reduce(tied_weight.grad, group=tied)
         opt.step()
-        return torch.stack(losses).mean() if losses else torch.zeros((), device=topo.device)
+        if not losses:
+            return torch.zeros((), device=topo.device)
+        return torch.stack(losses).sum() if v else torch.stack(losses).mean()
 
-    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(module, opt),
-                               loss_rank=p - 1, dp_world=1)
-    common.record(args, topo, stats, baseline="baseline_pipeline", model=module, optimizer=opt,
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(held, opt),
+                               loss_rank=0 if v else p - 1, dp_world=1)
+    common.record(args, topo, stats, baseline="baseline_pipeline", model=held, optimizer=opt,
                   comm_mb=stats.comm_mb, dp_world=1, params=params,
                   loss_tolerance=1e-5 if args.dtype == "fp32" else 5e-2,
-                  schedule=f"torch {args.schedule}", microbatches=m, stages=p,
-                  theory={"bubble_uniform": round((p - 1) / (m + p - 1), 4)})
+                  schedule=f"torch {args.schedule}", microbatches=m, stages=n_stages,
+                  theory={} if v else {"bubble_uniform": round((p - 1) / (m + p - 1), 4)})
 
 
 if __name__ == "__main__":

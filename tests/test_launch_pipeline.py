@@ -1,23 +1,31 @@
 """Launch tests: 05_pipeline under torchrun with CPU processes at `tiny`.
 
-Six launches shared through one module-scoped fixture (the naive baseline, GPipe, 1F1B,
-torch.distributed.pipelining's GPipe and 1F1B, and 1F1B at 3 ranks with an odd m), each checked
-against the unsplit model trained in this process on the same batches.
+Launches shared through one module-scoped fixture (the naive baseline, GPipe, 1F1B, DualPipeV,
+DualPipe, torch.distributed.pipelining's GPipe, 1F1B and DualPipeV, 1F1B at 3 ranks with an
+odd m, DualPipeV at 3 ranks on a deeper model, DualPipe at 4 ranks), each checked against the
+unsplit model trained in this process on the same batches.
 """
 
 import pytest
 import torch
 
 import common
-from helpers import TINY, assert_bad_input_is_one_line, finish, only_record, torchrun
+from helpers import TINY, assert_bad_input_is_one_line, finish, load_recipe, only_record, torchrun
 
 FOLDER = common.ROOT / "05_pipeline"
-SCRIPTS = ["baseline_pipeline", "optimized_pipeline_gpipe", "optimized_pipeline_1f1b"]
+SCRIPTS = ["baseline_pipeline", "optimized_pipeline_gpipe", "optimized_pipeline_1f1b",
+           "optimized_pipeline_dualpipev", "optimized_pipeline_dualpipe"]
 M = 4  # micro-batches at tiny, 2 sequences each
+DEEPER = ["--size", "small", "--seq-len", "16"]  # 8 layers: DualPipeV's 6 stages at 3 ranks
 RUNS = {script: (script, 2, []) for script in SCRIPTS} | {  # torch.distributed.pipelining's,
-    "torch gpipe": ("optimized_pipeline_pytorch", 2, []),  # and a middle rank with an odd m
+    "torch gpipe": ("optimized_pipeline_pytorch", 2, []),  # and odd or larger worlds
     "torch 1f1b": ("optimized_pipeline_pytorch", 2, ["--schedule", "1f1b"]),
-    "1f1b at 3 ranks": ("optimized_pipeline_1f1b", 3, ["--microbatches", "3", "--batch-size", "6"])}
+    "torch dualpipev": ("optimized_pipeline_pytorch", 2, ["--schedule", "dualpipev"]),
+    "1f1b at 3 ranks": ("optimized_pipeline_1f1b", 3, ["--microbatches", "3", "--batch-size", "6"]),
+    "dualpipev at 3 ranks": ("optimized_pipeline_dualpipev", 3,
+                             [*DEEPER, "--microbatches", "6", "--batch-size", "6"]),
+    "dualpipe at 4 ranks": ("optimized_pipeline_dualpipe", 4,
+                            ["--microbatches", "8", "--batch-size", "8"])}
 
 
 @pytest.fixture(scope="module")
@@ -31,60 +39,83 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def unsplit_losses():
-    """The whole GPT on one process, the same batches, AdamW: what every schedule must match
-    (by batch size)."""
-    out = {}
-    for batch in (2 * M, 6):
-        args = common.parser(None).parse_args([*TINY, "--batch-size", str(batch)])
-        args.dtype = "fp32"
-        topo = common.Topology(0, 0, 1, 1, 1, "gloo", torch.device("cpu"))
-        model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        out[batch] = []
-        for inputs, targets in batches:
-            opt.zero_grad()
-            loss = model(inputs, targets)
-            loss.backward()
-            opt.step()
-            out[batch].append(loss.item())
-    return out
+def unsplit_losses(rec):
+    """The whole GPT on one process, the same batches, AdamW: what every schedule must match."""
+    args = common.parser(None).parse_args([*TINY, "--size", rec["size"], "--seq-len",
+                                           str(rec["seq_len"]), "--batch-size",
+                                           str(rec["batch_size"])])
+    args.dtype = "fp32"
+    topo = common.Topology(0, 0, 1, 1, 1, "gloo", torch.device("cpu"))
+    model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses = []
+    for inputs, targets in batches:
+        opt.zero_grad()
+        loss = model(inputs, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
 
 
 @pytest.mark.parametrize("script", list(RUNS))
-def test_every_schedule_trains_the_unsplit_model(runs, unsplit_losses, script):
+def test_every_schedule_trains_the_unsplit_model(runs, script):
     rec, _ = runs[script]
-    assert rec["status"] == "ok" and rec["world_size"] == rec["stages"] == RUNS[script][1]
-    reference = unsplit_losses[rec["batch_size"]]
+    assert rec["status"] == "ok" and rec["world_size"] == RUNS[script][1]
+    reference = unsplit_losses(rec)
     assert max(abs(a - b) / b for a, b in zip(rec["losses"], reference, strict=True)) <= 1e-5
-    assert rec["params"] == common.gpt_param_count(common.SIZES["tiny"], 32)  # all stages
+    size = common.SIZES[rec["size"]]
+    assert rec["params"] == common.gpt_param_count(size, rec["seq_len"])  # all stages
 
 
-@pytest.mark.parametrize("script", [*SCRIPTS, "1f1b at 3 ranks"])
-def test_records_carry_a_real_timeline_and_its_bubble_beside_theory(runs, script):
+@pytest.mark.parametrize("script", [*SCRIPTS, "1f1b at 3 ranks", "dualpipev at 3 ranks",
+                                    "dualpipe at 4 ranks"])
+def test_records_carry_the_real_timeline_of_the_schedule_and_its_bubble(runs, script):
     rec, console = runs[script]
-    m, p = rec["microbatches"], rec["stages"]
-    assert m == {"baseline_pipeline": 1, "1f1b at 3 ranks": 3}.get(script, M)
+    m, p = rec["microbatches"], rec["world_size"]
+    recipe = load_recipe(FOLDER / f"{RUNS[script][0]}.py")
+    flags = RUNS[script][2]
+    asked = int(flags[flags.index("--microbatches") + 1]) if "--microbatches" in flags else M
+    assert m == (1 if script == "baseline_pipeline" else asked)
+    assert rec["stages"] == recipe.n_stages(p)
     assert rec["tokens_per_s"] > 0
     timeline = rec["timeline"]
     assert len(timeline) == p
-    for actions in timeline:  # every micro-batch's F and B, each taking time, in order
-        assert sorted((kind, mb) for kind, mb, *_ in actions) == \
-            sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+    for actions, planned in zip(timeline, recipe.schedule(p, m), strict=True):
+        assert [tuple(a[:3]) for a in actions] == [a[:3] for a in planned]  # ran as written
         assert all(end > start for *_, start, end in actions)
-        assert all(a[3] <= b[2] for a, b in zip(actions[:-1], actions[1:], strict=True))
-    assert 0 < rec["bubble"] < 1 and 0 < rec["theory"]["bubble"] < 1
-    assert rec["theory"]["bubble_uniform"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-4)
+        assert all(a[4] <= b[3] for a, b in zip(actions[:-1], actions[1:], strict=True))
+    assert 0 < rec["bubble"] < 1 and 0 <= rec["theory"]["bubble"] < 1
+    if "bubble_uniform" in rec["theory"]:
+        assert rec["theory"]["bubble_uniform"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-4)
+    else:  # DualPipe(V): run free, no more idle than had the pairs waited for each other
+        assert rec["theory"]["bubble"] <= rec["theory"]["bubble_paired"] + 1e-4
     assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], rel=1e-3)
     assert all(f"rank  {r} |" in console for r in range(p))
 
 
-def test_1f1b_holds_at_most_p_micro_batches_gpipe_all_m(runs):
+def test_in_flight_activations_match_each_schedules_theory(runs):
+    expected = {"optimized_pipeline_gpipe": M, "optimized_pipeline_1f1b": 2,  # m, p
+                "optimized_pipeline_dualpipev": 5, "dualpipev at 3 ranks": 7,  # 2p+1 stages'
+                "optimized_pipeline_dualpipe": 3, "dualpipe at 4 ranks": 5}  # p+1 stages'
+    for script, inflight in expected.items():
+        rec = runs[script][0]
+        assert rec["inflight_max"] == rec["theory"]["inflight_max"] == inflight, script
     gpipe, one_f_one_b = runs["optimized_pipeline_gpipe"][0], runs["optimized_pipeline_1f1b"][0]
-    assert gpipe["inflight_max"] == gpipe["theory"]["inflight_max"] == M
-    assert one_f_one_b["inflight_max"] == one_f_one_b["theory"]["inflight_max"] == 2
     assert one_f_one_b["memory"]["activations"] < gpipe["memory"]["activations"]
+
+
+def test_dualpipe_holds_two_stages_and_dualpipev_sums_no_tied_gradient(runs):
+    """DualPipe at 4 ranks: each rank holds stages r and 3-r and all-reduces their gradients
+    with its twin; DualPipeV's rank 0 holds the tied weight in both of its stages, once."""
+    dualpipe, one_f_one_b = runs["dualpipe at 4 ranks"][0], runs["optimized_pipeline_1f1b"][0]
+    assert [sorted({a[2] for a in actions}) for actions in dualpipe["timeline"]] == \
+        [[0, 3], [1, 2], [1, 2], [0, 3]]
+    v = runs["optimized_pipeline_dualpipev"][0]
+    assert [sorted({a[2] for a in actions}) for actions in v["timeline"]] == [[0, 3], [1, 2]]
+    shape = 4 * 2 * 32 * 64 / 2**20  # a micro-batch's activations, MB
+    assert v["comm_mb"] == pytest.approx(2 * M * shape, rel=1e-3)  # nothing but activations
+    assert one_f_one_b["comm_mb"] > M * shape  # its tied weight's gradient besides
 
 
 @pytest.mark.parametrize("script, flags, world, hint", [
@@ -94,8 +125,18 @@ def test_1f1b_holds_at_most_p_micro_batches_gpipe_all_m(runs):
     ("optimized_pipeline_1f1b", ["--model", "resnet", "--batch-size", "8"], "1", "--model gpt"),
     ("baseline_pipeline", ["--size", "tiny"], "5", "fewer processes"),  # any m splits its batch
     ("baseline_pipeline", ["--model", "resnet", "--batch-size", "8"], "1", "--model gpt"),
+    ("optimized_pipeline_dualpipev", ["--microbatches", "3"], "2", "--microbatches 4 or more"),
+    ("optimized_pipeline_dualpipev", ["--size", "tiny", "--microbatches", "6"], "3",
+     "fewer processes"),  # 6 stages, 4 layers
+    ("optimized_pipeline_dualpipev", ["--batch-size", "6", "--microbatches", "4"], "2",
+     "--microbatches"),
+    ("optimized_pipeline_dualpipe", ["--microbatches", "6"], "3", "even number of processes"),
+    ("optimized_pipeline_dualpipe", ["--microbatches", "6"], "4", "at least 8"),
+    ("optimized_pipeline_dualpipe", ["--microbatches", "9"], "2", "even --microbatches"),
     ("optimized_pipeline_pytorch", ["--batch-size", "6", "--microbatches", "4"], "1",
      "--microbatches"),
+    ("optimized_pipeline_pytorch", ["--schedule", "dualpipev", "--microbatches", "2"], "2",
+     "--microbatches 4 or more"),
 ])
 def test_bad_input_exits_2_with_one_line(script, flags, world, hint, tmp_path):
     assert_bad_input_is_one_line(FOLDER / f"{script}.py", flags, hint, tmp_path,
@@ -103,10 +144,11 @@ def test_bad_input_exits_2_with_one_line(script, flags, world, hint, tmp_path):
 
 
 @pytest.mark.parametrize("mine, theirs", [("optimized_pipeline_gpipe", "torch gpipe"),
-                                          ("optimized_pipeline_1f1b", "torch 1f1b")])
+                                          ("optimized_pipeline_1f1b", "torch 1f1b"),
+                                          ("optimized_pipeline_dualpipev", "torch dualpipev")])
 def test_the_hand_written_schedule_trains_like_torchs_own(runs, mine, theirs):
     ours, torchs = runs[mine][0], runs[theirs][0]
     assert max(abs(a - b) / b for a, b in zip(ours["losses"], torchs["losses"], strict=True)) \
         <= 1e-5
-    assert ("--schedule 1f1b" in torchs["variant"]) == (theirs == "torch 1f1b")
+    assert torchs["schedule"] == theirs and torchs["stages"] == ours["stages"]
     assert ours["comm_mb"] == pytest.approx(torchs["comm_mb"], rel=1e-3)  # the same tensors
