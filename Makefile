@@ -104,7 +104,8 @@ all: $(TECHNIQUES)
 # Runs a folder makes beyond one per script, as "script flags": PyTorch's own implementation of
 # a second technique beside the hand-written one (the script's default runs anyway).
 EXTRA_RUNS_zero := "04_zero/optimized_zero_pytorch.py --stage 3"
-EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1b"
+EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1b" \
+	"05_pipeline/optimized_pipeline_pytorch.py --schedule dualpipev"
 
 # One folder: every baseline, then every optimized script (then its extra runs), each under
 # torchrun. A failing run prints its whole log, is recorded as failed, and fails the target after

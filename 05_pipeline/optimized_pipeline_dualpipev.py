@@ -368,6 +368,7 @@ def main():
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=8,
                         help="micro-batches m the batch is split into, at least 2p (default: 8)")
     parser.set_defaults(batch_size=0)  # 0: two sequences per micro-batch, as the others
+    parser.set_defaults(steps=10, warmup=3)  # 8 runs in `make pipeline`: ~2 min
     args = parser.parse_args()
     args.batch_size = args.batch_size or 2 * args.microbatches
     if args.model != "gpt":

@@ -301,6 +301,7 @@ def main():
     # The whole batch, split into m: by default two sequences per micro-batch (one is faster to
     # run but on a CPU a GEMM that small runs well below its speed, which the bubble is not).
     parser.set_defaults(batch_size=0)
+    parser.set_defaults(steps=10, warmup=3)  # 8 runs in `make pipeline`: ~2 min
     args = parser.parse_args()
     args.batch_size = args.batch_size or 2 * args.microbatches
     if args.model != "gpt":
