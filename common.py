@@ -109,9 +109,9 @@ class RecipeParser(argparse.ArgumentParser):
         # The script's own flags that differ from their defaults name the run's variant: the
         # report shows `optimized_fsdp --wrap root` as a row of its own.
         ns.variant = " ".join(
-            f"--{a.dest.replace('_', '-')}" + ("" if v is True else f" {v}")
+            f"--{a.dest.replace('_', '-')}" + ("" if v is True else f" {_flag_text(v)}")
             for a in self._actions[self.shared_flags:] if a.dest not in {"help", *self.output_only}
-            for v in [getattr(ns, a.dest)] if v != a.default) or None
+            for v in [getattr(ns, a.dest)] if v != _parsed_default(a)) or None
         return ns
 
     def add_summary_flag(self) -> None:
@@ -120,6 +120,17 @@ class RecipeParser(argparse.ArgumentParser):
                           help="print each rank's parameter, gradient and optimizer MB beside "
                                "the formula, its peak memory and the MB it sent per step")
         self.output_only.add("summary")
+
+
+def _parsed_default(action: argparse.Action):
+    """A flag's default as parsing leaves it (argparse converts a string default by its type)."""
+    if isinstance(action.default, str) and action.type is not None:
+        return action.type(action.default)
+    return action.default
+
+
+def _flag_text(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -146,6 +157,25 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def message_sizes(text: str) -> list[int]:
+    """argparse type for a sweep's message sizes: comma-separated bytes with an optional K, M or G
+    (powers of 1024), e.g. `4K,64K,16M`; each > 0."""
+    sizes = []
+    for item in text.split(","):
+        number, unit = item.strip().upper(), 1
+        if number[-1:] in ("K", "M", "G"):
+            number, unit = number[:-1], 1024 ** ("KMG".index(number[-1]) + 1)
+        try:
+            value = int(float(number) * unit)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected sizes like 4K,64K,16M, got {item!r}") \
+                from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"a message size must be > 0 bytes, got {item!r}")
+        sizes.append(value)
+    return sizes
 
 
 def parser(doc: str | None, long_context: bool = False) -> RecipeParser:
@@ -561,6 +591,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def time_calls(call: Callable[[], object], prepare: Callable[[], object], iters: int,
+               warmup: int, device: torch.device) -> float:
+    """Median milliseconds of `call` over `iters` timed runs after `warmup` untimed ones; before
+    each, `prepare` (untimed: refill the input) and a barrier, so every rank starts together,
+    and the device is synchronised before the clock is read."""
+    times = []
+    for i in range(warmup + iters):
+        prepare()
+        _sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+# busbw = algbw x this: the share of the message each rank's link carries (nccl-tests' convention)
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "sendrecv": lambda n: 1.0}
+
+
+def sweep_entry(op: str, nbytes: int, ms: float, world: int) -> dict:
+    """One row of a collectives sweep: algbw = bytes / time, busbw = algbw x BUS_FACTOR."""
+    algbw = nbytes / (ms / 1e3) / 1e9
+    return {"op": op, "bytes": nbytes, "ms": round(ms, 4), "algbw_gbps": round(algbw, 3),
+            "busbw_gbps": round(algbw * BUS_FACTOR[op](world), 3)}
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """CUDA allocator peak (max active) on GPU; the process's peak resident set on CPU."""
     if device.type == "cuda":
@@ -918,6 +978,19 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     return rec
 
 
+def record_sweep(args: argparse.Namespace, topo: Topology, *, baseline: str | None,
+                 sweep: list[dict], **extra) -> dict:
+    """Append a collectives benchmark's result (rank 0): the sweep, no training fields."""
+    rec = _base_record(args, topo, baseline, "ok", None)
+    rec.update(sweep=sweep, iters=args.iters, **extra)
+    if topo.is_main:
+        _append(args.results, rec)
+        for row in sweep:
+            print(f"{rec['script']}: {row['op']:>14} {row['bytes']:>11,} B {row['ms']:9.3f} ms "
+                  f"busbw {row['busbw_gbps']:7.2f} GB/s", flush=True)
+    return rec
+
+
 def print_summary(args: argparse.Namespace, topo: Topology, stats: Stats, *,
                   baseline: str | None, measured: dict[str, float], theory: dict) -> None:
     """`--summary`: a table, one row per rank, of the parameter, gradient and optimizer-state MB
@@ -1085,6 +1158,40 @@ REPORT_HEADERS = ["script", "size", "world", "device", "step ms (p90)", "tok/s (
                   "max Δloss", "theory", "status"]
 
 
+SWEEP_HEADERS = ["op", "bytes", "world", "device", "baseline", "ms", "busbw GB/s", "script",
+                 "ms ", "busbw GB/s ", "speedup"]
+
+
+def _sweep_table(sweeps: list[dict], by_key: dict) -> str:
+    """Collectives benchmarks: each optimized sweep beside its baseline's, size by size."""
+    from tabulate import tabulate
+
+    table = []
+    for rec in sweeps:
+        if rec.get("baseline") is None:
+            continue
+        base = by_key.get(_run_key(rec) + (rec["baseline"],))
+        theirs = {(r["op"], r["bytes"]): r for r in (base or {}).get("sweep", [])}
+        for row in rec["sweep"]:
+            other = theirs.get((row["op"], row["bytes"]))
+            table.append([row["op"], f"{row['bytes']:,}", rec.get("world_size"),
+                          rec.get("device"), _script_label(base) if base else "",
+                          _fmt(other and other["ms"], ",.3f"),
+                          _fmt(other and other["busbw_gbps"], ",.2f"), _script_label(rec),
+                          f"{row['ms']:,.3f}", f"{row['busbw_gbps']:,.2f}",
+                          f"{other['ms'] / row['ms']:.2f}x" if other else ""])
+    for rec in sweeps:  # a baseline nothing was compared with still shows its figures
+        if rec.get("baseline") is None and not any(
+                r.get("baseline") == rec.get("script") and _run_key(r) == _run_key(rec)
+                for r in sweeps):
+            table += [[row["op"], f"{row['bytes']:,}", rec.get("world_size"), rec.get("device"),
+                       _script_label(rec), f"{row['ms']:,.3f}", f"{row['busbw_gbps']:,.2f}",
+                       "", "", "", ""] for row in rec["sweep"]]
+    return tabulate(table, SWEEP_HEADERS, tablefmt="github") + \
+        "\n\nbusbw = bytes / time x 2(N-1)/N (all-reduce), (N-1)/N (all-gather, " \
+        "reduce-scatter), 1 (send/recv); speedup = baseline time / this time."
+
+
 def render_report(records: list[dict]) -> str:
     """Markdown: one table per folder; baselines first, each optimized row after its baseline."""
     from tabulate import tabulate
@@ -1100,12 +1207,19 @@ def render_report(records: list[dict]) -> str:
                                      r.get("world_size") or 0, str(r.get("device")),
                                      (r.get("baseline") or r.get("script") or ""),
                                      r.get("baseline") is not None, r.get("variant") or ""))
+        sweeps = [r for r in rows if "sweep" in r]
         table = [_report_row(r, by_key.get(_run_key(r) + (r.get("baseline"),)))
-                 for r in rows]
-        out += [f"## {folder}", "", tabulate(table, REPORT_HEADERS, tablefmt="github"), ""]
-    out += ["speedup = baseline step time / this step time (same size, world, device and link); "
-            "mem vs base = peak memory ratio; max Δloss = largest per-step loss difference "
-            "from the baseline, checked against the script's stated tolerance.", ""]
+                 for r in rows if r not in sweeps]
+        out += [f"## {folder}", ""]
+        if table:
+            out += [tabulate(table, REPORT_HEADERS, tablefmt="github"), ""]
+        if sweeps:
+            out += [_sweep_table(sweeps, by_key), ""]
+    if any("sweep" not in r for r in runs):
+        out += ["speedup = baseline step time / this step time (same size, world, device and "
+                "link); mem vs base = peak memory ratio; max Δloss = largest per-step loss "
+                "difference from the baseline, checked against the script's stated tolerance.",
+                ""]
     return "\n".join(out)
 
 
