@@ -1,0 +1,66 @@
+"""Data-parallel training with the gradients in one flat buffer, all-reduced through the process
+group, and AdamW replicated on every rank: the baseline for symmetric-memory training.
+
+What it does: every parameter's `.grad` is a view into one flat buffer, so backward writes the
+gradients straight into it; after backward one `dist.all_reduce` sums the buffer over the ranks
+and it is divided by N; then every rank runs the same AdamW step on all the parameters and
+keeps all of its state (16 bytes a parameter in fp32: weights, gradients, two moments).
+Why it is the baseline: it is DDP at its simplest and best for a small model: one collective a
+step, no copies (as `gradient_as_bucket_view` does). What it spends is the process group's
+all-reduce, through gloo's sockets even between processes on one host, and the N-fold
+replicated optimizer step and state that optimized_symmem_training.py shares out.
+Run:        torchrun --nproc_per_node=2 06_symmem/baseline_symmem_training.py --size small
+Look for:   `make symmem report`: step time, state MB and its `memory.optim` part (8 bytes a
+            parameter), beside the symmetric-memory run.
+Theory:     comm: a ring all-reduce of the buffer, 2(N-1)/N x 4P bytes sent by each rank;
+            optimizer state 8P bytes on every rank.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+
+def flat_gradients(model: torch.nn.Module) -> torch.Tensor:
+    """One zeroed buffer for all the gradients, each parameter's `.grad` a view into it."""
+    params = list(model.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
+def main():
+    args = common.parser(__doc__).parse_args()
+    topo = common.setup(args)
+    model, batches = common.workload(args, topo)
+    grads = flat_gradients(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def train_step(inputs, targets):
+        grads.zero_()  # backward accumulates into the views
+        loss = model(inputs, targets)
+        loss.backward()
+        dist.all_reduce(grads)
+        grads.div_(topo.world_size)
+        opt.step()
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
+    params = grads.numel()
+    common.record(args, topo, stats, baseline=None, model=model, optimizer=opt,
+                  comm_mb=stats.comm_mb,
+                  optim_mb=round(common.state_split_mb(model, opt)["optim_mb"], 2),
+                  theory={"comm_mb": common.ring_allreduce_mb(4 * params, topo.world_size),
+                          "optim_mb": 8 * params / 2**20})
+
+
+if __name__ == "__main__":
+    common.run_main(main)
