@@ -617,8 +617,10 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (
 def sweep_entry(op: str, nbytes: int, ms: float, world: int) -> dict:
     """One row of a collectives sweep: algbw = bytes / time, busbw = algbw x BUS_FACTOR."""
     algbw = nbytes / (ms / 1e3) / 1e9
-    return {"op": op, "bytes": nbytes, "ms": round(ms, 4), "algbw_gbps": round(algbw, 3),
-            "busbw_gbps": round(algbw * BUS_FACTOR[op](world), 3)}
+    def digits(x: float) -> float:
+        return float(f"{x:.4g}")
+    return {"op": op, "bytes": nbytes, "ms": digits(ms), "algbw_gbps": digits(algbw),
+            "busbw_gbps": digits(algbw * BUS_FACTOR[op](world))}
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -1170,7 +1172,10 @@ def _sweep_table(sweeps: list[dict], by_key: dict) -> str:
     for rec in sweeps:
         if rec.get("baseline") is None:
             continue
-        base = by_key.get(_run_key(rec) + (rec["baseline"],))
+        # the baseline's run with the same sweep flags, else its default one
+        same_flags = " ".join(filter(None, [rec["baseline"], rec.get("variant")]))
+        base = by_key.get(_run_key(rec) + (same_flags,)) or \
+            by_key.get(_run_key(rec) + (rec["baseline"],))
         theirs = {(r["op"], r["bytes"]): r for r in (base or {}).get("sweep", [])}
         for row in rec["sweep"]:
             other = theirs.get((row["op"], row["bytes"]))

@@ -1,0 +1,63 @@
+"""Launch tests: 06_symmem under torchrun with 2 CPU processes: the two collectives sweeps (a
+short one) and the two training runs at `tiny`, shared through one module-scoped fixture."""
+
+import pytest
+
+import common
+from helpers import assert_bad_input_is_one_line, finish, only_record, torchrun
+
+FOLDER = common.ROOT / "06_symmem"
+SWEEP = ["--sizes", "4K,64K,1M", "--iters", "3"]
+RUNS = {"baseline_symmem_allreduce": SWEEP, "optimized_symmem_allreduce": SWEEP,
+        "baseline_symmem_training": [], "optimized_symmem_training": []}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for script, flags in RUNS.items():
+        results = tmp_path_factory.mktemp(script) / "results.jsonl"
+        finish(torchrun(FOLDER / f"{script}.py", results, *flags))
+        out[script] = only_record(results)
+    return out
+
+
+@pytest.mark.parametrize("script", ["baseline_symmem_allreduce", "optimized_symmem_allreduce"])
+def test_a_sweep_records_every_op_and_size_checked_with_its_busbw(runs, script):
+    rec = runs[script]
+    assert rec["status"] == "ok" and "step_ms" not in rec  # a benchmark, no training fields
+    assert [(row["op"], row["bytes"]) for row in rec["sweep"]] == [
+        (op, size) for op in ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
+        for size in (4096, 65536, 2**20)]
+    for row in rec["sweep"]:
+        algbw = row["bytes"] / (row["ms"] / 1e3) / 1e9
+        factor = {"all_reduce": 1.0, "sendrecv": 1.0}.get(row["op"], 0.5)
+        assert row["algbw_gbps"] == pytest.approx(algbw, rel=0.01)
+        assert row["busbw_gbps"] == pytest.approx(algbw * factor, rel=0.01)
+
+
+def test_the_report_sets_the_two_sweeps_side_by_side(runs):
+    text = common.render_report([runs["baseline_symmem_allreduce"],
+                                 runs["optimized_symmem_allreduce"]])
+    rows = [line for line in text.splitlines() if line.startswith("| all_reduce")]
+    assert len(rows) == 3 and all("baseline_symmem_allreduce" in r and r.rstrip(" |").endswith("x")
+                                  for r in rows)
+
+
+def test_symmetric_memory_training_matches_the_baseline_with_half_the_optimizer_state(runs):
+    base, rec = runs["baseline_symmem_training"], runs["optimized_symmem_training"]
+    assert rec["status"] == "ok" and rec["baseline"] == "baseline_symmem_training"
+    assert max(abs(a - b) / b for a, b in zip(rec["losses"], base["losses"], strict=True)) <= 1e-5
+    assert rec["optim_mb"] == pytest.approx(base["optim_mb"] / 2, rel=0.01)
+    assert rec["optim_mb"] == pytest.approx(rec["theory"]["optim_mb"], rel=0.01)
+    assert rec["comm_mb"] == 0 and base["comm_mb"] == pytest.approx(base["theory"]["comm_mb"],
+                                                                    rel=1e-3)
+
+
+@pytest.mark.parametrize("script, flags, hint", [
+    ("optimized_symmem_allreduce", ["--sizes", "0"], "--sizes"),
+    ("baseline_symmem_allreduce", ["--sizes", "4Q"], "--sizes"),
+    ("optimized_symmem_allreduce", ["--ops", "all_reduce,broadcast"], "--ops broadcast"),
+])
+def test_bad_input_exits_2_with_one_line(script, flags, hint, tmp_path):
+    assert_bad_input_is_one_line(FOLDER / f"{script}.py", flags, hint, tmp_path)

@@ -1,0 +1,119 @@
+"""06_symmem's shared-memory collectives in spawned gloo processes: equal to the process
+group's at every size (sizes that do not divide by N included), at 2 and at 3 ranks; never a
+stale read over many back-to-back calls; nothing left in /dev/shm, also after a killed rank;
+more than one node is refused as `skipped`."""
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import common
+from helpers import load_recipe
+
+FOLDER = common.ROOT / "06_symmem"
+SIZES = [1, 3, 1000, 16_385, 65_536 + 3, 200_003]  # values; the last two are two-shot
+SHM = Path("/dev/shm")
+
+
+def leftovers() -> set[str]:
+    return {p.name for p in SHM.glob("playbook-symmem-*")}
+
+
+def _start(rank: int, world: int, port: int, local_world: int | None = None):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(local_world or world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    args = common.parser(None).parse_args(["--timeout", "20"])
+    return load_recipe(FOLDER / "optimized_symmem_allreduce.py"), common.setup(args)
+
+
+def _compare_with_the_process_group(rank: int, world: int, port: int) -> None:
+    recipe, topo = _start(rank, world, port)
+    seg = recipe.SharedSegment(topo, max(SIZES) * 4, timeout=20)
+    gen = torch.Generator().manual_seed(rank)
+    peer_gen = torch.Generator().manual_seed((rank - 1) % world)  # what the previous rank draws
+    for numel in SIZES:
+        x = torch.randint(-1000, 1000, (numel,), generator=gen).float()  # exact sums
+        ours, theirs = x.clone(), x.clone()
+        recipe.all_reduce(seg, ours)
+        dist.all_reduce(theirs)
+        assert torch.equal(ours, theirs), ("all_reduce", numel)
+        whole = numel - numel % world
+        if whole:
+            out, ref = torch.empty(whole), torch.empty(whole)
+            recipe.all_gather(seg, out, x[:whole // world])
+            common.all_gather_single(ref, x[:whole // world])
+            assert torch.equal(out, ref), ("all_gather", numel)
+            out, ref = torch.empty(whole // world), torch.empty(whole // world)
+            recipe.reduce_scatter(seg, out, x[:whole])
+            common.reduce_scatter_single(ref, x[:whole].clone())
+            assert torch.equal(out, ref), ("reduce_scatter", numel)
+        out = torch.empty(numel)
+        recipe.sendrecv(seg, out, x)
+        peer = torch.randint(-1000, 1000, (numel,), generator=peer_gen).float()
+        assert torch.equal(out, peer), ("sendrecv", numel)
+    for call in range(200):  # back to back, the data changing every call, two sizes in turn
+        numel = SIZES[call % 2 * 5]
+        x = torch.full((numel,), float(call * (rank + 1)))
+        recipe.all_reduce(seg, x)
+        assert torch.equal(x, torch.full((numel,), float(call * world * (world + 1) // 2))), call
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_memory_collectives_equal_the_process_groups(world):
+    before = leftovers()
+    mp.spawn(_compare_with_the_process_group, args=(world, common.free_port()), nprocs=world)
+    assert leftovers() <= before  # unlinked once mapped
+
+
+def _killed_peer(rank: int, world: int, port: int) -> None:
+    recipe, topo = _start(rank, world, port)
+    seg = recipe.SharedSegment(topo, 4096, timeout=3)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(TimeoutError, match="did not reach"):
+        recipe.all_reduce(seg, torch.ones(8))
+
+
+def test_a_killed_rank_leaves_nothing_in_dev_shm_and_its_peer_times_out():
+    before = leftovers()
+    with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
+        mp.spawn(_killed_peer, args=(2, common.free_port()), nprocs=2)
+    assert leftovers() <= before
+
+
+def _two_nodes(rank: int, world: int, port: int) -> None:
+    recipe, topo = _start(rank, world, port, local_world=1)  # each rank a node of its own
+    with pytest.raises(common.Skip, match="one node"):
+        recipe.SharedSegment(topo, 4096, timeout=3)
+    dist.destroy_process_group()
+
+
+def test_more_than_one_node_is_skipped_with_the_reason():
+    mp.spawn(_two_nodes, args=(2, common.free_port()), nprocs=2)
+
+
+@pytest.mark.parametrize("text, sizes", [("4K,64K,16M", [4096, 65536, 16 * 2**20]),
+                                         ("100,1.5K", [100, 1536]), ("1g", [2**30])])
+def test_message_sizes_parse(text, sizes):
+    assert common.message_sizes(text) == sizes
+
+
+@pytest.mark.parametrize("text", ["0", "4X", "", "-1K"])
+def test_bad_message_sizes_are_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        common.message_sizes(text)
+
+
+def test_busbw_follows_the_nccl_tests_convention():
+    row = common.sweep_entry("all_reduce", 10**9, 1000.0, world=4)
+    assert row["algbw_gbps"] == 1.0 and row["busbw_gbps"] == 1.5
+    assert common.sweep_entry("sendrecv", 10**9, 1000.0, world=4)["busbw_gbps"] == 1.0
+    assert common.sweep_entry("all_gather", 10**9, 1000.0, world=4)["busbw_gbps"] == 0.75
