@@ -594,8 +594,10 @@ def _sync(device: torch.device) -> None:
 def time_calls(call: Callable[[], object], prepare: Callable[[], object], iters: int,
                warmup: int, device: torch.device) -> float:
     """Median milliseconds of `call` over `iters` timed runs after `warmup` untimed ones; before
-    each, `prepare` (untimed: refill the input) and a barrier, so every rank starts together,
-    and the device is synchronised before the clock is read."""
+    each, `prepare` (untimed: refill the input) and a barrier, and the device is synchronised
+    before the clock is read. A run's time is the shortest any rank measured: ranks leave a
+    barrier tens of microseconds apart, and the last to leave waits for nobody, so its time is
+    the call's and not the barrier's skew (which would otherwise swamp a small message)."""
     times = []
     for i in range(warmup + iters):
         prepare()
@@ -606,7 +608,9 @@ def time_calls(call: Callable[[], object], prepare: Callable[[], object], iters:
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    shortest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(shortest, op=dist.ReduceOp.MIN)
+    return 1e3 * statistics.median(shortest.tolist())
 
 
 # busbw = algbw x this: the share of the message each rank's link carries (nccl-tests' convention)

@@ -1,7 +1,7 @@
 """Symmetric-memory training: gradients reduced through memory every rank maps, each rank's AdamW
 on its 1/N only, and the updated parameters read by every rank with plain loads.
 
-What it does: one /dev/shm segment per host, mapped by every local rank (as in
+What it does, on CPU: one /dev/shm segment per host, mapped by every local rank (as in
 optimized_symmem_allreduce.py): flags, one gradient slot per rank, and the parameters, once.
 - Every rank's model views the same parameters in the segment (`p.data` is a view into it), and
   its `.grad`s are views into its own slot, so backward writes the gradients there directly.
@@ -17,13 +17,23 @@ once per host instead of once per rank saves (N-1) x 4P bytes there, and no rank
 them; the optimizer state is 8P/N a rank instead of 8P. Flags, ordering (x86-64 total store
 order), yielding waits and the unlink-at-once lifetime are optimized_symmem_allreduce.py's;
 with more than one node, or off x86-64, the run records `skipped`.
+On CUDA: each GPU has memory of its own, so each rank keeps its full parameters and its
+gradients in two buffers from `torch.distributed._symmetric_memory` (`symm_mem.empty`,
+`rendezvous` once), which maps every peer's buffer into this GPU's address space (NVLink). The
+step is the same: a device-side `barrier` on the gradient buffer, rank r sums its 1/N of every
+peer's gradients with plain loads (`get_buffer(peer)[mine]`), its AdamW steps its 1/N in place,
+then a `barrier` on the parameter buffer and every rank copies each peer's updated 1/N out of
+that peer's buffer. The barriers order the kernels of every rank's stream, so nobody reads a
+half-written buffer or overwrites one a peer still reads. The parameters are held N times here
+(once a GPU); the optimizer state is still 8P/N.
 Why it helps: the baseline pays gloo's all-reduce of every gradient (sockets, even on one
 host) and N copies of the same optimizer step; here the gradients move at memory speed and
 each rank steps 1/N of the model.
 Run:        torchrun --nproc_per_node=2 06_symmem/optimized_symmem_training.py --size small
 Look for:   `make symmem report`: speedup over baseline_symmem_training, losses equal to it to
             float rounding, `optim_mb` halved at 2 ranks (state MB 4P + 4P + 8P/N).
-Theory:     optimizer state 8P/N bytes a rank; nothing sent through the process group.
+Theory:     optimizer state 8P/N bytes a rank; nothing sent through the process group (on CUDA
+            each rank loads (N-1)/N x 4P bytes of gradients and as much of parameters).
 """
 
 import mmap
@@ -43,8 +53,8 @@ LINE = 8  # int64s per flag: one 64-byte cache line each
 
 
 class SharedSegment:
-    """Flags, one gradient slot per rank, and the parameters once, in a /dev/shm file every rank
-    of this host maps (unlinked as soon as all have: nothing outlives the run)."""
+    """CPU: flags, one gradient slot per rank, and the parameters once, in a /dev/shm file every
+    rank of this host maps (unlinked as soon as all have: nothing outlives the run)."""
 
     def __init__(self, topo: common.Topology, numel: int, timeout: float):
         if topo.nnodes > 1:
@@ -52,6 +62,7 @@ class SharedSegment:
         if platform.machine() not in ("x86_64", "AMD64"):
             raise common.Skip(f"the flags rely on x86-64's store order, not {platform.machine()}'s")
         n, self.rank, self.timeout = topo.world_size, topo.rank, timeout
+        self.world = n
         path = [f"/dev/shm/playbook-symmem-{os.getpid()}-{time.time_ns()}"]
         dist.broadcast_object_list(path)  # rank 0's name
         flag_bytes, size = 2 * n * LINE * 8, 2 * n * LINE * 8 + (n + 1) * numel * 4
@@ -71,69 +82,112 @@ class SharedSegment:
         self.params, *self.slots = (
             torch.frombuffer(self.mapping, dtype=torch.float32, count=numel,
                              offset=flag_bytes + k * numel * 4) for k in range(n + 1))
+        self.grads = self.slots[self.rank]
         self.step = 0
 
     def signal(self, flags: range) -> None:
         self.flags[flags[self.rank]] = self.step
 
-    def wait(self, flags: range, value: int) -> None:
-        """Until every rank's flag reaches `value`, yielding the core between polls."""
+    def wait(self, flags: range) -> None:
+        """Until every rank's flag reaches this step, yielding the core between polls."""
         deadline = time.monotonic() + self.timeout
-        while any(self.flags[i] < value for i in flags):
+        while any(self.flags[i] < self.step for i in flags):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"a peer did not reach step {value} within {self.timeout} s")
+                raise TimeoutError(f"a peer did not reach step {self.step} within {self.timeout} s")
             os.sched_yield()
 
+    def load_params(self, flat: torch.Tensor) -> None:
+        if self.rank == 0:  # one copy for the host; all ranks' initial weights are equal
+            self.params.copy_(flat)
+        dist.barrier()  # written before anyone reads them
 
-def place_in_segment(model: torch.nn.Module, seg: SharedSegment, topo: common.Topology) -> None:
-    """Every parameter a view into the shared parameters (rank 0's values: all start equal),
-    every `.grad` a view into this rank's slot."""
+    def reduce_my_share(self, mine: slice) -> None:
+        """My 1/N of every rank's gradients, summed into my slot and averaged, once all are
+        ready."""
+        self.step += 1
+        self.signal(self.ready)
+        self.wait(self.ready)
+        for k in range(self.world):
+            if k != self.rank:
+                self.grads[mine].add_(self.slots[k][mine])
+        self.grads[mine].div_(self.world)
+
+    def share_params(self, bounds: list[int]) -> None:
+        """Every rank has stepped its share: the model they all view is whole again, and no
+        peer still reads my gradient slot, so the next backward may overwrite it."""
+        self.signal(self.stepped)
+        self.wait(self.stepped)
+
+
+class SymmetricBuffers:
+    """CUDA: this rank's parameters and gradients in symmetric memory, every peer's mapped."""
+
+    def __init__(self, topo: common.Topology, numel: int, timeout: float):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.rank, self.world, self.timeout_ms = topo.rank, topo.world_size, int(timeout * 1000)
+        self.params = symm_mem.empty(numel, device=topo.device)
+        self.grads = symm_mem.empty(numel, device=topo.device)
+        self.param_handle = symm_mem.rendezvous(self.params, dist.group.WORLD)
+        self.grad_handle = symm_mem.rendezvous(self.grads, dist.group.WORLD)
+        self.peer_params, self.peer_grads = (
+            [handle.get_buffer(k, (numel,), torch.float32) for k in range(self.world)]
+            for handle in (self.param_handle, self.grad_handle))
+
+    def load_params(self, flat: torch.Tensor) -> None:
+        self.params.copy_(flat)  # every GPU its own copy; all ranks' initial weights are equal
+
+    def reduce_my_share(self, mine: slice) -> None:
+        self.grad_handle.barrier(timeout_ms=self.timeout_ms)  # every backward has finished
+        for k in range(self.world):
+            if k != self.rank:
+                self.grads[mine].add_(self.peer_grads[k][mine])
+        self.grads[mine].div_(self.world)
+
+    def share_params(self, bounds: list[int]) -> None:
+        """Every rank has stepped its share: copy each peer's out of its buffer. No barrier
+        after: a peer reads my gradients before this barrier and my share before the next
+        step's, and I write either only after passing the same one."""
+        self.param_handle.barrier(timeout_ms=self.timeout_ms)
+        for k in range(self.world):
+            if k != self.rank:
+                theirs = slice(bounds[k], bounds[k + 1])
+                self.params[theirs].copy_(self.peer_params[k][theirs])
+
+
+def place_in_buffers(model: torch.nn.Module, buffers: SharedSegment | SymmetricBuffers) -> None:
+    """Every parameter a view into the shared parameters, every `.grad` a view into this rank's
+    gradient buffer, so backward writes where peers read."""
+    buffers.load_params(torch.cat([p.detach().flatten() for p in model.parameters()]))
     offset = 0
     for p in model.parameters():
         n = p.numel()
-        if topo.rank == 0:
-            seg.params[offset:offset + n].copy_(p.detach().flatten())
-        p.data = seg.params[offset:offset + n].view_as(p)
-        p.grad = seg.slots[topo.rank][offset:offset + n].view_as(p)
+        p.data = buffers.params[offset:offset + n].view_as(p)
+        p.grad = buffers.grads[offset:offset + n].view_as(p)
         offset += n
-    dist.barrier()  # rank 0 has written them
-
-
-def reduce_my_share(seg: SharedSegment, mine: slice, world: int) -> None:
-    """My 1/N of every rank's gradients, summed into my slot and averaged: once all are ready."""
-    seg.signal(seg.ready)
-    seg.wait(seg.ready, seg.step)
-    for k in range(world):
-        if k != seg.rank:
-            seg.slots[seg.rank][mine].add_(seg.slots[k][mine])
-    seg.slots[seg.rank][mine].div_(world)
 
 
 def main():
     args = common.parser(__doc__).parse_args()
     topo = common.setup(args)
-    if topo.device.type == "cuda":
-        raise common.Skip("this training recipe shares a /dev/shm segment between CPU ranks; "
-                          "a CUDA symmetric-memory version is not written yet")
     model, batches = common.workload(args, topo)
     numel = sum(p.numel() for p in model.parameters())
-    seg = SharedSegment(topo, numel, args.timeout)
-    place_in_segment(model, seg, topo)
+    kind = SymmetricBuffers if topo.device.type == "cuda" else SharedSegment
+    buffers = kind(topo, numel, args.timeout)
+    place_in_buffers(model, buffers)
     bounds = [numel * k // topo.world_size for k in range(topo.world_size + 1)]
     mine = slice(bounds[topo.rank], bounds[topo.rank + 1])
-    share = torch.nn.Parameter(seg.params[mine])  # my 1/N of the model, in the segment
-    share.grad = seg.slots[topo.rank][mine]
+    share = torch.nn.Parameter(buffers.params[mine])  # my 1/N of the model, where peers read it
+    share.grad = buffers.grads[mine]
     opt = torch.optim.AdamW([share], lr=args.lr)
 
     def train_step(inputs, targets):
-        seg.step += 1
-        seg.wait(seg.stepped, seg.step - 1)  # all updated: the model is whole, the slots free
-        seg.slots[topo.rank].zero_()  # backward accumulates into the views
+        buffers.grads.zero_()  # backward accumulates into the views
         loss = model(inputs, targets)
         loss.backward()
-        reduce_my_share(seg, mine, topo.world_size)
+        buffers.reduce_my_share(mine)
         opt.step()
-        seg.signal(seg.stepped)
+        buffers.share_params(bounds)
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
@@ -141,6 +195,8 @@ def main():
     common.record(args, topo, stats, baseline="baseline_symmem_training", model=model,
                   optimizer=opt, comm_mb=stats.comm_mb, loss_tolerance=1e-5,
                   optim_mb=round(split["optim_mb"], 2),
+                  transport="cuda symmetric memory" if kind is SymmetricBuffers
+                  else "/dev/shm segment",
                   theory={"comm_mb": 0.0, "optim_mb": 8 * (mine.stop - mine.start) / 2**20})
 
 

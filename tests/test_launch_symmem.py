@@ -26,6 +26,7 @@ def runs(tmp_path_factory):
 def test_a_sweep_records_every_op_and_size_checked_with_its_busbw(runs, script):
     rec = runs[script]
     assert rec["status"] == "ok" and "step_ms" not in rec  # a benchmark, no training fields
+    assert rec.get("transport", "/dev/shm segment") == "/dev/shm segment"  # no GPU: not claimed
     assert [(row["op"], row["bytes"]) for row in rec["sweep"]] == [
         (op, size) for op in ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
         for size in (4096, 65536, 2**20)]
@@ -47,6 +48,7 @@ def test_the_report_sets_the_two_sweeps_side_by_side(runs):
 def test_symmetric_memory_training_matches_the_baseline_with_half_the_optimizer_state(runs):
     base, rec = runs["baseline_symmem_training"], runs["optimized_symmem_training"]
     assert rec["status"] == "ok" and rec["baseline"] == "baseline_symmem_training"
+    assert rec["transport"] == "/dev/shm segment"  # CPU ranks: the CUDA path is not claimed
     assert max(abs(a - b) / b for a, b in zip(rec["losses"], base["losses"], strict=True)) <= 1e-5
     assert rec["optim_mb"] == pytest.approx(base["optim_mb"] / 2, rel=0.01)
     assert rec["optim_mb"] == pytest.approx(rec["theory"]["optim_mb"], rel=0.01)
