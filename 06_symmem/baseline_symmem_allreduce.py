@@ -4,7 +4,8 @@ send/recv over a sweep of message sizes.
 What it does: the bandwidth test of the distributed-training guides (nccl-tests, and
 ml-engineering's all_reduce_bench and point_to_point benchmarks): for each operation and
 message size, a few untimed calls, then timed ones, each after a barrier so every rank starts
-together, the device synchronised before the clock is read, the median kept. Every result is
+together, the device synchronised before the clock is read; a call's time is the shortest any
+rank measured (the last rank out of the barrier waits for nobody), the median kept. Every result is
 checked against what the operation must produce. All-reduce sums a tensor of `bytes` over the
 ranks in place; all-gather assembles `bytes` from N pieces; reduce-scatter sums `bytes` and
 leaves each rank its 1/N; send/recv sends `bytes` from every rank to the next (a ring of rank
