@@ -141,7 +141,7 @@ fsdp-ablation: fsdp
 	done
 
 report: install
-	@$(PY) common.py report
+	@$(PY) report.py
 
 test: install
 	$(PY) -m ruff check .

@@ -4,8 +4,10 @@ Techniques never live here. This file only holds what every script needs so that
 comparisons are fair: the same model, the same data in the same order, the same clock and the
 same way of counting memory. Copying one recipe plus this file is enough to run it.
 
-    python common.py report                 # table of outputs/results.jsonl -> outputs/report.md
     python common.py mark-failed SCRIPT ... # used by the Makefile when a run died without a record
+
+Everything that reads results rather than training (the report, traces, charts, the planner)
+is in report.py.
 """
 
 from __future__ import annotations
@@ -1011,7 +1013,7 @@ def print_summary(args: argparse.Namespace, topo: Topology, stats: Stats, *,
 
     here = _base_record(args, topo, baseline, "ok", None)
     base = next((r for r in reversed(load_results(args.results)) if r.get("script") == baseline
-                 and r.get("status") == "ok" and _run_key(r) == _run_key(here)), None)
+                 and r.get("status") == "ok" and run_key(r) == run_key(here)), None)
     kinds = ["params_mb", "grads_mb", "optim_mb"]
     table = [[rank, *[f"{row[k]:,.2f} ({theory[k]:,.2f})" for k in kinds],
               f"{sum(row[k] for k in kinds):,.2f} ({theory['state_mb']:,.2f})",
@@ -1062,7 +1064,7 @@ def _record_outcome(status: str, reason: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The report: latest run of each script, grouped by folder, optimized rows beside their baseline.
+# Reading results back (report.py renders them; mark-failed checks for a run's own record)
 # ---------------------------------------------------------------------------------------------
 def load_results(path: Path) -> list[dict]:
     if not path.exists():
@@ -1076,168 +1078,15 @@ def load_results(path: Path) -> list[dict]:
     return records
 
 
-def _run_key(rec: dict) -> tuple:
+def run_key(rec: dict) -> tuple:
+    """What two records must share to be compared: folder, size, model, world, device, link."""
     return (rec.get("folder"), rec.get("size"), rec.get("model"), rec.get("world_size"),
             rec.get("device"), rec.get("link"))
-
-
-def _script_label(rec: dict) -> str:
-    """The script, and its flags where they differ from the defaults."""
-    return " ".join(filter(None, [rec.get("script"), rec.get("variant")]))
-
-
-def latest_runs(records: list[dict]) -> list[dict]:
-    """The last record of each (folder, script and variant, size, model, world, device, link)."""
-    latest = {}
-    for rec in records:
-        latest[_run_key(rec) + (_script_label(rec),)] = rec
-    return list(latest.values())
-
-
-def _fmt(value, spec: str = ",.1f") -> str:
-    return "" if value is None else format(value, spec)
-
-
-def max_loss_diff(losses: list[float] | None, baseline_losses: list[float] | None
-                  ) -> float | None:
-    if not losses or not baseline_losses or len(losses) != len(baseline_losses):
-        return None
-    return max(abs(a - b) for a, b in zip(losses, baseline_losses, strict=True))
-
-
-def _size_label(rec: dict) -> str:
-    """The size, the model unless it is the GPT, and the link where LINK shaped it."""
-    model, link = rec.get("model"), rec.get("link")
-    return " ".join([str(rec.get("size"))] + ([model] if model not in (None, "gpt") else [])
-                    + ([f"@{link}"] if link else []))
-
-
-# An optimized row is compared with its baseline only if these settings match too.
-COMPARED = ("dtype", "batch_size", "seq_len", "steps", "warmup", "seed", "lr", "nnodes")
-
-
-def _report_row(rec: dict, base: dict | None) -> list[str]:
-    status = rec.get("status", "?")
-    if status != "ok":
-        return [_script_label(rec), _size_label(rec), rec.get("world_size"), rec.get("device"),
-                *[""] * 9, f"{status}: {rec.get('reason') or ''}"]
-    throughput = rec.get("tokens_per_s") or rec.get("samples_per_s")
-    speedup = mem_ratio = dloss = ""
-    status = "ok"
-    unlike = [k for k in COMPARED if base is not None and rec.get(k) != base.get(k)]
-    if unlike:
-        status = f"ok; not compared: baseline ran with other {', '.join(unlike)}"
-    elif base is not None and base.get("status") == "ok":
-        speedup = f"{base['step_ms'] / rec['step_ms']:.2f}x"
-        mem_ratio = f"{rec['peak_mem_mb'] / base['peak_mem_mb']:.2f}x"
-        diff = max_loss_diff(rec.get("losses"), base.get("losses"))
-        if diff is not None:
-            tol = rec.get("loss_tolerance")
-            verdict = "" if tol is None else (" (ok)" if diff <= tol else f" (> {tol:g})")
-            dloss = f"{diff:.2e}{verdict}"
-    theory = _theory_cell(rec)
-    return [_script_label(rec), _size_label(rec), rec.get("world_size"), rec.get("device"),
-            f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _fmt(throughput, ",.0f"),
-            speedup, _fmt(rec.get("peak_mem_mb"), ",.0f"), mem_ratio,
-            _fmt(rec.get("state_mb")), _fmt(rec.get("comm_mb"), ",.2f"), dloss, theory, status]
-
-
-def _number(value) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else f"{value}"
-
-
-def _theory_cell(rec: dict) -> str:
-    """Each predicted figure, with the measured one beside it where the record has it under the
-    same name and the table has no column for it (e.g. compression)."""
-    cells = []
-    for key, predicted in (rec.get("theory") or {}).items():
-        cell = f"{key}={_number(predicted)}"
-        if key not in ("comm_mb", "peak_mem_mb", "state_mb") and \
-                isinstance(rec.get(key), (int, float)):
-            cell += f" (measured {_number(rec[key])})"
-        cells.append(cell)
-    return "; ".join(cells)
-
-
-REPORT_HEADERS = ["script", "size", "world", "device", "step ms (p90)", "tok/s (img/s)",
-                  "speedup", "peak MB", "mem vs base", "state MB", "comm MB/step",
-                  "max Δloss", "theory", "status"]
-
-
-SWEEP_HEADERS = ["op", "bytes", "world", "device", "baseline", "ms", "busbw GB/s", "script",
-                 "ms ", "busbw GB/s ", "speedup"]
-
-
-def _sweep_table(sweeps: list[dict], by_key: dict) -> str:
-    """Collectives benchmarks: each optimized sweep beside its baseline's, size by size."""
-    from tabulate import tabulate
-
-    table = []
-    for rec in sweeps:
-        if rec.get("baseline") is None:
-            continue
-        # the baseline's run with the same sweep flags, else its default one
-        same_flags = " ".join(filter(None, [rec["baseline"], rec.get("variant")]))
-        base = by_key.get(_run_key(rec) + (same_flags,)) or \
-            by_key.get(_run_key(rec) + (rec["baseline"],))
-        theirs = {(r["op"], r["bytes"]): r for r in (base or {}).get("sweep", [])}
-        for row in rec["sweep"]:
-            other = theirs.get((row["op"], row["bytes"]))
-            table.append([row["op"], f"{row['bytes']:,}", rec.get("world_size"),
-                          rec.get("device"), _script_label(base) if base else "",
-                          _fmt(other and other["ms"], ",.3f"),
-                          _fmt(other and other["busbw_gbps"], ",.2f"), _script_label(rec),
-                          f"{row['ms']:,.3f}", f"{row['busbw_gbps']:,.2f}",
-                          f"{other['ms'] / row['ms']:.2f}x" if other else ""])
-    for rec in sweeps:  # a baseline nothing was compared with still shows its figures
-        if rec.get("baseline") is None and not any(
-                r.get("baseline") == rec.get("script") and _run_key(r) == _run_key(rec)
-                for r in sweeps):
-            table += [[row["op"], f"{row['bytes']:,}", rec.get("world_size"), rec.get("device"),
-                       _script_label(rec), f"{row['ms']:,.3f}", f"{row['busbw_gbps']:,.2f}",
-                       "", "", "", ""] for row in rec["sweep"]]
-    return tabulate(table, SWEEP_HEADERS, tablefmt="github") + \
-        "\n\nbusbw = bytes / time x 2(N-1)/N (all-reduce), (N-1)/N (all-gather, " \
-        "reduce-scatter), 1 (send/recv); speedup = baseline time / this time."
-
-
-def render_report(records: list[dict]) -> str:
-    """Markdown: one table per folder; baselines first, each optimized row after its baseline."""
-    from tabulate import tabulate
-
-    runs = latest_runs(records)
-    if not runs:
-        return "No results yet: run `make all` (or `make ddp`) first.\n"
-    by_key = {_run_key(r) + (_script_label(r),): r for r in runs}
-    out = ["# Distributed Training Playbook: results", ""]
-    for folder in sorted({str(r.get("folder")) for r in runs}):
-        rows = sorted((r for r in runs if str(r.get("folder")) == folder),
-                      key=lambda r: (str(r.get("size")), str(r.get("model")), r.get("link") or "",
-                                     r.get("world_size") or 0, str(r.get("device")),
-                                     (r.get("baseline") or r.get("script") or ""),
-                                     r.get("baseline") is not None, r.get("variant") or ""))
-        sweeps = [r for r in rows if "sweep" in r]
-        table = [_report_row(r, by_key.get(_run_key(r) + (r.get("baseline"),)))
-                 for r in rows if r not in sweeps]
-        out += [f"## {folder}", ""]
-        if table:
-            out += [tabulate(table, REPORT_HEADERS, tablefmt="github"), ""]
-        if sweeps:
-            out += [_sweep_table(sweeps, by_key), ""]
-    if any("sweep" not in r for r in runs):
-        out += ["speedup = baseline step time / this step time (same size, world, device and "
-                "link); mem vs base = peak memory ratio; max Δloss = largest per-step loss "
-                "difference from the baseline, checked against the script's stated tolerance.",
-                ""]
-    return "\n".join(out)
 
 
 def _cli(argv: Sequence[str]) -> int:
     cli = argparse.ArgumentParser(prog="common.py", description="Results tools.")
     sub = cli.add_subparsers(dest="command", required=True)
-    rep = sub.add_parser("report", help="print the results table and write outputs/report.md")
-    rep.add_argument("--results", type=Path, default=RESULTS)
-    rep.add_argument("--out", type=Path, default=RESULTS.parent / "report.md")
     fail = sub.add_parser("mark-failed", help="record a run that died before it could",
                           epilog="Give the script's own flags after --, to record its size "
                                  "and find its results file.")
@@ -1248,12 +1097,6 @@ def _cli(argv: Sequence[str]) -> int:
     argv = list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
     args, script_args = cli.parse_args(argv[:split]), argv[split + 1:]
-    if args.command == "report":
-        text = render_report(load_results(args.results))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-        print(text)
-        return 0
     run_args, own_flags = parser(None).parse_known_args(script_args)
     folder, script = args.script.resolve().parent.name, args.script.stem
     variant = " ".join(own_flags) or None

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+import report
 
 
 def tiny_args(*extra: str) -> argparse.Namespace:
@@ -228,7 +229,7 @@ def test_report_shows_ok_failed_and_skipped_rows():
         _row("optimized_ddp_flash", "baseline_ddp_flash", status="skipped",
              reason="needs CUDA"),
     ]
-    text = common.render_report(records)
+    text = report.render_report(records)
     table = [line for line in text.splitlines() if line.startswith("|")]
     assert len(table) == 2 + 4  # header, rule, one row per script (latest record only)
     assert len({line.count("|") for line in table}) == 1  # no cell breaks the markdown table
@@ -244,13 +245,13 @@ def test_report_shows_ok_failed_and_skipped_rows():
 def test_report_flags_a_loss_difference_over_tolerance():
     records = [_row("baseline_ddp"),
                _row("optimized_ddp", "baseline_ddp", losses=[5.0, 4.5], loss_tolerance=1e-4)]
-    assert "5.00e-01 (> 0.0001)" in common.render_report(records)
+    assert "5.00e-01 (> 0.0001)" in report.render_report(records)
 
 
 def test_report_does_not_compare_runs_with_other_settings():
     records = [_row("baseline_ddp", batch_size=4),
                _row("optimized_ddp", "baseline_ddp", batch_size=8, step_ms=50.0)]
-    text = common.render_report(records)
+    text = report.render_report(records)
     assert "not compared: baseline ran with other batch_size" in text
     assert "2.00x" not in text
 
@@ -258,7 +259,7 @@ def test_report_does_not_compare_runs_with_other_settings():
 def test_report_cli_survives_an_empty_and_a_truncated_file(tmp_path):
     results = tmp_path / "results.jsonl"
     out = tmp_path / "report.md"
-    cmd = [sys.executable, str(common.ROOT / "common.py"), "report", "--results", str(results),
+    cmd = [sys.executable, str(common.ROOT / "report.py"), "--results", str(results),
            "--out", str(out)]
     assert "No results yet" in subprocess.run(cmd, capture_output=True, text=True).stdout
     results.write_text(json.dumps(_row("baseline_ddp")) + "\n" + '{"folder": "01_dd')
@@ -301,7 +302,7 @@ def test_run_main_records_a_skip_and_a_failure(tmp_path, monkeypatch):
     assert (failed["status"], failed["reason"]) == ("failed", "RuntimeError: NCCL error")
     assert (failed["folder"], failed["script"]) == ("03_fsdp", "optimized_fsdp")
     assert failed["size"] == "tiny" and failed["device"] == "cpu"
-    assert "skipped: needs CUDA for FP8" in common.render_report([skipped])
+    assert "skipped: needs CUDA for FP8" in report.render_report([skipped])
 
 
 def test_a_diverged_run_is_an_error_not_a_result(monkeypatch):
@@ -325,7 +326,7 @@ def test_report_compares_rows_only_on_the_same_link_and_shows_measured_beside_th
     records = [_row("baseline_ddp"), _row("baseline_ddp", link="1gbit", step_ms=400.0),
                _row("optimized_ddp", "baseline_ddp", link="1gbit", step_ms=200.0,
                     compression=3.9, theory={"comm_mb": 0.5, "compression": 3.94})]
-    text = common.render_report(records)
+    text = report.render_report(records)
     optimized = next(line for line in text.splitlines() if "| optimized_ddp " in line)
     assert "tiny @1gbit" in optimized and "2.00x" in optimized  # 400 ms / 200 ms, not 100 / 200
     assert "compression=3.94 (measured 3.9)" in optimized

@@ -4,6 +4,7 @@ short one) and the two training runs at `tiny`, shared through one module-scoped
 import pytest
 
 import common
+import report
 from helpers import assert_bad_input_is_one_line, finish, only_record, torchrun
 
 FOLDER = common.ROOT / "06_symmem"
@@ -38,7 +39,7 @@ def test_a_sweep_records_every_op_and_size_checked_with_its_busbw(runs, script):
 
 
 def test_the_report_sets_the_two_sweeps_side_by_side(runs):
-    text = common.render_report([runs["baseline_symmem_allreduce"],
+    text = report.render_report([runs["baseline_symmem_allreduce"],
                                  runs["optimized_symmem_allreduce"]])
     rows = [line for line in text.splitlines() if line.startswith("| all_reduce")]
     assert len(rows) == 3 and all("baseline_symmem_allreduce" in r and r.rstrip(" |").endswith("x")

@@ -43,8 +43,8 @@ DIES = '''
 
 
 def project_copy(root, folder: str, scripts: dict[str, str]):
-    """The Makefile and common.py with one numbered folder of the given scripts."""
-    for name in ["Makefile", "common.py"]:
+    """The Makefile, common.py and report.py with one numbered folder of the given scripts."""
+    for name in ["Makefile", "common.py", "report.py"]:
         shutil.copy(common.ROOT / name, root)
     (root / folder).mkdir()
     for name, text in scripts.items():
