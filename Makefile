@@ -15,6 +15,9 @@ SIZE ?= small
 STEPS ?=
 ARGS ?=
 LINK ?=
+# TRACE=1: every training script also writes a Chrome trace per rank (--trace); `make traces`
+# then shows where each step's time went.
+TRACE ?=
 
 # LINK=1gbit (any rate tc accepts): each launch runs in a private network namespace whose
 # loopback is rate-limited with tc, so the ranks on this host talk as over a slow link. All
@@ -49,7 +52,7 @@ endif
 
 FOLDERS := $(sort $(patsubst %/,%,$(wildcard [0-9][0-9]_*/)))
 TECHNIQUES := $(foreach f,$(FOLDERS),$(word 2,$(subst _, ,$(f))))
-SCRIPT_FLAGS := --size $(SIZE) $(if $(STEPS),--steps $(STEPS)) $(ARGS)
+SCRIPT_FLAGS := --size $(SIZE) $(if $(STEPS),--steps $(STEPS)) $(if $(TRACE),--trace) $(ARGS)
 # RESTARTS=1: torchrun restarts the whole group (same flags) when a process dies; a script run
 # with --resume then continues from its last checkpoint. RDZV=c10d: elastic c10d rendezvous at
 # MASTER_ADDR:MASTER_PORT (ranks assigned at rendezvous, NODE_RANK unused) instead of static.
@@ -67,7 +70,8 @@ TORCHRUN := $(PY) -m torch.distributed.run --nproc_per_node=$(NPROC) --nnodes=$(
 # torchrun sets this to 1 anyway (with a warning); the scripts size their thread pools per rank.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: help install all report test clean distclean fsdp-ablation $(TECHNIQUES)
+.PHONY: help install all report traces plan list test clean distclean fsdp-ablation \
+	$(TECHNIQUES)
 
 help:
 	@echo "Distributed Training Playbook"
@@ -77,13 +81,17 @@ help:
 	@echo "  make <technique>    one folder: $(TECHNIQUES)"
 	@echo "  make fsdp-ablation  03_fsdp's FP8 / activation checkpointing rows, one flag apart"
 	@echo "  make report         table of outputs/results.jsonl, also written to outputs/report.md"
+	@echo "                      with charts in outputs/charts/"
+	@echo "  make traces         where each traced step's time went (after make all TRACE=1)"
+	@echo "  make plan ARGS='--params 7e9 --gpus 8 --gpu-mem 80'   which strategy fits, and its bytes"
+	@echo "  make list           every script with the first line of its docstring"
 	@echo "  make install        create .venv and install requirements.txt (run targets do it)"
 	@echo "  make clean          remove outputs/;  make distclean also removes .venv"
 	@echo
 	@echo "Variables: NPROC=$(NPROC) NNODES=$(NNODES) NODE_RANK=$(NODE_RANK)" \
 		"MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT)"
 	@echo "           SIZE=$(SIZE) (tiny|small|medium|large) STEPS=$(STEPS) ARGS='$(ARGS)'" \
-		"PYTHON=$(PY) LINK=$(LINK) (e.g. 1gbit: a rate-limited loopback)"
+		"PYTHON=$(PY) LINK=$(LINK) (e.g. 1gbit: a rate-limited loopback) TRACE=$(TRACE)"
 	@echo "           RESTARTS=$(RESTARTS) (torchrun --max-restarts) RDZV=$(RDZV) (c10d: elastic" \
 		"rendezvous)"
 	@echo "Example:   make ddp report NPROC=4 SIZE=medium ARGS='--dtype bf16'"
@@ -142,6 +150,15 @@ fsdp-ablation: fsdp
 
 report: install
 	@$(PY) report.py
+
+traces: install
+	@$(PY) report.py traces
+
+plan: install
+	@$(PY) report.py plan $(ARGS)
+
+list: install
+	@$(PY) report.py list
 
 test: install
 	$(PY) -m ruff check .

@@ -13,6 +13,7 @@ is in report.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import faulthandler
 import functools
@@ -793,25 +794,28 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     every = args.log_every or max(1, n // 10)
     times, losses, memory, comm_mb, comm_by_kind = [], [], None, None, None
     traced = range(max(0, args.warmup - 3), args.warmup - 1) if args.trace else range(0)
+    phase_hooks = nvtx_phase_ranges(memory_of) if topo.device.type == "cuda" else []
     for i, (inputs, targets) in enumerate(batches):
         if traced and i == traced.start:
-            profiler = torch.profiler.profile(activities=_profiler_activities(topo.device))
+            profiler = torch.profiler.profile(activities=_profiler_activities(topo.device),
+                                              record_shapes=True)  # bytes per collective
             profiler.start()
-        _sync(topo.device)
-        start = time.perf_counter()
-        if i == args.warmup - 1:  # the last untimed step: count bytes sent and memory
-            with CollectiveBytes() as sent:
-                if topo.device.type == "cpu" and memory_of:
-                    loss, memory = peak_tensor_memory(
-                        functools.partial(train_step, inputs, targets), memory_of, topo.device)
-                else:
-                    loss = train_step(inputs, targets)
-            comm_mb, comm_by_kind = sent.bytes / 2**20, {k: v / 2**20 for k, v in
-                                                          sent.by_kind.items()}
-        else:
-            loss = train_step(inputs, targets)
-        _sync(topo.device)
-        elapsed = time.perf_counter() - start
+        with step_range(i, topo.device, named=i in traced):
+            _sync(topo.device)
+            start = time.perf_counter()
+            if i == args.warmup - 1:  # the last untimed step: count bytes sent and memory
+                with CollectiveBytes() as sent:
+                    if topo.device.type == "cpu" and memory_of:
+                        loss, memory = peak_tensor_memory(
+                            functools.partial(train_step, inputs, targets), memory_of, topo.device)
+                    else:
+                        loss = train_step(inputs, targets)
+                comm_mb, comm_by_kind = sent.bytes / 2**20, {k: v / 2**20 for k, v in
+                                                              sent.by_kind.items()}
+            else:
+                loss = train_step(inputs, targets)
+            _sync(topo.device)
+            elapsed = time.perf_counter() - start
         if traced and i == traced[-1]:
             profiler.stop()
             _export_trace(profiler, args, topo)
@@ -825,6 +829,8 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                   f"{items_per_step(args, dp_world or topo.world_size) / elapsed:10,.0f} "
                   f"{'tok' if args.model == 'gpt' else 'img'}/s | "
                   f"mem {peak_memory_mb(topo.device):,.0f} MB", flush=True)
+    for hook in phase_hooks:
+        hook.remove()
     mean_losses = torch.stack(losses)
     if loss_rank is None:
         dist.all_reduce(mean_losses)
@@ -839,6 +845,36 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     step_ms, p90 = summarize_times(times[args.warmup:])
     return Stats(step_ms, p90, startup_s, sum(times[:args.warmup]), mean_losses, memory,
                  comm_mb, comm_by_kind)
+
+
+@contextlib.contextmanager
+def step_range(i: int, device: torch.device, named: bool):
+    """Step `i` as a range: `ProfilerStep#i` in a trace (`named`; the name torch.profiler and
+    HolisticTraceAnalysis split iterations by, which report.py's breakdown reads too) and, on
+    CUDA, an NVTX range `step i`, so an `nsys profile` timeline shows the same steps."""
+    with contextlib.ExitStack() as stack:
+        if named:
+            stack.enter_context(torch.profiler.record_function(f"ProfilerStep#{i}"))
+        if device.type == "cuda":
+            stack.enter_context(torch.cuda.nvtx.range(f"step {i}"))
+        yield
+
+
+def nvtx_phase_ranges(memory_of: Sequence) -> list:
+    """NVTX ranges `forward` (each forward of the model) and `optimizer` (each optimizer step),
+    from hooks on what `timed_steps` was given; the backward, with its communication, is what
+    lies between them. Returns the hook handles."""
+    handles = []
+    for thing in memory_of:
+        if isinstance(thing, nn.Module):
+            handles += [thing.register_forward_pre_hook(
+                            lambda *_: torch.cuda.nvtx.range_push("forward")),
+                        thing.register_forward_hook(lambda *_: torch.cuda.nvtx.range_pop())]
+        elif isinstance(thing, torch.optim.Optimizer):
+            handles += [thing.register_step_pre_hook(
+                            lambda *_: torch.cuda.nvtx.range_push("optimizer")),
+                        thing.register_step_post_hook(lambda *_: torch.cuda.nvtx.range_pop())]
+    return handles
 
 
 def _profiler_activities(device: torch.device) -> list:

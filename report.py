@@ -11,6 +11,8 @@ breakdown, the charts and the strategy planner. Recipes never import this file; 
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -172,6 +174,210 @@ def render_report(records: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Traces: where each traced step's time went. `--trace` writes a Chrome trace per rank of two
+# warm-up steps, each inside a `ProfilerStep#i` range; this reads them back.
+# ---------------------------------------------------------------------------------------------
+# A collective's kind from any of its names: the training thread's call (`c10d::allreduce_`),
+# gloo's transfer on its own thread (`gloo:all_reduce`), NCCL's kernel (`ncclDevKernel_AllReduce..`)
+COLLECTIVE_KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "broadcast": "broadcast",
+                    "reducescatter": "reduce_scatter", "alltoall": "all_to_all", "send": "send",
+                    "recv": "recv", "sendrecv": "send_recv", "barrier": "barrier",
+                    "gather": "gather", "scatter": "scatter", "reduce": "reduce"}
+ELEMENT_BYTES = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2, "double": 8, "signed char": 1,
+                 "unsigned char": 1, "int": 4, "long int": 8, "c10::Float8_e4m3fn": 1}
+
+
+def collective_kind(name: str) -> str | None:
+    """`all_reduce` for `c10d::allreduce_`, `gloo:all_reduce` or an NCCL AllReduce kernel; None
+    for anything that is not communication."""
+    if name.startswith(("c10d::", "gloo:")):
+        word = name.split(":")[-1]
+    elif name.startswith("nccl"):  # every NCCL kernel communicates; most name their kind
+        return next((COLLECTIVE_KINDS[part.lower()] for part in name.split("_")[1:]
+                     if part.lower() in COLLECTIVE_KINDS), "nccl")
+    else:
+        return None
+    word = word.lower().replace("_", "").removesuffix("base").removesuffix("coalesced")
+    return COLLECTIVE_KINDS.get(word, word or None)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        elif end > start:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]
+               ) -> list[tuple[float, float]]:
+    """Both unions; the overlap of the two sets of intervals."""
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        start, end = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if start < end:
+            out.append((start, end))
+        i, j = (i + 1, j) if xs[i][1] < ys[j][1] else (i, j + 1)
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def step_breakdown(trace: dict) -> list[dict]:
+    """Each traced step of one rank, cut into four parts that add up to its wall time (ms):
+    - compute: the training thread (on GPU: the compute kernels) busy, no communication in flight
+    - hidden: communication in flight while it computes (overlap that cost nothing)
+    - exposed: communication in flight and nothing computing: the training thread blocked in a
+      collective, a wait on one, or a point-to-point transfer
+    - idle: neither (Python between ops, waits on anything else, launch gaps on GPU)
+    On CPU, communication is the training thread's collective calls plus gloo's transfers on its
+    own threads; on GPU (a trace with kernels) it is the NCCL kernels, as in HTA's breakdown."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
+    if not steps:
+        raise ValueError("no ProfilerStep# ranges: record it with a script's --trace")
+    span = lambda e: (e["ts"], e["ts"] + e["dur"])  # noqa: E731
+    if any(e.get("cat") == "kernel" for e in events):
+        device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        comm = _union([span(e) for e in device if collective_kind(e["name"])])
+        compute = _union([span(e) for e in device if not collective_kind(e["name"])])
+    else:
+        main = steps[0]["tid"]
+        ops = [e for e in events if e["tid"] == main and e.get("cat") == "cpu_op"]
+        calls = _union([span(e) for e in ops if collective_kind(e["name"])])
+        busy = _union([span(e) for e in ops if not collective_kind(e["name"])])
+        # a collective call's own inner ops are communication, not compute
+        compute = _union([piece for a, b in busy for piece in _subtract((a, b), calls)])
+        transfers = [span(e) for e in events if e["tid"] != main and collective_kind(e["name"])]
+        comm = _union(calls + transfers)
+    rows = []
+    for step in sorted(steps, key=lambda e: e["ts"]):
+        window = [span(step)]
+        c, m = _intersect(compute, window), _intersect(comm, window)
+        hidden = _length(_intersect(c, m))
+        parts = {"compute": _length(c) - hidden, "hidden": hidden,
+                 "exposed": _length(m) - hidden}
+        parts["idle"] = step["dur"] - sum(parts.values())
+        rows.append({"step": step["name"], "wall": step["dur"] / 1e3,
+                     **{k: v / 1e3 for k, v in parts.items()}})
+    return rows
+
+
+def _subtract(interval: tuple[float, float], cuts: list[tuple[float, float]]
+              ) -> list[tuple[float, float]]:
+    """`interval` minus the (sorted, disjoint) `cuts`."""
+    start, end = interval
+    pieces = []
+    for a, b in cuts:
+        if b <= start or a >= end:
+            continue
+        if a > start:
+            pieces.append((start, a))
+        start = max(start, b)
+    return pieces + ([(start, end)] if start < end else [])
+
+
+def _message_bytes(event: dict) -> int:
+    """From the trace's shapes (`record_shapes`): the elements of the call's tensor arguments,
+    times the element size; fp32 where the trace names no type (tensor lists)."""
+    args = event.get("args", {})
+    if "In msg nelems" in args:  # NCCL's record_param_comms
+        return int(args["In msg nelems"]) * ELEMENT_BYTES.get(args.get("dtype", "float"), 4)
+    total = 0
+    for dims, kind in zip(args.get("Input Dims", []), args.get("Input type", []), strict=False):
+        shapes = dims if dims and isinstance(dims[0], list) else [dims] if dims else []
+        for shape in shapes:
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * ELEMENT_BYTES.get(kind, 4)
+        if shapes:
+            break  # the first tensor argument is the message; outputs follow it
+    return total
+
+
+def comm_pattern(trace: dict) -> dict[str, dict]:
+    """Per collective kind, as HTA's communication summary: calls from the training thread
+    (count, bytes) and the time its transfers took (gloo's threads, NCCL's kernels)."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
+    gpu = any(e.get("cat") == "kernel" for e in events)
+    out: dict[str, dict] = {}
+    for e in events:
+        kind = collective_kind(e["name"])
+        if kind is None or not any(s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in steps):
+            continue
+        row = out.setdefault(kind, {"count": 0, "bytes": 0, "ms": 0.0})
+        calls = e["tid"] == steps[0]["tid"] and e.get("cat") == "cpu_op"
+        if calls and e["name"].startswith("c10d::"):
+            row["count"] += 1
+            row["bytes"] += _message_bytes(e)
+        elif (e.get("cat") == "kernel") if gpu else e["tid"] != main:
+            row["ms"] += e["dur"] / 1e3
+    return out
+
+
+def trace_files(traces: Path) -> list[tuple[str, int, Path]]:
+    """(folder_script, rank, path) of every per-rank trace `--trace` wrote."""
+    found = []
+    for path in sorted(traces.glob("*_rank*.json")):
+        name, _, rank = path.stem.rpartition("_rank")
+        if rank.isdigit():
+            found.append((name, int(rank), path))
+    return found
+
+
+def render_traces(traces: Path) -> str:
+    """Markdown: the breakdown of a traced step per script and rank, then its collectives."""
+    files = trace_files(traces)
+    if not files:
+        return ""
+    breakdown, pattern = [], []
+    for name, rank, path in files:
+        trace = json.loads(path.read_text())
+        steps = step_breakdown(trace)
+        mean = {k: sum(s[k] for s in steps) / len(steps)
+                for k in ("wall", "compute", "exposed", "hidden", "idle")}
+        breakdown.append([name, rank, f"{mean['wall']:,.2f}", *[
+            f"{mean[k]:,.2f} ({100 * mean[k] / mean['wall']:.0f}%)"
+            for k in ("compute", "exposed", "hidden", "idle")]])
+        pattern += [[name, rank, kind, row["count"] // len(steps),
+                     f"{row['bytes'] / len(steps) / 2**20:,.3f}", f"{row['ms'] / len(steps):,.2f}"]
+                    for kind, row in sorted(comm_pattern(trace).items())]
+    return "\n".join([
+        f"## Where the time goes (traces in {traces})", "",
+        tabulate(breakdown, ["script", "rank", "step ms", "compute", "exposed comm",
+                             "hidden comm", "idle"], tablefmt="github"), "",
+        "Per traced step (the mean of the two): compute = the training thread busy (on GPU: the "
+        "compute kernels) with no communication in flight; exposed comm = communication in "
+        "flight and nothing computing (blocked in a collective or a wait on one); hidden comm ="
+        " communication overlapped with compute; idle = neither (Python between ops, other "
+        "waits). The four add up to the step.", "",
+        tabulate(pattern, ["script", "rank", "collective", "calls/step", "MB/step",
+                           "transfer ms/step"], tablefmt="github"), "",
+        "MB from the traced shapes (fp32 where the trace names no type); transfer ms = time on "
+        "gloo's threads (NCCL's kernels on GPU), including waiting for the peer.", ""])
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipes: every script with the first line (sentence) of its docstring, by folder
+# ---------------------------------------------------------------------------------------------
+def list_scripts(root: Path = common.ROOT) -> str:
+    lines = []
+    for folder in sorted(root.glob("[0-9][0-9]_*/")):
+        lines += ["", f"{folder.name}/"]
+        for script in sorted(folder.glob("*.py")):
+            doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+            summary = " ".join(doc.split("\n\n")[0].split())  # its first line, wrapped or not
+            lines.append(f"  {script.name:<36} {summary}")
+    return "\n".join(lines[1:])
+
+
+# ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
 def main(argv: Sequence[str]) -> int:
@@ -180,8 +386,18 @@ def main(argv: Sequence[str]) -> int:
     cli.add_argument("--out", type=Path, default=common.RESULTS.parent / "report.md")
     sub = cli.add_subparsers(dest="command")
     sub.add_parser("report", help="the results table (the default)")
+    sub.add_parser("traces", help="where each traced step's time went, per script and rank")
+    sub.add_parser("list", help="every script with the first line of its docstring")
     args = cli.parse_args(argv)
-    text = render_report(common.load_results(args.results))
+    if args.command == "list":
+        print(list_scripts())
+        return 0
+    traces = render_traces(args.results.parent / "traces")
+    if args.command == "traces":
+        print(traces or f"No traces in {args.results.parent / 'traces'}: run with --trace "
+                        "(make all TRACE=1) first.")
+        return 0
+    text = "\n".join(filter(None, [render_report(common.load_results(args.results)), traces]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

@@ -267,6 +267,15 @@ def test_report_cli_survives_an_empty_and_a_truncated_file(tmp_path):
     assert run.returncode == 0 and "baseline_ddp" in out.read_text()
 
 
+def test_list_names_every_script_with_its_summary():
+    text = report.list_scripts()
+    scripts = sorted(common.ROOT.glob("[0-9][0-9]_*/*.py"))
+    assert len(scripts) > 20
+    for script in scripts:
+        (line,) = [row for row in text.splitlines() if row.split()[:1] == [script.name]]
+        assert len(line.split(maxsplit=1)[1]) > 20  # the docstring's first sentence
+
+
 def test_mark_failed_adds_a_row_only_when_the_run_left_none(tmp_path):
     results = tmp_path / "results.jsonl"
     script = common.ROOT / "01_ddp" / "baseline_ddp.py"

@@ -95,7 +95,8 @@ def test_accumulation_with_small_buckets_trains_like_the_full_batch(runs, tmp_pa
 
 def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
     """Plain `python script.py` (a world of one) with batch 2b against 2 ranks with batch b;
-    its --trace shows the baseline's one all-reduce per gradient tensor."""
+    its --trace shows the baseline's one all-reduce per gradient tensor, and report.py's
+    breakdown of each traced step adds up to it."""
     results = tmp_path / "results.jsonl"
     run = subprocess.run([sys.executable, str(DDP / "baseline_ddp.py"), *STEPS, "--trace",
                           "--warmup", "3", "--steps", "5",  # the same 8 batches, 3 untimed
@@ -109,6 +110,13 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
     trace = json.loads((tmp_path / "traces" / "01_ddp_baseline_ddp_rank0.json").read_text())
     all_reduces = [e for e in trace["traceEvents"] if e.get("name") == "gloo:all_reduce"]
     assert len(all_reduces) == 2 * rec["collectives_per_step"]  # two traced warm-up steps
+    steps = report.step_breakdown(trace)
+    assert len(steps) == 2
+    for step in steps:  # the four parts cover the step: nothing counted twice or lost
+        parts = [step[k] for k in ("compute", "exposed", "hidden", "idle")]
+        assert min(parts) >= 0 and sum(parts) == pytest.approx(step["wall"], rel=0.02)
+        assert step["compute"] > step["idle"]
+    assert report.comm_pattern(trace)["all_reduce"]["count"] == 2 * rec["collectives_per_step"]
 
 
 @pytest.mark.parametrize("flags, model, dtype", [(["--model", "resnet"], "resnet", "fp32"),
