@@ -364,6 +364,144 @@ def render_traces(traces: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Charts: PNGs beside report.md, drawn from the same latest runs and pairings as the tables.
+# ---------------------------------------------------------------------------------------------
+KIND_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
+
+
+def compared_pairs(records: list[dict]) -> list[tuple[dict, dict]]:
+    """(optimized, baseline) of every training run the table compares: both ok, same settings."""
+    runs = latest_runs(records)
+    by_key = {common.run_key(r) + (_script_label(r),): r for r in runs}
+    pairs = []
+    for rec in runs:
+        base = by_key.get(common.run_key(rec) + (rec.get("baseline"),))
+        if base and rec.get("status") == base.get("status") == "ok" and "step_ms" in rec \
+                and not [k for k in COMPARED if rec.get(k) != base.get(k)]:
+            pairs.append((rec, base))
+    return sorted(pairs, key=lambda pair: (str(pair[0]["folder"]), _script_label(pair[0])))
+
+
+def _speedup_chart(plt, records: list[dict], path: Path) -> bool:
+    pairs = compared_pairs(records)
+    if not pairs:
+        return False
+    labels = [f"{r['folder']}  {_script_label(r)}" + (f" @{r['link']}" if r.get("link") else "")
+              for r, _ in pairs]
+    speedup = [b["step_ms"] / r["step_ms"] for r, b in pairs]
+    memory = [r["peak_mem_mb"] / b["peak_mem_mb"] for r, b in pairs]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.42 * len(pairs) + 1.6), sharey=True)
+    for ax, values, title in ((axes[0], speedup, "speedup over its baseline (step time)"),
+                              (axes[1], memory, "peak memory / its baseline's")):
+        ax.barh(range(len(values)), values, color=["#55a868" if (v >= 1) == (ax is axes[0])
+                                                   else "#c44e52" for v in values])
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        for y, v in enumerate(values):
+            ax.text(v, y, f" {v:.2f}x", va="center", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlim(0, max(values) * 1.2)
+    axes[0].set_yticks(range(len(labels)), labels, fontsize=8)
+    axes[0].invert_yaxis()
+    fig.suptitle(f"{pairs[0][0].get('device')}, world {pairs[0][0].get('world_size')}, "
+                 f"size {pairs[0][0].get('size')}: green is better")
+    return _save(plt, fig, path)
+
+
+def _compression_chart(plt, records: list[dict], path: Path) -> bool:
+    runs = [r for r in latest_runs(records)
+            if r.get("folder") == "02_compression" and r.get("status") == "ok"]
+    if not runs:
+        return False
+    labels = [_script_label(r) + (f" @{r['link']}" if r.get("link") else "") for r in runs]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(runs) + 1.4))
+    ax.barh(range(len(runs)), [r["comm_mb"] for r in runs], color="#4c72b0")
+    for y, r in enumerate(runs):
+        ax.text(r["comm_mb"], y, f" {r['comm_mb']:.2f} MB", va="center", fontsize=8)
+    ax.set_yticks(range(len(runs)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("MB each rank sends per step")
+    ax.set_title("02_compression: gradient bytes on the wire")
+    ax.set_xlim(0, max(r["comm_mb"] for r in runs) * 1.25)
+    return _save(plt, fig, path)
+
+
+def _pipeline_chart(plt, records: list[dict], path: Path) -> bool:
+    runs = [r for r in latest_runs(records) if r.get("folder") == "05_pipeline"
+            and r.get("status") == "ok" and r.get("timeline")]
+    if not runs:
+        return False
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.0 + 0.45 * sum(
+        len(r["timeline"]) + 1.5 for r in runs)), squeeze=False)
+    for ax, rec in zip(axes[:, 0], runs, strict=True):
+        t0 = min(a[3] for lane in rec["timeline"] for a in lane)
+        for rank, lane in enumerate(rec["timeline"]):
+            first_stage = min(a[2] for a in lane)
+            for kind, mb, stage, start, end in lane:
+                ax.broken_barh([(1e3 * (start - t0), 1e3 * (end - start))], (rank - 0.4, 0.8),
+                               facecolor=KIND_COLOURS.get(kind, "grey"), edgecolor="white",
+                               hatch="//" if stage != first_stage else None)
+                ax.text(1e3 * ((start + end) / 2 - t0), rank, f"{mb}", ha="center",
+                        va="center", fontsize=6, color="white")
+        ax.set_yticks(range(len(rec["timeline"])),
+                      [f"rank {r}" for r in range(len(rec["timeline"]))])
+        ax.invert_yaxis()
+        bubble = rec.get("bubble")
+        ax.set_title(f"{_script_label(rec)}: measured bubble "
+                     f"{'?' if bubble is None else f'{bubble:.3f}'}", fontsize=10)
+    axes[-1, 0].set_xlabel("ms into the step (blank: idle; hatched: the rank's second stage)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLOURS.values()]
+    fig.legend(handles, ["F forward", "B backward", "I input grad", "W weight grad"],
+               loc="upper center", ncol=4, fontsize=8)
+    return _save(plt, fig, path, top=1 - 0.35 / fig.get_figheight())
+
+
+def _busbw_chart(plt, records: list[dict], path: Path) -> bool:
+    sweeps = [r for r in latest_runs(records) if r.get("status") == "ok" and r.get("sweep")]
+    ops = sorted({row["op"] for r in sweeps for row in r["sweep"]})
+    if not ops:
+        return False
+    fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.6), squeeze=False)
+    for ax, op in zip(axes[0], ops, strict=True):
+        for rec in sweeps:
+            rows = sorted((row for row in rec["sweep"] if row["op"] == op),
+                          key=lambda row: row["bytes"])
+            transport = rec.get("transport") or "process group"
+            ax.plot([row["bytes"] for row in rows], [row["busbw_gbps"] for row in rows],
+                    marker="o", label=f"{_script_label(rec)} ({transport})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(op, fontsize=10)
+        ax.set_xlabel("message bytes")
+    axes[0, 0].set_ylabel("busbw GB/s")
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="upper right", fontsize=8)
+    fig.suptitle("06_symmem: bus bandwidth against message size, "
+                 f"world {sweeps[0].get('world_size')}", x=0.3)
+    return _save(plt, fig, path, top=0.84)
+
+
+def _save(plt, fig, path: Path, top: float = 1.0) -> bool:
+    fig.tight_layout(rect=(0, 0, 1, top))  # `top`: room for a legend above the plots
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+CHARTS = {"speedup.png": _speedup_chart, "compression_bytes.png": _compression_chart,
+          "pipeline_timelines.png": _pipeline_chart, "symmem_busbw.png": _busbw_chart}
+
+
+def write_charts(records: list[dict], out_dir: Path) -> list[Path]:
+    """Every chart the records have data for, as PNGs in `out_dir`; the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [out_dir / name for name, draw in CHARTS.items() if draw(plt, records, out_dir / name)]
+
+
+# ---------------------------------------------------------------------------------------------
 # The recipes: every script with the first line (sentence) of its docstring, by folder
 # ---------------------------------------------------------------------------------------------
 def list_scripts(root: Path = common.ROOT) -> str:
@@ -397,7 +535,11 @@ def main(argv: Sequence[str]) -> int:
         print(traces or f"No traces in {args.results.parent / 'traces'}: run with --trace "
                         "(make all TRACE=1) first.")
         return 0
-    text = "\n".join(filter(None, [render_report(common.load_results(args.results)), traces]))
+    records = common.load_results(args.results)
+    charts = write_charts(records, args.out.parent / "charts")
+    links = ["## Charts", ""] + [f"![{path.stem}](charts/{path.name})" for path in charts]
+    text = "\n".join(filter(None, [render_report(records), traces,
+                                   "\n".join(links) + "\n" if charts else ""]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
