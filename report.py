@@ -4,7 +4,7 @@ breakdown, the charts and the strategy planner. Recipes never import this file; 
 
     python report.py                 # outputs/results.jsonl -> table, outputs/report.md, charts
     python report.py traces          # where each traced step's time went, per script and rank
-    python report.py plan --params 7e9 --gpus 8 --gpu-mem 80   # which strategy fits, and its bytes
+    python report.py plan --params 7e9 --gpus 8 --gpu-mem 80  # which strategy fits, its bytes
     python report.py list            # every script with the first line of its docstring
 """
 
@@ -502,6 +502,130 @@ def write_charts(records: list[dict], out_dir: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------------------------
+# The strategy planner: per-GPU memory and bytes sent per step of each way to spread a GPT over
+# G GPUs, from the formulas the folders record as `theory` (and test against measurement).
+# ---------------------------------------------------------------------------------------------
+GB = 1e9
+# Bytes per parameter: (weights, gradients, optimizer state) with AdamW. fp32: 4 + 4 + 8 (two
+# moments), what every folder measures on CPU. Mixed precision, as the ZeRO paper counts it:
+# 16-bit weights and gradients, and fp32 master weights + two moments in the optimizer, 2+2+12.
+STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
+
+
+def state_per_gpu(strategy: str, params: float, gpus: int, dtype: str = "fp32",
+                  per_node: int = 8, embedding: float = 0.0) -> float:
+    """Bytes of weights + gradients + optimizer state one GPU keeps between steps.
+    `embedding`: the parameters a pipeline's end stages hold besides their share of the blocks
+    (token and position tables; the tied head repeats the token table on the last stage)."""
+    w, g, o = STATE_BYTES[dtype]
+    n, hybrid = gpus, min(per_node, gpus)
+    return {"DDP": (w + g + o) * params,
+            "ZeRO-1": (w + g) * params + o * params / n,
+            "ZeRO-2": w * params + (g + o) * params / n,
+            "ZeRO-3": (w + g + o) * params / n,
+            "FSDP full": (w + g + o) * params / n,
+            "FSDP grad-op": (w + g + o) * params / n,
+            "FSDP hybrid": (w + g + o) * params / hybrid,
+            "pipeline": (w + g + o) * ((params - embedding) / n + embedding)}[strategy]
+
+
+def sent_per_gpu(strategy: str, params: float, gpus: int, dtype: str = "fp32",
+                 per_node: int = 8, boundary_bytes: float = 0.0) -> float:
+    """Bytes one GPU sends per optimizer step, ring collectives: an all-reduce sends
+    2(n-1)/n of the message, an all-gather or reduce-scatter (n-1)/n. `boundary_bytes`: a
+    pipeline's activations (and their gradients back) across one stage boundary in a step."""
+    w, g, _ = STATE_BYTES[dtype]
+    n, hybrid = gpus, min(per_node, gpus)
+    share, replicas = (n - 1) / n, max(1, n // hybrid)
+    return {"DDP": 2 * share * g * params,  # all-reduce the gradients
+            "ZeRO-1": share * (g + w) * params,  # reduce-scatter grads, all-gather weights
+            "ZeRO-2": share * (g + w) * params,
+            "ZeRO-3": share * (2 * w + g) * params,  # gather twice (forward, backward)
+            "FSDP full": share * (2 * w + g) * params,
+            "FSDP grad-op": share * (w + g) * params,  # kept gathered from forward to backward
+            "FSDP hybrid": (hybrid - 1) / hybrid * (2 * w + g) * params
+            + 2 * (replicas - 1) / replicas * g * params / hybrid,
+            "pipeline": 2 * boundary_bytes}[strategy]
+
+
+def activations_per_gpu(layers: int, seq: int, batch: int, hidden: int, vocab: int, dtype: str,
+                        checkpointing: bool, stage_layers: int | None = None,
+                        in_flight: int = 1) -> float:
+    """Activation bytes saved for backward. Per layer and micro-batch 34 bytes per s.b.h element
+    in 16-bit (Korthikanti et al. 2022, with flash attention: no s x s scores), twice that in
+    fp32; checkpointing keeps each
+    layer's input (s.b.h) and recomputes one layer at a time. Plus the logits and their
+    gradient in fp32 (2 x s.b.V x 4). A pipeline stage keeps `in_flight` micro-batches of its
+    `stage_layers` (1F1B: as many as there are stages)."""
+    unit = seq * batch * hidden * (2 if dtype == "bf16" else 4)  # one s.b.h tensor
+    layer = 17 * unit  # 34 bytes per s.b.h element in 16-bit is 17 tensors of the shape
+    held = stage_layers if stage_layers is not None else layers
+    kept = (held * unit + layer) if checkpointing else held * layer
+    return in_flight * kept + 8 * seq * batch * vocab
+
+
+def plan_strategies(args: argparse.Namespace) -> list[dict]:
+    """Every strategy, with and without activation checkpointing, at the planner's flags."""
+    embedding = args.vocab * args.hidden + args.seq_len * args.hidden
+    stage_layers = -(-args.layers // args.gpus)
+    micro_batches = args.micro_batches or 4 * args.gpus
+    boundary = 2 * micro_batches * args.seq_len * args.micro_batch * args.hidden * \
+        (2 if args.dtype == "bf16" else 4)
+    w = STATE_BYTES[args.dtype][0]
+    rows = []
+    for strategy in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP full", "FSDP grad-op",
+                     "FSDP hybrid", "pipeline"):
+        # weights gathered during the step: a block and the next one's prefetch, or all of them
+        gathered = {"ZeRO-3": 2, "FSDP full": 2, "FSDP hybrid": 2}.get(strategy, 0) * w * \
+            (args.params - embedding) / args.layers + \
+            (w * args.params if strategy == "FSDP grad-op" else 0)
+        state = state_per_gpu(strategy, args.params, args.gpus, args.dtype, args.gpus_per_node,
+                              embedding)
+        for checkpointing in (False, True):
+            pipeline = strategy == "pipeline"
+            acts = activations_per_gpu(args.layers, args.seq_len, args.micro_batch, args.hidden,
+                                       args.vocab, args.dtype, checkpointing,
+                                       stage_layers if pipeline else None,
+                                       min(args.gpus, micro_batches) if pipeline else 1)
+            total = state + acts + gathered
+            rows.append({"strategy": strategy, "checkpointing": checkpointing, "state": state,
+                         "activations": acts + gathered, "total": total,
+                         "fits": total <= args.gpu_mem * GB,
+                         "sent": sent_per_gpu(strategy, args.params, args.gpus, args.dtype,
+                                              args.gpus_per_node, boundary),
+                         "bubble": (args.gpus - 1) / (micro_batches + args.gpus - 1)
+                         if pipeline else 0.0})
+    return rows
+
+
+def render_plan(args: argparse.Namespace) -> str:
+    rows = plan_strategies(args)
+    table = [[r["strategy"], "yes" if r["checkpointing"] else "no", f"{r['state'] / GB:,.1f}",
+              f"{r['activations'] / GB:,.1f}", f"{r['total'] / GB:,.1f}",
+              "yes" if r["fits"] else "no", f"{r['sent'] / GB:,.2f}",
+              f"{r['bubble']:.2f}" if r["bubble"] else ""] for r in rows]
+    fitting = [r for r in rows if r["fits"]]
+    lines = [f"{args.params:.3g} parameters, {args.gpus} GPUs of {args.gpu_mem:g} GB, "
+             f"{args.dtype}, micro-batch {args.micro_batch} x {args.seq_len} tokens", "",
+             tabulate(table, ["strategy", "act. ckpt", "state GB", "activations GB",
+                              "total GB", "fits", "GB sent/GPU/step", "bubble"],
+                      tablefmt="github"), ""]
+    if fitting:
+        best = min(fitting, key=lambda r: (r["sent"], r["checkpointing"]))
+        bubble = f", but idle {best['bubble']:.0%} of the step (bubble)" if best["bubble"] else ""
+        lines += [f"Fits: {', '.join(dict.fromkeys(r['strategy'] for r in fitting))}.",
+                  f"Cheapest in communication that fits: {best['strategy']}"
+                  f"{' with activation checkpointing' if best['checkpointing'] else ''} "
+                  f"({best['sent'] / GB:,.2f} GB sent per GPU per step{bubble})."]
+    else:
+        least = min(rows, key=lambda r: r["total"])
+        lines += [f"Nothing fits: the leanest ({least['strategy']} with checkpointing) needs "
+                  f"{least['total'] / GB:,.1f} GB a GPU. Add GPUs (--gpus), shorten --seq-len "
+                  f"or --micro-batch, or use bf16."]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 # The recipes: every script with the first line (sentence) of its docstring, by folder
 # ---------------------------------------------------------------------------------------------
 def list_scripts(root: Path = common.ROOT) -> str:
@@ -518,15 +642,48 @@ def list_scripts(root: Path = common.ROOT) -> str:
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
+class OneLineErrors(argparse.ArgumentParser):
+    """Bad flags end with one line that names what to change, as the recipes' do."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: Sequence[str]) -> int:
-    cli = argparse.ArgumentParser(prog="report.py", description=__doc__.split("\n\n")[0])
+    cli = OneLineErrors(prog="report.py", description=__doc__.split("\n\n")[0])
     cli.add_argument("--results", type=Path, default=common.RESULTS)
     cli.add_argument("--out", type=Path, default=common.RESULTS.parent / "report.md")
-    sub = cli.add_subparsers(dest="command")
+    sub = cli.add_subparsers(dest="command", parser_class=OneLineErrors)
     sub.add_parser("report", help="the results table (the default)")
     sub.add_parser("traces", help="where each traced step's time went, per script and rank")
     sub.add_parser("list", help="every script with the first line of its docstring")
+    plan = sub.add_parser("plan", help="which strategy fits a model on a cluster, and its bytes")
+    plan.add_argument("--params", type=common.positive_float, required=True,
+                      help="model parameters, e.g. 7e9")
+    plan.add_argument("--gpus", type=common.int_at_least(1), required=True)
+    plan.add_argument("--gpu-mem", type=common.positive_float, required=True,
+                      help="GB of memory per GPU")
+    plan.add_argument("--gpus-per-node", type=common.int_at_least(1), default=8,
+                      help="FSDP hybrid shards within a node (default 8)")
+    plan.add_argument("--layers", type=common.int_at_least(1), default=32)
+    plan.add_argument("--hidden", type=common.int_at_least(1), default=4096)
+    plan.add_argument("--vocab", type=common.int_at_least(1), default=32000)
+    plan.add_argument("--seq-len", type=common.int_at_least(1), default=4096)
+    plan.add_argument("--micro-batch", type=common.int_at_least(1), default=1,
+                      help="sequences per GPU per forward")
+    plan.add_argument("--micro-batches", type=common.int_at_least(1), default=None,
+                      help="a pipeline's micro-batches per step (default 4 x gpus)")
+    plan.add_argument("--dtype", choices=sorted(STATE_BYTES), default="bf16")
     args = cli.parse_args(argv)
+    if args.command == "plan":
+        embedding = args.vocab * args.hidden + args.seq_len * args.hidden
+        if args.params <= embedding:
+            plan.error(f"--params {args.params:g} is no more than the embeddings (--vocab x "
+                       f"--hidden + --seq-len x --hidden = {embedding:g}): raise --params or "
+                       "lower --vocab/--hidden")
+        print(render_plan(args))
+        return 0
     if args.command == "list":
         print(list_scripts())
         return 0

@@ -1,0 +1,103 @@
+"""report.py's strategy planner: its formulas, its verdicts, its one-line errors, and its fp32
+per-rank state against what each folder measured in a real run (tests/fixtures)."""
+
+import subprocess
+import sys
+
+import pytest
+
+import common
+import report
+
+FIXTURE = common.ROOT / "tests" / "fixtures" / "records_small.jsonl"
+# Each script whose kept state is one of the planned strategies. Not planned: DualPipe (every
+# rank holds two stages, the whole model at 2 ranks) and the collective sweeps (no model).
+STRATEGY_OF = {
+    "baseline_ddp": "DDP", "optimized_ddp": "DDP", "baseline_ddp_flash": "DDP",
+    "optimized_ddp_flash": "DDP", "baseline_compression": "DDP",
+    "optimized_compression_int8": "DDP", "optimized_compression_powersgd": "DDP",
+    "baseline_fsdp": "DDP", "optimized_fsdp": "FSDP full", "optimized_fsdp_fp8": "FSDP full",
+    "baseline_zero": "DDP", "optimized_zero1": "ZeRO-1", "optimized_zero2": "ZeRO-2",
+    "optimized_zero3": "ZeRO-3", "optimized_zero_pytorch": "ZeRO-1",
+    "optimized_zero_pytorch --stage 3": "ZeRO-3", "baseline_symmem_training": "DDP",
+    "optimized_symmem_training": "ZeRO-1",  # AdamW's state by share, weights and grads whole
+    "baseline_pipeline": "pipeline", "optimized_pipeline_gpipe": "pipeline",
+    "optimized_pipeline_1f1b": "pipeline", "optimized_pipeline_dualpipev": "pipeline",
+    "optimized_pipeline_pytorch": "pipeline",
+    "optimized_pipeline_pytorch --schedule 1f1b": "pipeline",
+    "optimized_pipeline_pytorch --schedule dualpipev": "pipeline"}
+
+
+def plan(*flags):
+    return subprocess.run([sys.executable, str(common.ROOT / "report.py"), "plan", *flags],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_planned_state_is_what_each_folder_measured():
+    records = [r for r in common.load_results(FIXTURE) if r.get("status") == "ok"
+               and "state_mb" in r]
+    checked = set()
+    for rec in records:
+        label = " ".join(filter(None, [rec["script"], rec.get("variant")]))
+        if label not in STRATEGY_OF:
+            continue
+        size = common.SIZES[rec["size"]]
+        embedding = size.vocab_size * size.d_model + rec["seq_len"] * size.d_model
+        planned = report.state_per_gpu(STRATEGY_OF[label], rec["params"], rec["world_size"],
+                                       "fp32", embedding=embedding)
+        assert planned / 2**20 == pytest.approx(rec["state_mb"], rel=0.05), label
+        checked.add(label)
+    assert checked == set(STRATEGY_OF)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_sharding_divides_what_it_shards(dtype):
+    p, n = 1e9, 8
+    ddp = report.state_per_gpu("DDP", p, n, dtype)
+    assert ddp == 16 * p  # both count 16 bytes a parameter, split differently
+    assert report.state_per_gpu("ZeRO-3", p, n, dtype) == ddp / n
+    assert report.state_per_gpu("DDP", p, n, dtype) > report.state_per_gpu("ZeRO-1", p, n, dtype) \
+        > report.state_per_gpu("ZeRO-2", p, n, dtype) > report.state_per_gpu("ZeRO-3", p, n, dtype)
+    assert report.state_per_gpu("FSDP hybrid", p, 16, dtype, per_node=8) == ddp / 8
+
+
+def test_bytes_sent_follow_the_ring_formulas():
+    p, n = 1e9, 4
+    assert report.sent_per_gpu("DDP", p, n, "fp32") == pytest.approx(2 * 3 / 4 * 4 * p)
+    assert report.sent_per_gpu("ZeRO-3", p, n, "fp32") == \
+        pytest.approx(1.5 * report.sent_per_gpu("DDP", p, n, "fp32"))
+    assert report.sent_per_gpu("DDP", p, 1, "fp32") == 0
+    assert report.sent_per_gpu("pipeline", p, n, "fp32", boundary_bytes=10) == 20
+
+
+def test_checkpointing_shrinks_activations():
+    kw = {"layers": 32, "seq": 4096, "batch": 1, "hidden": 4096, "vocab": 32000, "dtype": "bf16"}
+    full = report.activations_per_gpu(checkpointing=False, **kw)
+    assert report.activations_per_gpu(checkpointing=True, **kw) < full / 4
+    assert report.activations_per_gpu(checkpointing=False, **{**kw, "dtype": "fp32"}) > full
+
+
+def test_a_7b_model_on_8_gpus_of_80_gb():
+    run = plan("--params", "7e9", "--gpus", "8", "--gpu-mem", "80")
+    assert run.returncode == 0, run.stderr
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line.split("|")[6].strip()
+            for line in run.stdout.splitlines() if line.startswith("| ")}
+    assert rows[("DDP", "yes")] == "no"  # 16 bytes x 7e9 = 112 GB of state alone
+    assert rows[("ZeRO-3", "no")] == rows[("FSDP full", "yes")] == "yes"
+    assert "Cheapest in communication that fits: pipeline" in run.stdout
+
+
+def test_nothing_fits_says_what_to_change():
+    run = plan("--params", "70e9", "--gpus", "2", "--gpu-mem", "24")
+    assert run.returncode == 0 and "Nothing fits" in run.stdout and "--gpus" in run.stdout
+
+
+@pytest.mark.parametrize("flags, hint", [
+    (["--gpus", "8", "--gpu-mem", "80"], "--params"),
+    (["--params", "7e9", "--gpus", "0", "--gpu-mem", "80"], "--gpus"),
+    (["--params", "1e5", "--gpus", "8", "--gpu-mem", "80"], "--params"),
+    (["--params", "7e9", "--gpus", "8", "--gpu-mem", "80", "--dtype", "fp16"], "--dtype")])
+def test_bad_input_is_one_line(flags, hint):
+    run = plan(*flags)
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1
+    assert hint in run.stderr
