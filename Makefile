@@ -98,7 +98,7 @@ help:
 
 install: $(INSTALLED)
 ifdef PYTHON
-	@$(PY) -c "import torch, tabulate" || { echo "$(PYTHON) lacks the requirements:" \
+	@$(PY) -c "import torch, tabulate, matplotlib" || { echo "$(PYTHON) lacks the requirements:" \
 		"pip install -r requirements.txt, or drop PYTHON= to use .venv"; exit 1; }
 endif
 

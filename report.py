@@ -553,10 +553,9 @@ def activations_per_gpu(layers: int, seq: int, batch: int, hidden: int, vocab: i
                         in_flight: int = 1) -> float:
     """Activation bytes saved for backward. Per layer and micro-batch 34 bytes per s.b.h element
     in 16-bit (Korthikanti et al. 2022, with flash attention: no s x s scores), twice that in
-    fp32; checkpointing keeps each
-    layer's input (s.b.h) and recomputes one layer at a time. Plus the logits and their
-    gradient in fp32 (2 x s.b.V x 4). A pipeline stage keeps `in_flight` micro-batches of its
-    `stage_layers` (1F1B: as many as there are stages)."""
+    fp32. Checkpointing keeps each layer's input (s.b.h) and recomputes one layer at a time.
+    Plus the logits and their gradient in fp32 (2 x s.b.V x 4). A pipeline stage keeps
+    `in_flight` micro-batches of its `stage_layers` (1F1B: as many as there are stages)."""
     unit = seq * batch * hidden * (2 if dtype == "bf16" else 4)  # one s.b.h tensor
     layer = 17 * unit  # 34 bytes per s.b.h element in 16-bit is 17 tensors of the shape
     held = stage_layers if stage_layers is not None else layers
@@ -612,7 +611,7 @@ def render_plan(args: argparse.Namespace) -> str:
                       tablefmt="github"), ""]
     if fitting:
         best = min(fitting, key=lambda r: (r["sent"], r["checkpointing"]))
-        bubble = f", but idle {best['bubble']:.0%} of the step (bubble)" if best["bubble"] else ""
+        bubble = f"; its bubble idles {best['bubble']:.0%} of the step" if best["bubble"] else ""
         lines += [f"Fits: {', '.join(dict.fromkeys(r['strategy'] for r in fitting))}.",
                   f"Cheapest in communication that fits: {best['strategy']}"
                   f"{' with activation checkpointing' if best['checkpointing'] else ''} "
