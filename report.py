@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -227,6 +228,20 @@ def _length(intervals: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in intervals)
 
 
+def _span(event: dict) -> tuple[float, float]:
+    return event["ts"], event["ts"] + event["dur"]
+
+
+def _events_and_steps(trace: dict) -> tuple[list[dict], list[dict]]:
+    """The trace's complete events, and its `ProfilerStep#` ranges in time order."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")),
+                   key=lambda e: e["ts"])
+    if not steps:
+        raise ValueError("no ProfilerStep# ranges: record it with a script's --trace")
+    return events, steps
+
+
 def step_breakdown(trace: dict) -> list[dict]:
     """Each traced step of one rank, cut into four parts that add up to its wall time (ms):
     - compute: the training thread (on GPU: the compute kernels) busy, no communication in flight
@@ -236,27 +251,23 @@ def step_breakdown(trace: dict) -> list[dict]:
     - idle: neither (Python between ops, waits on anything else, launch gaps on GPU)
     On CPU, communication is the training thread's collective calls plus gloo's transfers on its
     own threads; on GPU (a trace with kernels) it is the NCCL kernels, as in HTA's breakdown."""
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
-    if not steps:
-        raise ValueError("no ProfilerStep# ranges: record it with a script's --trace")
-    span = lambda e: (e["ts"], e["ts"] + e["dur"])  # noqa: E731
+    events, steps = _events_and_steps(trace)
     if any(e.get("cat") == "kernel" for e in events):
         device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-        comm = _union([span(e) for e in device if collective_kind(e["name"])])
-        compute = _union([span(e) for e in device if not collective_kind(e["name"])])
+        comm = _union([_span(e) for e in device if collective_kind(e["name"])])
+        compute = _union([_span(e) for e in device if not collective_kind(e["name"])])
     else:
         main = steps[0]["tid"]
         ops = [e for e in events if e["tid"] == main and e.get("cat") == "cpu_op"]
-        calls = _union([span(e) for e in ops if collective_kind(e["name"])])
-        busy = _union([span(e) for e in ops if not collective_kind(e["name"])])
+        calls = _union([_span(e) for e in ops if collective_kind(e["name"])])
+        busy = _union([_span(e) for e in ops if not collective_kind(e["name"])])
         # a collective call's own inner ops are communication, not compute
         compute = _union([piece for a, b in busy for piece in _subtract((a, b), calls)])
-        transfers = [span(e) for e in events if e["tid"] != main and collective_kind(e["name"])]
+        transfers = [_span(e) for e in events if e["tid"] != main and collective_kind(e["name"])]
         comm = _union(calls + transfers)
     rows = []
-    for step in sorted(steps, key=lambda e: e["ts"]):
-        window = [span(step)]
+    for step in steps:
+        window = [_span(step)]
         c, m = _intersect(compute, window), _intersect(comm, window)
         hidden = _length(_intersect(c, m))
         parts = {"compute": _length(c) - hidden, "hidden": hidden,
@@ -290,11 +301,7 @@ def _message_bytes(event: dict) -> int:
     total = 0
     for dims, kind in zip(args.get("Input Dims", []), args.get("Input type", []), strict=False):
         shapes = dims if dims and isinstance(dims[0], list) else [dims] if dims else []
-        for shape in shapes:
-            n = 1
-            for d in shape:
-                n *= d
-            total += n * ELEMENT_BYTES.get(kind, 4)
+        total += sum(math.prod(shape) for shape in shapes) * ELEMENT_BYTES.get(kind, 4)
         if shapes:
             break  # the first tensor argument is the message; outputs follow it
     return total
@@ -303,17 +310,15 @@ def _message_bytes(event: dict) -> int:
 def comm_pattern(trace: dict) -> dict[str, dict]:
     """Per collective kind, as HTA's communication summary: calls from the training thread
     (count, bytes) and the time its transfers took (gloo's threads, NCCL's kernels)."""
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
-    gpu = any(e.get("cat") == "kernel" for e in events)
+    events, steps = _events_and_steps(trace)
+    main, gpu = steps[0]["tid"], any(e.get("cat") == "kernel" for e in events)
     out: dict[str, dict] = {}
     for e in events:
         kind = collective_kind(e["name"])
         if kind is None or not any(s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in steps):
             continue
         row = out.setdefault(kind, {"count": 0, "bytes": 0, "ms": 0.0})
-        calls = e["tid"] == steps[0]["tid"] and e.get("cat") == "cpu_op"
-        if calls and e["name"].startswith("c10d::"):
+        if e["tid"] == main and e.get("cat") == "cpu_op" and e["name"].startswith("c10d::"):
             row["count"] += 1
             row["bytes"] += _message_bytes(e)
         elif (e.get("cat") == "kernel") if gpu else e["tid"] != main:
@@ -393,8 +398,8 @@ def _speedup_chart(plt, records: list[dict], path: Path) -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.42 * len(pairs) + 1.6), sharey=True)
     for ax, values, title in ((axes[0], speedup, "speedup over its baseline (step time)"),
                               (axes[1], memory, "peak memory / its baseline's")):
-        ax.barh(range(len(values)), values, color=["#55a868" if (v >= 1) == (ax is axes[0])
-                                                   else "#c44e52" for v in values])
+        better = [v >= 1 if ax is axes[0] else v <= 1 for v in values]
+        ax.barh(range(len(values)), values, color=["#55a868" if b else "#c44e52" for b in better])
         ax.axvline(1.0, color="black", linewidth=0.8)
         for y, v in enumerate(values):
             ax.text(v, y, f" {v:.2f}x", va="center", fontsize=8)
