@@ -580,9 +580,9 @@ def plan_strategies(args: argparse.Namespace) -> list[dict]:
     for strategy in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP full", "FSDP grad-op",
                      "FSDP hybrid", "pipeline"):
         # weights gathered during the step: a block and the next one's prefetch, or all of them
-        gathered = {"ZeRO-3": 2, "FSDP full": 2, "FSDP hybrid": 2}.get(strategy, 0) * w * \
-            (args.params - embedding) / args.layers + \
-            (w * args.params if strategy == "FSDP grad-op" else 0)
+        block = w * (args.params - embedding) / args.layers
+        gathered = {"ZeRO-3": 2 * block, "FSDP full": 2 * block, "FSDP hybrid": 2 * block,
+                    "FSDP grad-op": w * args.params}.get(strategy, 0.0)
         state = state_per_gpu(strategy, args.params, args.gpus, args.dtype, args.gpus_per_node,
                               embedding)
         for checkpointing in (False, True):
@@ -611,7 +611,7 @@ def render_plan(args: argparse.Namespace) -> str:
     fitting = [r for r in rows if r["fits"]]
     lines = [f"{args.params:.3g} parameters, {args.gpus} GPUs of {args.gpu_mem:g} GB, "
              f"{args.dtype}, micro-batch {args.micro_batch} x {args.seq_len} tokens", "",
-             tabulate(table, ["strategy", "act. ckpt", "state GB", "activations GB",
+             tabulate(table, ["strategy", "act. ckpt", "state GB", "activations (+gathered) GB",
                               "total GB", "fits", "GB sent/GPU/step", "bubble"],
                       tablefmt="github"), ""]
     if fitting:
