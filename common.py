@@ -817,6 +817,11 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
             _sync(topo.device)
             elapsed = time.perf_counter() - start
         if traced and i == traced[-1]:
+            # A collective the step left in flight (ZeRO's all-gathers, waited for in the next
+            # forward) keeps the profiler's thread-local state until it runs; if that is after
+            # stop(), dropping its handle crashed (torch 2.14, gloo). gloo's barrier waits for
+            # every earlier collective of the group.
+            dist.barrier()
             profiler.stop()
             _export_trace(profiler, args, topo)
         if i == args.warmup:

@@ -1,7 +1,8 @@
 """Launch tests: 04_zero under torchrun with 2 CPU processes at `tiny`.
 
 Six launches shared through one module-scoped fixture: the DDP baseline, the three hand-written
-stages (ZeRO-3 with --summary) and PyTorch's own ZeRO-1 and ZeRO-3 on the same workload.
+stages (ZeRO-3 with --summary) and PyTorch's own ZeRO-1 and ZeRO-3 on the same workload; and
+two short traced ZeRO-1 launches at `small` (a profiler crash they once hit).
 """
 
 import math
@@ -108,3 +109,15 @@ def test_summary_prints_each_ranks_state_beside_its_formula(runs):
 def test_bad_input_exits_2_with_one_line(tmp_path):
     assert_bad_input_is_one_line(FOLDER / "optimized_zero2.py", ["--model", "resnet"],
                                  "--model gpt", tmp_path)
+
+
+def test_a_traced_run_survives_the_all_gathers_in_flight_when_the_trace_ends(tmp_path):
+    """ZeRO-1 leaves its all-gathers in flight after each step. Those of the last traced step
+    held the stopped profiler's state, and dropping them segfaulted (2 runs in 3 at `small`,
+    before timed_steps waited for them): two short traced runs."""
+    for attempt in range(2):
+        results = tmp_path / f"results{attempt}.jsonl"
+        finish(torchrun(FOLDER / "optimized_zero1.py", results, "--size", "small", "--trace",
+                        "--warmup", "4", "--steps", "1"))
+        assert len(list((tmp_path / "traces").glob("04_zero_optimized_zero1_rank*.json"))) == 2
+        assert common.load_results(results)[0]["status"] == "ok"
