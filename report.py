@@ -242,6 +242,9 @@ def _events_and_steps(trace: dict) -> tuple[list[dict], list[dict]]:
     return events, steps
 
 
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
 def step_breakdown(trace: dict) -> list[dict]:
     """Each traced step of one rank, cut into four parts that add up to its wall time (ms):
     - compute: the training thread (on GPU: the compute kernels) busy, no communication in flight
@@ -250,12 +253,17 @@ def step_breakdown(trace: dict) -> list[dict]:
       collective, a wait on one, or a point-to-point transfer
     - idle: neither (Python between ops, waits on anything else, launch gaps on GPU)
     On CPU, communication is the training thread's collective calls plus gloo's transfers on its
-    own threads; on GPU (a trace with kernels) it is the NCCL kernels, as in HTA's breakdown."""
+    own threads, within the `ProfilerStep#` range. On GPU (a trace with kernels) it is what HTA's
+    temporal breakdown calls non-compute: NCCL kernels and memory copies and sets; and a step is
+    its span on the GPU (`gpu_step_windows`), which runs behind the CPU's range."""
     events, steps = _events_and_steps(trace)
     if any(e.get("cat") == "kernel" for e in events):
-        device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-        comm = _union([_span(e) for e in device if collective_kind(e["name"])])
-        compute = _union([_span(e) for e in device if not collective_kind(e["name"])])
+        device = [e for e in events if e.get("cat") in GPU_WORK]
+        moves = [e.get("cat") != "kernel" or collective_kind(e["name"]) is not None
+                 for e in device]
+        comm = _union([_span(e) for e, m in zip(device, moves, strict=True) if m])
+        compute = _union([_span(e) for e, m in zip(device, moves, strict=True) if not m])
+        windows = gpu_step_windows(events, steps)
     else:
         main = steps[0]["tid"]
         ops = [e for e in events if e["tid"] == main and e.get("cat") == "cpu_op"]
@@ -265,17 +273,45 @@ def step_breakdown(trace: dict) -> list[dict]:
         compute = _union([piece for a, b in busy for piece in _subtract((a, b), calls)])
         transfers = [_span(e) for e in events if e["tid"] != main and collective_kind(e["name"])]
         comm = _union(calls + transfers)
+        windows = [_span(step) for step in steps]
     rows = []
-    for step in steps:
-        window = [_span(step)]
-        c, m = _intersect(compute, window), _intersect(comm, window)
+    for step, (start, end) in zip(steps, windows, strict=True):
+        c, m = _intersect(compute, [(start, end)]), _intersect(comm, [(start, end)])
         hidden = _length(_intersect(c, m))
         parts = {"compute": _length(c) - hidden, "hidden": hidden,
                  "exposed": _length(m) - hidden}
-        parts["idle"] = step["dur"] - sum(parts.values())
-        rows.append({"step": step["name"], "wall": step["dur"] / 1e3,
+        parts["idle"] = (end - start) - sum(parts.values())
+        rows.append({"step": step["name"], "wall": (end - start) / 1e3,
                      **{k: v / 1e3 for k, v in parts.items()}})
     return rows
+
+
+def gpu_step_windows(events: list[dict], steps: list[dict]) -> list[tuple[float, float]]:
+    """Each step's span on the GPU: from the start of the first kernel (or copy) its CPU range
+    launched to the start of the next step's first one; the last step ends with its last kernel.
+    Kernels are matched to their launch by `correlation`. A step that launched nothing keeps its
+    CPU range."""
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+    first: list[float | None] = [None] * len(steps)
+    last_end = first[:]
+    for e in events:
+        ts = launched.get(e.get("args", {}).get("correlation")) \
+            if e.get("cat") in GPU_WORK else None
+        i = next((i for i, s in enumerate(steps) if ts is not None
+                  and s["ts"] <= ts < s["ts"] + s["dur"]), None)
+        if i is not None:
+            first[i] = e["ts"] if first[i] is None else min(first[i], e["ts"])
+            last_end[i] = max(last_end[i] or 0.0, e["ts"] + e["dur"])
+    windows = []
+    for i, step in enumerate(steps):
+        if first[i] is None:
+            windows.append(_span(step))
+            continue
+        later = next((f for f in first[i + 1:] if f is not None), None)
+        windows.append((first[i], later if later is not None else last_end[i]))
+    return windows
 
 
 def _subtract(interval: tuple[float, float], cuts: list[tuple[float, float]]
@@ -361,7 +397,8 @@ def render_traces(traces: Path) -> str:
         "compute kernels) with no communication in flight; exposed comm = communication in "
         "flight and nothing computing (blocked in a collective or a wait on one); hidden comm ="
         " communication overlapped with compute; idle = neither (Python between ops, other "
-        "waits). The four add up to the step.", "",
+        "waits). The four add up to the step. On GPU, communication is NCCL kernels and memory "
+        "copies (HTA's non-compute) and a step is its span on the GPU.", "",
         tabulate(pattern, ["script", "rank", "collective", "calls/step", "MB/step",
                            "transfer ms/step"], tablefmt="github"), "",
         "MB from the traced shapes (fp32 where the trace names no type); transfer ms = time on "
