@@ -892,7 +892,9 @@ def _profiler_activities(device: torch.device) -> list:
 def _export_trace(profiler: torch.profiler.profile, args: argparse.Namespace,
                   topo: Topology) -> None:
     folder, script = _script_identity()
-    path = args.results.parent / "traces" / f"{folder}_{script}_rank{topo.rank}.json"
+    # a variant's flags in the name, as its log's: `optimized_zero_pytorch--stage3`
+    variant = re.sub(r"[^\w.-]", "", getattr(args, "variant", None) or "")
+    path = args.results.parent / "traces" / f"{folder}_{script}{variant}_rank{topo.rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     profiler.export_chrome_trace(str(path))
     log(topo, f"trace of warm-up steps {args.warmup - 2}-{args.warmup - 1} written to {path} "

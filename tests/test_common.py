@@ -4,6 +4,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -340,3 +341,17 @@ def test_report_compares_rows_only_on_the_same_link_and_shows_measured_beside_th
     assert "tiny @1gbit" in optimized and "2.00x" in optimized  # 400 ms / 200 ms, not 100 / 200
     assert "compression=3.94 (measured 3.9)" in optimized
     assert "comm_mb=0.5;" in optimized  # comm MB has its own column
+
+
+def test_a_variants_trace_is_named_after_it_as_its_log_is(tmp_path, monkeypatch):
+    class Profiler:  # stands in for torch.profiler.profile: writes what it is asked to
+        def export_chrome_trace(self, path):
+            Path(path).write_text("{}")
+
+    monkeypatch.setattr(sys, "argv", [str(common.ROOT / "04_zero" / "optimized_zero_pytorch.py")])
+    for variant in ("--stage 3", None):
+        args = argparse.Namespace(results=tmp_path / "results.jsonl", variant=variant, warmup=4)
+        common._export_trace(Profiler(), args, cpu_topology(rank=1, world=2))
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
+        "04_zero_optimized_zero_pytorch--stage3_rank1.json",
+        "04_zero_optimized_zero_pytorch_rank1.json"]
