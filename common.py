@@ -1039,6 +1039,9 @@ def record_sweep(args: argparse.Namespace, topo: Topology, *, baseline: str | No
         for row in sweep:
             print(f"{rec['script']}: {row['op']:>14} {row['bytes']:>11,} B {row['ms']:9.3f} ms "
                   f"busbw {row['busbw_gbps']:7.2f} GB/s", flush=True)
+        if args.trace:  # make all TRACE=1 passes it to every script
+            print(f"{rec['script']}: no trace written: a sweep has no training step to break "
+                  "down", flush=True)
     return rec
 
 

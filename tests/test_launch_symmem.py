@@ -9,7 +9,9 @@ from helpers import assert_bad_input_is_one_line, finish, only_record, torchrun
 
 FOLDER = common.ROOT / "06_symmem"
 SWEEP = ["--sizes", "4K,64K,1M", "--iters", "3"]
-RUNS = {"baseline_symmem_allreduce": SWEEP, "optimized_symmem_allreduce": SWEEP,
+# make all TRACE=1 passes --trace to every script; a sweep says it has nothing to trace
+RUNS = {"baseline_symmem_allreduce": [*SWEEP, "--trace", "--warmup", "3"],
+        "optimized_symmem_allreduce": SWEEP,
         "baseline_symmem_training": [], "optimized_symmem_training": []}
 
 
@@ -18,8 +20,11 @@ def runs(tmp_path_factory):
     out = {}
     for script, flags in RUNS.items():
         results = tmp_path_factory.mktemp(script) / "results.jsonl"
-        finish(torchrun(FOLDER / f"{script}.py", results, *flags))
+        console = finish(torchrun(FOLDER / f"{script}.py", results, *flags))
         out[script] = only_record(results)
+        if "--trace" in flags:
+            assert "no trace written: a sweep has no training step" in console
+            assert not (results.parent / "traces").exists()
     return out
 
 
