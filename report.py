@@ -126,13 +126,17 @@ def _sweep_table(sweeps: list[dict], by_key: dict) -> str:
             by_key.get(common.run_key(rec) + (rec["baseline"],))
         theirs = {(r["op"], r["bytes"]): r for r in (base or {}).get("sweep", [])}
         for row in rec["sweep"]:
-            other = theirs.get((row["op"], row["bytes"]))
+            other = theirs.pop((row["op"], row["bytes"]), None)
             table.append([row["op"], f"{row['bytes']:,}", rec.get("world_size"),
                           rec.get("device"), _script_label(base) if base else "",
                           _fmt(other and other["ms"], ",.3f"),
                           _fmt(other and other["busbw_gbps"], ",.2f"), _script_label(rec),
                           f"{row['ms']:,.3f}", f"{row['busbw_gbps']:,.2f}",
                           f"{other['ms'] / row['ms']:.2f}x" if other else ""])
+        # what only the baseline swept (on CUDA symmetric memory runs all-reduce alone)
+        table += [[op, f"{nbytes:,}", rec.get("world_size"), rec.get("device"),
+                   _script_label(base), f"{other['ms']:,.3f}", f"{other['busbw_gbps']:,.2f}",
+                   _script_label(rec), "", "", ""] for (op, nbytes), other in theirs.items()]
     for rec in sweeps:  # a baseline nothing was compared with still shows its figures
         if rec.get("baseline") is None and not any(
                 r.get("baseline") == rec.get("script") and common.run_key(r) == common.run_key(rec)
@@ -191,7 +195,7 @@ ELEMENT_BYTES = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2, "double": 8, "s
 def collective_kind(name: str) -> str | None:
     """`all_reduce` for `c10d::allreduce_`, `gloo:all_reduce` or an NCCL AllReduce kernel; None
     for anything that is not communication."""
-    if name.startswith(("c10d::", "gloo:")):
+    if name.startswith(("c10d::", "gloo:", "nccl:")):  # a call, or its transfer (annotation)
         word = name.split(":")[-1]
     elif name.startswith("nccl"):  # every NCCL kernel communicates; most name their kind
         return next((COLLECTIVE_KINDS[part.lower()] for part in name.split("_")[1:]
@@ -235,8 +239,9 @@ def _span(event: dict) -> tuple[float, float]:
 def _events_and_steps(trace: dict) -> tuple[list[dict], list[dict]]:
     """The trace's complete events, and its `ProfilerStep#` ranges in time order."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")),
-                   key=lambda e: e["ts"])
+    # the CPU's ranges; on CUDA kineto copies each onto the GPU's timeline too
+    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")
+                    and e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"])
     if not steps:
         raise ValueError("no ProfilerStep# ranges: record it with a script's --trace")
     return events, steps
@@ -280,7 +285,7 @@ def step_breakdown(trace: dict) -> list[dict]:
         hidden = _length(_intersect(c, m))
         parts = {"compute": _length(c) - hidden, "hidden": hidden,
                  "exposed": _length(m) - hidden}
-        parts["idle"] = (end - start) - sum(parts.values())
+        parts["idle"] = (end - start) - _length(_union(c + m))  # measured, not the remainder
         rows.append({"step": step["name"], "wall": (end - start) / 1e3,
                      **{k: v / 1e3 for k, v in parts.items()}})
     return rows
@@ -328,24 +333,31 @@ def _subtract(interval: tuple[float, float], cuts: list[tuple[float, float]]
     return pieces + ([(start, end)] if start < end else [])
 
 
+# Calls whose first tensor argument is their output: the message is the second, their input.
+OUTPUT_FIRST = ("all_gather", "reduce_scatter", "all_to_all")
+
+
 def _message_bytes(event: dict) -> int:
-    """From the trace's shapes (`record_shapes`): the elements of the call's tensor arguments,
-    times the element size; fp32 where the trace names no type (tensor lists)."""
+    """From the trace's shapes (`record_shapes`): the elements of the call's input tensor (or
+    tensor list), times the element size; fp32 where the trace names no type (tensor lists).
+    The input, as HTA counts a message: an all-gather's 1/N, a reduce-scatter's whole."""
     args = event.get("args", {})
-    if "In msg nelems" in args:  # NCCL's record_param_comms
-        return int(args["In msg nelems"]) * ELEMENT_BYTES.get(args.get("dtype", "float"), 4)
-    total = 0
-    for dims, kind in zip(args.get("Input Dims", []), args.get("Input type", []), strict=False):
-        shapes = dims if dims and isinstance(dims[0], list) else [dims] if dims else []
-        total += sum(math.prod(shape) for shape in shapes) * ELEMENT_BYTES.get(kind, 4)
-        if shapes:
-            break  # the first tensor argument is the message; outputs follow it
-    return total
+    tensors = [(dims, kind) for dims, kind in zip(args.get("Input Dims", []),
+                                                  args.get("Input type", []), strict=False)
+               if dims]
+    if collective_kind(event["name"]) in OUTPUT_FIRST:
+        tensors = tensors[1:]
+    if not tensors:
+        return 0
+    dims, kind = tensors[0]
+    shapes = dims if isinstance(dims[0], list) else [dims]
+    return sum(math.prod(shape) for shape in shapes) * ELEMENT_BYTES.get(kind, 4)
 
 
 def comm_pattern(trace: dict) -> dict[str, dict]:
-    """Per collective kind, as HTA's communication summary: calls from the training thread
-    (count, bytes) and the time its transfers took (gloo's threads, NCCL's kernels)."""
+    """Per collective kind, as HTA's communication summary: the calls (count, bytes; from any
+    thread: on CUDA backward runs on autograd's own) and the time their transfers took (gloo's
+    threads, NCCL's kernels)."""
     events, steps = _events_and_steps(trace)
     main, gpu = steps[0]["tid"], any(e.get("cat") == "kernel" for e in events)
     out: dict[str, dict] = {}
@@ -353,12 +365,13 @@ def comm_pattern(trace: dict) -> dict[str, dict]:
         kind = collective_kind(e["name"])
         if kind is None or not any(s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in steps):
             continue
-        row = out.setdefault(kind, {"count": 0, "bytes": 0, "ms": 0.0})
-        if e["tid"] == main and e.get("cat") == "cpu_op" and e["name"].startswith("c10d::"):
+        if e.get("cat") == "cpu_op" and e["name"].startswith("c10d::"):
+            row = out.setdefault(kind, {"count": 0, "bytes": 0, "ms": 0.0})
             row["count"] += 1
             row["bytes"] += _message_bytes(e)
-        elif (e.get("cat") == "kernel") if gpu else e["tid"] != main:
-            row["ms"] += e["dur"] / 1e3
+        elif (e.get("cat") == "kernel") if gpu else (e["tid"] != main
+                                                     and e["name"].startswith("gloo:")):
+            out.setdefault(kind, {"count": 0, "bytes": 0, "ms": 0.0})["ms"] += e["dur"] / 1e3
     return out
 
 
@@ -377,16 +390,20 @@ def render_traces(traces: Path) -> str:
     files = trace_files(traces)
     if not files:
         return ""
-    breakdown, pattern = [], []
+    breakdown, pattern, unreadable = [], [], []
     for name, rank, path in files:
-        trace = json.loads(path.read_text())
-        steps = step_breakdown(trace)
+        try:
+            trace = json.loads(path.read_text())
+            steps = step_breakdown(trace)
+        except (ValueError, KeyError) as err:  # cut short, or not a trace --trace wrote
+            unreadable.append(f"{path.name} ({err})")
+            continue
         mean = {k: sum(s[k] for s in steps) / len(steps)
                 for k in ("wall", "compute", "exposed", "hidden", "idle")}
         breakdown.append([name, rank, f"{mean['wall']:,.2f}", *[
             f"{mean[k]:,.2f} ({100 * mean[k] / mean['wall']:.0f}%)"
             for k in ("compute", "exposed", "hidden", "idle")]])
-        pattern += [[name, rank, kind, row["count"] // len(steps),
+        pattern += [[name, rank, kind, f"{row['count'] / len(steps):g}",
                      f"{row['bytes'] / len(steps) / 2**20:,.3f}", f"{row['ms'] / len(steps):,.2f}"]
                     for kind, row in sorted(comm_pattern(trace).items())]
     return "\n".join([
@@ -402,7 +419,8 @@ def render_traces(traces: Path) -> str:
         tabulate(pattern, ["script", "rank", "collective", "calls/step", "MB/step",
                            "transfer ms/step"], tablefmt="github"), "",
         "MB from the traced shapes (fp32 where the trace names no type); transfer ms = time on "
-        "gloo's threads (NCCL's kernels on GPU), including waiting for the peer.", ""])
+        "gloo's threads (NCCL's kernels on GPU), including waiting for the peer.", "",
+        *([f"Not read: {', '.join(unreadable)}.", ""] if unreadable else [])])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,12 +442,25 @@ def compared_pairs(records: list[dict]) -> list[tuple[dict, dict]]:
     return sorted(pairs, key=lambda pair: (str(pair[0]["folder"]), _script_label(pair[0])))
 
 
+def _setup(rec: dict) -> str:
+    return f"{rec.get('device')}, world {rec.get('world_size')}, size {rec.get('size')}"
+
+
+def _setups(recs: list[dict]) -> tuple[str, list[str]]:
+    """A chart's title part and each run's label suffix: the one setup they share in the title,
+    or each run's own beside it when they differ."""
+    if len({_setup(r) for r in recs}) == 1:
+        return _setup(recs[0]), [""] * len(recs)
+    return "runs on several setups", [f" [{_setup(r)}]" for r in recs]
+
+
 def _speedup_chart(plt, records: list[dict], path: Path) -> bool:
     pairs = compared_pairs(records)
     if not pairs:
         return False
+    setup, suffixes = _setups([r for r, _ in pairs])
     labels = [f"{r['folder']}  {_script_label(r)}" + (f" @{r['link']}" if r.get("link") else "")
-              for r, _ in pairs]
+              + suffix for (r, _), suffix in zip(pairs, suffixes, strict=True)]
     speedup = [b["step_ms"] / r["step_ms"] for r, b in pairs]
     memory = [r["peak_mem_mb"] / b["peak_mem_mb"] for r, b in pairs]
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.42 * len(pairs) + 1.6), sharey=True)
@@ -444,8 +475,7 @@ def _speedup_chart(plt, records: list[dict], path: Path) -> bool:
         ax.set_xlim(0, max(values) * 1.2)
     axes[0].set_yticks(range(len(labels)), labels, fontsize=8)
     axes[0].invert_yaxis()
-    fig.suptitle(f"{pairs[0][0].get('device')}, world {pairs[0][0].get('world_size')}, "
-                 f"size {pairs[0][0].get('size')}: green is better")
+    fig.suptitle(f"{setup}: green is better")
     return _save(plt, fig, path)
 
 
@@ -502,27 +532,33 @@ def _busbw_chart(plt, records: list[dict], path: Path) -> bool:
     ops = sorted({row["op"] for r in sweeps for row in r["sweep"]})
     if not ops:
         return False
+    # a world of one moves nothing between ranks (busbw 0): its algbw shows that the path ran
+    one = all(r.get("world_size") == 1 for r in sweeps)
+    figure = "algbw_gbps" if one else "busbw_gbps"
+    setup, suffixes = _setups(sweeps)
     fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.6), squeeze=False)
     for ax, op in zip(axes[0], ops, strict=True):
-        for rec in sweeps:
-            rows = sorted((row for row in rec["sweep"] if row["op"] == op),
+        for rec, suffix in zip(sweeps, suffixes, strict=True):
+            rows = sorted((row for row in rec["sweep"] if row["op"] == op and row[figure] > 0),
                           key=lambda row: row["bytes"])
             transport = rec.get("transport") or "process group"
-            ax.plot([row["bytes"] for row in rows], [row["busbw_gbps"] for row in rows],
-                    marker="o", label=f"{_script_label(rec)} ({transport})")
+            ax.plot([row["bytes"] for row in rows], [row[figure] for row in rows],
+                    marker="o", label=f"{_script_label(rec)} ({transport}){suffix}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(op, fontsize=10)
         ax.set_xlabel("message bytes")
-    axes[0, 0].set_ylabel("busbw GB/s")
-    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="upper right", fontsize=8)
-    fig.suptitle("06_symmem: bus bandwidth against message size, "
-                 f"world {sweeps[0].get('world_size')}", x=0.3)
-    return _save(plt, fig, path, top=0.84)
+    axes[0, 0].set_ylabel(f"{figure.split('_')[0]} GB/s")
+    lines = {label: line for ax in axes[0]  # every run's line, whichever ops it swept
+             for line, label in zip(*ax.get_legend_handles_labels(), strict=True)}
+    fig.legend(lines.values(), lines.keys(), loc="lower center", ncol=len(lines), fontsize=8)
+    fig.suptitle(f"06_symmem: {'algorithm' if one else 'bus'} bandwidth against message size, "
+                 f"{setup}", fontsize=11)
+    return _save(plt, fig, path, bottom=0.1)
 
 
-def _save(plt, fig, path: Path, top: float = 1.0) -> bool:
-    fig.tight_layout(rect=(0, 0, 1, top))  # `top`: room for a legend above the plots
+def _save(plt, fig, path: Path, top: float = 1.0, bottom: float = 0.0) -> bool:
+    fig.tight_layout(rect=(0, bottom, 1, top))  # room for a legend above or below the plots
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -572,10 +608,13 @@ def state_per_gpu(strategy: str, params: float, gpus: int, dtype: str = "fp32",
 
 
 def sent_per_gpu(strategy: str, params: float, gpus: int, dtype: str = "fp32",
-                 per_node: int = 8, boundary_bytes: float = 0.0) -> float:
-    """Bytes one GPU sends per optimizer step, ring collectives: an all-reduce sends
-    2(n-1)/n of the message, an all-gather or reduce-scatter (n-1)/n. `boundary_bytes`: a
-    pipeline's activations (and their gradients back) across one stage boundary in a step."""
+                 per_node: int = 8, stage_output_bytes: float = 0.0,
+                 tied_params: float = 0.0) -> float:
+    """Bytes the busiest GPU sends per optimizer step, ring collectives: an all-reduce sends
+    2(n-1)/n of the message, an all-gather or reduce-scatter (n-1)/n. A pipeline: a middle
+    stage sends the activations it hands on in a step (`stage_output_bytes`, every
+    micro-batch's) and as many gradients back; an end stage one of the two, and the gradient of
+    the token table tied to the head (`tied_params`), all-reduced with the other end."""
     w, g, _ = STATE_BYTES[dtype]
     n, hybrid = gpus, min(per_node, gpus)
     share, replicas = (n - 1) / n, max(1, n // hybrid)
@@ -587,7 +626,9 @@ def sent_per_gpu(strategy: str, params: float, gpus: int, dtype: str = "fp32",
             "FSDP grad-op": share * (w + g) * params,  # kept gathered from forward to backward
             "FSDP hybrid": (hybrid - 1) / hybrid * (2 * w + g) * params
             + 2 * (replicas - 1) / replicas * g * params / hybrid,
-            "pipeline": 2 * boundary_bytes}[strategy]
+            "pipeline": 0.0 if n == 1 else max(stage_output_bytes + g * tied_params,
+                                               2 * stage_output_bytes if n > 2 else 0.0)
+            }[strategy]
 
 
 def activations_per_gpu(layers: int, seq: int, batch: int, hidden: int, vocab: int, dtype: str,
@@ -610,7 +651,7 @@ def plan_strategies(args: argparse.Namespace) -> list[dict]:
     embedding = args.vocab * args.hidden + args.seq_len * args.hidden
     stage_layers = -(-args.layers // args.gpus)
     micro_batches = args.micro_batches or 4 * args.gpus
-    boundary = 2 * micro_batches * args.seq_len * args.micro_batch * args.hidden * \
+    stage_output = micro_batches * args.seq_len * args.micro_batch * args.hidden * \
         (2 if args.dtype == "bf16" else 4)
     w = STATE_BYTES[args.dtype][0]
     rows = []
@@ -633,7 +674,8 @@ def plan_strategies(args: argparse.Namespace) -> list[dict]:
                          "activations": acts + gathered, "total": total,
                          "fits": total <= args.gpu_mem * GB,
                          "sent": sent_per_gpu(strategy, args.params, args.gpus, args.dtype,
-                                              args.gpus_per_node, boundary),
+                                              args.gpus_per_node, stage_output,
+                                              args.vocab * args.hidden),
                          "bubble": (args.gpus - 1) / (micro_batches + args.gpus - 1)
                          if pipeline else 0.0})
     return rows

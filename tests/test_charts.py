@@ -51,3 +51,32 @@ def test_records_without_a_folders_data_draw_no_chart_for_it(records, tmp_path):
     (tmp_path / "empty.jsonl").write_text(json.dumps(failed[0]) + "\n")
     report.main(["--results", str(tmp_path / "empty.jsonl"), "--out", str(out)])
     assert "## Charts" not in out.read_text()
+
+
+def _sweep(script, baseline, ops, world=1, transport=None):
+    """A sweep record as a GPU at world size 1 writes it: busbw 0, algbw measured."""
+    return {"folder": "06_symmem", "script": script, "baseline": baseline, "status": "ok",
+            "size": "small", "model": "gpt", "world_size": world, "device": "NVIDIA H100",
+            "link": None, "transport": transport,
+            "sweep": [common.sweep_entry(op, b, 0.01 * b / 4096, world)
+                      for op in ops for b in (4096, 2**20)]}
+
+
+def test_a_world_of_one_sweep_keeps_the_baselines_rows_and_draws_its_algbw(tmp_path):
+    # on CUDA symmetric memory sweeps all-reduce only: the baseline's other ops stay in the table
+    records = [_sweep("baseline_symmem_allreduce", None, ["all_reduce", "all_gather"]),
+               _sweep("optimized_symmem_allreduce", "baseline_symmem_allreduce", ["all_reduce"],
+                      transport="cuda symmetric memory")]
+    table = report.render_report(records)
+    gathered = [line for line in table.splitlines() if line.startswith("| all_gather")]
+    assert len(gathered) == 2 and all("baseline_symmem_allreduce" in line for line in gathered)
+    assert [p.name for p in report.write_charts(records, tmp_path)] == ["symmem_busbw.png"]
+
+
+def test_runs_on_different_setups_are_labelled_each_with_its_own(records):
+    on_gpu = [dict(r, device="NVIDIA H100", world_size=1) for r in records[:2]]
+    title, suffixes = report._setups(records[:2] + on_gpu)
+    assert title == "runs on several setups"
+    assert suffixes[0] == " [cpu, world 2, size small]"
+    assert suffixes[-1] == " [NVIDIA H100, world 1, size small]"
+    assert report._setups(records[:2]) == ("cpu, world 2, size small", ["", ""])

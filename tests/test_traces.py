@@ -132,6 +132,7 @@ def test_a_trace_without_steps_is_refused():
     ("c10d::broadcast_", "broadcast"), ("c10d::recv_", "recv"), ("gloo:send", "send"),
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "all_reduce"),
     ("ncclDevKernel_SendRecv", "send_recv"), ("ncclDevKernel_Generic_4", "nccl"),
+    ("nccl:all_reduce", "all_reduce"), ("c10d::alltoall_base_", "all_to_all"),
     ("aten::mm", None), ("ProfilerStep#1", None)])
 def test_collectives_are_named_by_kind_whoever_runs_them(name, kind):
     assert report.collective_kind(name) == kind
@@ -146,11 +147,29 @@ def test_the_communication_pattern_counts_calls_bytes_and_transfer_time():
     assert pattern == {"all_reduce": {"count": 1, "bytes": 4 * 8 * 4, "ms": pytest.approx(0.025)}}
 
 
+def test_a_message_is_the_calls_input_whichever_argument_and_thread_it_is():
+    # (output, input): an all-gather of 4 floats into 8, a reduce-scatter of 8 into 4, issued
+    # from autograd's thread as on CUDA; the GPU's copy of the step range is not a second step
+    trace = {"traceEvents": [
+        op("ProfilerStep#0", 0, 100, cat="user_annotation"),
+        op("ProfilerStep#0", 5, 100, tid=7, cat="gpu_user_annotation"),
+        op("c10d::_allgather_base_", 10, 5, tid=3, **{"Input Dims": [[8], [4], [], []],
+                                                     "Input type": ["float", "float", "", ""]}),
+        op("c10d::_reduce_scatter_base_", 20, 5, **{"Input Dims": [[4], [8], []],
+                                                   "Input type": ["c10::BFloat16"] * 2 + [""]})]}
+    assert len(report.step_breakdown(trace)) == 1
+    pattern = report.comm_pattern(trace)
+    assert (pattern["all_gather"]["count"], pattern["all_gather"]["bytes"]) == (1, 4 * 4)
+    assert pattern["reduce_scatter"]["bytes"] == 8 * 2
+
+
 def test_the_traces_table_has_a_row_per_script_and_rank(tmp_path):
     for rank in (0, 1):
         (tmp_path / f"01_ddp_optimized_ddp_rank{rank}.json").write_text(json.dumps(CPU_TRACE))
     (tmp_path / "05_pipeline_optimized_pipeline_1f1b_timeline.json").write_text("{}")  # not a rank
+    (tmp_path / "04_zero_optimized_zero1_rank0.json").write_text('{"traceEvents": [')  # cut short
     text = report.render_traces(tmp_path)
+    assert "Not read: 04_zero_optimized_zero1_rank0.json (Expecting value" in text
     rows = [line for line in text.splitlines() if line.startswith("| 01_ddp_optimized_ddp")]
     assert len(rows) == 4  # breakdown and collectives, two ranks each
     for row in rows[:2]:
