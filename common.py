@@ -164,7 +164,7 @@ def positive_float(text: str) -> float:
 
 def message_sizes(text: str) -> list[int]:
     """argparse type for a sweep's message sizes: comma-separated bytes with an optional K, M or G
-    (powers of 1024), e.g. `4K,64K,16M`; each > 0."""
+    (powers of 1024), e.g. `4K,64K,16M`; each > 0 and whole fp32 values."""
     sizes = []
     for item in text.split(","):
         number, unit = item.strip().upper(), 1
@@ -177,6 +177,9 @@ def message_sizes(text: str) -> list[int]:
                 from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"a message size must be > 0 bytes, got {item!r}")
+        if value % 4:
+            raise argparse.ArgumentTypeError(f"a message is fp32 values: {item!r} is {value} "
+                                             "bytes, use a multiple of 4")
         sizes.append(value)
     return sizes
 
@@ -594,13 +597,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_calls(call: Callable[[], object], prepare: Callable[[], object], iters: int,
-               warmup: int, device: torch.device) -> float:
+def time_calls(call: Callable[[], object], prepare: Callable[[], object],
+               check: Callable[[], bool], what: str, iters: int, warmup: int,
+               device: torch.device) -> float:
     """Median milliseconds of `call` over `iters` timed runs after `warmup` untimed ones; before
     each, `prepare` (untimed: refill the input) and a barrier, and the device is synchronised
-    before the clock is read. A run's time is the shortest any rank measured: ranks leave a
-    barrier tens of microseconds apart, and the last to leave waits for nobody, so its time is
-    the call's and not the barrier's skew (which would otherwise swamp a small message)."""
+    before the clock is read. After each, untimed, `check` must hold (every result is checked,
+    so a stale read in any run fails it). A run's time is the shortest any rank measured: ranks
+    leave a barrier tens of microseconds apart, and the last to leave waits for nobody, so its
+    time is the call's and not the barrier's skew (which would otherwise swamp a small message).
+    """
     times = []
     for i in range(warmup + iters):
         prepare()
@@ -611,6 +617,8 @@ def time_calls(call: Callable[[], object], prepare: Callable[[], object], iters:
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
+        if not check():
+            raise RuntimeError(f"{what} returned a wrong result (call {i + 1})")
     shortest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(shortest, op=dist.ReduceOp.MIN)
     return 1e3 * statistics.median(shortest.tolist())
@@ -868,7 +876,8 @@ def step_range(i: int, device: torch.device, named: bool):
 def nvtx_phase_ranges(memory_of: Sequence) -> list:
     """NVTX ranges `forward` (each forward of the model) and `optimizer` (each optimizer step),
     from hooks on what `timed_steps` was given; the backward, with its communication, is what
-    lies between them. Returns the hook handles."""
+    lies between them. A pipeline's stages are never called as a whole, so they get no
+    `forward` (their F/B/W actions are in the record's `timeline`). Returns the hook handles."""
     handles = []
     for thing in memory_of:
         if isinstance(thing, nn.Module):

@@ -95,9 +95,8 @@ def main():
                 continue  # smaller than one value (per rank)
             call, prepare, correct = collective(op, numel, topo)
             iters = args.iters if nbytes <= 8 * 2**20 else max(3, args.iters // 4)
-            ms = common.time_calls(call, prepare, iters, warmup=2, device=topo.device)
-            if not correct():
-                raise RuntimeError(f"{op} of {nbytes} bytes returned a wrong result")
+            ms = common.time_calls(call, prepare, correct, f"{op} of {nbytes} bytes", iters,
+                                   warmup=2, device=topo.device)
             sweep.append(common.sweep_entry(op, numel * 4, ms, topo.world_size))
     common.record_sweep(args, topo, baseline=None, sweep=sweep)
 

@@ -41,6 +41,7 @@ Theory:     busbw as the baseline's; one-shot moves N x bytes through each rank'
 import mmap
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -73,12 +74,18 @@ class SharedSegment:
         if topo.rank == 0:
             with open(path[0], "wb") as f:
                 f.truncate(flag_bytes + n * slot_bytes)  # zeros: every flag starts at call 0
-        dist.barrier()
-        with open(path[0], "r+b") as f:
-            self.mapping = mmap.mmap(f.fileno(), flag_bytes + n * slot_bytes)
-        dist.barrier()  # every rank has mapped it: the name is no longer needed
-        if topo.rank == 0:
-            os.unlink(path[0])
+            # torchrun ends the other ranks with SIGTERM when one dies: exit through the
+            # `finally` below, which unlinks the file, not around it
+            sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        try:
+            dist.barrier()
+            with open(path[0], "r+b") as f:
+                self.mapping = mmap.mmap(f.fileno(), flag_bytes + n * slot_bytes)
+            dist.barrier()  # every rank has mapped it: the name is no longer needed
+        finally:  # unlinked then, or at once if a peer never mapped it
+            if topo.rank == 0:
+                os.unlink(path[0])
+                signal.signal(signal.SIGTERM, sigterm)
         self.flags = memoryview(self.mapping)[:flag_bytes].cast("q")
         self.ready, self.reduced, self.done = (range(k * n * LINE, (k + 1) * n * LINE, LINE)
                                                for k in range(3))
@@ -222,6 +229,9 @@ def main():
         parser.error(f"--ops {','.join(unknown)} unknown: choose from {','.join(OPS)}")
     topo = common.setup(args)
     if topo.device.type == "cuda":
+        if topo.nnodes > 1:
+            raise common.Skip("symmetric memory maps the GPUs of one host (NVLink): run on one "
+                              "node (NNODES=1)")
         seg, ops = None, [op for op in ops if op == "all_reduce"]
     else:
         seg = SharedSegment(topo, max(args.sizes), args.timeout)
@@ -235,9 +245,8 @@ def main():
                 continue  # smaller than one value (per rank)
             call, prepare, correct = collective(op, numel, topo, seg)
             iters = args.iters if nbytes <= 8 * 2**20 else max(3, args.iters // 4)
-            ms = common.time_calls(call, prepare, iters, warmup=2, device=topo.device)
-            if not correct():
-                raise RuntimeError(f"{op} of {nbytes} bytes returned a wrong result")
+            ms = common.time_calls(call, prepare, correct, f"{op} of {nbytes} bytes", iters,
+                                   warmup=2, device=topo.device)
             sweep.append(common.sweep_entry(op, numel * 4, ms, topo.world_size))
     common.record_sweep(args, topo, baseline="baseline_symmem_allreduce", sweep=sweep,
                         transport="cuda symmetric memory" if seg is None else "/dev/shm segment")

@@ -39,6 +39,7 @@ Theory:     optimizer state 8P/N bytes a rank; nothing sent through the process 
 import mmap
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -69,12 +70,18 @@ class SharedSegment:
         if topo.rank == 0:
             with open(path[0], "wb") as f:
                 f.truncate(size)  # zeros: every flag starts at step 0
-        dist.barrier()
-        with open(path[0], "r+b") as f:
-            self.mapping = mmap.mmap(f.fileno(), size)
-        dist.barrier()  # every rank has mapped it: the name is no longer needed
-        if topo.rank == 0:
-            os.unlink(path[0])
+            # torchrun ends the other ranks with SIGTERM when one dies: exit through the
+            # `finally` below, which unlinks the file, not around it
+            sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        try:
+            dist.barrier()
+            with open(path[0], "r+b") as f:
+                self.mapping = mmap.mmap(f.fileno(), size)
+            dist.barrier()  # every rank has mapped it: the name is no longer needed
+        finally:  # unlinked then, or at once if a peer never mapped it
+            if topo.rank == 0:
+                os.unlink(path[0])
+                signal.signal(signal.SIGTERM, sigterm)
         self.flags = memoryview(self.mapping)[:flag_bytes].cast("q")
         self.ready, self.stepped = (range(k * n * LINE, (k + 1) * n * LINE, LINE) for k in range(2))
         # A tensor of its own for the parameters and for each slot (not views of one): memory
@@ -125,6 +132,9 @@ class SymmetricBuffers:
     def __init__(self, topo: common.Topology, numel: int, timeout: float):
         import torch.distributed._symmetric_memory as symm_mem
 
+        if topo.nnodes > 1:
+            raise common.Skip("symmetric memory maps the GPUs of one host (NVLink): run on one "
+                              "node (NNODES=1)")
         self.rank, self.world, self.timeout_ms = topo.rank, topo.world_size, int(timeout * 1000)
         self.params = symm_mem.empty(numel, device=topo.device)
         self.grads = symm_mem.empty(numel, device=topo.device)

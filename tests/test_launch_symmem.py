@@ -64,6 +64,7 @@ def test_symmetric_memory_training_matches_the_baseline_with_half_the_optimizer_
 
 @pytest.mark.parametrize("script, flags, hint", [
     ("optimized_symmem_allreduce", ["--sizes", "0"], "--sizes"),
+    ("optimized_symmem_allreduce", ["--sizes", "4K,4098"], "multiple of 4"),
     ("baseline_symmem_allreduce", ["--sizes", "4Q"], "--sizes"),
     ("optimized_symmem_allreduce", ["--ops", "all_reduce,broadcast"], "--ops broadcast"),
 ])

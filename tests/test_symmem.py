@@ -1,6 +1,7 @@
 """06_symmem's shared-memory collectives in spawned gloo processes: equal to the process
 group's at every size (sizes that do not divide by N included), at 2 and at 3 ranks; never a
-stale read over many back-to-back calls; nothing left in /dev/shm, also after a killed rank;
+stale read over many back-to-back calls; nothing left in /dev/shm, also after a rank killed
+before or after it mapped the segment;
 more than one node is refused as `skipped`."""
 
 import argparse
@@ -89,6 +90,21 @@ def test_a_killed_rank_leaves_nothing_in_dev_shm_and_its_peer_times_out():
     assert leftovers() <= before
 
 
+def _peer_dies_before_mapping(rank: int, world: int, port: int) -> None:
+    recipe, topo = _start(rank, world, port)
+    if rank == 1:  # dies with the file made, before it maps it: rank 0 waits at the barrier
+        recipe.mmap.mmap = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises((RuntimeError, SystemExit)):  # the barrier fails, or the SIGTERM comes
+        recipe.SharedSegment(topo, 4096, timeout=3)
+
+
+def test_a_rank_killed_before_it_maps_the_segment_leaves_nothing_in_dev_shm():
+    before = leftovers()
+    with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
+        mp.spawn(_peer_dies_before_mapping, args=(2, common.free_port()), nprocs=2)
+    assert leftovers() <= before
+
+
 def _two_nodes(rank: int, world: int, port: int) -> None:
     recipe, topo = _start(rank, world, port, local_world=1)  # each rank a node of its own
     with pytest.raises(common.Skip, match="one node"):
@@ -106,7 +122,7 @@ def test_message_sizes_parse(text, sizes):
     assert common.message_sizes(text) == sizes
 
 
-@pytest.mark.parametrize("text", ["0", "4X", "", "-1K"])
+@pytest.mark.parametrize("text", ["0", "4X", "", "-1K", "4098", "3"])  # fp32: multiples of 4
 def test_bad_message_sizes_are_refused(text):
     with pytest.raises(argparse.ArgumentTypeError):
         common.message_sizes(text)
