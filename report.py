@@ -677,7 +677,10 @@ def plan_strategies(args: argparse.Namespace) -> list[dict]:
                                               args.gpus_per_node, stage_output,
                                               args.vocab * args.hidden),
                          "bubble": (args.gpus - 1) / (micro_batches + args.gpus - 1)
-                         if pipeline else 0.0})
+                         if pipeline else 0.0,
+                         # a step's batch: one micro-batch a GPU, or m through the pipeline
+                         "sequences": args.micro_batch * (micro_batches if pipeline
+                                                          else args.gpus)})
     return rows
 
 
@@ -685,21 +688,25 @@ def render_plan(args: argparse.Namespace) -> str:
     rows = plan_strategies(args)
     table = [[r["strategy"], "yes" if r["checkpointing"] else "no", f"{r['state'] / GB:,.1f}",
               f"{r['activations'] / GB:,.1f}", f"{r['total'] / GB:,.1f}",
-              "yes" if r["fits"] else "no", f"{r['sent'] / GB:,.2f}",
+              "yes" if r["fits"] else "no", r["sequences"], f"{r['sent'] / GB:,.2f}",
               f"{r['bubble']:.2f}" if r["bubble"] else ""] for r in rows]
     fitting = [r for r in rows if r["fits"]]
     lines = [f"{args.params:.3g} parameters, {args.gpus} GPUs of {args.gpu_mem:g} GB, "
              f"{args.dtype}, micro-batch {args.micro_batch} x {args.seq_len} tokens", "",
              tabulate(table, ["strategy", "act. ckpt", "state GB", "activations (+gathered) GB",
-                              "total GB", "fits", "GB sent/GPU/step", "bubble"],
+                              "total GB", "fits", "sequences/step", "GB sent/GPU/step",
+                              "bubble"],
                       tablefmt="github"), ""]
     if fitting:
-        best = min(fitting, key=lambda r: (r["sent"], r["checkpointing"]))
+        # per sequence trained: a pipeline's step carries m micro-batches, a data-parallel one
+        # one a GPU
+        best = min(fitting, key=lambda r: (r["sent"] / r["sequences"], r["checkpointing"]))
         bubble = f"; its bubble idles {best['bubble']:.0%} of the step" if best["bubble"] else ""
         lines += [f"Fits: {', '.join(dict.fromkeys(r['strategy'] for r in fitting))}.",
                   f"Cheapest in communication that fits: {best['strategy']}"
                   f"{' with activation checkpointing' if best['checkpointing'] else ''} "
-                  f"({best['sent'] / GB:,.2f} GB sent per GPU per step{bubble})."]
+                  f"({best['sent'] / GB:,.2f} GB sent per GPU per step of {best['sequences']} "
+                  f"sequences{bubble})."]
     else:
         least = min(rows, key=lambda r: r["total"])
         lines += [f"Nothing fits: the leanest ({least['strategy']} with checkpointing) needs "

@@ -2,11 +2,12 @@
 group's at every size (sizes that do not divide by N included), at 2 and at 3 ranks; never a
 stale read over many back-to-back calls; nothing left in /dev/shm, also after a rank killed
 before or after it mapped the segment;
-more than one node is refused as `skipped`."""
+more than one node is refused as `skipped`; training equal to the baseline at 3 ranks."""
 
 import argparse
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import common
-from helpers import load_recipe
+from helpers import TINY, load_recipe
 
 FOLDER = common.ROOT / "06_symmem"
 SIZES = [1, 3, 1000, 16_385, 65_536 + 3, 200_003]  # values; the last two are two-shot
@@ -133,3 +134,26 @@ def test_busbw_follows_the_nccl_tests_convention():
     assert row["algbw_gbps"] == 1.0 and row["busbw_gbps"] == 1.5
     assert common.sweep_entry("sendrecv", 10**9, 1000.0, world=4)["busbw_gbps"] == 1.0
     assert common.sweep_entry("all_gather", 10**9, 1000.0, world=4)["busbw_gbps"] == 0.75
+
+
+def _train_both(rank: int, world: int, port: int, results: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    for k, name in enumerate(("baseline_symmem_training", "optimized_symmem_training")):
+        os.environ["MASTER_PORT"] = str(port + k)  # a fresh store for each run's group
+        path = FOLDER / f"{name}.py"
+        sys.argv = [str(path), *TINY, "--results", results]
+        common.run_main(load_recipe(path).main)
+
+
+def test_training_at_an_odd_world_size_equals_the_baseline(tmp_path):
+    # 3 ranks: shares of unequal length, and sums whose order differs from gloo's ring
+    results = tmp_path / "results.jsonl"
+    mp.spawn(_train_both, args=(3, common.free_port(), str(results)), nprocs=3)
+    runs = {rec["script"]: rec for rec in common.load_results(results)}
+    base, ours = runs["baseline_symmem_training"], runs["optimized_symmem_training"]
+    assert ours["status"] == "ok" and ours["world_size"] == 3 and ours["comm_mb"] == 0
+    assert max(abs(a - b) / b for a, b in zip(ours["losses"], base["losses"], strict=True)) \
+        <= 1e-5
+    assert ours["optim_mb"] == pytest.approx(ours["theory"]["optim_mb"], rel=0.01)
+    assert ours["optim_mb"] == pytest.approx(base["optim_mb"] / 3, rel=0.01)
