@@ -360,10 +360,13 @@ def comm_pattern(trace: dict) -> dict[str, dict]:
     threads, NCCL's kernels)."""
     events, steps = _events_and_steps(trace)
     main, gpu = steps[0]["tid"], any(e.get("cat") == "kernel" for e in events)
+    cpu_windows = [_span(s) for s in steps]
+    kernel_windows = gpu_step_windows(events, steps) if gpu else cpu_windows  # as the breakdown
     out: dict[str, dict] = {}
     for e in events:
         kind = collective_kind(e["name"])
-        if kind is None or not any(s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in steps):
+        windows = kernel_windows if e.get("cat") in GPU_WORK else cpu_windows
+        if kind is None or not any(a <= e["ts"] < b for a, b in windows):
             continue
         if e.get("cat") == "cpu_op" and e["name"].startswith("c10d::"):
             row = out.setdefault(kind, {"count": 0, "bytes": 0, "ms": 0.0})

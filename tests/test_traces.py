@@ -163,6 +163,18 @@ def test_a_message_is_the_calls_input_whichever_argument_and_thread_it_is():
     assert pattern["reduce_scatter"]["bytes"] == 8 * 2
 
 
+def test_a_kernel_running_after_its_steps_cpu_range_is_that_steps_transfer():
+    # launched at 90 inside the step, it runs 120-150 on the GPU, after the CPU's range ends
+    trace = {"traceEvents": [
+        op("ProfilerStep#0", 0, 100, cat="user_annotation"),
+        op("c10d::allreduce_", 85, 10, **{"Input Dims": [[[8]]], "Input type": ["TensorList"]}),
+        op("cudaLaunchKernel", 90, 2, cat="cuda_runtime", correlation=1),
+        op("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 120, 30, tid=8, cat="kernel",
+           correlation=1, stream=8)]}
+    assert report.comm_pattern(trace)["all_reduce"] == {"count": 1, "bytes": 32,
+                                                       "ms": pytest.approx(0.030)}
+
+
 def test_the_traces_table_has_a_row_per_script_and_rank(tmp_path):
     for rank in (0, 1):
         (tmp_path / f"01_ddp_optimized_ddp_rank{rank}.json").write_text(json.dumps(CPU_TRACE))
