@@ -4,8 +4,17 @@ SHELL := /bin/bash
 
 # Passed through to torchrun and the scripts: the same target runs on a laptop, a GPU box and
 # across nodes (run it once per node with NODE_RANK=0..NNODES-1 and the same MASTER_ADDR).
+# GPUS: what this host offers, as CUDA_VISIBLE_DEVICES (set, even empty) or nvidia-smi says.
+# CPU=1 hides them and runs on CPU (gloo), also where torch cannot use them.
 comma := ,
-GPUS := $(if $(CUDA_VISIBLE_DEVICES),$(words $(subst $(comma), ,$(CUDA_VISIBLE_DEVICES))),$(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU'))
+ifdef CPU
+export CUDA_VISIBLE_DEVICES :=
+endif
+ifeq ($(origin CUDA_VISIBLE_DEVICES),undefined)
+GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+else
+GPUS := $(words $(subst $(comma), ,$(CUDA_VISIBLE_DEVICES)))
+endif
 NPROC ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
 NNODES ?= 1
 NODE_RANK ?= 0
@@ -19,14 +28,47 @@ LINK ?=
 # then shows where each step's time went.
 TRACE ?=
 
+FOLDERS := $(sort $(patsubst %/,%,$(wildcard [0-9][0-9]_*/)))
+TECHNIQUES := $(foreach f,$(FOLDERS),$(word 2,$(subst _, ,$(f))))
+
+# The variables a run uses, checked before anything starts: one line that says what to change.
+RUN_GOALS := all smoke fsdp-ablation $(TECHNIQUES)
+positive = $(shell [ "$(1)" -ge 1 ] 2>/dev/null && echo yes)
+ifneq ($(filter $(RUN_GOALS),$(MAKECMDGOALS)),)
+ifeq ($(filter $(SIZE),tiny small medium large),)
+$(error SIZE=$(SIZE) is not a size: use tiny, small, medium or large)
+endif
+ifneq ($(call positive,$(NPROC)),yes)
+$(error NPROC=$(NPROC) is not a number of processes: use 1 or more)
+endif
+ifneq ($(call positive,$(NNODES)),yes)
+$(error NNODES=$(NNODES) is not a number of nodes: use 1 or more)
+endif
+ifneq ($(shell [ "$(NODE_RANK)" -ge 0 ] 2>/dev/null && [ "$(NODE_RANK)" -lt "$(NNODES)" ] && echo yes),yes)
+$(error NODE_RANK=$(NODE_RANK) must be 0 to NNODES-1 ($(NNODES) nodes))
+endif
+ifneq ($(if $(STEPS),$(call positive,$(STEPS)),yes),yes)
+$(error STEPS=$(STEPS) is not a number of steps: use 1 or more, or leave it unset)
+endif
+ifneq ($(filter smoke,$(MAKECMDGOALS)),)
+ifneq ($(NNODES),1)
+$(error smoke checks this host alone: run `make smoke` on each node, without NNODES)
+endif
+endif
+endif
+
 # LINK=1gbit (any rate tc accepts): each launch runs in a private network namespace whose
 # loopback is rate-limited with tc, so the ranks on this host talk as over a slow link. All
 # traffic stays on 127.0.0.1; the shaped loopback carries both directions, so LINK is the
-# link's total rate. Records carry it as `link`.
+# link's total rate. Records carry it as `link`. GPUs of one host talk over NVLink, PCIe or
+# shared memory, not the loopback: there LINK would label a run slow that is not, so it refuses.
 ifdef LINK
 TBF := tc qdisc add dev lo root tbf rate $(LINK) burst 1mb latency 50ms
 LINK_PROBLEM := $(shell \
-	if [ "$(NNODES)" != 1 ]; then echo "LINK shapes this host's loopback: use it with NNODES=1"; \
+	if [ "$(GPUS)" != 0 ]; then echo "LINK shapes the loopback, which NCCL does not use between" \
+		"this host's GPUs (NVLink/PCIe/shared memory): drop LINK, or CPU=1 to shape gloo on CPU;" \
+		"across nodes, a slow NIC (NCCL_SOCKET_IFNAME, NCCL_IB_DISABLE=1) is the slow link"; \
+	elif [ "$(NNODES)" != 1 ]; then echo "LINK shapes this host's loopback: use it with NNODES=1"; \
 	elif ! command -v tc >/dev/null || ! command -v ip >/dev/null; then \
 		echo "LINK needs tc and ip: apt-get install iproute2, or drop LINK"; \
 	elif ! unshare --net true 2>/dev/null; then \
@@ -50,8 +92,6 @@ PY := .venv/bin/python
 INSTALLED := .venv/.installed
 endif
 
-FOLDERS := $(sort $(patsubst %/,%,$(wildcard [0-9][0-9]_*/)))
-TECHNIQUES := $(foreach f,$(FOLDERS),$(word 2,$(subst _, ,$(f))))
 SCRIPT_FLAGS := --size $(SIZE) $(if $(STEPS),--steps $(STEPS)) $(if $(TRACE),--trace) $(ARGS)
 # RESTARTS=1: torchrun restarts the whole group (same flags) when a process dies; a script run
 # with --resume then continues from its last checkpoint. RDZV=c10d: elastic c10d rendezvous at
@@ -70,12 +110,21 @@ TORCHRUN := $(PY) -m torch.distributed.run --nproc_per_node=$(NPROC) --nnodes=$(
 # torchrun sets this to 1 anyway (with a warning); the scripts size their thread pools per rank.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: help install all report traces plan list test clean distclean fsdp-ablation \
-	$(TECHNIQUES)
+.PHONY: help install preflight all smoke report traces plan list test clean distclean \
+	fsdp-ablation $(TECHNIQUES)
+
+# `make foo`: make's own answer ("No rule to make target") says nothing of what there is.
+GOALS := help install preflight all smoke report traces plan list test clean distclean \
+	fsdp-ablation $(TECHNIQUES) $(INSTALLED)
+ifneq ($(filter-out $(GOALS),$(MAKECMDGOALS)),)
+$(error no target '$(firstword $(filter-out $(GOALS),$(MAKECMDGOALS)))': run `make` for the list)
+endif
 
 help:
 	@echo "Distributed Training Playbook"
 	@echo
+	@echo "  make smoke          first thing on a new host: every script, 3 steps at tiny, one"
+	@echo "                      line each (ok / skipped: why / FAILED: its error)"
 	@echo "  make all report     run every folder under torchrun, then print the results table"
 	@echo "  make test           CPU-only test suite (lint, unit and 2-process launch tests)"
 	@echo "  make <technique>    one folder: $(TECHNIQUES)"
@@ -93,7 +142,7 @@ help:
 	@echo "           SIZE=$(SIZE) (tiny|small|medium|large) STEPS=$(STEPS) ARGS='$(ARGS)'" \
 		"PYTHON=$(PY) LINK=$(LINK) (e.g. 1gbit: a rate-limited loopback) TRACE=$(TRACE)"
 	@echo "           RESTARTS=$(RESTARTS) (torchrun --max-restarts) RDZV=$(RDZV) (c10d: elastic" \
-		"rendezvous)"
+		"rendezvous) CPU=$(CPU) (1: hide the GPUs, run on CPU)"
 	@echo "Example:   make ddp report NPROC=4 SIZE=medium ARGS='--dtype bf16'"
 
 install: $(INSTALLED)
@@ -115,38 +164,63 @@ EXTRA_RUNS_zero := "04_zero/optimized_zero_pytorch.py --stage 3"
 EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1b" \
 	"05_pipeline/optimized_pipeline_pytorch.py --schedule dualpipev"
 
-# One folder: every baseline, then every optimized script (then its extra runs), each under
-# torchrun. A failing run prints its whole log, is recorded as failed, and fails the target after
-# the others ran. Only node 0 holds rank 0, which prints and records; other nodes keep own logs.
-LOG_SUFFIX := $(if $(filter-out 1,$(NNODES)),.node$(NODE_RANK))$(if $(LINK),.$(LINK))
-$(TECHNIQUES): %: install
+# One run of $$script with $$flags under torchrun: its whole output in a log named after the
+# run's setup (size, world, link, node), progress and summary lines on the terminal. A failing
+# run shows its own error line (`common.py mark-failed` finds it, and records the run when it
+# could not record itself) and fails the target once the others ran. Only node 0 holds rank 0,
+# which prints and records; other nodes keep their own logs.
+WORLD = $(shell echo $$(( $(NPROC) * $(NNODES) )))
+LOG_SETUP = .$(SIZE).w$(WORLD)$(if $(LINK),.$(LINK))$(if $(filter-out 1,$(NNODES)),.node$(NODE_RANK))
+define launch
+log=outputs/logs/$$(basename $$script .py)$$(echo $$flags | tr -d ' ')$(LOG_SETUP).log; \
+since=$$(date +%s); \
+echo "== $$script$$flags: $(NNODES) node(s) x $(NPROC) process(es), size $(SIZE)$(if $(LINK),$(comma) link $(LINK)) -> $$log"; \
+$(SHAPED) $(TORCHRUN) $$script $(SCRIPT_FLAGS) $$flags 2>&1 | tee $$log \
+	| { grep --line-buffered -E '^(step |[a-z0-9_]+: |skipped: |one step|rank +[0-9]+ \|)'; true; }; \
+code=$${PIPESTATUS[0]}; \
+if [ $$code -ne 0 ]; then status=1; \
+	echo "FAILED: $$script$$flags: $$($(PY) common.py mark-failed $$script --since $$since \
+		--exit-code $$code --log $$log --world-size $(WORLD) \
+		$(if $(filter-out 0,$(NODE_RANK)),--no-record) -- $(SCRIPT_FLAGS) $$flags) (log: $$log)"; \
+fi
+endef
+
+# One folder: every baseline, then every optimized script, then its extra runs.
+$(TECHNIQUES): %: preflight
 	@mkdir -p outputs/logs; status=0; folder=$(filter %_$@,$(FOLDERS)); \
 	for run in $$(ls $$folder/baseline_*.py) $$(ls $$folder/optimized_*.py) $(EXTRA_RUNS_$@); do \
 		script=$${run%% *}; flags=$${run#$$script}; \
-		log=outputs/logs/$$(basename $$script .py)$$(echo $$flags | tr -d ' ')$(LOG_SUFFIX).log; \
-		since=$$(date +%s); \
-		echo "== $$script$$flags: $(NNODES) node(s) x $(NPROC) process(es), size $(SIZE)$(if $(LINK),$(comma) link $(LINK)) -> $$log"; \
-		$(SHAPED) $(TORCHRUN) $$script $(SCRIPT_FLAGS) $$flags 2>&1 | tee $$log \
-			| { grep --line-buffered -E '^(step |[a-z0-9_]+: |skipped: |one step|rank +[0-9]+ \|)'; \
-			true; }; \
-		if [ $${PIPESTATUS[0]} -ne 0 ]; then \
-			echo "-- $$log:"; cat $$log; echo "FAILED: $$script$$flags (log: $$log)"; status=1; \
-			if [ $(NODE_RANK) -eq 0 ]; then $(PY) common.py mark-failed $$script \
-				--since $$since --world-size $$(( $(NPROC) * $(NNODES) )) \
-				--reason "torchrun failed, see $$log" -- $(SCRIPT_FLAGS) $$flags; fi; \
-		fi; \
+		$(launch); \
 	done; exit $$status
 
 # 03_fsdp's FP8 / activation-checkpointing ablation: the folder (optimized_fsdp_fp8 with both),
 # then the three other rows, each one flag apart; `make report` shows them as one table.
 fsdp-ablation: fsdp
-	@for flags in --no-checkpointing --no-fp8 "--no-fp8 --no-checkpointing"; do \
-		log=outputs/logs/optimized_fsdp_fp8$$(echo $$flags | tr -d ' ')$(LOG_SUFFIX).log; \
-		echo "== 03_fsdp/optimized_fsdp_fp8.py $$flags -> $$log"; \
-		$(SHAPED) $(TORCHRUN) 03_fsdp/optimized_fsdp_fp8.py $(SCRIPT_FLAGS) $$flags > $$log 2>&1 \
-			|| { cat $$log; echo "FAILED: optimized_fsdp_fp8 $$flags (log: $$log)"; exit 1; }; \
-		grep -E '^[a-z0-9_]+: ' $$log; \
-	done
+	@status=0; script=03_fsdp/optimized_fsdp_fp8.py; \
+	for flags in " --no-checkpointing" " --no-fp8" " --no-fp8 --no-checkpointing"; do \
+		$(launch); \
+	done; exit $$status
+
+# The first command on a new host: every script of every folder and the extra runs, 3 steps at
+# `tiny` on what the host has (all its GPUs, or 2 CPU processes), one line each (ok, skipped:
+# why, FAILED: its error line), non-zero if any failed. The ranks are forked from one Python
+# that imported torch once (28 runs x 2 fresh interpreters would take minutes on 2 cores);
+# records and logs go to outputs/smoke/, not into the report.
+SMOKE_RUNS = $(foreach f,$(FOLDERS),$(sort $(wildcard $(f)/baseline_*.py)) \
+	$(sort $(wildcard $(f)/optimized_*.py)) $(EXTRA_RUNS_$(word 2,$(subst _, ,$(f)))))
+smoke: preflight
+	@rm -rf outputs/smoke
+	@$(PY) common.py smoke --nproc $(NPROC) --flags "--size tiny --steps 3 --warmup 2 --timeout 60" \
+		-- $(SMOKE_RUNS)
+
+# A host whose GPUs torch cannot use (a driver older than torch's CUDA build, say) would
+# otherwise start one CPU process per GPU, each labelled `cpu`: say so and stop.
+preflight: install
+ifneq ($(GPUS),0)
+	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit(f'this host has $(GPUS)\
+		GPU(s), but torch {torch.__version__} (CUDA {torch.version.cuda}) cannot use them (a\
+		driver older than its CUDA build?): update the driver, or run on CPU with CPU=1')"
+endif
 
 report: install
 	@$(PY) report.py
@@ -160,9 +234,10 @@ plan: install
 list: install
 	@$(PY) report.py list
 
+# The suite is the CPU suite: GPUs hidden from it and from every process it launches.
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest
 
 clean:
 	rm -rf outputs .pytest_cache .ruff_cache

@@ -24,10 +24,12 @@ import os
 import platform
 import re
 import resource
+import signal
 import socket
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -96,6 +98,7 @@ class RecipeParser(argparse.ArgumentParser):
 
     def parse_args(self, args: Sequence[str] | None = None, namespace=None) -> argparse.Namespace:
         ns = super().parse_args(args, namespace)
+        _RUN["args"] = ns  # a run that skips before `setup` is recorded too
         size = SIZES[ns.size]
         if ns.seq_len is None:
             ns.seq_len = size.long_seq_len if self.long_context else size.seq_len
@@ -286,10 +289,34 @@ def _restarted_group_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"restart-{restart}", agent_store)
 
 
+def launch_rank() -> int:
+    """This process's rank as its launcher set it (torchrun or srun), before `setup`."""
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
+def launch_world_size() -> int:
+    """The world size the launcher set, before `setup`: for checks that need no group."""
+    return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+
+
+def cuda_device_index(local_rank: int, local_world: int, visible: int, per_task: bool) -> int:
+    """The GPU this process drives, of the `visible` ones. torchrun starts a host's processes
+    with the same GPUs visible, so local rank i takes the i-th; `srun --gpus-per-task`
+    (`per_task`: srun started this process itself) shows each task only its own, so it takes
+    the first. Fewer GPUs than processes would put two ranks on one GPU, which NCCL refuses."""
+    if visible >= local_world:
+        return local_rank
+    if per_task and visible >= 1:
+        return 0
+    raise SetupError(f"{local_world} processes on this host but {visible} GPU(s) visible to "
+                     f"each: run one process per GPU (NPROC={visible})")
+
+
 def setup(args: argparse.Namespace) -> Topology:
     """Join the process group: NCCL and one GPU per local rank with CUDA, else gloo on CPU."""
     _RUN["args"] = args
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # `srun python script.py`
+    per_task = "RANK" not in os.environ and "SLURM_PROCID" in os.environ
+    if per_task:  # `srun python script.py`
         os.environ.update(torchrun_env_from_slurm(os.environ))
     if "RANK" not in os.environ:  # plain `python script.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -298,7 +325,8 @@ def setup(args: argparse.Namespace) -> Topology:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if torch.cuda.is_available():
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        index = cuda_device_index(local_rank, local_world, torch.cuda.device_count(), per_task)
+        device, backend = torch.device("cuda", index), "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -312,6 +340,22 @@ def setup(args: argparse.Namespace) -> Topology:
                     backend, device)
     _RUN["topo"] = topo
     return topo
+
+
+def peer_access_problem(topo: Topology) -> str | None:
+    """Why this host's GPUs cannot map each other's memory, which symmetric memory needs, or
+    None. Every rank checks its GPU against the others its host's ranks use, and all ranks
+    agree on the answer: one that went on alone would wait forever in the rendezvous."""
+    if topo.nnodes > 1:
+        return "symmetric memory maps the GPUs of one host: run on one node (NNODES=1)"
+    me, used = topo.device.index, min(torch.cuda.device_count(), topo.local_world_size)
+    lacking = [k for k in range(used) if k != me and not torch.cuda.can_device_access_peer(me, k)]
+    everyone = [None] * topo.world_size
+    dist.all_gather_object(everyone, lacking)
+    if any(everyone):
+        return ("this host's GPUs cannot access each other's memory (no NVLink, no PCIe "
+                "peer-to-peer), which symmetric memory maps: nothing to measure here")
+    return None
 
 
 def log(topo: Topology, message: str) -> None:
@@ -578,7 +622,7 @@ class Stats:
     startup_s: float  # `import common` (torch already imported) to the first timed step
     warmup_s: float
     losses: list[float]
-    memory: dict[str, float] | None = None  # peak live tensor MB and its split (CPU)
+    memory: dict[str, float] | None = None  # the last warm-up step's peak MB (its split: CPU)
     comm_mb: float | None = None  # sent by this rank in the last warm-up step, counted
     comm_mb_by_kind: dict[str, float] | None = None  # the same, by collective and dtype
 
@@ -795,8 +839,10 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     prints the progress lines. `dp_world`: the ranks that each take their own share of the
     batch, for tokens/s (default: all; a pipeline's ranks share one batch: 1). The last
     warm-up step (optimizer state exists, nothing is timed or traced) counts the bytes this
-    rank sends (`CollectiveBytes`) and, on CPU, runs under `peak_tensor_memory` with the
-    model and optimizer given as `memory_of` counted by kind.
+    rank sends (`CollectiveBytes`) and measures the peak memory of that one step: on CPU under
+    `peak_tensor_memory`, with the model and optimizer given as `memory_of` counted by kind; on
+    CUDA the allocator's peak, reset just before it (not the whole process's: the unsharded
+    model before FSDP sharded it, a validation replica, compile workspaces).
     """
     n = len(batches)
     every = args.log_every or max(1, n // 10)
@@ -813,7 +859,12 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
             start = time.perf_counter()
             if i == args.warmup - 1:  # the last untimed step: count bytes sent and memory
                 with CollectiveBytes() as sent:
-                    if topo.device.type == "cpu" and memory_of:
+                    if topo.device.type == "cuda":  # this step's peak, the window CPU counts
+                        torch.cuda.reset_peak_memory_stats(topo.device)
+                        loss = train_step(inputs, targets)
+                        _sync(topo.device)
+                        memory = {"total": torch.cuda.max_memory_allocated(topo.device) / 2**20}
+                    elif memory_of:
                         loss, memory = peak_tensor_memory(
                             functools.partial(train_step, inputs, targets), memory_of, topo.device)
                     else:
@@ -877,17 +928,27 @@ def nvtx_phase_ranges(memory_of: Sequence) -> list:
     """NVTX ranges `forward` (each forward of the model) and `optimizer` (each optimizer step),
     from hooks on what `timed_steps` was given; the backward, with its communication, is what
     lies between them. A pipeline's stages are never called as a whole, so they get no
-    `forward` (their F/B/W actions are in the record's `timeline`). Returns the hook handles."""
+    `forward` (their F/B/W actions are in the record's `timeline`). Returns the hook handles.
+
+    The hooks return None: a forward pre-hook's return value would replace the module's inputs,
+    a forward hook's its output, and a step pre-hook's the optimizer's arguments, while
+    `range_push`/`range_pop` return the nesting depth (an int)."""
+    def push(name: str) -> Callable:
+        def hook(*_) -> None:
+            torch.cuda.nvtx.range_push(name)
+        return hook
+
+    def pop(*_) -> None:
+        torch.cuda.nvtx.range_pop()
+
     handles = []
     for thing in memory_of:
         if isinstance(thing, nn.Module):
-            handles += [thing.register_forward_pre_hook(
-                            lambda *_: torch.cuda.nvtx.range_push("forward")),
-                        thing.register_forward_hook(lambda *_: torch.cuda.nvtx.range_pop())]
+            handles += [thing.register_forward_pre_hook(push("forward")),
+                        thing.register_forward_hook(pop)]
         elif isinstance(thing, torch.optim.Optimizer):
-            handles += [thing.register_step_pre_hook(
-                            lambda *_: torch.cuda.nvtx.range_push("optimizer")),
-                        thing.register_step_post_hook(lambda *_: torch.cuda.nvtx.range_pop())]
+            handles += [thing.register_step_pre_hook(push("optimizer")),
+                        thing.register_step_post_hook(pop)]
     return handles
 
 
@@ -969,10 +1030,12 @@ def _device_name(device: torch.device | None = None) -> str:
 def _base_record(args: argparse.Namespace | None, topo: Topology | None, baseline: str | None,
                  status: str, reason: str | None) -> dict:
     folder, script = _script_identity()
+    cuda = topo is not None and topo.device.type == "cuda"
+    nccl = topo is not None and topo.backend == "nccl"
     return {
         "folder": folder, "script": script, "baseline": baseline, "status": status,
         "reason": reason,
-        "world_size": topo.world_size if topo else int(os.environ.get("WORLD_SIZE", "1")),
+        "world_size": topo.world_size if topo else launch_world_size(),
         "nnodes": topo.nnodes if topo else None,
         "backend": topo.backend if topo else None,
         "device": _device_name(topo.device if topo else None),
@@ -980,6 +1043,8 @@ def _base_record(args: argparse.Namespace | None, topo: Topology | None, baselin
         "variant": getattr(args, "variant", None),
         "link": os.environ.get("PLAYBOOK_LINK") or None,  # set by `make ... LINK=1gbit`
         "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if nccl else None,
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
     }
@@ -1024,7 +1089,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         rec["reserved_mb"] = round(torch.cuda.max_memory_reserved(topo.device) / 2**20, 1)
     else:
         rec["peak_rss_mb"] = round(allocator_peak, 1)
-    if memory:
+    if memory and len(memory) > 1:  # the split by kind, counted from the tensors (CPU)
         rec["memory"] = {k: round(v, 2) for k, v in memory.items() if k != "total"}
     rec.update(extra)
     if topo.is_main:
@@ -1085,6 +1150,11 @@ class Skip(Exception):
     """Raised when the machine lacks what the recipe needs; recorded as `skipped`, exit 0."""
 
 
+class SetupError(Exception):
+    """The run cannot start as launched (more processes than GPUs, say): recorded `failed`, one
+    line that says what to change, exit 2, as a bad flag."""
+
+
 def run_main(main: Callable[[], None]) -> None:
     """Run a recipe: skipped and failed runs still leave a record; the group is torn down.
 
@@ -1098,10 +1168,20 @@ def run_main(main: Callable[[], None]) -> None:
         main()
     except Skip as why:
         _record_outcome("skipped", str(why))
-        print(f"skipped: {why}", file=sys.stderr)
+        if launch_rank() == 0:
+            print(f"skipped: {why}", file=sys.stderr)
+    except SetupError as why:
+        _record_outcome("failed", str(why))
+        if launch_rank() == 0:
+            print(f"{Path(sys.argv[0]).name}: error: {why}", file=sys.stderr)
+        sys.exit(2)
     except Exception as err:
-        _record_outcome("failed", f"{type(err).__name__}: {err}".splitlines()[0][:300])
-        raise
+        reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        _record_outcome("failed", reason)
+        # after the traceback, the one line the Makefile shows on the terminal
+        sys.stderr.write("".join(traceback.format_exception(err)))
+        print(f"rank {launch_rank()} failed: {reason}", file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -1113,13 +1193,16 @@ def run_main(main: Callable[[], None]) -> None:
 
 
 def _record_outcome(status: str, reason: str) -> None:
+    """Rank 0 records a run that ends without a result, also before `setup` (a script that
+    finds the world size too small for it, from its flags alone)."""
     args, topo = _RUN.get("args"), _RUN.get("topo")
-    if args is not None and (topo is None or topo.is_main):
+    if args is not None and launch_rank() == 0:
         _append(args.results, _base_record(args, topo, None, status, reason))
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading results back (report.py renders them; mark-failed checks for a run's own record)
+# Reading results back (report.py renders them; the Makefile's outcome lines check for a run's
+# own record)
 # ---------------------------------------------------------------------------------------------
 def load_results(path: Path) -> list[dict]:
     if not path.exists():
@@ -1139,31 +1222,165 @@ def run_key(rec: dict) -> tuple:
             rec.get("device"), rec.get("link"))
 
 
+# ---------------------------------------------------------------------------------------------
+# Runs seen from the Makefile: a failed run's one line and record, and `make smoke`
+# ---------------------------------------------------------------------------------------------
+_SCRIPT_ERROR = re.compile(r"^(\S+\.py: error: .*|rank \d+ failed: .*)$", re.M)
+_FIRST_DEATH = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def failure_line(output: str, exit_code: int) -> str:
+    """A failed run's cause in one line, from its output: the script's own error (a refused
+    flag, or `run_main`'s line after a traceback), else what torchrun saw of the first rank to
+    die (a crash, a kill), else the exit code."""
+    if found := _SCRIPT_ERROR.search(output):
+        return found.group(1)
+    found = _FIRST_DEATH.search(output)
+    who, code = (f"rank {found[1]}", int(found[2])) if found else ("a rank", exit_code)
+    if code < 0:
+        return f"{who} was killed by signal {-code} before recording a result"
+    return f"{who} exited with code {code} before recording a result"
+
+
+def _own_record(results: Path, script: Path, variant: str | None, since: float) -> dict | None:
+    """The record the run of `script` (with `variant`) begun at `since` wrote, if any."""
+    since_time = datetime.datetime.fromtimestamp(int(since), datetime.UTC)
+    return next((rec for rec in reversed(load_results(results))
+                 if (rec.get("folder"), rec.get("script"), rec.get("variant")) ==
+                 (script.resolve().parent.name, script.stem, variant)
+                 and datetime.datetime.fromisoformat(rec["time"]) >= since_time), None)
+
+
+def _flags_of(script_args: Sequence[str]) -> tuple[argparse.Namespace, str | None]:
+    """The shared flags of a run (for its results file and size) and its variant, also when
+    the script refused them (then `--results`, `--size` read leniently and no variant)."""
+    try:
+        with contextlib.redirect_stderr(None):
+            run_args, own_flags = parser(None).parse_known_args(script_args)
+        return run_args, " ".join(own_flags) or None
+    except SystemExit:
+        lenient = argparse.ArgumentParser(add_help=False)
+        lenient.add_argument("--results", type=Path, default=RESULTS)
+        lenient.add_argument("--size")
+        return lenient.parse_known_args(script_args)[0], None
+
+
+def mark_failed(script: Path, script_args: Sequence[str], since: float, exit_code: int,
+                log_path: Path, world_size: int, record: bool = True) -> str:
+    """A run ended non-zero: the line to show (its own record's reason, else its output's
+    `failure_line`), after writing a `failed` record when the run could not write one."""
+    run_args, variant = _flags_of(script_args)
+    own = _own_record(run_args.results, script, variant, since) if record else None
+    if own and own["status"] == "failed":
+        return own["reason"]
+    reason = failure_line(log_path.read_text(errors="replace") if log_path.exists() else "",
+                          exit_code)
+    if record:
+        rec = _base_record(run_args, None, None, "failed", reason)
+        rec.update(folder=script.resolve().parent.name, script=script.stem,
+                   world_size=world_size, variant=variant)
+        _append(run_args.results, rec)
+    return reason
+
+
+def _fork_rank(script: str, argv: list[str], env: dict[str, str], log_fd: int) -> int:
+    """A process that runs `script` as one rank, as torchrun would start it, but forked from
+    this interpreter: torch is imported once, not twice a run."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.environ.update(env)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        sys.argv = [script, *argv]
+        import runpy
+
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def smoke(runs: Sequence[str], nproc: int, flags: Sequence[str], out: Path,
+          timeout: float) -> int:
+    """`make smoke`: every run (a script and its flags) once, `nproc` ranks on this host, one
+    line each: ok, skipped (why) or FAILED (its error line). Returns 1 if any failed."""
+    results, logs = out / "results.jsonl", out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    failed, began = 0, time.monotonic()
+    for run in runs:
+        script, *own = run.split()
+        log_path = logs / (Path(script).stem + "".join(own) + ".log")
+        argv = [*flags, *own, "--results", str(results)]
+        since, port = time.time(), free_port()
+        sys.stdout.flush()
+        with open(log_path, "w") as log_file:
+            pids = [_fork_rank(script, argv, {
+                "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port)}, log_file.fileno()) for r in range(nproc)]
+        codes, deadline = {}, time.monotonic() + timeout
+        while len(codes) < nproc and time.monotonic() < deadline:
+            for pid in set(pids) - set(codes):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        hung = set(pids) - set(codes)
+        for pid in hung:  # past the timeout: a hang is a failure, not a wait
+            os.kill(pid, signal.SIGKILL)
+            codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        code = next((codes[pid] for pid in pids if codes[pid]), 0)
+        own = _own_record(results, Path(script), _flags_of(argv)[1], since)
+        if code == 0 and own and own["status"] == "ok":
+            line = f"ok ({own['step_ms']:.1f} ms/step, loss {own['losses'][-1]:.3f})" \
+                if "losses" in own else f"ok ({len(own['sweep'])} sizes x ops timed)"
+        elif code == 0 and own and own["status"] == "skipped":
+            line = f"skipped: {own['reason']}"
+        else:
+            reason = f"timed out after {timeout:.0f} s" if hung else \
+                mark_failed(Path(script), argv, since, code or 1, log_path, nproc)
+            line, failed = f"FAILED: {reason} (log: {log_path})", failed + 1
+        print(f"{run:<62} {line}", flush=True)
+    print(f"smoke: {len(runs)} runs, {failed} failed, {time.monotonic() - began:.0f} s "
+          f"({nproc} processes each)", flush=True)
+    return 1 if failed else 0
+
+
 def _cli(argv: Sequence[str]) -> int:
-    cli = argparse.ArgumentParser(prog="common.py", description="Results tools.")
+    cli = argparse.ArgumentParser(prog="common.py", description="Run bookkeeping for the "
+                                  "Makefile.")
     sub = cli.add_subparsers(dest="command", required=True)
-    fail = sub.add_parser("mark-failed", help="record a run that died before it could",
-                          epilog="Give the script's own flags after --, to record its size "
-                                 "and find its results file.")
+    fail = sub.add_parser("mark-failed", help="a run ended non-zero: print its error line, and "
+                          "record it if the run could not", epilog="Give the script's own "
+                          "flags after --, to record its size and find its results file.")
     fail.add_argument("script", type=Path)
     fail.add_argument("--since", type=float, required=True, help="epoch seconds the run began")
-    fail.add_argument("--reason", required=True)
+    fail.add_argument("--exit-code", type=int, required=True)
+    fail.add_argument("--log", type=Path, required=True, help="the run's output")
     fail.add_argument("--world-size", type=int, default=1)
+    fail.add_argument("--no-record", action="store_true", help="print only (not node 0)")
+    run = sub.add_parser("smoke", help="every run once, one line each",
+                         epilog="Give the runs (a script and its flags, quoted) after --.")
+    run.add_argument("--nproc", type=int, required=True)
+    run.add_argument("--flags", default="", help="flags for every run")
+    run.add_argument("--out", type=Path, default=ROOT / "outputs" / "smoke")
+    run.add_argument("--timeout", type=float, default=300, help="seconds a run may take")
     argv = list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    args, script_args = cli.parse_args(argv[:split]), argv[split + 1:]
-    run_args, own_flags = parser(None).parse_known_args(script_args)
-    folder, script = args.script.resolve().parent.name, args.script.stem
-    variant = " ".join(own_flags) or None
-    since = datetime.datetime.fromtimestamp(int(args.since), datetime.UTC)
-    for rec in load_results(run_args.results):
-        if (rec.get("folder"), rec.get("script"), rec.get("variant")) == \
-                (folder, script, variant) and \
-                datetime.datetime.fromisoformat(rec["time"]) >= since:
-            return 0  # the run wrote its own record (ok, skipped or failed): keep that one
-    rec = _base_record(run_args, None, None, "failed", args.reason)
-    rec.update(folder=folder, script=script, world_size=args.world_size, variant=variant)
-    _append(run_args.results, rec)
+    args, rest = cli.parse_args(argv[:split]), argv[split + 1:]
+    if args.command == "smoke":
+        return smoke(rest, args.nproc, args.flags.split(), args.out, args.timeout)
+    print(mark_failed(args.script, rest, args.since, args.exit_code, args.log, args.world_size,
+                      record=not args.no_record))
     return 0
 
 

@@ -49,9 +49,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
-# Per step, against the fp32 baseline: 5% of the final loss at `small`. Rank 4 does not hold it
-# on this workload (see "Theory" above and the README); a higher --rank does.
-LOSS_TOLERANCE = 0.2
+# Per step, against the baseline in the same dtype: 5% of the final loss at `small`, in fp32 and
+# in bf16 (whose own drift, about 5e-2, is well inside it). Rank 4 does not hold it on this
+# workload (see "Theory" above and the README); a higher --rank does.
+LOSS_TOLERANCE = {"fp32": 0.2, "bf16": 0.2}
 MIN_COMPRESSION_RATE = 2  # compress n x m only if r(n+m) is under half of n*m (PyTorch's default)
 
 
@@ -258,7 +259,7 @@ def main():
                   optimizer=opt, comm_mb=comm_mb, impl=args.impl,
                   collectives_per_step=(2 if args.impl == "hand" else 3) * len(buckets),
                   compression=fp32_mb / comm_mb if comm_mb else None,
-                  loss_tolerance=LOSS_TOLERANCE,
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype],
                   theory={"comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size)
                           / compression, "compression": compression})
 

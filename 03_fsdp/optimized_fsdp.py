@@ -20,7 +20,7 @@ Prefetching: each block is told which one runs next (the following block in forw
 preceding one in backward), so its all-gather is issued before the current block computes and
 overlaps it, at the cost of one more block's gathered weights alive at a time.
 Mixed precision: a MixedPrecisionPolicy follows --dtype: bf16 weights gathered and computed
-in bf16 with gradients reduced in fp32 on CUDA; plain fp32 on CPU.
+in bf16 with gradients reduced in fp32 on CUDA (BatchNorm's kept fp32); plain fp32 on CPU.
 --validate trains a DDP replica beside it on the same batches and checks, step by step, equal
 losses and, at the end, equal parameters (to float rounding).
 Checkpoints: `--checkpoint-dir D --checkpoint-every K` saves the sharded model and optimizer
@@ -44,7 +44,6 @@ Theory:     state 16 x (parameters as FSDP pads them: dim 0 rounded up to a mult
 
 import copy
 import math
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -55,6 +54,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
@@ -84,14 +84,26 @@ def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [model.net.layer1, model.net.layer2, model.net.layer3, model.net.layer4]
 
 
+def keep_batchnorm_fp32(model: torch.nn.Module, policy: dict) -> None:
+    """Under a bf16 policy, every BatchNorm in one unit of its own that stays fp32: its running
+    statistics are fp32 buffers, which bf16 weights would not match (FSDP1 kept `_BatchNorm`
+    out of mixed precision for this reason). Grouped, its weights are one small all-gather a
+    forward (and one reduce-scatter), not one per layer."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if norms:
+        fully_shard(norms, **{**policy, "mp_policy": MixedPrecisionPolicy()})
+
+
 def shard(model: torch.nn.Module, mesh: DeviceMesh, wrap: str, reshard_after_forward: bool,
           mp_policy: MixedPrecisionPolicy, offload: bool) -> list[torch.nn.Module]:
-    """fully_shard bottom-up: each unit, then the root (what is left: embeddings, final norm,
-    head). The root keeps FSDP2's default of not resharding after forward: its weights are
-    the first backward needs."""
+    """fully_shard bottom-up: BatchNorms under bf16, each unit, then the root (what is left:
+    embeddings, final norm, head). The root keeps FSDP2's default of not resharding after
+    forward: its weights are the first backward needs."""
     policy = {"mesh": mesh, "mp_policy": mp_policy,
               "offload_policy": CPUOffloadPolicy() if offload else None}
     policy = {k: v for k, v in policy.items() if v is not None}
+    if mp_policy.param_dtype is not None:
+        keep_batchnorm_fp32(model, policy)
     units = sharding_units(model) if wrap == "block" else []
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **policy)
@@ -126,6 +138,14 @@ def theory(model: torch.nn.Module, units: list, group: int, replicas: int,
         sent += 2 * (replicas - 1) / replicas * n / group * 4  # HSDP: all-reduce of the shard
     return {"state_mb": 16 * sum(padded_numel(p, group) for p in params) / group / 2**20,
             "comm_mb": sent / 2**20}
+
+
+def full_parameter(p: DTensor, device: torch.device) -> torch.Tensor:
+    """A sharded parameter gathered whole on the compute device: with --cpu-offload its shard
+    lives in host memory, which an NCCL group cannot gather from."""
+    local = p.to_local().to(device)
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                              stride=p.stride()).full_tensor()
 
 
 def validated(train_step, reference: DDP, reference_opt, tolerance: float):
@@ -199,7 +219,7 @@ def main():
         parser.error("--checkpoint-every and --resume need --checkpoint-dir DIR")
     if args.resume and args.validate:
         parser.error("--validate cannot resume: its DDP replica is not checkpointed; drop one")
-    world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+    world = common.launch_world_size()
     if world % args.hsdp or (args.hsdp > 1 and args.hsdp == world):
         parser.error(f"--hsdp {args.hsdp} must divide the world size {world} into groups of "
                      f"two or more ranks: use a divisor of {world} below it, or 1")
@@ -242,7 +262,7 @@ def main():
                          RELATIVE_TOLERANCE[args.dtype])
     stats = common.timed_steps(step, batches, args, topo, memory_of=(model, opt))
     if reference is not None:
-        diff = max((p.full_tensor().to(q.device) - q).abs().max().item()
+        diff = max((full_parameter(p, q.device) - q).abs().max().item()
                    for p, q in zip(model.parameters(), reference.parameters(), strict=True))
         common.log(topo, f"validate: losses equal DDP's every step; largest parameter "
                          f"difference {diff:.2e}")

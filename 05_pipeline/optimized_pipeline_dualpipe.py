@@ -36,7 +36,6 @@ Theory:     bubble = idle fraction of these action lists run with the measured m
 
 import collections
 import itertools
-import os
 import sys
 import time
 from pathlib import Path
@@ -360,7 +359,7 @@ class PipelineRank:
         return loss
 
 
-def comm_theory_mb(shape: tuple[int, ...], m: int, params: int, topo: common.Topology) -> float:
+def comm_theory_mb(shape: tuple[int, ...], m: int, params: int) -> float:
     """What rank 0 sends a step: the activations of the m/2 micro-batches it starts and the
     input gradients of the m/2 it ends, all to rank 1; its parameters' gradients and the loss
     to rank p-1 (an all-reduce in a group of two: each tensor once). 4 bytes a value: the
@@ -370,29 +369,35 @@ def comm_theory_mb(shape: tuple[int, ...], m: int, params: int, topo: common.Top
 
 def main():
     parser = common.parser(__doc__)
-    parser.add_argument("--microbatches", type=common.int_at_least(1), default=8,
+    parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
                         help="micro-batches m the batch is split into: even, at least 2p "
-                             "(default: 8)")
+                             "(default: 8, or 2p above 4 processes)")
     parser.set_defaults(batch_size=0)  # 0: two sequences per micro-batch, as the others
     parser.set_defaults(steps=10, warmup=3)  # 8 runs in `make pipeline`: ~2 min
     args = parser.parse_args()
+    world = common.launch_world_size()
+    chosen = args.microbatches is not None
+    args.microbatches = args.microbatches or max(8, 2 * world)
     args.batch_size = args.batch_size or 2 * args.microbatches
     if args.model != "gpt":
         parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    layers = common.SIZES[args.size].n_layers + 2  # embeddings, blocks, norm + head + loss
-    if world % 2:
-        parser.error(f"DualPipe pairs rank r with rank p-1-r, so it needs an even number of "
-                     f"processes, not {world}: use DualPipeV for an odd number")
-    if n_stages(world) > layers:
-        parser.error(f"--size {args.size} has {layers} layers, fewer than the {n_stages(world)} "
-                     f"stages (processes): use fewer processes")
-    if args.microbatches % 2 or args.microbatches < 2 * world:
-        parser.error(f"DualPipe sends half the micro-batches each way and needs m >= 2p: use an "
-                     f"even --microbatches of at least {2 * world}")
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
+    if args.microbatches % 2:
+        parser.error(f"DualPipe sends half the micro-batches each way: use an even "
+                     f"--microbatches, not {args.microbatches}")
+    layers = common.SIZES[args.size].n_layers + 2  # embeddings, blocks, norm + head + loss
+    if world % 2:
+        raise common.Skip(f"DualPipe pairs rank r with rank p-1-r, so it needs an even number "
+                          f"of processes, not {world}: DualPipeV runs on any number")
+    if n_stages(world) > layers:
+        raise common.Skip(f"--size {args.size} has {layers} layers, fewer than the "
+                          f"{n_stages(world)} stages (processes): use fewer processes or a "
+                          f"larger --size")
+    if chosen and args.microbatches < 2 * world:
+        parser.error(f"DualPipe sends half the micro-batches each way and needs m >= 2p: use an "
+                     f"even --microbatches of at least {2 * world}")
     topo = common.setup(args)
     if topo.backend == "nccl" and topo.world_size > 1:
         # NCCL runs a send until its peer's receive is posted, and this runtime waits on a
@@ -450,7 +455,7 @@ def main():
                   bubble=round(measured, 4), inflight_max=max(n for _, n in gathered),
                   theory={"bubble": round(bubble, 4), "bubble_paired": round(paired, 4),
                           "inflight_max": inflight,
-                          "comm_mb": comm_theory_mb(shape, m, sum(q.numel() for q in held), topo)})
+                          "comm_mb": comm_theory_mb(shape, m, sum(q.numel() for q in held))})
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ Theory:     bubble = idle fraction of these action lists run with the measured m
 
 import collections
 import itertools
-import os
 import sys
 import time
 from pathlib import Path
@@ -356,37 +355,42 @@ class PipelineRank:
         return loss
 
 
-def comm_theory_mb(shape: tuple[int, ...], m: int, topo: common.Topology) -> float:
+def comm_theory_mb(shape: tuple[int, ...], m: int) -> float:
     """What rank 0 sends a step: each micro-batch's activations to stage 1 and its gradient from
     the last stage to stage 2p-2, both on rank 1 (the tied weight's two uses are both on rank 0:
     nothing to sum over the network). 4 bytes a value: the residual stream stays fp32."""
-    if topo.world_size == 1:
-        return 0.0
     return 2 * m * 4 * shape[0] * shape[1] * shape[2] / 2**20
 
 
 def main():
     parser = common.parser(__doc__)
-    parser.add_argument("--microbatches", type=common.int_at_least(1), default=8,
-                        help="micro-batches m the batch is split into, at least 2p (default: 8)")
+    parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
+                        help="micro-batches m the batch is split into, at least 2p "
+                             "(default: 8, or 2p above 4 processes)")
     parser.set_defaults(batch_size=0)  # 0: two sequences per micro-batch, as the others
     parser.set_defaults(steps=10, warmup=3)  # 8 runs in `make pipeline`: ~2 min
     args = parser.parse_args()
+    world = common.launch_world_size()
+    chosen = args.microbatches is not None
+    args.microbatches = args.microbatches or max(8, n_stages(world))
     args.batch_size = args.batch_size or 2 * args.microbatches
     if args.model != "gpt":
         parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    layers = common.SIZES[args.size].n_layers + 2  # embeddings, blocks, norm + head + loss
-    if n_stages(world) > layers:
-        parser.error(f"--size {args.size} has {layers} layers, fewer than the {n_stages(world)} "
-                     f"stages of DualPipeV on {world} processes: use fewer processes")
-    if args.microbatches < n_stages(world):
-        parser.error(f"DualPipeV needs at least as many micro-batches as its {n_stages(world)} "
-                     f"stages (2 x {world} processes): use --microbatches {n_stages(world)} "
-                     "or more")
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
+    layers = common.SIZES[args.size].n_layers + 2  # embeddings, blocks, norm + head + loss
+    if world == 1:
+        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
+                          "more")
+    if n_stages(world) > layers:
+        raise common.Skip(f"--size {args.size} has {layers} layers, fewer than the "
+                          f"{n_stages(world)} stages of DualPipeV on {world} processes: use "
+                          f"fewer processes or a larger --size")
+    if chosen and args.microbatches < n_stages(world):
+        parser.error(f"DualPipeV needs at least as many micro-batches as its {n_stages(world)} "
+                     f"stages (2 x {world} processes): use --microbatches {n_stages(world)} "
+                     "or more")
     topo = common.setup(args)
     if topo.backend == "nccl" and topo.world_size > 1:
         # NCCL runs a send until its peer's receive is posted, and this runtime waits on a
@@ -430,7 +434,7 @@ def main():
                   timeline=[[list(a) for a in tl] for tl in steps[-1]],
                   bubble=round(measured, 4), inflight_max=max(n for _, n in gathered),
                   theory={"bubble": round(bubble, 4), "bubble_paired": round(paired, 4),
-                          "inflight_max": inflight, "comm_mb": comm_theory_mb(shape, m, topo)})
+                          "inflight_max": inflight, "comm_mb": comm_theory_mb(shape, m)})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ Theory:     bubble = idle fraction of these action lists run with the measured m
 
 import collections
 import itertools
-import os
 import sys
 import time
 from pathlib import Path
@@ -286,12 +285,10 @@ class PipelineRank:
         return loss
 
 
-def comm_theory_mb(shape: tuple[int, ...], m: int, tied: int, topo: common.Topology) -> float:
+def comm_theory_mb(shape: tuple[int, ...], m: int, tied: int) -> float:
     """What rank 0 sends a step: each micro-batch's activations to rank 1, and its share of the
     tied weight's gradient all-reduce with the last rank (a group of two: the tensor once).
     4 bytes a value: the residual stream between blocks stays fp32, under autocast too."""
-    if topo.world_size == 1:
-        return 0.0
     return (m * 4 * shape[0] * shape[1] * shape[2] + 4 * tied) / 2**20
 
 
@@ -308,12 +305,16 @@ def main():
     if args.model != "gpt":
         parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
     layers = common.SIZES[args.size].n_layers + 2  # embeddings, blocks, norm + head + loss
-    if int(os.environ.get("WORLD_SIZE", "1")) > layers:
-        parser.error(f"--size {args.size} has {layers} layers, fewer than the "
-                     f"{os.environ['WORLD_SIZE']} stages (processes): use fewer processes")
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
+    world = common.launch_world_size()
+    if world == 1:
+        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
+                          "more")
+    if world > layers:
+        raise common.Skip(f"--size {args.size} has {layers} layers, fewer than the {world} "
+                          f"stages (processes): use fewer processes or a larger --size")
     topo = common.setup(args)
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
@@ -356,7 +357,7 @@ def main():
                   bubble=round(measured, 4), inflight_max=max(n for _, n in gathered),
                   theory={"bubble": round(bubble, 4), "inflight_max": inflight,
                           "bubble_uniform": round((p - 1) / (m + p - 1), 4),
-                          "comm_mb": comm_theory_mb(shape, m, params_tied, topo)})
+                          "comm_mb": comm_theory_mb(shape, m, params_tied)})
 
 
 if __name__ == "__main__":

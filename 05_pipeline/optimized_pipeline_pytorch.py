@@ -23,7 +23,6 @@ Theory:     the same bubble as the hand-written schedule; torch records no timel
 """
 
 import itertools
-import os
 import sys
 from pathlib import Path
 
@@ -76,25 +75,31 @@ def main():
     parser = common.parser(__doc__)
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="gpipe",
                         help="torch.distributed.pipelining's schedule (default: gpipe)")
-    parser.add_argument("--microbatches", type=common.int_at_least(1), default=8,
-                        help="micro-batches m the batch is split into (default: 8)")
+    parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
+                        help="micro-batches m the batch is split into (default: 8; for "
+                             "dualpipev 2p above 4 processes)")
     parser.set_defaults(batch_size=0)  # 0: two sequences per micro-batch, as the others
     parser.set_defaults(steps=10, warmup=3)  # 8 runs in `make pipeline`: ~2 min
     args = parser.parse_args()
+    world = common.launch_world_size()
+    v = args.schedule == "dualpipev"
+    n_stages = 2 * world if v else world
+    chosen = args.microbatches is not None
+    args.microbatches = args.microbatches or max(8, n_stages if v else 0)
     args.batch_size = args.batch_size or 2 * args.microbatches
     if args.model != "gpt":
         parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    v = args.schedule == "dualpipev"
-    n_stages = 2 * world if v else world
     layers = common.SIZES[args.size].n_layers + 2
+    if world == 1:
+        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
+                          "more")
     if n_stages > layers:
-        parser.error(f"--size {args.size} has {layers} layers, fewer than the {n_stages} "
-                     f"stages on {world} processes: use fewer processes")
-    if v and args.microbatches < n_stages:
+        raise common.Skip(f"--size {args.size} has {layers} layers, fewer than the {n_stages} "
+                          f"stages on {world} processes: use fewer processes or a larger --size")
+    if chosen and v and args.microbatches < n_stages:
         parser.error(f"ScheduleDualPipeV needs at least as many micro-batches as its {n_stages} "
                      f"stages: use --microbatches {n_stages} or more")
     topo = common.setup(args)

@@ -85,6 +85,8 @@ def main():
     if unknown := [op for op in ops if op not in OPS]:
         parser.error(f"--ops {','.join(unknown)} unknown: choose from {','.join(OPS)}")
     topo = common.setup(args)
+    if topo.world_size == 1:
+        ops = [op for op in ops if op != "sendrecv"]  # a send needs a peer
     sweep = []
     for op in ops:
         for nbytes in args.sizes:

@@ -229,12 +229,13 @@ def main():
         parser.error(f"--ops {','.join(unknown)} unknown: choose from {','.join(OPS)}")
     topo = common.setup(args)
     if topo.device.type == "cuda":
-        if topo.nnodes > 1:
-            raise common.Skip("symmetric memory maps the GPUs of one host (NVLink): run on one "
-                              "node (NNODES=1)")
+        if why := common.peer_access_problem(topo):
+            raise common.Skip(why)
         seg, ops = None, [op for op in ops if op == "all_reduce"]
     else:
         seg = SharedSegment(topo, max(args.sizes), args.timeout)
+    if topo.world_size == 1:
+        ops = [op for op in ops if op != "sendrecv"]  # a send needs a peer
     sweep = []
     for op in ops:
         for nbytes in args.sizes:
