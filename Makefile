@@ -2,8 +2,6 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-# Passed through to torchrun and the scripts: the same target runs on a laptop, a GPU box and
-# across nodes (run it once per node with NODE_RANK=0..NNODES-1 and the same MASTER_ADDR).
 # GPUS: what this host offers, as CUDA_VISIBLE_DEVICES (set, even empty) or nvidia-smi says.
 # CPU=1 hides them and runs on CPU (gloo), also where torch cannot use them.
 comma := ,
@@ -15,6 +13,9 @@ GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 else
 GPUS := $(words $(subst $(comma), ,$(CUDA_VISIBLE_DEVICES)))
 endif
+
+# Passed through to torchrun and the scripts: the same target runs on a laptop, a GPU box and
+# across nodes (run it once per node with NODE_RANK=0..NNODES-1 and the same MASTER_ADDR).
 NPROC ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
 NNODES ?= 1
 NODE_RANK ?= 0
@@ -215,11 +216,12 @@ smoke: preflight
 
 # A host whose GPUs torch cannot use (a driver older than torch's CUDA build, say) would
 # otherwise start one CPU process per GPU, each labelled `cpu`: say so and stop.
+NO_CUDA := this host has $(GPUS) GPU(s), but torch {torch.__version__} (CUDA \
+	{torch.version.cuda}) cannot use them (a driver older than its CUDA build?): update the \
+	driver, or run on CPU with CPU=1
 preflight: install
 ifneq ($(GPUS),0)
-	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit(f'this host has $(GPUS)\
-		GPU(s), but torch {torch.__version__} (CUDA {torch.version.cuda}) cannot use them (a\
-		driver older than its CUDA build?): update the driver, or run on CPU with CPU=1')"
+	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit(f'$(NO_CUDA)')"
 endif
 
 report: install

@@ -1178,10 +1178,9 @@ def run_main(main: Callable[[], None]) -> None:
     except Exception as err:
         reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
         _record_outcome("failed", reason)
-        # after the traceback, the one line the Makefile shows on the terminal
-        sys.stderr.write("".join(traceback.format_exception(err)))
+        # the one line the Makefile shows on the terminal (the traceback stays in the log)
         print(f"rank {launch_rank()} failed: {reason}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -1231,8 +1230,8 @@ _FIRST_DEATH = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
 
 def failure_line(output: str, exit_code: int) -> str:
     """A failed run's cause in one line, from its output: the script's own error (a refused
-    flag, or `run_main`'s line after a traceback), else what torchrun saw of the first rank to
-    die (a crash, a kill), else the exit code."""
+    flag, or the line `run_main` prints before a traceback), else what torchrun saw of the
+    first rank to die (a crash, a kill), else the exit code."""
     if found := _SCRIPT_ERROR.search(output):
         return found.group(1)
     found = _FIRST_DEATH.search(output)

@@ -13,13 +13,20 @@ TINY = ["--size", "tiny", "--steps", "6", "--warmup", "2", "--timeout", "60"]
 LAUNCH_TIMEOUT = 240  # seconds for one launch, start-up included
 
 
+def cpu_env(**extra: str) -> dict[str, str]:
+    """The environment of every process the tests start: the GPUs hidden, so that on a GPU host
+    the suite stays the CPU suite (gloo, fp32, any number of ranks) instead of picking NCCL and
+    asking rank 1 for a `cuda:1` a one-GPU box lacks."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
 def torchrun(script: Path, results: Path, *flags: str, nproc: int = 2,
              extra_torchrun=("--standalone",)) -> subprocess.Popen:
     """Start `script` at `tiny` under torchrun; `finish` waits for it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            *extra_torchrun, str(script), *TINY, "--results", str(results), *flags]
     return subprocess.Popen(cmd, cwd=common.ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, env=cpu_env())
 
 
 def finish(proc: subprocess.Popen) -> str:
@@ -48,7 +55,7 @@ def assert_bad_input_is_one_line(script: Path, flags: list[str], hint: str, tmp_
     results = tmp_path / "r.jsonl"
     run = subprocess.run([sys.executable, str(script), *flags, "--results", str(results)],
                          cwd=common.ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **env})
+                         env=cpu_env(**env))
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and hint in lines[0], run.stderr

@@ -278,21 +278,64 @@ def test_list_names_every_script_with_its_summary():
 
 
 def test_mark_failed_adds_a_row_only_when_the_run_left_none(tmp_path):
-    results = tmp_path / "results.jsonl"
+    results, log = tmp_path / "results.jsonl", tmp_path / "run.log"
+    log.write_text("Traceback (most recent call last):\n  ...\nValueError: bad\n"
+                   "rank 1 failed: ValueError: bad\n" + TORCHRUN_SUMMARY.format(code=1))
     script = common.ROOT / "01_ddp" / "baseline_ddp.py"
     cmd = [sys.executable, str(common.ROOT / "common.py"), "mark-failed", str(script),
-           "--since", "0", "--world-size", "2", "--reason", "torchrun failed",
+           "--since", "0", "--world-size", "2", "--exit-code", "1", "--log", str(log),
            "--", "--size", "tiny", "--results", str(results)]
-    subprocess.run(cmd, check=True)
-    subprocess.run(cmd, check=True)  # the first call's row now counts as this run's record
+    first = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    second = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    assert first.stdout == second.stdout == "rank 1 failed: ValueError: bad\n"
     rows = common.load_results(results)
-    assert len(rows) == 1
+    assert len(rows) == 1  # the first call's row now counts as this run's record
     assert rows[0]["status"] == "failed" and rows[0]["size"] == "tiny"
     assert rows[0]["world_size"] == 2 and rows[0]["script"] == "baseline_ddp"
+    assert rows[0]["reason"] == "rank 1 failed: ValueError: bad"
+
+
+def test_mark_failed_records_a_run_whose_flags_its_script_refused(tmp_path):
+    """`ARGS='--size huge'`: the recorder reads the flags leniently instead of failing too."""
+    results, log = tmp_path / "results.jsonl", tmp_path / "run.log"
+    log.write_text("baseline_ddp.py: error: argument --size: invalid choice: 'huge'\n")
+    common.mark_failed(common.ROOT / "01_ddp" / "baseline_ddp.py",
+                       ["--size", "huge", "--results", str(results)], 0, 2, log, 2)
+    (row,) = common.load_results(results)
+    assert (row["status"], row["size"]) == ("failed", "huge")
+    assert row["reason"] == "baseline_ddp.py: error: argument --size: invalid choice: 'huge'"
+
+
+TORCHRUN_SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+baseline_ddp.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-23_11:00:00
+  host      : box
+  rank      : 1 (local_rank: 1)
+  exitcode  : {code} (pid: 4242)
+  error_file: <N/A>
+"""
+
+
+@pytest.mark.parametrize("output, code, line", [
+    ("noise\noptimized_ddp.py: error: --accum 3 does not split\n" + TORCHRUN_SUMMARY.format(code=2),
+     2, "optimized_ddp.py: error: --accum 3 does not split"),
+    ("Traceback...\nRuntimeError: x\nrank 0 failed: RuntimeError: x\nrank 1 failed: Other: y\n",
+     1, "rank 0 failed: RuntimeError: x"),  # the first rank to fail, not the echoes
+    (TORCHRUN_SUMMARY.format(code=-9), 1, "rank 1 was killed by signal 9 before recording a "
+                                          "result"),
+    (TORCHRUN_SUMMARY.format(code=3), 1, "rank 1 exited with code 3 before recording a result"),
+    ("", 139, "a rank exited with code 139 before recording a result"),
+])
+def test_a_failed_runs_line_is_its_scripts_own_error(output, code, line):
+    assert common.failure_line(output, code) == line
 
 
 # --- outcomes ---------------------------------------------------------------------------------
-def test_run_main_records_a_skip_and_a_failure(tmp_path, monkeypatch):
+def test_run_main_records_a_skip_and_a_failure(tmp_path, monkeypatch, capsys):
     results = tmp_path / "results.jsonl"
     monkeypatch.setitem(common._RUN, "args", tiny_args("--results", str(results)))
     monkeypatch.setitem(common._RUN, "topo", cpu_topology())
@@ -307,6 +350,7 @@ def test_run_main_records_a_skip_and_a_failure(tmp_path, monkeypatch):
     common.run_main(needs_cuda)  # returns normally: a skip is not an error
     with pytest.raises(RuntimeError):
         common.run_main(breaks)
+    assert "rank 0 failed: RuntimeError: NCCL error\n" in capsys.readouterr().err  # the line shown
     skipped, failed = common.load_results(results)
     assert (skipped["status"], skipped["reason"]) == ("skipped", "needs CUDA for FP8")
     assert (failed["status"], failed["reason"]) == ("failed", "RuntimeError: NCCL error")

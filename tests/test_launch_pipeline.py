@@ -6,11 +6,22 @@ odd m, DualPipeV at 3 ranks on a deeper model, DualPipe at 4 ranks), each checke
 unsplit model trained in this process on the same batches.
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import common
-from helpers import TINY, assert_bad_input_is_one_line, finish, load_recipe, only_record, torchrun
+from helpers import (
+    TINY,
+    assert_bad_input_is_one_line,
+    cpu_env,
+    finish,
+    load_recipe,
+    only_record,
+    torchrun,
+)
 
 FOLDER = common.ROOT / "05_pipeline"
 SCRIPTS = ["baseline_pipeline", "optimized_pipeline_gpipe", "optimized_pipeline_1f1b",
@@ -121,20 +132,13 @@ def test_dualpipe_holds_two_stages_and_dualpipev_sums_no_tied_gradient(runs):
 @pytest.mark.parametrize("script, flags, world, hint", [
     ("optimized_pipeline_1f1b", ["--batch-size", "6", "--microbatches", "4"], "1",
      "--microbatches"),
-    ("optimized_pipeline_1f1b", ["--size", "tiny"], "5", "fewer processes"),  # 4 layers
     ("optimized_pipeline_1f1b", ["--model", "resnet", "--batch-size", "8"], "1", "--model gpt"),
-    ("baseline_pipeline", ["--size", "tiny"], "5", "fewer processes"),  # any m splits its batch
     ("baseline_pipeline", ["--model", "resnet", "--batch-size", "8"], "1", "--model gpt"),
     ("optimized_pipeline_dualpipev", ["--microbatches", "3"], "2", "--microbatches 4 or more"),
-    ("optimized_pipeline_dualpipev", ["--size", "tiny", "--microbatches", "6"], "3",
-     "fewer processes"),  # 6 stages, 4 layers
     ("optimized_pipeline_dualpipev", ["--batch-size", "6", "--microbatches", "4"], "2",
      "--microbatches"),
-    ("optimized_pipeline_dualpipe", ["--microbatches", "6"], "3", "even number of processes"),
     ("optimized_pipeline_dualpipe", ["--microbatches", "6"], "4", "at least 8"),
     ("optimized_pipeline_dualpipe", ["--microbatches", "9"], "2", "even --microbatches"),
-    ("optimized_pipeline_dualpipe", ["--size", "tiny", "--microbatches", "12"], "6",
-     "fewer processes"),  # 6 stages, 4 layers
     ("optimized_pipeline_dualpipe", ["--batch-size", "6", "--microbatches", "4"], "2",
      "--microbatches"),
     ("optimized_pipeline_pytorch", ["--batch-size", "6", "--microbatches", "4"], "1",
@@ -145,6 +149,50 @@ def test_dualpipe_holds_two_stages_and_dualpipev_sums_no_tied_gradient(runs):
 def test_bad_input_exits_2_with_one_line(script, flags, world, hint, tmp_path):
     assert_bad_input_is_one_line(FOLDER / f"{script}.py", flags, hint, tmp_path,
                                  WORLD_SIZE=world)
+
+
+@pytest.mark.parametrize("script, flags, world, hint", [
+    ("baseline_pipeline", [], "1", "two or more processes"),
+    ("optimized_pipeline_1f1b", ["--size", "tiny"], "5", "fewer processes"),  # 4 layers
+    ("baseline_pipeline", ["--size", "tiny"], "5", "fewer processes"),
+    ("optimized_pipeline_dualpipev", ["--size", "tiny", "--microbatches", "6"], "3",
+     "fewer processes"),  # 6 stages, 4 layers
+    ("optimized_pipeline_dualpipe", ["--microbatches", "6"], "3", "even number of processes"),
+    ("optimized_pipeline_dualpipe", ["--size", "tiny", "--microbatches", "12"], "6",
+     "fewer processes"),  # 6 stages, 4 layers
+    ("optimized_pipeline_pytorch", ["--schedule", "dualpipev"], "8", "16 stages on 8"),
+])
+def test_a_world_the_schedule_cannot_use_is_skipped_with_why(script, flags, world, hint,
+                                                            tmp_path):
+    """The world size is the host's (the Makefile's NPROC is its GPU count), not a flag: a
+    schedule that cannot use it records `skipped` with the reason and exits 0."""
+    results = tmp_path / "r.jsonl"
+    run = subprocess.run([sys.executable, str(FOLDER / f"{script}.py"), *flags, "--results",
+                          str(results)], cwd=common.ROOT, capture_output=True, text=True,
+                         timeout=120, env=cpu_env(WORLD_SIZE=world))
+    assert run.returncode == 0 and run.stderr.startswith("skipped: ") and hint in run.stderr
+    (rec,) = common.load_results(results)
+    assert rec["status"] == "skipped" and hint in rec["reason"]
+
+
+@pytest.mark.parametrize("script, world, m", [("optimized_pipeline_dualpipe", 8, 16),
+                                              ("optimized_pipeline_dualpipev", 4, 8),
+                                              ("optimized_pipeline_gpipe", 8, 8)])
+def test_micro_batches_default_to_what_the_world_needs(script, world, m, monkeypatch):
+    """DualPipe needs m >= 2p, DualPipeV 2p stages' worth: the default follows the world."""
+    class ReachedSetup(Exception):
+        pass
+
+    def reached(args):
+        raise ReachedSetup(args)
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setattr(sys, "argv", [script, "--size", "large"])
+    monkeypatch.setattr(common, "setup", reached)
+    with pytest.raises(ReachedSetup) as reached_with:
+        load_recipe(FOLDER / f"{script}.py").main()
+    args = reached_with.value.args[0]
+    assert (args.microbatches, args.batch_size) == (m, 2 * m)
 
 
 @pytest.mark.parametrize("mine, theirs", [("optimized_pipeline_gpipe", "torch gpipe"),

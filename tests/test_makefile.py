@@ -1,6 +1,10 @@
-"""The Makefile's contract: help by default, a failing script fails its target, prints its log
-and still leaves a `failed` row that the report shows; LINK really slows the ranks' loopback."""
+"""The Makefile's contract: help by default, a failing script fails its target, shows its own
+error line and still leaves a `failed` row that the report shows; variables are checked before
+anything starts; NPROC follows the GPUs the host shows; a host whose GPUs torch cannot use stops
+in one line; `make smoke` gives a line per script; LINK really slows the ranks' loopback and
+refuses on GPUs."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -67,15 +71,20 @@ def test_failing_scripts_fail_the_target_show_their_log_and_are_reported(tmp_pat
     run = subprocess.run([*make, "broken"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=240)
     assert run.returncode != 0
-    assert "RuntimeError: broken on purpose" in run.stdout  # the log is shown
-    assert "FAILED: 09_broken/baseline_raises.py" in run.stdout
-    assert "FAILED: 09_broken/optimized_dies.py" in run.stdout  # the first failure did not stop it
+    # each failure is its own error line on the terminal; tracebacks stay in the log
+    assert "FAILED: 09_broken/baseline_raises.py: RuntimeError: broken on purpose (log: " \
+        "outputs/logs/baseline_raises.tiny.w1.log)" in run.stdout
+    assert "FAILED: 09_broken/optimized_dies.py: rank 0 exited with code 3 before recording " \
+        "a result" in run.stdout  # the first failure did not stop it
+    assert "Traceback" not in run.stdout
+    assert "Traceback" in (tmp_path / "outputs/logs/baseline_raises.tiny.w1.log").read_text()
 
     records = common.load_results(tmp_path / "outputs" / "results.jsonl")
     assert len(records) == 2  # one row per run: the Makefile does not add a second
     rows = {r["script"]: r for r in records}
     assert rows["baseline_raises"]["reason"] == "RuntimeError: broken on purpose"
-    assert rows["optimized_dies"]["reason"].startswith("torchrun failed, see outputs/logs/")
+    assert rows["optimized_dies"]["reason"] == "rank 0 exited with code 3 before recording a " \
+        "result"
     assert {r["status"] for r in records} == {"failed"}
 
     report = subprocess.run([*make, "report"], cwd=tmp_path, capture_output=True, text=True,
@@ -96,7 +105,8 @@ def test_a_folders_extra_runs_are_runs_of_their_own_with_their_flags(tmp_path):
                          timeout=240)
     assert run.returncode != 0
     assert "FAILED: 04_zero/optimized_zero_pytorch.py --stage 3" in run.stdout
-    assert (tmp_path / "outputs" / "logs" / "optimized_zero_pytorch--stage3.log").exists()
+    # logs are named after the run's setup: a rerun at another size or world keeps this one
+    assert (tmp_path / "outputs" / "logs" / "optimized_zero_pytorch--stage3.tiny.w1.log").exists()
     records = common.load_results(tmp_path / "outputs" / "results.jsonl")
     assert sorted(str(r["variant"]) for r in records) == ["--stage 3", "None"]
 
@@ -116,7 +126,7 @@ def test_two_nodes_through_make(tmp_path):
     outputs = [node.communicate(timeout=240)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "baseline_ddp: " in outputs[0]  # rank 0's summary line
-    assert (tmp_path / "outputs" / "logs" / "baseline_ddp.node1.log").exists()
+    assert (tmp_path / "outputs" / "logs" / "baseline_ddp.tiny.w2.node1.log").exists()
     (rec,) = common.load_results(tmp_path / "outputs" / "results.jsonl")
     assert (rec["status"], rec["world_size"], rec["nnodes"]) == ("ok", 2, 2)
 
@@ -185,3 +195,127 @@ def test_restarts_and_c10d_rendezvous_pass_through_to_torchrun(tmp_path):
     dry = subprocess.run(["make", "-n", "ddp", f"PYTHON={sys.executable}", "RESTARTS=1",
                           "RDZV=c10d"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert "--max-restarts=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:" in dry.stdout
+
+
+def test_a_run_its_script_refuses_shows_and_records_the_scripts_own_line(tmp_path):
+    project_copy(tmp_path, "01_ddp",
+                 {"optimized_ddp.py": (common.ROOT / "01_ddp" / "optimized_ddp.py").read_text()})
+    run = subprocess.run(["make", "ddp", f"PYTHON={sys.executable}", "NPROC=2", "SIZE=tiny",
+                          "ARGS=--accum 3", f"MASTER_PORT={common.free_port()}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert run.returncode != 0
+    line = "optimized_ddp.py: error: --batch-size 4 does not split into --accum 3 micro-batches"
+    failed = [out for out in run.stdout.splitlines() if out.startswith("FAILED")]
+    assert len(failed) == 1 and line in failed[0], run.stdout
+    assert "Traceback" not in run.stdout + run.stderr  # torchrun's stays in the log
+    (rec,) = common.load_results(tmp_path / "outputs" / "results.jsonl")
+    assert rec["status"] == "failed" and rec["reason"].startswith(line)
+    assert (rec["world_size"], rec["size"], rec["variant"]) == (2, "tiny", "--accum 3")
+
+
+@pytest.mark.parametrize("setting, hint", [
+    ("SIZE=huge", "SIZE=huge is not a size: use tiny, small, medium or large"),
+    ("NPROC=0", "NPROC=0 is not a number of processes"),
+    ("NNODES=two", "NNODES=two is not a number of nodes"),
+    ("NODE_RANK=1", "NODE_RANK=1 must be 0 to NNODES-1"),
+    ("STEPS=ten", "STEPS=ten is not a number of steps"),
+])
+def test_a_bad_variable_is_one_line_before_anything_starts(setting, hint, tmp_path):
+    project_copy(tmp_path, "01_ddp",
+                 {"baseline_ddp.py": (common.ROOT / "01_ddp" / "baseline_ddp.py").read_text()})
+    run = subprocess.run(["make", "ddp", f"PYTHON={sys.executable}", setting], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert len(run.stderr.strip().splitlines()) == 1 and hint in run.stderr, run.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_an_unknown_target_says_how_to_list_them():
+    run = subprocess.run(["make", "dpp"], cwd=common.ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2
+    assert "no target 'dpp': run `make` for the list" in run.stderr
+
+
+def gpu_host(tmp_path, gpus: int) -> dict[str, str]:
+    """The environment of a host whose nvidia-smi lists `gpus` GPUs (a stub on PATH; torch here
+    sees none, as on a host whose driver is older than torch's CUDA build)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3'\n"
+                                            for i in range(gpus)))
+    smi.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    return {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
+
+
+@pytest.mark.parametrize("visible, cpu, nproc", [
+    (None, False, 8),  # every GPU nvidia-smi lists
+    ("0,1", False, 2),  # the ones CUDA_VISIBLE_DEVICES names
+    ("", False, 2),  # none visible: the CPU default
+    (None, True, 2),  # CPU=1 hides them
+])
+def test_nproc_follows_the_gpus_the_host_shows(visible, cpu, nproc, tmp_path):
+    env = gpu_host(tmp_path, 8)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    run = subprocess.run(["make", *(["CPU=1"] if cpu else [])], cwd=common.ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert f"NPROC={nproc} " in run.stdout
+
+
+def test_a_host_whose_gpus_torch_cannot_use_stops_in_one_line(tmp_path):
+    project_copy(tmp_path, "01_ddp",
+                 {"baseline_ddp.py": (common.ROOT / "01_ddp" / "baseline_ddp.py").read_text()})
+    run = subprocess.run(["make", "ddp", f"PYTHON={sys.executable}", "SIZE=tiny"], cwd=tmp_path,
+                         env=gpu_host(tmp_path, 2), capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "this host has 2 GPU(s), but torch" in run.stderr and "CPU=1" in run.stderr
+    assert not (tmp_path / "outputs").exists()  # nothing started on the CPU in their place
+
+
+def test_link_refuses_on_a_gpu_host(tmp_path):
+    run = subprocess.run(["make", "ddp", "LINK=1gbit"], cwd=common.ROOT,
+                         env=gpu_host(tmp_path, 2), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert len(run.stderr.strip().splitlines()) == 1
+    assert "NCCL does not use" in run.stderr and "drop LINK" in run.stderr
+
+
+SKIPS = '''
+    """Lacks what it needs on this host: skipped, with why."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import common
+
+
+    def main():
+        common.parser(__doc__).parse_args()
+        raise common.Skip("needs a GPU: run on one")
+
+
+    if __name__ == "__main__":
+        common.run_main(main)
+'''
+
+
+def test_smoke_is_one_line_a_script_and_fails_if_any_failed(tmp_path):
+    """On a host with GPUs torch cannot use, CPU=1 runs the smoke on CPU instead."""
+    project_copy(tmp_path, "09_smoke", {
+        "baseline_ok.py": (common.ROOT / "01_ddp" / "baseline_ddp.py").read_text(),
+        "optimized_raises.py": textwrap.dedent(RAISES).lstrip(),
+        "optimized_skips.py": textwrap.dedent(SKIPS).lstrip()})
+    run = subprocess.run(["make", "smoke", f"PYTHON={sys.executable}", "CPU=1"], cwd=tmp_path,
+                         env=gpu_host(tmp_path, 2), capture_output=True, text=True, timeout=240)
+    assert run.returncode != 0
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 4, run.stdout  # a line a script, then the count
+    assert lines[0].startswith("09_smoke/baseline_ok.py") and " ok (" in lines[0]
+    assert "FAILED: RuntimeError: broken on purpose (log: " in lines[1]
+    assert lines[2].endswith("skipped: needs a GPU: run on one")
+    assert lines[3].startswith("smoke: 3 runs, 1 failed")
+    assert len(common.load_results(tmp_path / "outputs" / "smoke" / "results.jsonl")) == 3
+    assert not (tmp_path / "outputs" / "results.jsonl").exists()  # not the report's

@@ -1,0 +1,306 @@
+"""The CUDA paths, proven on CPU: what each script does where CUDA is, run here with torch.cuda's
+functions stubbed, so that a break a GPU would hit on its first step fails a test first.
+
+Also every script's argument checks at the world sizes a GPU host gives by default (1, 3, 4, 8),
+with the Makefile's defaults: each reaches `setup` or skips with its reason, never exits 2."""
+
+import datetime
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import common
+from helpers import load_recipe
+
+SCRIPTS = sorted(common.ROOT.glob("0[1-6]_*/*.py"))
+# The Makefile's extra runs: a script and its flags (see EXTRA_RUNS_* there).
+EXTRA_FLAGS = {"optimized_zero_pytorch": [["--stage", "3"]],
+               "optimized_pipeline_pytorch": [["--schedule", "1f1b"], ["--schedule", "dualpipev"]]}
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A process group of one, gloo, for the functions that talk to their peers."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{common.free_port()}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
+
+
+def fake_cuda_topology(local_world: int = 1, nnodes: int = 1) -> common.Topology:
+    """What `setup` returns on a GPU (only the device object: nothing is allocated on it)."""
+    return common.Topology(0, 0, local_world * nnodes, local_world, nnodes, "nccl",
+                           torch.device("cuda", 0))
+
+
+def tiny_args(*extra: str):
+    args = common.parser(None).parse_args(["--size", "tiny", "--steps", "2", "--warmup", "2",
+                                           *extra])
+    args.dtype = "fp32"
+    return args
+
+
+# --- 1 and 8: a step under timed_steps as on CUDA ---------------------------------------------
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's functions that timed_steps calls, as stubs that keep a log: NVTX returns
+    the nesting depth (an int) as the real one does, and the allocator's peak is what
+    `allocate` reported since the last reset (the whole process's before the first)."""
+    calls = {"push": 0, "pop": 0, "allocated": 5e9, "peak": 5e9, "resets": []}
+
+    def push(name):
+        calls["push"] += 1
+        return calls["push"] - calls["pop"]
+
+    def pop():
+        calls["pop"] += 1
+        return calls["push"] - calls["pop"]
+
+    def reset(device):
+        calls["resets"].append(calls.get("step"))
+        calls["peak"] = calls["allocated"] = 0
+
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", push)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", pop)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: calls["peak"])
+    return calls
+
+
+def test_a_training_step_runs_through_the_cuda_hooks_and_measures_one_steps_peak(group, fake_cuda):
+    args = tiny_args()
+    topo = fake_cuda_topology()
+    model, batches = common.workload(args, common.Topology(0, 0, 1, 1, 1, "gloo",
+                                                           torch.device("cpu")))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def train_step(inputs, targets):
+        fake_cuda["step"] = fake_cuda.get("step", -1) + 1
+        fake_cuda["peak"] = max(fake_cuda["peak"], 1e6 * (fake_cuda["step"] + 1))
+        opt.zero_grad(set_to_none=True)
+        loss = model(inputs, targets)  # the forward hooks must leave inputs and output alone
+        loss.backward()
+        opt.step()  # and the step pre-hook the optimizer's arguments
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
+    assert len(stats.losses) == 4 and all(loss > 0 for loss in stats.losses)
+    assert fake_cuda["push"] == fake_cuda["pop"] == 3 * 4  # step, forward, optimizer: 4 steps
+    # reset after the first step, just before the last warm-up one, whose own peak (2 MB, not
+    # the 5 GB the process held before) is the record's
+    assert fake_cuda["resets"] == [0]
+    assert stats.memory == {"total": pytest.approx(2e6 / 2**20)}
+
+
+# --- 10: the GPU from what is visible -----------------------------------------------------------
+@pytest.mark.parametrize("local_rank, local_world, visible, per_task, index", [
+    (3, 8, 8, False, 3),  # torchrun, one process per GPU
+    (3, 8, 8, True, 3),  # srun without binding: every task sees all
+    (3, 8, 1, True, 0),  # srun --gpus-per-task=1: each task sees its own
+    (1, 4, 2, True, 0),  # srun --gpus-per-task=2
+])
+def test_the_gpu_is_picked_from_what_this_process_sees(local_rank, local_world, visible, per_task,
+                                                      index):
+    assert common.cuda_device_index(local_rank, local_world, visible, per_task) == index
+
+
+def test_more_processes_than_gpus_is_one_line_that_says_what_to_change():
+    """Under torchrun every process sees the host's GPUs: fewer than processes is a mistake
+    (under srun --gpus-per-task=2, two visible to each task is its own pair: see above)."""
+    with pytest.raises(common.SetupError, match=r"4 processes on this host but 2 GPU\(s\) .*"
+                                                r"NPROC=2"):
+        common.cuda_device_index(3, 4, 2, per_task=False)
+
+
+def test_a_setup_error_exits_2_with_one_line(tmp_path):
+    script = tmp_path / "refuses.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(common.ROOT)!r})\nimport common\n\n"
+                      "def main():\n    raise common.SetupError('no GPU left: use NPROC=1')\n\n"
+                      "common.run_main(main)\n")
+    import subprocess
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2
+    assert run.stderr.strip() == "refuses.py: error: no GPU left: use NPROC=1"
+
+
+# --- records name the GPU, CUDA and NCCL -------------------------------------------------------
+def test_records_name_the_gpu_and_the_cuda_and_nccl_versions(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 30, 7))
+    rec = common._base_record(tiny_args(), fake_cuda_topology(), None, "ok", None)
+    assert (rec["device"], rec["cuda"], rec["nccl"]) == ("NVIDIA H100 80GB HBM3", "13.0",
+                                                          "2.30.7")
+    cpu = common._base_record(tiny_args(), common.Topology(0, 0, 1, 1, 1, "gloo",
+                                                           torch.device("cpu")), None, "ok", None)
+    assert (cpu["device"], cpu["cuda"], cpu["nccl"]) == ("cpu", None, None)
+
+
+# --- 11: symmetric memory ------------------------------------------------------------------------
+def test_symmetric_memory_is_skipped_without_peer_access_and_across_nodes(group, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    assert "cannot access each other's memory" in common.peer_access_problem(
+        fake_cuda_topology(local_world=2))
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    assert common.peer_access_problem(fake_cuda_topology(local_world=2)) is None
+    assert "one host" in common.peer_access_problem(fake_cuda_topology(nnodes=2))
+
+
+def test_peer_buffers_start_where_the_handle_says_the_tensor_does():
+    training = load_recipe(common.ROOT / "06_symmem" / "optimized_symmem_training.py")
+
+    class Handle:  # a rendezvous whose tensor sits 256 bytes into its pool's allocation
+        offset, world_size, asked = 256, 2, []
+
+        def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+            self.asked.append((rank, sizes, dtype, storage_offset))
+            return torch.zeros(sizes, dtype=dtype)
+
+    views = training.peer_views(Handle(), 10)
+    assert len(views) == 2
+    assert Handle.asked == [(0, (10,), torch.float32, 64), (1, (10,), torch.float32, 64)]
+
+
+# --- 4 and 5: FSDP -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fsdp(group):
+    return load_recipe(common.ROOT / "03_fsdp" / "optimized_fsdp.py")
+
+
+def resnet():
+    torch.manual_seed(0)
+    return common.Classifier("resnet18", common.NUM_CLASSES)
+
+
+def test_batchnorm_stays_fp32_under_a_bf16_policy(fsdp):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = resnet()
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fsdp.shard(model, init_device_mesh("cpu", (1,)), "block", True, bf16, offload=False)
+    seen = {}
+    for name in ["net.conv1", "net.bn1", "net.layer2.0.bn2", "net.layer2.0.conv2"]:
+        module = model.get_submodule(name)
+        module.register_forward_pre_hook(
+            lambda m, _, name=name: seen.update({name: (m.weight.dtype, getattr(
+                m, "running_mean", torch.empty(0)).dtype)}))
+    images, labels = common.global_image_batch(common.SIZES["tiny"], 2, 0, 0)
+    loss = model(images, labels)
+    loss.backward()
+    assert seen["net.conv1"][0] == seen["net.layer2.0.conv2"][0] == torch.bfloat16
+    assert seen["net.bn1"] == seen["net.layer2.0.bn2"] == (torch.float32, torch.float32)
+    assert torch.isfinite(loss) and model.net.bn1.weight.grad.dtype == torch.float32
+
+
+def test_batchnorm_needs_no_unit_of_its_own_in_fp32(fsdp):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    model = resnet()
+    fsdp.shard(model, init_device_mesh("cpu", (1,)), "block", True, MixedPrecisionPolicy(),
+               offload=False)
+    assert not isinstance(model.net.bn1, FSDPModule)  # fp32 runs keep their collectives
+
+
+def test_validation_gathers_each_parameter_on_the_compute_device(fsdp, monkeypatch):
+    """With --cpu-offload the shards live on CPU and an NCCL group gathers only device tensors:
+    the shard must reach the compute device (here `meta`, a stand-in) before the gather."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    model = resnet()
+    fsdp.shard(model, init_device_mesh("cpu", (1,)), "block", True, MixedPrecisionPolicy(),
+               offload=False)
+    p = model.net.fc.weight
+    gathered_on = []
+    monkeypatch.setattr(DTensor, "full_tensor", lambda self, **_: gathered_on.append(
+        self.to_local().device) or self.to_local())
+    fsdp.full_parameter(p, torch.device("meta"))
+    assert gathered_on == [torch.device("meta")]
+    monkeypatch.undo()
+    assert torch.equal(fsdp.full_parameter(p, torch.device("cpu")), p.full_tensor())
+
+
+# --- 2: every script at the world sizes of a GPU host, Makefile defaults -----------------------
+class ReachedSetup(Exception):
+    """The script's own checks passed: it would now join the group and train."""
+
+
+def runs() -> list:
+    return [pytest.param(script, flags, id=f"{script.stem}{''.join(flags)}")
+            for script in SCRIPTS for flags in [[], *EXTRA_FLAGS.get(script.stem, [])]]
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("world", [1, 3, 4, 8])
+@pytest.mark.parametrize("script, flags", runs())
+def test_every_script_runs_or_skips_at_the_makefiles_defaults(script, flags, world, gpu,
+                                                             monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", [str(script), "--size", "small", *flags])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)  # the defaults follow it (bf16)
+
+    def reached(args):
+        raise ReachedSetup
+
+    monkeypatch.setattr(common, "setup", reached)
+    recipe = load_recipe(script)
+    with pytest.raises((ReachedSetup, common.Skip)) as outcome:
+        recipe.main()  # an exit 2 (SystemExit) fails the test
+    if outcome.type is common.Skip:
+        assert ": " in str(outcome.value)  # why, and what to change
+
+
+def test_a_script_that_skips_before_setup_records_it_once(tmp_path):
+    """DualPipe at an odd world size skips from its flags alone: recorded, rank 0 only."""
+    import subprocess
+
+    from helpers import cpu_env
+
+    results = tmp_path / "r.jsonl"
+    for rank in (0, 1):
+        run = subprocess.run([sys.executable, "05_pipeline/optimized_pipeline_dualpipe.py",
+                              "--results", str(results)], cwd=common.ROOT, capture_output=True,
+                             text=True, timeout=120, env=cpu_env(WORLD_SIZE="3", RANK=str(rank)))
+        assert run.returncode == 0, run.stderr
+    (rec,) = common.load_results(results)
+    assert (rec["status"], rec["world_size"]) == ("skipped", 3)
+    assert "even number of processes" in rec["reason"]
+
+
+# --- 7: tolerances follow the dtype ---------------------------------------------------------------
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if "LOSS_TOLERANCE =" in s.read_text()],
+                         ids=lambda s: s.stem)
+def test_every_tolerance_table_has_a_figure_for_each_dtype(script):
+    table = load_recipe(script).LOSS_TOLERANCE
+    for dtype in ("fp32", "bf16"):
+        assert dtype in table or {(dtype, False), (dtype, True)} <= set(table), table
+    fp32 = table.get("fp32", table.get(("fp32", False)))
+    bf16 = table.get("bf16", table.get(("bf16", False)))
+    assert bf16 >= fp32  # bf16 rounds more, never less
+
+
+# --- 3: the suite is the CPU suite on a GPU host too -------------------------------------------
+def test_every_launch_of_the_tests_hides_the_gpus(monkeypatch, tmp_path):
+    import subprocess
+
+    import helpers
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # a GPU host
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kwargs: started.append(kwargs))
+    helpers.torchrun(common.ROOT / "01_ddp" / "baseline_ddp.py", tmp_path / "r.jsonl")
+    assert started[0]["env"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert helpers.cpu_env(WORLD_SIZE="3")["CUDA_VISIBLE_DEVICES"] == ""
+    monkeypatch.undo()
+    make = subprocess.run(["make", "-n", "test", f"PYTHON={sys.executable}"], cwd=common.ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert f"CUDA_VISIBLE_DEVICES= {sys.executable} -m pytest" in make.stdout
