@@ -5,7 +5,7 @@ SHELL := /bin/bash
 # GPUS: what this host offers, as CUDA_VISIBLE_DEVICES (set, even empty) or nvidia-smi says.
 # CPU=1 hides them and runs on CPU (gloo), also where torch cannot use them.
 comma := ,
-ifdef CPU
+ifeq ($(CPU),1)
 export CUDA_VISIBLE_DEVICES :=
 endif
 ifeq ($(origin CUDA_VISIBLE_DEVICES),undefined)

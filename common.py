@@ -27,6 +27,7 @@ import resource
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -302,8 +303,8 @@ def launch_world_size() -> int:
 def cuda_device_index(local_rank: int, local_world: int, visible: int, per_task: bool) -> int:
     """The GPU this process drives, of the `visible` ones. torchrun starts a host's processes
     with the same GPUs visible, so local rank i takes the i-th; `srun --gpus-per-task`
-    (`per_task`: srun started this process itself) shows each task only its own, so it takes
-    the first. Fewer GPUs than processes would put two ranks on one GPU, which NCCL refuses."""
+    (`per_task`) shows each task only its own, so it takes the first. Fewer GPUs than
+    processes otherwise would put two ranks on one GPU, which NCCL refuses."""
     if visible >= local_world:
         return local_rank
     if per_task and visible >= 1:
@@ -315,8 +316,9 @@ def cuda_device_index(local_rank: int, local_world: int, visible: int, per_task:
 def setup(args: argparse.Namespace) -> Topology:
     """Join the process group: NCCL and one GPU per local rank with CUDA, else gloo on CPU."""
     _RUN["args"] = args
-    per_task = "RANK" not in os.environ and "SLURM_PROCID" in os.environ
-    if per_task:  # `srun python script.py`
+    from_srun = "RANK" not in os.environ and "SLURM_PROCID" in os.environ
+    per_task = from_srun and "SLURM_GPUS_PER_TASK" in os.environ  # each task its own GPUs
+    if from_srun:  # `srun python script.py`
         os.environ.update(torchrun_env_from_slurm(os.environ))
     if "RANK" not in os.environ:  # plain `python script.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -1030,14 +1032,15 @@ def _device_name(device: torch.device | None = None) -> str:
 def _base_record(args: argparse.Namespace | None, topo: Topology | None, baseline: str | None,
                  status: str, reason: str | None) -> dict:
     folder, script = _script_identity()
-    cuda = topo is not None and topo.device.type == "cuda"
-    nccl = topo is not None and topo.backend == "nccl"
+    # before `setup` (a run that skipped or failed first), what setup would have picked
+    cuda = topo.device.type == "cuda" if topo else torch.cuda.is_available()
+    nccl = topo.backend == "nccl" if topo else cuda
     return {
         "folder": folder, "script": script, "baseline": baseline, "status": status,
         "reason": reason,
         "world_size": topo.world_size if topo else launch_world_size(),
         "nnodes": topo.nnodes if topo else None,
-        "backend": topo.backend if topo else None,
+        "backend": topo.backend if topo else "nccl" if nccl else "gloo",
         "device": _device_name(topo.device if topo else None),
         "size": getattr(args, "size", None), "model": getattr(args, "model", None),
         "variant": getattr(args, "variant", None),
@@ -1234,11 +1237,12 @@ def failure_line(output: str, exit_code: int) -> str:
     first rank to die (a crash, a kill), else the exit code."""
     if found := _SCRIPT_ERROR.search(output):
         return found.group(1)
-    found = _FIRST_DEATH.search(output)
+    # torchrun lists the other ranks' failures first, then the "Root Cause" (the first to die)
+    found = _FIRST_DEATH.search(output, max(0, output.find("Root Cause")))
     who, code = (f"rank {found[1]}", int(found[2])) if found else ("a rank", exit_code)
     if code < 0:
-        return f"{who} was killed by signal {-code} before recording a result"
-    return f"{who} exited with code {code} before recording a result"
+        return f"{who} was killed by signal {-code}"
+    return f"{who} exited with code {code}"
 
 
 def _own_record(results: Path, script: Path, variant: str | None, since: float) -> dict | None:
@@ -1266,14 +1270,17 @@ def _flags_of(script_args: Sequence[str]) -> tuple[argparse.Namespace, str | Non
 
 def mark_failed(script: Path, script_args: Sequence[str], since: float, exit_code: int,
                 log_path: Path, world_size: int, record: bool = True) -> str:
-    """A run ended non-zero: the line to show (its own record's reason, else its output's
-    `failure_line`), after writing a `failed` record when the run could not write one."""
+    """A run ended non-zero: the line to show (its output's `failure_line`), after writing a
+    `failed` record when the run wrote none (a run that recorded itself keeps its own row: a
+    failure's reason, or a result written before a crash in teardown)."""
     run_args, variant = _flags_of(script_args)
     own = _own_record(run_args.results, script, variant, since) if record else None
     if own and own["status"] == "failed":
         return own["reason"]
     reason = failure_line(log_path.read_text(errors="replace") if log_path.exists() else "",
                           exit_code)
+    if own:
+        return f"{reason}, after recording {own['status']}"
     if record:
         rec = _base_record(run_args, None, None, "failed", reason)
         rec.update(folder=script.resolve().parent.name, script=script.stem,
@@ -1284,7 +1291,8 @@ def mark_failed(script: Path, script_args: Sequence[str], since: float, exit_cod
 
 def _fork_rank(script: str, argv: list[str], env: dict[str, str], log_fd: int) -> int:
     """A process that runs `script` as one rank, as torchrun would start it, but forked from
-    this interpreter: torch is imported once, not twice a run."""
+    this interpreter: torch is imported once, not twice a run. CUDA cannot be used in a child
+    forked after its parent initialised it, so this interpreter never touches torch.cuda."""
     pid = os.fork()
     if pid:
         return pid
@@ -1344,9 +1352,11 @@ def smoke(runs: Sequence[str], nproc: int, flags: Sequence[str], out: Path,
                 if "losses" in own else f"ok ({len(own['sweep'])} sizes x ops timed)"
         elif code == 0 and own and own["status"] == "skipped":
             line = f"skipped: {own['reason']}"
-        else:
-            reason = f"timed out after {timeout:.0f} s" if hung else \
-                mark_failed(Path(script), argv, since, code or 1, log_path, nproc)
+        else:  # recorded by a Python of its own: this one must never touch CUDA (see above)
+            reason = f"timed out after {timeout:.0f} s" if hung else subprocess.run(
+                [sys.executable, __file__, "mark-failed", script, "--since", str(since),
+                 "--exit-code", str(code or 1), "--log", str(log_path), "--world-size",
+                 str(nproc), "--", *argv], capture_output=True, text=True).stdout.strip()
             line, failed = f"FAILED: {reason} (log: {log_path})", failed + 1
         print(f"{run:<62} {line}", flush=True)
     print(f"smoke: {len(runs)} runs, {failed} failed, {time.monotonic() - began:.0f} s "

@@ -84,12 +84,16 @@ def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [model.net.layer1, model.net.layer2, model.net.layer3, model.net.layer4]
 
 
+def batchnorms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+
+
 def keep_batchnorm_fp32(model: torch.nn.Module, policy: dict) -> None:
     """Under a bf16 policy, every BatchNorm in one unit of its own that stays fp32: its running
     statistics are fp32 buffers, which bf16 weights would not match (FSDP1 kept `_BatchNorm`
     out of mixed precision for this reason). Grouped, its weights are one small all-gather a
     forward (and one reduce-scatter), not one per layer."""
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    norms = batchnorms(model)
     if norms:
         fully_shard(norms, **{**policy, "mp_policy": MixedPrecisionPolicy()})
 
@@ -129,12 +133,17 @@ def theory(model: torch.nn.Module, units: list, group: int, replicas: int,
     """Per-rank state (fp32 AdamW) and bytes sent per step, from the parameter shapes."""
     params = list(model.parameters())
     unit_of = {id(p): 1 for u in units for p in u.parameters()}  # 1: a block, else the root
+    kept_fp32 = {id(p) for m in batchnorms(model) for p in m.parameters()} \
+        if param_bytes == 2 else set()
     gathers = 2 if reshard_after_forward else 1
     sent = 0.0
     for p in params:
         n = padded_numel(p, group)
-        times = gathers if unit_of.get(id(p)) else 1  # FSDP2 never reshards the root
-        sent += (group - 1) / group * n * (times * param_bytes + 4)  # all-gathers, reduce-scatter
+        if id(p) in kept_fp32:  # BatchNorm's unit under bf16: fp32, gathered again for backward
+            times, nbytes = 2, 4
+        else:  # FSDP2 never reshards the root
+            times, nbytes = (gathers if unit_of.get(id(p)) else 1), param_bytes
+        sent += (group - 1) / group * n * (times * nbytes + 4)  # all-gathers, reduce-scatter
         sent += 2 * (replicas - 1) / replicas * n / group * 4  # HSDP: all-reduce of the shard
     return {"state_mb": 16 * sum(padded_numel(p, group) for p in params) / group / 2**20,
             "comm_mb": sent / 2**20}

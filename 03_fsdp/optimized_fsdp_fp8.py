@@ -154,7 +154,7 @@ def main():
                 (stats.comm_mb_by_kind or {}).items() if kind.startswith("allgather")}
     common.record(args, topo, stats, baseline="optimized_fsdp", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, gathered_mb=gathered, checkpointing=checkpointing,
-                  activation_mb=stats.memory and stats.memory["activations"],
+                  activation_mb=(stats.memory or {}).get("activations"),  # CPU's split
                   compile=compile_blocks,
                   loss_tolerance=LOSS_TOLERANCE["fp8" if fp8 else (args.dtype, compile_blocks)],
                   fp8={"layers": converted, "scaling": "tensorwise",

@@ -388,6 +388,9 @@ def main():
         parser.error(f"DualPipe sends half the micro-batches each way: use an even "
                      f"--microbatches, not {args.microbatches}")
     layers = common.SIZES[args.size].n_layers + 2  # embeddings, blocks, norm + head + loss
+    if world == 1:
+        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
+                          "more")
     if world % 2:
         raise common.Skip(f"DualPipe pairs rank r with rank p-1-r, so it needs an even number "
                           f"of processes, not {world}: DualPipeV runs on any number")

@@ -295,6 +295,17 @@ def test_mark_failed_adds_a_row_only_when_the_run_left_none(tmp_path):
     assert rows[0]["reason"] == "rank 1 failed: ValueError: bad"
 
 
+def test_mark_failed_keeps_the_row_of_a_run_that_recorded_itself_then_crashed(tmp_path):
+    results, log = tmp_path / "results.jsonl", tmp_path / "run.log"
+    log.write_text(TORCHRUN_SUMMARY.format(code=-6))  # aborted in teardown, after recording
+    rec = {**_row("baseline_ddp"), "time": "2100-01-01T00:00:00+00:00", "variant": None}
+    results.write_text(json.dumps(rec) + "\n")
+    line = common.mark_failed(common.ROOT / "01_ddp" / "baseline_ddp.py",
+                              ["--results", str(results)], 0, 1, log, 2)
+    assert line == "rank 1 was killed by signal 6, after recording ok"
+    assert [r["status"] for r in common.load_results(results)] == ["ok"]
+
+
 def test_mark_failed_records_a_run_whose_flags_its_script_refused(tmp_path):
     """`ARGS='--size huge'`: the recorder reads the flags leniently instead of failing too."""
     results, log = tmp_path / "results.jsonl", tmp_path / "run.log"
@@ -309,6 +320,14 @@ def test_mark_failed_records_a_run_whose_flags_its_script_refused(tmp_path):
 TORCHRUN_SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
 baseline_ddp.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-23_11:00:01
+  host      : box
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 4241)
+  error_file: <N/A>
 ------------------------------------------------------------
 Root Cause (first observed failure):
 [0]:
@@ -325,17 +344,16 @@ Root Cause (first observed failure):
      2, "optimized_ddp.py: error: --accum 3 does not split"),
     ("Traceback...\nRuntimeError: x\nrank 0 failed: RuntimeError: x\nrank 1 failed: Other: y\n",
      1, "rank 0 failed: RuntimeError: x"),  # the first rank to fail, not the echoes
-    (TORCHRUN_SUMMARY.format(code=-9), 1, "rank 1 was killed by signal 9 before recording a "
-                                          "result"),
-    (TORCHRUN_SUMMARY.format(code=3), 1, "rank 1 exited with code 3 before recording a result"),
-    ("", 139, "a rank exited with code 139 before recording a result"),
+    (TORCHRUN_SUMMARY.format(code=-9), 1, "rank 1 was killed by signal 9"),  # the root cause
+    (TORCHRUN_SUMMARY.format(code=3), 1, "rank 1 exited with code 3"),
+    ("", 139, "a rank exited with code 139"),
 ])
 def test_a_failed_runs_line_is_its_scripts_own_error(output, code, line):
     assert common.failure_line(output, code) == line
 
 
 # --- outcomes ---------------------------------------------------------------------------------
-def test_run_main_records_a_skip_and_a_failure(tmp_path, monkeypatch, capsys):
+def test_run_main_records_a_skip_and_a_failure(tmp_path, monkeypatch, capfd):
     results = tmp_path / "results.jsonl"
     monkeypatch.setitem(common._RUN, "args", tiny_args("--results", str(results)))
     monkeypatch.setitem(common._RUN, "topo", cpu_topology())
@@ -350,7 +368,7 @@ def test_run_main_records_a_skip_and_a_failure(tmp_path, monkeypatch, capsys):
     common.run_main(needs_cuda)  # returns normally: a skip is not an error
     with pytest.raises(RuntimeError):
         common.run_main(breaks)
-    assert "rank 0 failed: RuntimeError: NCCL error\n" in capsys.readouterr().err  # the line shown
+    assert "rank 0 failed: RuntimeError: NCCL error\n" in capfd.readouterr().err  # the line shown
     skipped, failed = common.load_results(results)
     assert (skipped["status"], skipped["reason"]) == ("skipped", "needs CUDA for FP8")
     assert (failed["status"], failed["reason"]) == ("failed", "RuntimeError: NCCL error")

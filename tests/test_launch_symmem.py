@@ -1,11 +1,14 @@
 """Launch tests: 06_symmem under torchrun with 2 CPU processes: the two collectives sweeps (a
 short one) and the two training runs at `tiny`, shared through one module-scoped fixture."""
 
+import subprocess
+import sys
+
 import pytest
 
 import common
 import report
-from helpers import assert_bad_input_is_one_line, finish, only_record, torchrun
+from helpers import assert_bad_input_is_one_line, cpu_env, finish, only_record, torchrun
 
 FOLDER = common.ROOT / "06_symmem"
 SWEEP = ["--sizes", "4K,64K,1M", "--iters", "3"]
@@ -70,3 +73,15 @@ def test_symmetric_memory_training_matches_the_baseline_with_half_the_optimizer_
 ])
 def test_bad_input_exits_2_with_one_line(script, flags, hint, tmp_path):
     assert_bad_input_is_one_line(FOLDER / f"{script}.py", flags, hint, tmp_path)
+
+
+@pytest.mark.parametrize("script", ["baseline_symmem_allreduce", "optimized_symmem_allreduce"])
+def test_a_world_of_one_sweeps_all_but_the_send_it_has_no_peer_for(script, tmp_path):
+    """One GPU (or `python script.py`): gloo cannot send a rank to itself, nor can NCCL."""
+    results = tmp_path / "r.jsonl"
+    run = subprocess.run([sys.executable, str(FOLDER / f"{script}.py"), "--sizes", "4K",
+                          "--iters", "2", "--results", str(results)], cwd=common.ROOT,
+                         capture_output=True, text=True, timeout=120, env=cpu_env())
+    assert run.returncode == 0, run.stderr[-2000:]
+    rec = only_record(results)
+    assert [row["op"] for row in rec["sweep"]] == ["all_reduce", "all_gather", "reduce_scatter"]

@@ -74,8 +74,8 @@ def test_failing_scripts_fail_the_target_show_their_log_and_are_reported(tmp_pat
     # each failure is its own error line on the terminal; tracebacks stay in the log
     assert "FAILED: 09_broken/baseline_raises.py: RuntimeError: broken on purpose (log: " \
         "outputs/logs/baseline_raises.tiny.w1.log)" in run.stdout
-    assert "FAILED: 09_broken/optimized_dies.py: rank 0 exited with code 3 before recording " \
-        "a result" in run.stdout  # the first failure did not stop it
+    assert "FAILED: 09_broken/optimized_dies.py: rank 0 exited with code 3 (log: " \
+        in run.stdout  # the first failure did not stop it
     assert "Traceback" not in run.stdout
     assert "Traceback" in (tmp_path / "outputs/logs/baseline_raises.tiny.w1.log").read_text()
 
@@ -83,8 +83,7 @@ def test_failing_scripts_fail_the_target_show_their_log_and_are_reported(tmp_pat
     assert len(records) == 2  # one row per run: the Makefile does not add a second
     rows = {r["script"]: r for r in records}
     assert rows["baseline_raises"]["reason"] == "RuntimeError: broken on purpose"
-    assert rows["optimized_dies"]["reason"] == "rank 0 exited with code 3 before recording a " \
-        "result"
+    assert rows["optimized_dies"]["reason"] == "rank 0 exited with code 3"
     assert {r["status"] for r in records} == {"failed"}
 
     report = subprocess.run([*make, "report"], cwd=tmp_path, capture_output=True, text=True,
