@@ -1,11 +1,15 @@
 """What the launch and unit tests share: torchrun launches, their records, loading a recipe."""
 
+import contextlib
 import importlib.util
+import io
 import os
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 import common
 
@@ -51,12 +55,27 @@ def load_recipe(path: Path) -> ModuleType:
 
 def assert_bad_input_is_one_line(script: Path, flags: list[str], hint: str, tmp_path: Path,
                                  **env: str) -> None:
-    """The script refuses `flags` with exit 2 and one line naming `hint`, and records nothing."""
+    """The script refuses `flags` with exit 2 and one line naming `hint`, and records nothing.
+
+    Run in this process, its `setup` replaced by an error: a refusal happens before the group
+    is joined, and a fresh Python for each case would cost seconds of start-up."""
     results = tmp_path / "r.jsonl"
-    run = subprocess.run([sys.executable, str(script), *flags, "--results", str(results)],
-                         cwd=common.ROOT, capture_output=True, text=True, timeout=120,
-                         env=cpu_env(**env))
-    assert run.returncode == 2
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and hint in lines[0], run.stderr
+
+    def reached(args):
+        raise AssertionError(f"{script.name} accepted {flags}")
+
+    saved = dict(os.environ), sys.argv, common.setup
+    os.environ.update(env)
+    sys.argv, common.setup = [str(script), *flags, "--results", str(results)], reached
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as refused:
+            load_recipe(script).main()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved[0])
+        sys.argv, common.setup = saved[1], saved[2]
+    assert refused.value.code == 2
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and hint in lines[0], err.getvalue()
     assert not results.exists()

@@ -307,7 +307,8 @@ def test_smoke_is_one_line_a_script_and_fails_if_any_failed(tmp_path):
         "baseline_ok.py": (common.ROOT / "01_ddp" / "baseline_ddp.py").read_text(),
         "optimized_raises.py": textwrap.dedent(RAISES).lstrip(),
         "optimized_skips.py": textwrap.dedent(SKIPS).lstrip()})
-    run = subprocess.run(["make", "smoke", f"PYTHON={sys.executable}", "CPU=1"], cwd=tmp_path,
+    run = subprocess.run(["make", "--no-print-directory", "smoke", f"PYTHON={sys.executable}",
+                          "CPU=1"], cwd=tmp_path,
                          env=gpu_host(tmp_path, 2), capture_output=True, text=True, timeout=240)
     assert run.returncode != 0
     lines = run.stdout.strip().splitlines()
