@@ -111,12 +111,12 @@ TORCHRUN := $(PY) -m torch.distributed.run --nproc_per_node=$(NPROC) --nnodes=$(
 # torchrun sets this to 1 anyway (with a warning); the scripts size their thread pools per rank.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: help install preflight all smoke report traces plan list test clean distclean \
-	fsdp-ablation $(TECHNIQUES)
+.PHONY: help install preflight all smoke report traces plan list test fix-copies clean \
+	distclean fsdp-ablation $(TECHNIQUES)
 
 # `make foo`: make's own answer ("No rule to make target") says nothing of what there is.
-GOALS := help install preflight all smoke report traces plan list test clean distclean \
-	fsdp-ablation $(TECHNIQUES) $(INSTALLED)
+GOALS := help install preflight all smoke report traces plan list test fix-copies clean \
+	distclean fsdp-ablation $(TECHNIQUES) $(INSTALLED)
 ifneq ($(filter-out $(GOALS),$(MAKECMDGOALS)),)
 $(error no target '$(firstword $(filter-out $(GOALS),$(MAKECMDGOALS)))': run `make` for the list)
 endif
@@ -135,6 +135,7 @@ help:
 	@echo "  make traces         where each traced step's time went (after make all TRACE=1)"
 	@echo "  make plan ARGS='--params 7e9 --gpus 8 --gpu-mem 80'   which strategy fits, and its bytes"
 	@echo "  make list           every script with the first line of its docstring"
+	@echo "  make fix-copies     rewrite every '# Copied from' copy from its source"
 	@echo "  make install        create .venv and install requirements.txt (run targets do it)"
 	@echo "  make clean          remove outputs/;  make distclean also removes .venv"
 	@echo
@@ -240,6 +241,11 @@ list: install
 test: install
 	$(PY) -m ruff check .
 	CUDA_VISIBLE_DEVICES= $(PY) -m pytest
+
+# A script repeats another's function on purpose, marked `# Copied from <script>: <name>`:
+# tests/test_copies.py holds each copy to its source, and rewrites them when run.
+fix-copies: install
+	$(PY) tests/test_copies.py
 
 clean:
 	rm -rf outputs .pytest_cache .ruff_cache

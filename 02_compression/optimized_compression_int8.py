@@ -140,6 +140,7 @@ def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future
     return fut
 
 
+# Copied from 02_compression/baseline_compression.py: wrap_ddp
 def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) -> DDP:
     """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph."""
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,

@@ -193,6 +193,7 @@ def torch_hook_sent_bytes(state, model: torch.nn.Module, world_size: int) -> flo
     return 2 * (world_size - 1) / world_size * 4 * values
 
 
+# Copied from 02_compression/baseline_compression.py: wrap_ddp
 def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) -> DDP:
     """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph."""
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 
+# Copied from 02_compression/baseline_compression.py: wrap_ddp
 def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) -> DDP:
     """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph."""
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,

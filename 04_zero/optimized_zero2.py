@@ -36,6 +36,7 @@ import common  # noqa: E402
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
 
 
+# Copied from 04_zero/optimized_zero1.py: units_in_gradient_order
 def units_in_gradient_order(model: common.GPT) -> list[list[nn.Parameter]]:
     """The parameters grouped by block, in the order backward completes their gradients: the
     last block first, the embeddings and final norm last (the tied embedding's gradient is only
@@ -45,6 +46,7 @@ def units_in_gradient_order(model: common.GPT) -> list[list[nn.Parameter]]:
     return blocks + [[p for p in model.parameters() if p not in in_blocks]]
 
 
+# Copied from 04_zero/optimized_zero1.py: Bucket
 @dataclass
 class Bucket:
     """Parameters laid out one after another at [offset, offset + numel) of the model's flat
@@ -62,6 +64,7 @@ class Bucket:
         return flat[start:start + self.numel // world]
 
 
+# Copied from 04_zero/optimized_zero1.py: partition
 def partition(units: list[list[nn.Parameter]], world: int) -> list[Bucket]:
     """One bucket per unit, back to back: rank r owns the r-th 1/N of every bucket."""
     buckets, offset = [], 0
@@ -95,6 +98,7 @@ def owned_shards(buckets: list[Bucket], flat_params: torch.Tensor,
     return [nn.Parameter(b.owned(flat_params, topo.rank, topo.world_size)) for b in buckets]
 
 
+# Copied from 04_zero/optimized_zero1.py: ParamGatherer
 class ParamGatherer:
     """All-gathers every rank's updated slices into every rank's parameters, overlapped with the
     next forward (Megatron-LM's distributed optimizer does the same: --overlap-param-gather).

@@ -46,6 +46,7 @@ import common  # noqa: E402
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
 
 
+# Copied from 04_zero/optimized_zero1.py: units_in_gradient_order
 def units_in_gradient_order(model: common.GPT) -> list[list[nn.Parameter]]:
     """The parameters grouped by block, in the order backward completes their gradients: the
     last block first, the embeddings and final norm last (the tied embedding's gradient is only
@@ -68,6 +69,7 @@ class Bucket:
         return flat_shards[self.offset // world:(self.offset + self.numel) // world]
 
 
+# Copied from 04_zero/optimized_zero1.py: partition
 def partition(units: list[list[nn.Parameter]], world: int) -> list[Bucket]:
     """One bucket per unit, back to back: rank r owns the r-th 1/N of every bucket."""
     buckets, offset = [], 0

@@ -38,10 +38,12 @@ import common  # noqa: E402
 Action = collections.namedtuple("Action", "kind mb stage paired", defaults=(False,))
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: n_stages
 def n_stages(p: int) -> int:
     return p
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: rank_of
 def rank_of(stage: int, mb: int, p: int, m: int) -> int:
     """Stage r on rank r."""
     return stage
@@ -54,12 +56,14 @@ def schedule(p: int, m: int) -> list[list[Action]]:
 
 
 # --- the runtime: the same in every 05_pipeline script -------------------------------------------
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: layer_cost
 def layer_cost(layer: nn.Module) -> int:
     """A layer's compute, roughly: the weights of its matrix multiplies (2 FLOPs each a token);
     the embedding lookups, norms and the attention's own product are small beside them."""
     return sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear))
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cut
 def cut(costs: list[int], stages: int) -> list[range]:
     """Contiguous stages of about equal cost, each of at least one layer: stage s ends where the
     running cost comes nearest to s/stages of the total (the embeddings cost nearly nothing and
@@ -71,6 +75,7 @@ def cut(costs: list[int], stages: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, [*bounds[1:], len(costs)], strict=True)]
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: measure
 def measure(steps: list[list[list[tuple[str, int, int, float, float]]]]
             ) -> tuple[float, list[dict[str, float]]]:
     """Over steps of every rank's timed actions (kind, micro-batch, stage, start, end): the mean
@@ -86,6 +91,7 @@ def measure(steps: list[list[list[tuple[str, int, int, float, float]]]]
     return sum(bubbles) / len(bubbles), means
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: simulate
 def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]], paired: bool = False
              ) -> tuple[float, int]:
     """The idle fraction of running these action lists with each rank's durations of each kind
@@ -136,6 +142,7 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]], paired:
     return 1 - busy / (p * max(clock)), inflight
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: PipelineRank
 class PipelineRank:
     """This rank's stages; runs its actions, keeping each micro-batch's input and output per
     stage until its backward, and times every action from the moment its input is here.
@@ -285,6 +292,7 @@ class PipelineRank:
         return loss
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: comm_theory_mb
 def comm_theory_mb(shape: tuple[int, ...], m: int, tied: int) -> float:
     """What rank 0 sends a step: each micro-batch's activations to rank 1, and its share of the
     tied weight's gradient all-reduce with the last rank (a group of two: the tensor once).

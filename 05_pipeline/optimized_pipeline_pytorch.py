@@ -43,12 +43,14 @@ import common  # noqa: E402
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "dualpipev": ScheduleDualPipeV}
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: layer_cost
 def layer_cost(layer: nn.Module) -> int:
     """A layer's compute, roughly: the weights of its matrix multiplies (2 FLOPs each a token);
     the embedding lookups, norms and the attention's own product are small beside them."""
     return sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear))
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cut
 def cut(costs: list[int], stages: int) -> list[range]:
     """Contiguous stages of about equal cost, each of at least one layer: stage s ends where the
     running cost comes nearest to s/stages of the total (the embeddings cost nearly nothing and

@@ -1,0 +1,80 @@
+"""Deliberate copies stay copies: a script stays standalone (it imports only `common`), so where
+it repeats another script's function or class on purpose, the copy starts with
+
+    # Copied from 05_pipeline/optimized_pipeline_1f1b.py: PipelineRank
+
+on the line above its `def` or `class`, and this test fails when the copy differs from its
+source (HuggingFace transformers' `# Copied from` convention). After changing a source,
+`make fix-copies` (this file run as a script) rewrites its copies."""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = re.compile(r"^# Copied from (\S+\.py): (\w+)$")
+
+
+def definitions(path: Path) -> dict[str, tuple[int, int]]:
+    """Each top-level function and class of a file: its first and last line (0-based,
+    inclusive; decorators included)."""
+    found = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            found[node.name] = (start - 1, node.end_lineno - 1)
+    return found
+
+
+def marked_copies() -> list[tuple[Path, str, Path]]:
+    """(copy's file, name, source's file) for every marker in the numbered folders."""
+    copies = []
+    for path in sorted(ROOT.glob("[0-9][0-9]_*/*.py")):
+        for line in path.read_text().splitlines():
+            if found := MARKER.match(line):
+                copies.append((path, found[2], ROOT / found[1]))
+    return copies
+
+
+def text_of(path: Path, name: str) -> list[str]:
+    start, end = definitions(path)[name]
+    return path.read_text().splitlines()[start:end + 1]
+
+
+def fix() -> int:
+    """Rewrite every marked copy from its source; return how many changed."""
+    changed = 0
+    for path, name, source in marked_copies():
+        lines, wanted = path.read_text().splitlines(), text_of(source, name)
+        start, end = definitions(path)[name]
+        if lines[start:end + 1] != wanted:
+            path.write_text("\n".join(lines[:start] + wanted + lines[end + 1:]) + "\n")
+            changed += 1
+            print(f"{path.relative_to(ROOT)}: {name} rewritten from {source.relative_to(ROOT)}")
+    return changed
+
+
+def test_there_are_marked_copies():
+    assert len(marked_copies()) > 20
+
+
+def test_every_marker_stands_right_above_its_definition_and_names_a_source():
+    for path, name, source in marked_copies():
+        lines = path.read_text().splitlines()
+        start, _ = definitions(path)[name]
+        assert MARKER.match(lines[start - 1]), f"{path.name}: the marker of {name} is not above it"
+        assert source.exists() and source != path, f"{path.name}: {name}'s source {source}"
+        assert name in definitions(source), f"{source.name} has no {name}"
+        assert not any(p == source and n == name for p, n, _ in marked_copies()), \
+            f"{path.name}: {name} is copied from a copy; name the original"
+
+
+def test_every_copy_is_its_source_to_the_letter():
+    for path, name, source in marked_copies():
+        assert text_of(path, name) == text_of(source, name), \
+            f"{path.relative_to(ROOT)}: {name} differs from {source.relative_to(ROOT)}'s: " \
+            "change the source, then `make fix-copies`"
+
+
+if __name__ == "__main__":
+    fix()
