@@ -374,6 +374,19 @@ def comm_theory_mb(shape: tuple[int, ...], m: int, params: int) -> float:
     return (m * 4 * shape[0] * shape[1] * shape[2] + 4 * params + 4) / 2**20
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: skip_unless_pipelined
+def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
+    """The world size is the host's (the Makefile's NPROC: its GPUs), not a flag: where this
+    pipeline cannot use it, the run is skipped with why, not refused."""
+    layers = common.SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
+    if world == 1:
+        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
+                          "more")
+    if stages > layers:
+        raise common.Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages "
+                          f"on {world} processes: use fewer processes or a larger --size")
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
@@ -394,17 +407,10 @@ def main():
     if args.microbatches % 2:
         parser.error(f"DualPipe sends half the micro-batches each way: use an even "
                      f"--microbatches, not {args.microbatches}")
-    layers = common.SIZES[args.size].n_layers + 2  # embeddings, blocks, norm + head + loss
-    if world == 1:
-        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
-                          "more")
+    skip_unless_pipelined(world, n_stages(world), args.size)
     if world % 2:
         raise common.Skip(f"DualPipe pairs rank r with rank p-1-r, so it needs an even number "
                           f"of processes, not {world}: DualPipeV runs on any number")
-    if n_stages(world) > layers:
-        raise common.Skip(f"--size {args.size} has {layers} layers, fewer than the "
-                          f"{n_stages(world)} stages (processes): use fewer processes or a "
-                          f"larger --size")
     if chosen and args.microbatches < 2 * world:
         parser.error(f"DualPipe sends half the micro-batches each way and needs m >= 2p: use an "
                      f"even --microbatches of at least {2 * world}")

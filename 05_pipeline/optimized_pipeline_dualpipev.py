@@ -367,6 +367,19 @@ def comm_theory_mb(shape: tuple[int, ...], m: int) -> float:
     return 2 * m * 4 * shape[0] * shape[1] * shape[2] / 2**20
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: skip_unless_pipelined
+def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
+    """The world size is the host's (the Makefile's NPROC: its GPUs), not a flag: where this
+    pipeline cannot use it, the run is skipped with why, not refused."""
+    layers = common.SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
+    if world == 1:
+        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
+                          "more")
+    if stages > layers:
+        raise common.Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages "
+                          f"on {world} processes: use fewer processes or a larger --size")
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
@@ -384,14 +397,7 @@ def main():
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
-    layers = common.SIZES[args.size].n_layers + 2  # embeddings, blocks, norm + head + loss
-    if world == 1:
-        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
-                          "more")
-    if n_stages(world) > layers:
-        raise common.Skip(f"--size {args.size} has {layers} layers, fewer than the "
-                          f"{n_stages(world)} stages of DualPipeV on {world} processes: use "
-                          f"fewer processes or a larger --size")
+    skip_unless_pipelined(world, n_stages(world), args.size)
     if chosen and args.microbatches < n_stages(world):
         parser.error(f"DualPipeV needs at least as many micro-batches as its {n_stages(world)} "
                      f"stages (2 x {world} processes): use --microbatches {n_stages(world)} "

@@ -300,6 +300,19 @@ def comm_theory_mb(shape: tuple[int, ...], m: int, tied: int) -> float:
     return (m * 4 * shape[0] * shape[1] * shape[2] + 4 * tied) / 2**20
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: skip_unless_pipelined
+def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
+    """The world size is the host's (the Makefile's NPROC: its GPUs), not a flag: where this
+    pipeline cannot use it, the run is skipped with why, not refused."""
+    layers = common.SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
+    if world == 1:
+        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
+                          "more")
+    if stages > layers:
+        raise common.Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages "
+                          f"on {world} processes: use fewer processes or a larger --size")
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=8,
@@ -312,17 +325,11 @@ def main():
     args.batch_size = args.batch_size or 2 * args.microbatches
     if args.model != "gpt":
         parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
-    layers = common.SIZES[args.size].n_layers + 2  # embeddings, blocks, norm + head + loss
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
     world = common.launch_world_size()
-    if world == 1:
-        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
-                          "more")
-    if world > layers:
-        raise common.Skip(f"--size {args.size} has {layers} layers, fewer than the {world} "
-                          f"stages (processes): use fewer processes or a larger --size")
+    skip_unless_pipelined(world, n_stages(world), args.size)
     topo = common.setup(args)
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks

@@ -73,6 +73,19 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: skip_unless_pipelined
+def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
+    """The world size is the host's (the Makefile's NPROC: its GPUs), not a flag: where this
+    pipeline cannot use it, the run is skipped with why, not refused."""
+    layers = common.SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
+    if world == 1:
+        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
+                          "more")
+    if stages > layers:
+        raise common.Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages "
+                          f"on {world} processes: use fewer processes or a larger --size")
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="gpipe",
@@ -94,13 +107,7 @@ def main():
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
-    layers = common.SIZES[args.size].n_layers + 2
-    if world == 1:
-        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
-                          "more")
-    if n_stages > layers:
-        raise common.Skip(f"--size {args.size} has {layers} layers, fewer than the {n_stages} "
-                          f"stages on {world} processes: use fewer processes or a larger --size")
+    skip_unless_pipelined(world, n_stages, args.size)
     if chosen and v and args.microbatches < n_stages:
         parser.error(f"ScheduleDualPipeV needs at least as many micro-batches as its {n_stages} "
                      f"stages: use --microbatches {n_stages} or more")
