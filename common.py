@@ -1014,6 +1014,28 @@ def write_timeline_trace(timelines: Sequence[Sequence[tuple[str, int, int, float
     log(topo, f"timeline of one step written to {path} (open in https://ui.perfetto.dev)")
 
 
+def gather_timelines(timelines: list[list[tuple[str, int, int, float, float]]],
+                     args: argparse.Namespace, topo: Topology
+                     ) -> tuple[list[list[list[tuple]]], float, list[dict[str, float]]]:
+    """A pipeline's timed steps from every rank: each action (kind, micro-batch, stage, start,
+    end) in seconds on its own rank's clock from the barrier that started the step, so no two
+    ranks' clocks are compared (they may be on different nodes). Rank 0 prints the last step's
+    timeline and writes its trace. Returns the steps (each a timeline per rank); the mean idle
+    fraction of a step, the bubble: 1 - busy time / (ranks x the time to the step's last
+    action's end); and each rank's mean time of each kind of action."""
+    gathered = [None] * topo.world_size
+    dist.all_gather_object(gathered, timelines)
+    steps = [list(ranks) for ranks in zip(*gathered, strict=True)]
+    bubble = statistics.mean(1 - sum(a[4] - a[3] for tl in ranks for a in tl)
+                             / (len(ranks) * max(a[4] for tl in ranks for a in tl))
+                             for ranks in steps)
+    means = [{kind: statistics.mean(a[4] - a[3] for step in rank for a in step if a[0] == kind)
+              for kind in {a[0] for step in rank for a in step}} for rank in gathered]
+    log(topo, render_timeline(steps[-1]))
+    write_timeline_trace(steps[-1], args, topo)
+    return steps, bubble, means
+
+
 # ---------------------------------------------------------------------------------------------
 # Results: one JSON line per run, appended by rank 0.
 # ---------------------------------------------------------------------------------------------

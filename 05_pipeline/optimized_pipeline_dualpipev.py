@@ -1,39 +1,26 @@
 """DualPipeV by hand: 2p stages folded into a V on p ranks, the backward split in two.
 
-What it does: the GPT's layers are cut into 2p stages, and rank r holds two of them: stage r on
-the way down the V and stage 2p-1-r on the way back up (rank 0 holds the first and the last
-stage, rank p-1 the two middle ones, handed from one to the other in memory). Each micro-batch
-goes forward down ranks 0..p-1 and back up p-1..0, and its backward retraces the V. The
-backward of a stage comes whole (`B`) or split in two, as zero-bubble pipelines do: `I`, the
-gradient of the stage's input, which the previous stage is waiting for, and `W`, the gradient of
-its weights, which nobody waits for and so can fill a gap later. The schedule is DeepSeek's
-(DeepSeek-V3 report and github.com/deepseek-ai/DualPipe, "cut in half" from the bidirectional
-DualPipe by Sea AI Lab), in eight phases per rank: forwards of the first stage to fill the V,
-forwards of both, I-W-F triples, the steady state where each forward of one stage is paired
-with a backward of the other, then backwards with more and more of them split, and the
-deferred W's last. `schedule(p, m)` returns every rank's actions; the runtime is the same code
-as in the GPipe and 1F1B scripts.
-Why it helps: the V puts the first and the last stage on rank 0, so the pipeline is full from
-both ends; with the W's moved into the gaps the bubble shrinks from 1F1B's (p-1)(F+B) (F, B a
-whole rank's forward and backward of a micro-batch) to (p-1)(F+2B-3W)/2 in the same units
-(the paper's (PP/2-1)(F&B+B-3W) for stages half as large). It needs m >= 2p micro-batches
-(DeepSeek's code asserts it; torch's `ScheduleDualPipeV` wants at least as many micro-batches
-as stages), or the steady state would run a negative number of times. The tied embedding/head
-weight sits on rank 0 twice (first and last stage) as one tensor, so its two gradients add up
-with no communication.
-Overlap: on a GPU DeepSeek runs each paired forward and backward together, one's all-to-all and
-send/recv hidden behind the other's kernels (in their model, MoE dispatch and combine); a paired
-chunk then starts when both of its inputs are here. With one thread per rank here the pair runs
-one after the other, each as soon as its own input is here: what remains is the ordering, which
-is what shrinks the bubble. `theory.bubble_paired` gives the bubble had the pairs waited for
-each other: with F = I and B = I + W, the paper's table as a fraction.
+What it does: the GPT's layers are cut into 2p stages; rank r holds stage r on the way down the V
+and stage 2p-1-r on the way back up, so rank 0 holds the first and the last stage and rank p-1
+the two middle ones, handed from one to the other in memory (the V's turn). A stage's backward
+comes whole (B) or split, as in zero-bubble pipelines: I, the input's gradient, which the
+previous stage waits for, then later W, the weights' gradient, which nobody waits for and so
+fills a gap. The schedule is DeepSeek's (DeepSeek-V3 report, github.com/deepseek-ai/DualPipe),
+eight phases per rank (`dualpipe_rank`). The runtime is 1F1B's, extended with the split, two
+stages a rank and the turn; receives are posted as soon as their send is scheduled.
+Why it helps: with the first and last stage on rank 0 the V is fed from both ends, and the W's
+fill the gaps: the bubble falls from 1F1B's (p-1)(F+B) to (p-1)(F+2B-3W)/2 (F, B, W a whole
+rank's; the paper's (PP/2-1)(F&B+B-3W) for stages half as large). It needs m >= 2p micro-batches.
+The tied embedding/head weight sits on rank 0 twice, one tensor: nothing to sum.
+On a GPU DeepSeek overlaps each paired forward and backward (one's communication behind the
+other's kernels); with one thread per rank they run one after the other here, each when its
+input is here. `theory.bubble_paired` is the bubble had they waited for each other.
 Run:        torchrun --nproc_per_node=2 05_pipeline/optimized_pipeline_dualpipev.py --size small
-Look for:   `bubble` below 1F1B's and near `theory.bubble`; `inflight_max` (stages' activations
-            held: 2p+1, the paper's PP+1, each a half-size stage); the ASCII timeline, where a
-            rank's second stage is in lower case (f, b, i, w) and W's fill the ends.
-Theory:     bubble = idle fraction of these action lists run with the measured mean F, B, I, W
-            times; with F = I and B = I + W, the paired version's idle time per rank is the
-            paper's (PP/2-1)(F&B + B - 3W), PP = 2p stages, F&B = F + B (tests/test_pipeline.py).
+Look for:   `bubble` below 1F1B's and near `theory.bubble`; `inflight_max` 2p+1 half-size stages
+            (the paper's PP+1); the timeline: the second stage in lower case (f, b, i, w).
+Theory:     bubble = the idle fraction of these action lists run with each rank's measured mean
+            F, B, I and W times (`simulate`); paired, with F = I and B = I + W, it is the paper's
+            (PP/2-1)(F&B + B - 3W), PP = 2p stages (tests/test_pipeline.py).
 """
 
 import collections
@@ -41,6 +28,7 @@ import itertools
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,18 +37,12 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
-# kind: F forward; B backward, input and weight gradients in one pass; I the input's gradient
-# only, its W (the weights' gradient) later. paired: DeepSeek overlaps this F with the next action.
-Action = collections.namedtuple("Action", "kind mb stage paired", defaults=(False,))
 
-
-def n_stages(p: int) -> int:
-    return 2 * p
-
-
-def rank_of(stage: int, mb: int, p: int, m: int) -> int:
-    """Down the V on ranks 0..p-1, back up on p-1..0."""
-    return stage if stage < p else 2 * p - 1 - stage
+class Action(NamedTuple):
+    kind: str  # F forward; B backward; I the input's gradient, its W (the weights') later
+    mb: int  # the micro-batch
+    stage: int
+    paired: bool = False  # DeepSeek overlaps this F with the action after it
 
 
 def schedule(p: int, m: int) -> list[list[Action]]:
@@ -123,7 +105,7 @@ def dualpipe_rank(n: int, m: int, r: int, stage: dict[int, int], mbs: dict[int, 
     return actions
 
 
-# --- the runtime: the same in every 05_pipeline script -------------------------------------------
+# --- the runtime: 1F1B's, with I and W, two stages a rank and the V's turn ---------------
 # Copied from 05_pipeline/optimized_pipeline_1f1b.py: layer_cost
 def layer_cost(layer: nn.Module) -> int:
     """A layer's compute, roughly: the weights of its matrix multiplies (2 FLOPs each a token);
@@ -143,39 +125,31 @@ def cut(costs: list[int], stages: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, [*bounds[1:], len(costs)], strict=True)]
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: measure
-def measure(steps: list[list[list[tuple[str, int, int, float, float]]]]
-            ) -> tuple[float, list[dict[str, float]]]:
-    """Over steps of every rank's timed actions (kind, micro-batch, stage, start, end): the mean
-    idle fraction of a step (1 - busy time / (ranks x the span from its first action's start to
-    its last's end)), and each rank's mean time of each kind of action."""
-    bubbles = []
-    for ranks in steps:
-        span = max(a[4] for tl in ranks for a in tl) - min(a[3] for tl in ranks for a in tl)
-        bubbles.append(1 - sum(a[4] - a[3] for tl in ranks for a in tl) / (len(ranks) * span))
-    per_rank = [[a for ranks in steps for a in ranks[r]] for r in range(len(steps[0]))]
-    means = [{k: sum(a[4] - a[3] for a in acts if a[0] == k) / sum(a[0] == k for a in acts)
-              for k in {a[0] for a in acts}} for acts in per_rank]
-    return sum(bubbles) / len(bubbles), means
-
-
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: simulate
-def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]], paired: bool = False
-             ) -> tuple[float, int]:
-    """The idle fraction of running these action lists with each rank's durations of each kind
-    and free communication, and the most stages' activations a rank holds at once (from an F to
-    its B or W). An action starts when its rank is free and its input is done: an F's the
-    previous stage's F, a B's or I's the next stage's B or I (and its own F), a W's its I. With
-    `paired`, a paired F and the action after it start together, when both inputs are done."""
-    p, done, clock, at = len(ranks), {}, [0.0] * len(ranks), [0] * len(ranks)
-    last = max(a.stage for actions in ranks for a in actions)
+def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None = None,
+             paired: bool = False) -> tuple[float, int, list[list[list[tuple[str, int, int]]]]]:
+    """Walks these action lists in rounds, each rank taking its next action once its input is
+    done (an F's: the previous stage's F; a B's or I's: the next stage's B or I; a W's: its own
+    I), with each rank's times of each kind (`seconds`, default 1) and free communication; with
+    `paired`, a paired F and the action after it start together, once both inputs are done.
+    Returns the idle fraction; the most stages' activations a rank holds at once (from an F to
+    its B or W); and where the runtime posts its receives: for each rank and action, the inputs
+    (kind F or B, micro-batch, stage) posted just before it, as soon as the action that sends
+    one is taken (not the V's turn: it stays on its rank). So every rank posts its sends and
+    receives in one global order, as torch.distributed.pipelining does, and under NCCL's rule
+    (a send completes only once its receive is posted) no rank waits for a peer that waits for
+    it (tests/test_pipeline.py checks it). The rounds, so the receives, do not depend on the
+    times."""
+    owner = {(a.mb, a.stage): r for r, actions in enumerate(ranks) for a in actions}
+    p, last, done = len(ranks), max(s for _, s in owner), {}
+    clock, at = [0.0] * p, [0] * p
+    seconds = seconds or [{"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0}] * p
+    posts = [[[] for _ in actions] for actions in ranks]
 
     def needs(a: Action) -> list[tuple[str, int, int]]:
-        if a.kind == "F":
-            return [("F", a.mb, a.stage - 1)] if a.stage > 0 else []
         if a.kind == "W":
             return [("I", a.mb, a.stage)]
-        return [("F", a.mb, a.stage)] + ([("B", a.mb, a.stage + 1)] if a.stage < last else [])
+        src = a.stage - 1 if a.kind == "F" else a.stage + 1
+        return [("F" if a.kind == "F" else "B", a.mb, src)] if 0 <= src <= last else []
 
     while any(at[r] < len(ranks[r]) for r in range(p)):
         progressed = False
@@ -193,100 +167,72 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]], paired:
                 done[(b.kind, b.mb, b.stage)] = clock[r]
                 if b.kind == "I":  # what the previous stage's backward waits for
                     done[("B", b.mb, b.stage)] = clock[r]
+                to = b.stage + 1 if b.kind == "F" else b.stage - 1
+                if b.kind != "W" and 0 <= to <= last and (dst := owner[(b.mb, to)]) != r:
+                    posts[dst][at[dst]].append(("F" if b.kind == "F" else "B", b.mb, to))
             at[r] += len(group)
             progressed = True
         if not progressed:
             raise ValueError("the schedule deadlocks: every rank waits for another")
     busy = sum(seconds[r][a.kind] for r, actions in enumerate(ranks) for a in actions)
-    inflight = 0
-    for actions in ranks:
-        held = set()
-        for a in actions:
-            if a.kind == "F":
-                held.add((a.mb, a.stage))
-            elif a.kind in "BW":  # after an I the stage still holds what its W needs
-                held.discard((a.mb, a.stage))
-            inflight = max(inflight, len(held))
-    return 1 - busy / (p * max(clock)), inflight
+    held = [list(itertools.accumulate({"F": 1, "B": -1, "I": 0, "W": -1}[a.kind]
+                                      for a in actions)) for actions in ranks]
+    return 1 - busy / (p * max(clock)), max(max(counts) for counts in held), posts
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: PipelineRank
 class PipelineRank:
-    """This rank's stages; runs its actions, keeping each micro-batch's input and output per
-    stage until its backward, and times every action from the moment its input is here.
+    """This rank's stages: runs its actions, keeping each micro-batch's input and output per
+    stage until its backward. A receive is posted where `simulate` places it, into a buffer of
+    its own, and waited for when the action that needs it starts; a send goes out when its
+    tensor is ready and is waited for at the end of the step, or, to a stage of this rank (the
+    V's turn), is handed over in memory. An action is timed from the moment its input is here,
+    on this rank's clock from the barrier that starts the step (on CUDA after synchronising the
+    device: its kernels' time, not their launch)."""
 
-    An output goes to the rank holding the next stage: in memory when that is this rank (the
-    V's turn), else by isend. Activations and gradients travel in two process groups: two
-    ordered channels per link, because a rank may send its neighbour an activation and then a
-    gradient that the neighbour wants in the other order (DualPipeV from p = 3), and NCCL, unlike
-    gloo, ignores tags. Within a channel both ends post in the same order (a test checks it).
-    Sends go out together with the next receive, in one `batch_isend_irecv` (or at once when the
-    next action receives nothing): in a steady state both ranks of a link send and then receive,
-    and NCCL runs a send until its peer's receive starts, so unpaired, two large messages would
-    wait for each other (Megatron-LM and torch.distributed.pipelining pair them the same way).
-    On CUDA the clock is read after synchronising the device, so an action's time is its
-    kernels', not their launch."""
-
-    def __init__(self, stages: dict[int, list[nn.Module]], actions: list[Action],
+    def __init__(self, stages: dict[int, list[nn.Module]], ranks: list[list[Action]],
                  topo: common.Topology, m: int, shape: tuple[int, ...],
                  autocast_dtype: torch.dtype | None):
         self.stages = {s: nn.ModuleList(layers) for s, layers in stages.items()}
         self.layers = nn.ModuleList(self.stages.values())  # every parameter once
         self.topo, self.m, self.shape, self.autocast_dtype = topo, m, shape, autocast_dtype
-        self.p, self.last = topo.world_size, n_stages(topo.world_size) - 1
-        self.split = {(a.mb, a.stage) for a in actions if a.kind == "I"}
+        self.actions, self.posts = ranks[topo.rank], simulate(ranks)[2][topo.rank]
+        self.owner = {(a.mb, a.stage): r for r, actions in enumerate(ranks) for a in actions}
+        self.last = max(s for _, s in self.owner)
+        self.split = {(a.mb, a.stage) for a in self.actions if a.kind == "I"}
         self.weighted = {s: [mod for mod in layers.modules() if list(mod.parameters(recurse=False))]
                          for s, layers in self.stages.items()}  # what a W differentiates
-        self.groups = {"F": dist.new_group(), "B": dist.new_group()}  # activations, gradients
+        self.inbox: dict[tuple[str, int, int], tuple[torch.Tensor, dist.Work | None]] = {}
         self.kept: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> what its backward needs
-        self.handed: dict[tuple[str, int, int], torch.Tensor] = {}  # to a stage of this rank
-        self.outbox: list[dist.P2POp] = []  # sends not posted yet
-        self.sent: list[dist.Work] = []  # sends posted, dropped once done (their tensors too)
-        self.timelines: list[list[tuple[str, int, int, float, float]]] = []  # per step, action
-        self.inflight_max = 0
+        self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # sends in flight
+        self.timelines: list[list[tuple[str, int, int, float, float]]] = []  # per step
+        self.inflight_max, self.t0 = 0, 0.0
 
     def now(self) -> float:
         if self.topo.device.type == "cuda":
             torch.cuda.synchronize(self.topo.device)
-        return time.time()
+        return time.perf_counter() - self.t0
 
-    def give(self, kind: str, mb: int, stage: int, tensor: torch.Tensor) -> None:
-        """Stage `stage`'s input for its F (kind "F") or its backward (kind "B")."""
-        dst = rank_of(stage, mb, self.p, self.m)
-        if dst == self.topo.rank:
-            self.handed[(kind, mb, stage)] = tensor
-        else:
-            self.outbox.append(dist.P2POp(dist.isend, tensor, dst, group=self.groups[kind]))
-
-    def take(self, kind: str, mb: int, stage: int, src: int | None) -> torch.Tensor | None:
-        """This action's input from rank `src` (None: it has none); the sends still owed go out
-        with its receive, or at once when it receives nothing."""
-        if src is None or src == self.topo.rank:
-            self.flush()
-            return None if src is None else self.handed.pop((kind, mb, stage))
-        group = self.groups[kind]
+    def post_receive(self, kind: str, mb: int, stage: int) -> None:
         x = torch.empty(self.shape, device=self.topo.device)
-        self.flush(besides=group)
-        works = dist.batch_isend_irecv([*self.outbox, dist.P2POp(dist.irecv, x, src, group=group)])
-        works[-1].wait()  # the receive (NCCL: the whole group)
-        self.sent += works[:-1]
-        self.outbox = []
+        src = self.owner[(mb, stage - 1 if kind == "F" else stage + 1)]
+        self.inbox[(kind, mb, stage)] = x, dist.irecv(x, src)
+
+    def received(self, kind: str, mb: int, stage: int) -> torch.Tensor:
+        x, work = self.inbox.pop((kind, mb, stage))
+        if work is not None:
+            work.wait()
         return x
 
-    def flush(self, besides: dist.ProcessGroup | None = None) -> None:
-        """Post the sends still owed (but those in group `besides`); forget those that are done."""
-        for group in self.groups.values():
-            ops = [op for op in self.outbox if op.group is group]
-            if ops and group is not besides:
-                self.sent += dist.batch_isend_irecv(ops)
-                self.outbox = [op for op in self.outbox if op.group is not group]
-        self.sent = [work for work in self.sent if not work.is_completed()]
+    def send(self, tensor: torch.Tensor, kind: str, mb: int, stage: int) -> None:
+        """`tensor` is stage `stage`'s input for its F (kind "F") or its backward ("B")."""
+        if (dst := self.owner[(mb, stage)]) == self.topo.rank:
+            self.inbox[(kind, mb, stage)] = tensor, None
+        else:
+            self.sending.append((tensor, dist.isend(tensor, dst)))
 
     def forward(self, mb: int, stage: int, tokens: torch.Tensor, targets: torch.Tensor
                 ) -> torch.Tensor:
-        src = rank_of(stage - 1, mb, self.p, self.m) if stage > 0 else None
-        x = self.take("F", mb, stage, src)
-        x = tokens if x is None else x.requires_grad_()
+        x = tokens if stage == 0 else self.received("F", mb, stage).requires_grad_()
         start = self.now()
         weighted = []  # (layer, its output) of each layer with weights, if its W comes later
         hooks = [layer.register_forward_hook(lambda mod, _, out: weighted.append((mod, out)))
@@ -301,7 +247,7 @@ class PipelineRank:
         if stage == self.last:
             out = out / self.m  # the step's loss is the mean over micro-batches
         else:
-            self.give("F", mb, stage + 1, out.detach())
+            self.send(out.detach(), "F", mb, stage + 1)
         self.kept[(mb, stage)] = (x, out, weighted)
         self.inflight_max = max(self.inflight_max, len(self.kept))
         self.timelines[-1].append(("F", mb, stage, start, self.now()))
@@ -311,40 +257,39 @@ class PipelineRank:
         """B: the input's and the weights' gradients in one pass. I (split): the input's and the
         gradient at the output of every layer with weights; the stage's graph is kept for the W
         (all it saved, not only what the W needs: more memory than DeepSeek's per-Linear W)."""
-        src = rank_of(stage + 1, mb, self.p, self.m) if stage < self.last else None
-        grad = self.take("B", mb, stage, src)
+        grad = None if stage == self.last else self.received("B", mb, stage)
         start = self.now()
-        x, out, weighted = self.kept[(mb, stage)]
+        x, out, weighted = self.kept.pop((mb, stage))
         inputs = [x] if stage > 0 else []
-        if split:  # the graph is kept for the W, which walks one node of it per layer
+        if split:  # into each one's .grad; the W walks one node of the graph per layer
             torch.autograd.backward(out, grad, inputs=inputs + [o for _, o in weighted],
-                                    retain_graph=True)  # into each one's .grad
+                                    retain_graph=True)
             self.kept[(mb, stage)] = weighted
-            if inputs:
-                self.give("B", mb, stage - 1, x.grad)
         else:
             out.backward(grad)
-            del self.kept[(mb, stage)]
-            if inputs:
-                self.give("B", mb, stage - 1, x.grad)
+        if inputs:
+            self.send(x.grad, "B", mb, stage - 1)
         self.timelines[-1].append(("I" if split else "B", mb, stage, start, self.now()))
 
     def weight_backward(self, mb: int, stage: int) -> None:
         """W: each layer's weight gradients from the gradient at its output (a layer at a time:
         from all outputs at once, a gradient would also flow on into the earlier layers)."""
-        self.flush()  # a W receives nothing: what this rank owes goes out now
         start = self.now()
         for layer, out in self.kept.pop((mb, stage)):
             torch.autograd.backward(out, out.grad, inputs=list(layer.parameters(recurse=False)))
         self.timelines[-1].append(("W", mb, stage, start, self.now()))
 
-    def run(self, actions: list[Action], tokens: torch.Tensor, targets: torch.Tensor
-            ) -> torch.Tensor:
-        """One step's actions; returns the loss of the micro-batches whose last stage is here."""
+    def run(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One step's actions; returns the loss (on the rank of the last stage, else 0)."""
+        dist.barrier()  # the step's one reference: every rank times its actions from here
+        self.t0 = time.perf_counter()
         self.timelines.append([])
         loss = torch.zeros((), device=self.topo.device)
         micro = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
-        for kind, mb, stage, _ in actions:
+        for (kind, mb, stage, _), posts in zip(self.actions, self.posts, strict=True):
+            for post in posts:
+                self.post_receive(*post)
+            self.sending = [(t, work) for t, work in self.sending if not work.is_completed()]
             if kind == "F":
                 out = self.forward(mb, stage, *micro[mb])
                 if stage == self.last:
@@ -353,10 +298,9 @@ class PipelineRank:
                 self.weight_backward(mb, stage)
             else:
                 self.backward(mb, stage, split=kind == "I")
-        self.flush()
-        for work in self.sent:
+        for _, work in self.sending:
             work.wait()
-        self.sent.clear()
+        self.sending.clear()
         return loss
 
 
@@ -390,60 +334,48 @@ def main():
     args = parser.parse_args()
     world = common.launch_world_size()
     chosen = args.microbatches is not None
-    args.microbatches = args.microbatches or max(8, n_stages(world))
+    args.microbatches = args.microbatches or max(8, 2 * world)
     args.batch_size = args.batch_size or 2 * args.microbatches
     if args.model != "gpt":
         parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
-    skip_unless_pipelined(world, n_stages(world), args.size)
-    if chosen and args.microbatches < n_stages(world):
-        parser.error(f"DualPipeV needs at least as many micro-batches as its {n_stages(world)} "
-                     f"stages (2 x {world} processes): use --microbatches {n_stages(world)} "
-                     "or more")
+    skip_unless_pipelined(world, 2 * world, args.size)
+    if chosen and args.microbatches < 2 * world:
+        parser.error(f"DualPipeV needs at least as many micro-batches as its {2 * world} stages "
+                     f"(2 x {world} processes): use --microbatches {2 * world} or more")
     topo = common.setup(args)
-    if topo.backend == "nccl" and topo.world_size > 1:
-        # NCCL runs a send until its peer's receive is posted, and this runtime waits on a
-        # receive grouped with the sends owed: modelled under that rule, DualPipe(V)'s crossing
-        # streams can deadlock (GPipe and 1F1B cannot). Posting at DeepSeek's commit points
-        # would fix it; untested on GPUs, it is refused rather than risk a hang.
-        raise common.Skip("this runtime's send/recv posting is verified on gloo only; on NCCL "
-                          "DualPipe(V) can deadlock: run on CPU, or torch's ScheduleDualPipeV")
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
     layers = model.pipeline_layers()
     params = sum(q.numel() for q in model.parameters())
-    actions = schedule(p, m)[topo.rank]
-    stages = cut([layer_cost(layer) for layer in layers], n_stages(p))
-    mine = {s: [layers[i] for i in stages[s]] for s in sorted({a.stage for a in actions})}
+    stages = cut([layer_cost(layer) for layer in layers], 2 * p)
+    mine = {s: [layers[i] for i in stages[s]] for s in (topo.rank, 2 * p - 1 - topo.rank)}
     shape = (args.batch_size // m, args.seq_len, model.tok_emb.embedding_dim)
-    pipe = PipelineRank(mine, actions, topo, m, shape, model.autocast_dtype)
+    pipe = PipelineRank(mine, schedule(p, m), topo, m, shape, model.autocast_dtype)
     del model, layers  # the other ranks' layers are freed: a rank holds its stages only
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=args.lr)
 
     def train_step(tokens, targets):
         opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
-        loss = pipe.run(actions, tokens, targets)
+        loss = pipe.run(tokens, targets)
         opt.step()
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(pipe.layers, opt),
                                loss_rank=0, dp_world=1)
-    gathered = [None] * p  # every rank's timed steps
-    dist.all_gather_object(gathered, (pipe.timelines[args.warmup:], pipe.inflight_max))
-    steps = [list(ranks) for ranks in zip(*[tls for tls, _ in gathered], strict=True)]
-    measured, means = measure(steps)
-    bubble, inflight = simulate(schedule(p, m), means)
-    paired, _ = simulate(schedule(p, m), means, paired=True)
-    common.log(topo, common.render_timeline(steps[-1]))
-    common.write_timeline_trace(steps[-1], args, topo)
+    steps, measured, means = common.gather_timelines(pipe.timelines[args.warmup:], args, topo)
+    bubble, inflight, _ = simulate(schedule(p, m), means)
+    paired, _, _ = simulate(schedule(p, m), means, paired=True)
+    inflight_max = torch.tensor(pipe.inflight_max, device=topo.device)
+    dist.all_reduce(inflight_max, op=dist.ReduceOp.MAX)  # the most any rank held
     common.record(args, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
                   optimizer=opt, comm_mb=stats.comm_mb, dp_world=1, params=params,
                   loss_tolerance=1e-5 if args.dtype == "fp32" else 5e-2,
-                  schedule="dualpipev", microbatches=m, stages=n_stages(p),
+                  schedule="dualpipev", microbatches=m, stages=2 * p,
                   timeline=[[list(a) for a in tl] for tl in steps[-1]],
-                  bubble=round(measured, 4), inflight_max=max(n for _, n in gathered),
+                  bubble=round(measured, 4), inflight_max=int(inflight_max),
                   theory={"bubble": round(bubble, 4), "bubble_paired": round(paired, 4),
                           "inflight_max": inflight, "comm_mb": comm_theory_mb(shape, m)})
 

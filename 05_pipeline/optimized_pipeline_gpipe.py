@@ -1,30 +1,30 @@
 """GPipe by hand: all m micro-batches forward, then all m backward, over send/recv.
 
-What it does: the GPT's layers (embeddings, blocks, final norm + head + loss) are cut into p
-contiguous stages, one per rank; the batch is split into m micro-batches. Every rank runs the
-forwards of all m micro-batches as they arrive, then their backwards, last rank first.
-Activations go to the next rank and their gradients come back with isend/irecv. The schedule is
-data: `schedule(p, m)` returns every rank's ordered list of actions, and a small runtime
-(the same in every 05_pipeline script) executes them. The tied embedding/head weight lives on
-the first and last ranks; its two gradients are summed between them each step (as Megatron-LM
-does), so the pipeline trains exactly the unsplit model.
+What it does: the GPT's layers are cut into p stages of about equal cost, one per rank, and the
+batch into m micro-batches. Every rank runs the forwards of all m micro-batches as they arrive,
+then their backwards, last rank first. The schedule is data (`schedule(p, m)`: each rank's
+ordered actions) and a small runtime runs it: a rank posts the receive for an input as soon as
+the peer's action that sends it is scheduled, so the message crosses while the rank computes.
+The tied embedding/head weight lives on the first and last ranks; its two gradients are summed
+between them each step (as Megatron-LM does): the unsplit model, exactly.
 Why it helps: with the whole batch as one piece (baseline_pipeline.py) one rank computes at a
-time and each rank is idle (p-1)/p of the step. With m micro-batches, rank r+1 works on
-micro-batch i while rank r works on i+1: the idle fraction, the bubble, falls to (p-1)/(m+p-1).
-The price: every rank holds the activations of all m micro-batches when backward starts.
+time, each idle (p-1)/p of the step. With m micro-batches, rank r+1 works on micro-batch i while
+rank r works on i+1, and the idle fraction, the bubble, falls to (p-1)/(m+p-1). The price: every
+rank holds the activations of all m micro-batches when its backwards start.
 Run:        torchrun --nproc_per_node=2 05_pipeline/optimized_pipeline_gpipe.py --size small
-Look for:   `make pipeline report`: speedup over the baseline, `bubble` beside `theory.bubble`,
-            `inflight_max` = m, and the ASCII timeline of one real step printed at the end (a
-            trace per run goes to outputs/traces/).
-Theory:     bubble = idle fraction of these action lists run with the measured mean forward
-            and backward times, (p-1)/(m+p-1) when they are uniform; m micro-batches in flight.
+Look for:   `make pipeline report`: the speedup over the baseline, `bubble` beside
+            `theory.bubble`, `inflight_max` (m), and one step's timeline.
+Theory:     bubble = the idle fraction of these action lists run with each rank's measured mean
+            F and B times (`simulate`), (p-1)/(m+p-1) when they are equal; m micro-batches in
+            flight. The measured bubble times each rank's actions on its own clock from a
+            barrier that starts the step, so it holds across nodes.
 """
 
-import collections
 import itertools
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,20 +33,12 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
-# kind: F forward; B backward, input and weight gradients in one pass; I the input's gradient
-# only, its W (the weights' gradient) later. paired: DeepSeek overlaps this F with the next action.
-Action = collections.namedtuple("Action", "kind mb stage paired", defaults=(False,))
 
-
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: n_stages
-def n_stages(p: int) -> int:
-    return p
-
-
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: rank_of
-def rank_of(stage: int, mb: int, p: int, m: int) -> int:
-    """Stage r on rank r."""
-    return stage
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: Action
+class Action(NamedTuple):
+    kind: str  # F forward, B backward
+    mb: int  # the micro-batch
+    stage: int
 
 
 def schedule(p: int, m: int) -> list[list[Action]]:
@@ -55,7 +47,7 @@ def schedule(p: int, m: int) -> list[list[Action]]:
             for r in range(p)]
 
 
-# --- the runtime: the same in every 05_pipeline script -------------------------------------------
+# --- the runtime, the same in the GPipe and 1F1B scripts ---------------------------------------
 # Copied from 05_pipeline/optimized_pipeline_1f1b.py: layer_cost
 def layer_cost(layer: nn.Module) -> int:
     """A layer's compute, roughly: the weights of its matrix multiplies (2 FLOPs each a token);
@@ -75,220 +67,128 @@ def cut(costs: list[int], stages: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, [*bounds[1:], len(costs)], strict=True)]
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: measure
-def measure(steps: list[list[list[tuple[str, int, int, float, float]]]]
-            ) -> tuple[float, list[dict[str, float]]]:
-    """Over steps of every rank's timed actions (kind, micro-batch, stage, start, end): the mean
-    idle fraction of a step (1 - busy time / (ranks x the span from its first action's start to
-    its last's end)), and each rank's mean time of each kind of action."""
-    bubbles = []
-    for ranks in steps:
-        span = max(a[4] for tl in ranks for a in tl) - min(a[3] for tl in ranks for a in tl)
-        bubbles.append(1 - sum(a[4] - a[3] for tl in ranks for a in tl) / (len(ranks) * span))
-    per_rank = [[a for ranks in steps for a in ranks[r]] for r in range(len(steps[0]))]
-    means = [{k: sum(a[4] - a[3] for a in acts if a[0] == k) / sum(a[0] == k for a in acts)
-              for k in {a[0] for a in acts}} for acts in per_rank]
-    return sum(bubbles) / len(bubbles), means
-
-
 # Copied from 05_pipeline/optimized_pipeline_1f1b.py: simulate
-def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]], paired: bool = False
-             ) -> tuple[float, int]:
-    """The idle fraction of running these action lists with each rank's durations of each kind
-    and free communication, and the most stages' activations a rank holds at once (from an F to
-    its B or W). An action starts when its rank is free and its input is done: an F's the
-    previous stage's F, a B's or I's the next stage's B or I (and its own F), a W's its I. With
-    `paired`, a paired F and the action after it start together, when both inputs are done."""
+def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None = None
+             ) -> tuple[float, int, list[list[list[tuple[str, int]]]]]:
+    """Walks these action lists in rounds, each rank taking its next action once its input is
+    done (an F's: the previous stage's F; a B's: the next stage's B), with each rank's times of
+    F and B (`seconds`, default 1) and free communication. Returns the idle fraction; the most
+    micro-batches a rank holds at once (from an F to its B); and where the runtime posts its
+    receives: for each rank and action, the inputs (kind, micro-batch) posted just before it,
+    as soon as the action that sends one is taken. So every rank posts its sends and receives
+    in one global order, as torch.distributed.pipelining does, and under NCCL's rule (a send
+    completes only once its receive is posted) no rank waits for a peer that waits for it
+    (tests/test_pipeline.py checks it). The rounds, so the receives, do not depend on the times."""
     p, done, clock, at = len(ranks), {}, [0.0] * len(ranks), [0] * len(ranks)
-    last = max(a.stage for actions in ranks for a in actions)
-
-    def needs(a: Action) -> list[tuple[str, int, int]]:
-        if a.kind == "F":
-            return [("F", a.mb, a.stage - 1)] if a.stage > 0 else []
-        if a.kind == "W":
-            return [("I", a.mb, a.stage)]
-        return [("F", a.mb, a.stage)] + ([("B", a.mb, a.stage + 1)] if a.stage < last else [])
-
+    seconds = seconds or [{"F": 1.0, "B": 1.0}] * p
+    posts = [[[] for _ in actions] for actions in ranks]
     while any(at[r] < len(ranks[r]) for r in range(p)):
         progressed = False
         for r in range(p):
             if at[r] == len(ranks[r]):
                 continue
-            a = ranks[r][at[r]]
-            group = ranks[r][at[r]:at[r] + 2] if paired and a.paired else [a]
-            inputs = [n for b in group for n in needs(b)]
-            if any(n not in done for n in inputs):
+            kind, mb, stage = ranks[r][at[r]]
+            needs = (kind, mb, stage - 1 if kind == "F" else stage + 1)
+            if 0 <= needs[2] < p and needs not in done:
                 continue
-            clock[r] = max([clock[r]] + [done[n] for n in inputs])
-            for b in group:
-                clock[r] += seconds[r][b.kind]
-                done[(b.kind, b.mb, b.stage)] = clock[r]
-                if b.kind == "I":  # what the previous stage's backward waits for
-                    done[("B", b.mb, b.stage)] = clock[r]
-            at[r] += len(group)
+            clock[r] = max(clock[r], done.get(needs, 0.0)) + seconds[r][kind]
+            done[(kind, mb, stage)] = clock[r]
+            if 0 <= (to := stage + 1 if kind == "F" else stage - 1) < p:
+                posts[to][at[to]].append((kind, mb))
+            at[r] += 1
             progressed = True
         if not progressed:
             raise ValueError("the schedule deadlocks: every rank waits for another")
     busy = sum(seconds[r][a.kind] for r, actions in enumerate(ranks) for a in actions)
-    inflight = 0
-    for actions in ranks:
-        held = set()
-        for a in actions:
-            if a.kind == "F":
-                held.add((a.mb, a.stage))
-            elif a.kind in "BW":  # after an I the stage still holds what its W needs
-                held.discard((a.mb, a.stage))
-            inflight = max(inflight, len(held))
-    return 1 - busy / (p * max(clock)), inflight
+    held = [list(itertools.accumulate(1 if a.kind == "F" else -1 for a in actions))
+            for actions in ranks]
+    return 1 - busy / (p * max(clock)), max(max(counts) for counts in held), posts
 
 
 # Copied from 05_pipeline/optimized_pipeline_1f1b.py: PipelineRank
 class PipelineRank:
-    """This rank's stages; runs its actions, keeping each micro-batch's input and output per
-    stage until its backward, and times every action from the moment its input is here.
+    """This rank's stage: runs its actions, keeping each micro-batch's input and output until its
+    backward. A receive is posted where `simulate` places it, into a buffer of its own, and
+    waited for when the action that needs it starts; a send goes out as soon as its tensor is
+    ready and is waited for at the end of the step. An action is timed from the moment its input
+    is here, on this rank's clock from the barrier that starts the step (on CUDA after
+    synchronising the device: its kernels' time, not their launch)."""
 
-    An output goes to the rank holding the next stage: in memory when that is this rank (the
-    V's turn), else by isend. Activations and gradients travel in two process groups: two
-    ordered channels per link, because a rank may send its neighbour an activation and then a
-    gradient that the neighbour wants in the other order (DualPipeV from p = 3), and NCCL, unlike
-    gloo, ignores tags. Within a channel both ends post in the same order (a test checks it).
-    Sends go out together with the next receive, in one `batch_isend_irecv` (or at once when the
-    next action receives nothing): in a steady state both ranks of a link send and then receive,
-    and NCCL runs a send until its peer's receive starts, so unpaired, two large messages would
-    wait for each other (Megatron-LM and torch.distributed.pipelining pair them the same way).
-    On CUDA the clock is read after synchronising the device, so an action's time is its
-    kernels', not their launch."""
-
-    def __init__(self, stages: dict[int, list[nn.Module]], actions: list[Action],
-                 topo: common.Topology, m: int, shape: tuple[int, ...],
-                 autocast_dtype: torch.dtype | None):
-        self.stages = {s: nn.ModuleList(layers) for s, layers in stages.items()}
-        self.layers = nn.ModuleList(self.stages.values())  # every parameter once
+    def __init__(self, layers: list[nn.Module], ranks: list[list[Action]], topo: common.Topology,
+                 m: int, shape: tuple[int, ...], autocast_dtype: torch.dtype | None):
+        self.layers = nn.ModuleList(layers)
         self.topo, self.m, self.shape, self.autocast_dtype = topo, m, shape, autocast_dtype
-        self.p, self.last = topo.world_size, n_stages(topo.world_size) - 1
-        self.split = {(a.mb, a.stage) for a in actions if a.kind == "I"}
-        self.weighted = {s: [mod for mod in layers.modules() if list(mod.parameters(recurse=False))]
-                         for s, layers in self.stages.items()}  # what a W differentiates
-        self.groups = {"F": dist.new_group(), "B": dist.new_group()}  # activations, gradients
-        self.kept: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> what its backward needs
-        self.handed: dict[tuple[str, int, int], torch.Tensor] = {}  # to a stage of this rank
-        self.outbox: list[dist.P2POp] = []  # sends not posted yet
-        self.sent: list[dist.Work] = []  # sends posted, dropped once done (their tensors too)
-        self.timelines: list[list[tuple[str, int, int, float, float]]] = []  # per step, action
-        self.inflight_max = 0
+        self.stage, self.last = topo.rank, topo.world_size - 1
+        self.actions, self.posts = ranks[topo.rank], simulate(ranks)[2][topo.rank]
+        self.inbox: dict[tuple[str, int], tuple[torch.Tensor, dist.Work]] = {}  # posted
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> input, output
+        self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # sends in flight
+        self.timelines: list[list[tuple[str, int, int, float, float]]] = []  # per step
+        self.inflight_max, self.t0 = 0, 0.0
 
     def now(self) -> float:
         if self.topo.device.type == "cuda":
             torch.cuda.synchronize(self.topo.device)
-        return time.time()
+        return time.perf_counter() - self.t0
 
-    def give(self, kind: str, mb: int, stage: int, tensor: torch.Tensor) -> None:
-        """Stage `stage`'s input for its F (kind "F") or its backward (kind "B")."""
-        dst = rank_of(stage, mb, self.p, self.m)
-        if dst == self.topo.rank:
-            self.handed[(kind, mb, stage)] = tensor
-        else:
-            self.outbox.append(dist.P2POp(dist.isend, tensor, dst, group=self.groups[kind]))
-
-    def take(self, kind: str, mb: int, stage: int, src: int | None) -> torch.Tensor | None:
-        """This action's input from rank `src` (None: it has none); the sends still owed go out
-        with its receive, or at once when it receives nothing."""
-        if src is None or src == self.topo.rank:
-            self.flush()
-            return None if src is None else self.handed.pop((kind, mb, stage))
-        group = self.groups[kind]
+    def post_receive(self, kind: str, mb: int) -> None:
         x = torch.empty(self.shape, device=self.topo.device)
-        self.flush(besides=group)
-        works = dist.batch_isend_irecv([*self.outbox, dist.P2POp(dist.irecv, x, src, group=group)])
-        works[-1].wait()  # the receive (NCCL: the whole group)
-        self.sent += works[:-1]
-        self.outbox = []
+        self.inbox[(kind, mb)] = x, dist.irecv(x, self.stage - 1 if kind == "F" else self.stage + 1)
+
+    def received(self, kind: str, mb: int) -> torch.Tensor:
+        x, work = self.inbox.pop((kind, mb))
+        work.wait()
         return x
 
-    def flush(self, besides: dist.ProcessGroup | None = None) -> None:
-        """Post the sends still owed (but those in group `besides`); forget those that are done."""
-        for group in self.groups.values():
-            ops = [op for op in self.outbox if op.group is group]
-            if ops and group is not besides:
-                self.sent += dist.batch_isend_irecv(ops)
-                self.outbox = [op for op in self.outbox if op.group is not group]
-        self.sent = [work for work in self.sent if not work.is_completed()]
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.sending.append((tensor, dist.isend(tensor, dst)))
 
-    def forward(self, mb: int, stage: int, tokens: torch.Tensor, targets: torch.Tensor
-                ) -> torch.Tensor:
-        src = rank_of(stage - 1, mb, self.p, self.m) if stage > 0 else None
-        x = self.take("F", mb, stage, src)
-        x = tokens if x is None else x.requires_grad_()
+    def forward(self, mb: int, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = tokens if self.stage == 0 else self.received("F", mb).requires_grad_()
         start = self.now()
-        weighted = []  # (layer, its output) of each layer with weights, if its W comes later
-        hooks = [layer.register_forward_hook(lambda mod, _, out: weighted.append((mod, out)))
-                 for layer in self.weighted[stage] if (mb, stage) in self.split]
         with torch.autocast(self.topo.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
             out = x
-            for layer in self.stages[stage]:
+            for layer in self.layers:
                 out = layer(out, targets) if isinstance(layer, common.LossHead) else layer(out)
-        for hook in hooks:
-            hook.remove()
-        if stage == self.last:
+        if self.stage == self.last:
             out = out / self.m  # the step's loss is the mean over micro-batches
         else:
-            self.give("F", mb, stage + 1, out.detach())
-        self.kept[(mb, stage)] = (x, out, weighted)
+            self.send(out.detach(), self.stage + 1)
+        self.kept[mb] = (x, out)
         self.inflight_max = max(self.inflight_max, len(self.kept))
-        self.timelines[-1].append(("F", mb, stage, start, self.now()))
+        self.timelines[-1].append(("F", mb, self.stage, start, self.now()))
         return out.detach()
 
-    def backward(self, mb: int, stage: int, split: bool) -> None:
-        """B: the input's and the weights' gradients in one pass. I (split): the input's and the
-        gradient at the output of every layer with weights; the stage's graph is kept for the W
-        (all it saved, not only what the W needs: more memory than DeepSeek's per-Linear W)."""
-        src = rank_of(stage + 1, mb, self.p, self.m) if stage < self.last else None
-        grad = self.take("B", mb, stage, src)
+    def backward(self, mb: int) -> None:
+        grad = None if self.stage == self.last else self.received("B", mb)
         start = self.now()
-        x, out, weighted = self.kept[(mb, stage)]
-        inputs = [x] if stage > 0 else []
-        if split:  # the graph is kept for the W, which walks one node of it per layer
-            torch.autograd.backward(out, grad, inputs=inputs + [o for _, o in weighted],
-                                    retain_graph=True)  # into each one's .grad
-            self.kept[(mb, stage)] = weighted
-            if inputs:
-                self.give("B", mb, stage - 1, x.grad)
-        else:
-            out.backward(grad)
-            del self.kept[(mb, stage)]
-            if inputs:
-                self.give("B", mb, stage - 1, x.grad)
-        self.timelines[-1].append(("I" if split else "B", mb, stage, start, self.now()))
+        x, out = self.kept.pop(mb)
+        out.backward(grad)
+        if self.stage > 0:
+            self.send(x.grad, self.stage - 1)
+        self.timelines[-1].append(("B", mb, self.stage, start, self.now()))
 
-    def weight_backward(self, mb: int, stage: int) -> None:
-        """W: each layer's weight gradients from the gradient at its output (a layer at a time:
-        from all outputs at once, a gradient would also flow on into the earlier layers)."""
-        self.flush()  # a W receives nothing: what this rank owes goes out now
-        start = self.now()
-        for layer, out in self.kept.pop((mb, stage)):
-            torch.autograd.backward(out, out.grad, inputs=list(layer.parameters(recurse=False)))
-        self.timelines[-1].append(("W", mb, stage, start, self.now()))
-
-    def run(self, actions: list[Action], tokens: torch.Tensor, targets: torch.Tensor
-            ) -> torch.Tensor:
-        """One step's actions; returns the loss of the micro-batches whose last stage is here."""
+    def run(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One step's actions; returns the loss (on the last stage, else 0)."""
+        dist.barrier()  # the step's one reference: every rank times its actions from here
+        self.t0 = time.perf_counter()
         self.timelines.append([])
         loss = torch.zeros((), device=self.topo.device)
         micro = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
-        for kind, mb, stage, _ in actions:
+        for (kind, mb, _), posts in zip(self.actions, self.posts, strict=True):
+            for post in posts:
+                self.post_receive(*post)
+            self.sending = [(t, work) for t, work in self.sending if not work.is_completed()]
             if kind == "F":
-                out = self.forward(mb, stage, *micro[mb])
-                if stage == self.last:
+                out = self.forward(mb, *micro[mb])
+                if self.stage == self.last:
                     loss += out
-            elif kind == "W":
-                self.weight_backward(mb, stage)
             else:
-                self.backward(mb, stage, split=kind == "I")
-        self.flush()
-        for work in self.sent:
+                self.backward(mb)
+        for _, work in self.sending:
             work.wait()
-        self.sent.clear()
+        self.sending.clear()
         return loss
 
 
@@ -329,47 +229,41 @@ def main():
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
     world = common.launch_world_size()
-    skip_unless_pipelined(world, n_stages(world), args.size)
+    skip_unless_pipelined(world, world, args.size)
     topo = common.setup(args)
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
     layers = model.pipeline_layers()
-    params = sum(q.numel() for q in model.parameters())
-    params_tied = model.tok_emb.weight.numel()
-    actions = schedule(p, m)[topo.rank]
-    stages = cut([layer_cost(layer) for layer in layers], n_stages(p))
-    mine = {s: [layers[i] for i in stages[s]] for s in sorted({a.stage for a in actions})}
+    params, params_tied = sum(q.numel() for q in model.parameters()), model.tok_emb.weight.numel()
+    mine = [layers[i] for i in cut([layer_cost(layer) for layer in layers], p)[topo.rank]]
     shape = (args.batch_size // m, args.seq_len, model.tok_emb.embedding_dim)
-    pipe = PipelineRank(mine, actions, topo, m, shape, model.autocast_dtype)
+    pipe = PipelineRank(mine, schedule(p, m), topo, m, shape, model.autocast_dtype)
     del model, layers  # the other ranks' layers are freed: a rank holds its stage only
-    tied = dist.new_group([0, p - 1]) if p > 1 else None
-    tied_weight = mine[0][0].tok_emb.weight if topo.rank == 0 else \
-        mine[p - 1][-1].head.weight if topo.rank == p - 1 else None
+    tied = dist.new_group([0, p - 1])
+    tied_weight = mine[0].tok_emb.weight if topo.rank == 0 else \
+        mine[-1].head.weight if topo.rank == p - 1 else None
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=args.lr)
 
     def train_step(tokens, targets):
         opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
-        loss = pipe.run(actions, tokens, targets)
-        if tied_weight is not None and tied is not None:
+        loss = pipe.run(tokens, targets)
+        if tied_weight is not None:
             dist.all_reduce(tied_weight.grad, group=tied)  # embedding's + head's gradient
         opt.step()
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(pipe.layers, opt),
                                loss_rank=p - 1, dp_world=1)
-    gathered = [None] * p  # every rank's timed steps
-    dist.all_gather_object(gathered, (pipe.timelines[args.warmup:], pipe.inflight_max))
-    steps = [list(ranks) for ranks in zip(*[tls for tls, _ in gathered], strict=True)]
-    measured, means = measure(steps)
-    bubble, inflight = simulate(schedule(p, m), means)
-    common.log(topo, common.render_timeline(steps[-1]))
-    common.write_timeline_trace(steps[-1], args, topo)
+    steps, measured, means = common.gather_timelines(pipe.timelines[args.warmup:], args, topo)
+    bubble, inflight, _ = simulate(schedule(p, m), means)
+    inflight_max = torch.tensor(pipe.inflight_max, device=topo.device)
+    dist.all_reduce(inflight_max, op=dist.ReduceOp.MAX)  # the most any rank held
     common.record(args, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
                   optimizer=opt, comm_mb=stats.comm_mb, dp_world=1, params=params,
                   loss_tolerance=1e-5 if args.dtype == "fp32" else 5e-2,
                   schedule="gpipe", microbatches=m, stages=p,
                   timeline=[[list(a) for a in tl] for tl in steps[-1]],
-                  bubble=round(measured, 4), inflight_max=max(n for _, n in gathered),
+                  bubble=round(measured, 4), inflight_max=int(inflight_max),
                   theory={"bubble": round(bubble, 4), "inflight_max": inflight,
                           "bubble_uniform": round((p - 1) / (m + p - 1), 4),
                           "comm_mb": comm_theory_mb(shape, m, params_tied)})
