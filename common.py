@@ -18,6 +18,7 @@ import datetime
 import faulthandler
 import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -300,6 +301,17 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
 
 
+def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
+    """The world size is the host's (the Makefile's NPROC: its GPUs), not a flag: where a
+    pipeline of `stages` stages cannot use it, the run is skipped with why, not refused."""
+    layers = SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
+    if world == 1:
+        raise Skip("a pipeline runs its stages on two or more processes: launch two or more")
+    if stages > layers:
+        raise Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages on "
+                   f"{world} processes: use fewer processes or a larger --size")
+
+
 def cuda_device_index(local_rank: int, local_world: int, visible: int, per_task: bool) -> int:
     """The GPU this process drives, of the `visible` ones. torchrun starts a host's processes
     with the same GPUs visible, so local rank i takes the i-th; `srun --gpus-per-task`
@@ -512,6 +524,26 @@ class GPT(nn.Module):
         and a pipeline sums its two gradients every step (as Megatron-LM does)."""
         return [Embeddings(self.tok_emb, self.pos_emb), *self.blocks,
                 LossHead(self.ln_f, self.head)]
+
+    def pipeline_stages(self, n: int) -> list[list[nn.Module]]:
+        """`pipeline_layers` cut into n contiguous stages of about equal compute, a layer's
+        counted as the weights of its matrix multiplies (2 FLOPs each a token; the embedding
+        lookups, norms and the attention's own product are small beside them)."""
+        layers = self.pipeline_layers()
+        costs = [sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear))
+                 for layer in layers]
+        return [[layers[i] for i in stage] for stage in cut_into_stages(costs, n)]
+
+
+def cut_into_stages(costs: list[int], stages: int) -> list[range]:
+    """Contiguous stages of about equal cost, each of at least one layer: stage s ends where the
+    running cost comes nearest to s/stages of the total (the embeddings cost nearly nothing and
+    the head a third of a block at `small`, so equal numbers of layers would not balance)."""
+    running, bounds = list(itertools.accumulate(costs)), [0]
+    for s in range(1, stages):
+        ends = range(bounds[-1] + 1, len(costs) - (stages - s) + 1)
+        bounds.append(min(ends, key=lambda end: abs(running[end - 1] - s * running[-1] / stages)))
+    return [range(a, b) for a, b in zip(bounds, [*bounds[1:], len(costs)], strict=True)]
 
 
 class Classifier(nn.Module):
@@ -1014,26 +1046,27 @@ def write_timeline_trace(timelines: Sequence[Sequence[tuple[str, int, int, float
     log(topo, f"timeline of one step written to {path} (open in https://ui.perfetto.dev)")
 
 
-def gather_timelines(timelines: list[list[tuple[str, int, int, float, float]]],
+def gather_timelines(timelines: list[list[tuple[str, int, int, float, float]]], held: int,
                      args: argparse.Namespace, topo: Topology
-                     ) -> tuple[list[list[list[tuple]]], float, list[dict[str, float]]]:
+                     ) -> tuple[list[list[list[tuple]]], float, list[dict[str, float]], int]:
     """A pipeline's timed steps from every rank: each action (kind, micro-batch, stage, start,
     end) in seconds on its own rank's clock from the barrier that started the step, so no two
     ranks' clocks are compared (they may be on different nodes). Rank 0 prints the last step's
     timeline and writes its trace. Returns the steps (each a timeline per rank); the mean idle
     fraction of a step, the bubble: 1 - busy time / (ranks x the time to the step's last
-    action's end); and each rank's mean time of each kind of action."""
+    action's end); each rank's mean time of each kind of action; and the most micro-batches'
+    activations a rank `held`."""
     gathered = [None] * topo.world_size
-    dist.all_gather_object(gathered, timelines)
-    steps = [list(ranks) for ranks in zip(*gathered, strict=True)]
+    dist.all_gather_object(gathered, (timelines, held))
+    steps = [list(ranks) for ranks in zip(*[tls for tls, _ in gathered], strict=True)]
     bubble = statistics.mean(1 - sum(a[4] - a[3] for tl in ranks for a in tl)
                              / (len(ranks) * max(a[4] for tl in ranks for a in tl))
                              for ranks in steps)
     means = [{kind: statistics.mean(a[4] - a[3] for step in rank for a in step if a[0] == kind)
-              for kind in {a[0] for step in rank for a in step}} for rank in gathered]
+              for kind in {a[0] for step in rank for a in step}} for rank, _ in gathered]
     log(topo, render_timeline(steps[-1]))
     write_timeline_trace(steps[-1], args, topo)
-    return steps, bubble, means
+    return steps, bubble, means, max(n for _, n in gathered)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ Theory:     bubble (p-1)/p: the ranks' forwards and backwards run one after anot
             on its own clock from a barrier that starts the step (sends and waits are idle).
 """
 
-import itertools
 import sys
 import time
 from pathlib import Path
@@ -26,25 +25,6 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
-
-
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: layer_cost
-def layer_cost(layer: nn.Module) -> int:
-    """A layer's compute, roughly: the weights of its matrix multiplies (2 FLOPs each a token);
-    the embedding lookups, norms and the attention's own product are small beside them."""
-    return sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear))
-
-
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cut
-def cut(costs: list[int], stages: int) -> list[range]:
-    """Contiguous stages of about equal cost, each of at least one layer: stage s ends where the
-    running cost comes nearest to s/stages of the total (the embeddings cost nearly nothing and
-    the head a third of a block at `small`, so equal numbers of layers would not balance)."""
-    running, bounds = list(itertools.accumulate(costs)), [0]
-    for s in range(1, stages):
-        ends = range(bounds[-1] + 1, len(costs) - (stages - s) + 1)
-        bounds.append(min(ends, key=lambda end: abs(running[end - 1] - s * running[-1] / stages)))
-    return [range(a, b) for a, b in zip(bounds, [*bounds[1:], len(costs)], strict=True)]
 
 
 def forward_backward(layers: nn.ModuleList, tokens: torch.Tensor, targets: torch.Tensor,
@@ -94,19 +74,6 @@ def comm_theory_mb(shape: tuple[int, ...], m: int, tied: int) -> float:
     return (m * 4 * shape[0] * shape[1] * shape[2] + 4 * tied) / 2**20
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: skip_unless_pipelined
-def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
-    """The world size is the host's (the Makefile's NPROC: its GPUs), not a flag: where this
-    pipeline cannot use it, the run is skipped with why, not refused."""
-    layers = common.SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
-    if world == 1:
-        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
-                          "more")
-    if stages > layers:
-        raise common.Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages "
-                          f"on {world} processes: use fewer processes or a larger --size")
-
-
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=8,
@@ -119,16 +86,15 @@ def main():
     if args.model != "gpt":
         parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
     world = common.launch_world_size()
-    skip_unless_pipelined(world, world, args.size)
+    common.skip_unless_pipelined(world, world, args.size)
     topo = common.setup(args)
     p = topo.world_size
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
-    layers = model.pipeline_layers()
     params, params_tied = sum(q.numel() for q in model.parameters()), model.tok_emb.weight.numel()
-    mine = nn.ModuleList(layers[i] for i in cut([layer_cost(lay) for lay in layers], p)[topo.rank])
+    mine = nn.ModuleList(model.pipeline_stages(p)[topo.rank])
     shape = (args.batch_size, args.seq_len, model.tok_emb.embedding_dim)
     autocast_dtype = model.autocast_dtype
-    del model, layers  # the other ranks' layers are freed: a rank holds its stage only
+    del model  # the other ranks' layers are freed: a rank holds its stage only
     tied = dist.new_group([0, p - 1])
     tied_weight = mine[0].tok_emb.weight if topo.rank == 0 else \
         mine[-1].head.weight if topo.rank == p - 1 else None
@@ -146,7 +112,7 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(mine, opt),
                                loss_rank=p - 1, dp_world=1)
-    steps, measured, _ = common.gather_timelines(timelines[args.warmup:], args, topo)
+    steps, measured, _, _ = common.gather_timelines(timelines[args.warmup:], 1, args, topo)
     common.record(args, topo, stats, baseline=None, model=mine, optimizer=opt,
                   comm_mb=stats.comm_mb, dp_world=1, params=params, schedule="naive",
                   microbatches=1, stages=p, timeline=[[list(a) for a in tl] for tl in steps[-1]],

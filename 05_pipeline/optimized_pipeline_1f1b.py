@@ -54,23 +54,6 @@ def schedule(p: int, m: int) -> list[list[Action]]:
 
 
 # --- the runtime, the same in the GPipe and 1F1B scripts ---------------------------------------
-def layer_cost(layer: nn.Module) -> int:
-    """A layer's compute, roughly: the weights of its matrix multiplies (2 FLOPs each a token);
-    the embedding lookups, norms and the attention's own product are small beside them."""
-    return sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear))
-
-
-def cut(costs: list[int], stages: int) -> list[range]:
-    """Contiguous stages of about equal cost, each of at least one layer: stage s ends where the
-    running cost comes nearest to s/stages of the total (the embeddings cost nearly nothing and
-    the head a third of a block at `small`, so equal numbers of layers would not balance)."""
-    running, bounds = list(itertools.accumulate(costs)), [0]
-    for s in range(1, stages):
-        ends = range(bounds[-1] + 1, len(costs) - (stages - s) + 1)
-        bounds.append(min(ends, key=lambda end: abs(running[end - 1] - s * running[-1] / stages)))
-    return [range(a, b) for a, b in zip(bounds, [*bounds[1:], len(costs)], strict=True)]
-
-
 def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None = None
              ) -> tuple[float, int, list[list[list[tuple[str, int]]]]]:
     """Walks these action lists in rounds, each rank taking its next action once its input is
@@ -201,18 +184,6 @@ def comm_theory_mb(shape: tuple[int, ...], m: int, tied: int) -> float:
     return (m * 4 * shape[0] * shape[1] * shape[2] + 4 * tied) / 2**20
 
 
-def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
-    """The world size is the host's (the Makefile's NPROC: its GPUs), not a flag: where this
-    pipeline cannot use it, the run is skipped with why, not refused."""
-    layers = common.SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
-    if world == 1:
-        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
-                          "more")
-    if stages > layers:
-        raise common.Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages "
-                          f"on {world} processes: use fewer processes or a larger --size")
-
-
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=8,
@@ -229,16 +200,15 @@ def main():
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
     world = common.launch_world_size()
-    skip_unless_pipelined(world, world, args.size)
+    common.skip_unless_pipelined(world, world, args.size)
     topo = common.setup(args)
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
-    layers = model.pipeline_layers()
     params, params_tied = sum(q.numel() for q in model.parameters()), model.tok_emb.weight.numel()
-    mine = [layers[i] for i in cut([layer_cost(layer) for layer in layers], p)[topo.rank]]
+    mine = model.pipeline_stages(p)[topo.rank]
     shape = (args.batch_size // m, args.seq_len, model.tok_emb.embedding_dim)
     pipe = PipelineRank(mine, schedule(p, m), topo, m, shape, model.autocast_dtype)
-    del model, layers  # the other ranks' layers are freed: a rank holds its stage only
+    del model  # the other ranks' layers are freed: a rank holds its stage only
     tied = dist.new_group([0, p - 1])
     tied_weight = mine[0].tok_emb.weight if topo.rank == 0 else \
         mine[-1].head.weight if topo.rank == p - 1 else None
@@ -254,16 +224,15 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(pipe.layers, opt),
                                loss_rank=p - 1, dp_world=1)
-    steps, measured, means = common.gather_timelines(pipe.timelines[args.warmup:], args, topo)
+    steps, measured, means, inflight_max = common.gather_timelines(
+        pipe.timelines[args.warmup:], pipe.inflight_max, args, topo)
     bubble, inflight, _ = simulate(schedule(p, m), means)
-    inflight_max = torch.tensor(pipe.inflight_max, device=topo.device)
-    dist.all_reduce(inflight_max, op=dist.ReduceOp.MAX)  # the most any rank held
     common.record(args, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
                   optimizer=opt, comm_mb=stats.comm_mb, dp_world=1, params=params,
                   loss_tolerance=1e-5 if args.dtype == "fp32" else 5e-2,
                   schedule="1f1b", microbatches=m, stages=p,
                   timeline=[[list(a) for a in tl] for tl in steps[-1]],
-                  bubble=round(measured, 4), inflight_max=int(inflight_max),
+                  bubble=round(measured, 4), inflight_max=inflight_max,
                   theory={"bubble": round(bubble, 4), "inflight_max": inflight,
                           "bubble_uniform": round((p - 1) / (m + p - 1), 4),
                           "comm_mb": comm_theory_mb(shape, m, params_tied)})

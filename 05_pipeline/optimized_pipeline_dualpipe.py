@@ -1,25 +1,19 @@
 """DualPipe by hand: two pipelines through the same ranks in opposite directions, over send/recv.
 
 What it does: the GPT's layers are cut into p stages; half the m micro-batches go through them
-from rank 0 to rank p-1, the other half from rank p-1 to rank 0. So rank r holds two stages, r
-for the first direction and p-1-r for the second: twice a 1F1B rank's parameters. Ranks r and
-p-1-r hold the same two and sum their gradients each step (one all-reduce between the pair), so
-both copies stay equal and train the unsplit model, exactly. A stage's backward comes whole (B)
-or split into I (the input's gradient) and a later W (the weights'), as in DualPipeV, whose
-schedule this is with every count halved (DeepSeek-V3 report, github.com/deepseek-ai/DualPipe:
-`schedule` runs `dualpipe_rank` for the two directions). The runtime is DualPipeV's. DeepSeek's
-code asserts p even, m even and m >= 2p, and so does this one.
-Why it helps: each rank's idle start in one direction is filled by the other direction's work
-and the W's fill the rest: the bubble falls from 1F1B's (p-1)(F+B) to (p/2-1)(F&B+B-3W) (the
-paper's table, F, B, W per stage). The price: twice the parameters and optimizer state per
-rank, p+1 micro-batches' activations and a gradient all-reduce. At p = 2 each rank holds the
-whole model (the two-process `make pipeline` run); the tests run p = 4 too.
+from rank 0 to rank p-1, the other half back from rank p-1 to rank 0. So rank r holds stage r of
+the first direction and p-1-r of the second, and ranks r and p-1-r sum the gradients of the two
+they share each step (one all-reduce): the unsplit model, exactly. The split backward (I, then
+W), the runtime and the schedule are DualPipeV's (see there), the schedule with every count
+halved (DeepSeek's github.com/deepseek-ai/DualPipe), so p and m are even and m >= 2p.
+Why it helps: each rank's idle start in one direction is filled by the other's work, the W's
+fill the rest: the bubble falls from 1F1B's (p-1)(F+B) to (p/2-1)(F&B+B-3W) (the paper's table,
+per stage). The price: twice a 1F1B rank's parameters and optimizer state, p+1 micro-batches'
+activations, a gradient all-reduce. At p = 2 each rank holds the whole model.
 Run:        torchrun --nproc_per_node=4 05_pipeline/optimized_pipeline_dualpipe.py --size small
-Look for:   `bubble` near `theory.bubble` and below 1F1B's for p > 2; `inflight_max` (p+1, the
-            paper's PP+1); the timeline: the second stage in lower case, the directions crossing.
-Theory:     bubble = the idle fraction of these action lists run with each rank's measured mean
-            F, B, I and W times (`simulate`); paired, with F = I and B = I + W, it is the paper's
-            (PP/2-1)(F&B + B - 3W), PP = p stages (tests/test_pipeline.py).
+Look for:   `bubble` near `theory.bubble`, below 1F1B's for p > 2; `inflight_max` p+1 (PP+1).
+Theory:     bubble = these action lists run with the measured mean F, B, I, W times (`simulate`);
+            paired, with F = I and B = I + W, the paper's (PP/2-1)(F&B + B - 3W), PP = p.
 """
 
 import collections
@@ -60,9 +54,8 @@ def schedule(p: int, m: int) -> list[list[Action]]:
 # Copied from 05_pipeline/optimized_pipeline_dualpipev.py: dualpipe_rank
 def dualpipe_rank(n: int, m: int, r: int, stage: dict[int, int], mbs: dict[int, range]
                   ) -> list[Action]:
-    """Rank r of a V on n ranks, m micro-batches through it: DeepSeek's eight phases. Each
-    stage's F's and backwards take its micro-batches in order; an I queues its W, a W runs the
-    oldest queued."""
+    """Rank r of a V on n ranks, m micro-batches through it: DeepSeek's eight phases. A stage
+    takes its micro-batches in order; an I queues its W, a W runs the oldest queued."""
     actions, forwards, backwards, owed = [], {0: 0, 1: 0}, {0: 0, 1: 0}, collections.deque()
 
     def F(half, paired=False):
@@ -112,41 +105,15 @@ def dualpipe_rank(n: int, m: int, r: int, stage: dict[int, int], mbs: dict[int, 
     return actions
 
 
-# --- the runtime: DualPipeV's ---------------------------------------------------------------
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: layer_cost
-def layer_cost(layer: nn.Module) -> int:
-    """A layer's compute, roughly: the weights of its matrix multiplies (2 FLOPs each a token);
-    the embedding lookups, norms and the attention's own product are small beside them."""
-    return sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear))
-
-
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cut
-def cut(costs: list[int], stages: int) -> list[range]:
-    """Contiguous stages of about equal cost, each of at least one layer: stage s ends where the
-    running cost comes nearest to s/stages of the total (the embeddings cost nearly nothing and
-    the head a third of a block at `small`, so equal numbers of layers would not balance)."""
-    running, bounds = list(itertools.accumulate(costs)), [0]
-    for s in range(1, stages):
-        ends = range(bounds[-1] + 1, len(costs) - (stages - s) + 1)
-        bounds.append(min(ends, key=lambda end: abs(running[end - 1] - s * running[-1] / stages)))
-    return [range(a, b) for a, b in zip(bounds, [*bounds[1:], len(costs)], strict=True)]
-
-
 # Copied from 05_pipeline/optimized_pipeline_dualpipev.py: simulate
 def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None = None,
              paired: bool = False) -> tuple[float, int, list[list[list[tuple[str, int, int]]]]]:
-    """Walks these action lists in rounds, each rank taking its next action once its input is
-    done (an F's: the previous stage's F; a B's or I's: the next stage's B or I; a W's: its own
-    I), with each rank's times of each kind (`seconds`, default 1) and free communication; with
-    `paired`, a paired F and the action after it start together, once both inputs are done.
+    """1F1B's walk, with I (its input is a B's, and what it sends too), W (its input: its own
+    I; it sends nothing), two stages a rank (the V's turn stays on its rank, in memory) and, with
+    `paired`, a paired F and the action after it started together, once both inputs are done.
     Returns the idle fraction; the most stages' activations a rank holds at once (from an F to
-    its B or W); and where the runtime posts its receives: for each rank and action, the inputs
-    (kind F or B, micro-batch, stage) posted just before it, as soon as the action that sends
-    one is taken (not the V's turn: it stays on its rank). So every rank posts its sends and
-    receives in one global order, as torch.distributed.pipelining does, and under NCCL's rule
-    (a send completes only once its receive is posted) no rank waits for a peer that waits for
-    it (tests/test_pipeline.py checks it). The rounds, so the receives, do not depend on the
-    times."""
+    its B or W); and for each rank and action, the inputs (kind F or B, micro-batch, stage)
+    whose receives are posted just before it."""
     owner = {(a.mb, a.stage): r for r, actions in enumerate(ranks) for a in actions}
     p, last, done = len(ranks), max(s for _, s in owner), {}
     clock, at = [0.0] * p, [0] * p
@@ -190,13 +157,9 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
 
 # Copied from 05_pipeline/optimized_pipeline_dualpipev.py: PipelineRank
 class PipelineRank:
-    """This rank's stages: runs its actions, keeping each micro-batch's input and output per
-    stage until its backward. A receive is posted where `simulate` places it, into a buffer of
-    its own, and waited for when the action that needs it starts; a send goes out when its
-    tensor is ready and is waited for at the end of the step, or, to a stage of this rank (the
-    V's turn), is handed over in memory. An action is timed from the moment its input is here,
-    on this rank's clock from the barrier that starts the step (on CUDA after synchronising the
-    device: its kernels' time, not their launch)."""
+    """1F1B's runtime for this rank's stages (two): each micro-batch's input and output kept
+    per stage until its backward, which comes whole (B) or as an I and a later W; an output
+    for a stage of this rank (the V's turn) is handed over in memory, not sent."""
 
     def __init__(self, stages: dict[int, list[nn.Module]], ranks: list[list[Action]],
                  topo: common.Topology, m: int, shape: tuple[int, ...],
@@ -208,8 +171,6 @@ class PipelineRank:
         self.owner = {(a.mb, a.stage): r for r, actions in enumerate(ranks) for a in actions}
         self.last = max(s for _, s in self.owner)
         self.split = {(a.mb, a.stage) for a in self.actions if a.kind == "I"}
-        self.weighted = {s: [mod for mod in layers.modules() if list(mod.parameters(recurse=False))]
-                         for s, layers in self.stages.items()}  # what a W differentiates
         self.inbox: dict[tuple[str, int, int], tuple[torch.Tensor, dist.Work | None]] = {}
         self.kept: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> what its backward needs
         self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # sends in flight
@@ -245,7 +206,8 @@ class PipelineRank:
         start = self.now()
         weighted = []  # (layer, its output) of each layer with weights, if its W comes later
         hooks = [layer.register_forward_hook(lambda mod, _, out: weighted.append((mod, out)))
-                 for layer in self.weighted[stage] if (mb, stage) in self.split]
+                 for layer in self.stages[stage].modules() if (mb, stage) in self.split
+                 and list(layer.parameters(recurse=False))]  # what a W differentiates
         with torch.autocast(self.topo.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
             out = x
@@ -264,8 +226,8 @@ class PipelineRank:
 
     def backward(self, mb: int, stage: int, split: bool) -> None:
         """B: the input's and the weights' gradients in one pass. I (split): the input's and the
-        gradient at the output of every layer with weights; the stage's graph is kept for the W
-        (all it saved, not only what the W needs: more memory than DeepSeek's per-Linear W)."""
+        gradient at each weighted layer's output; the graph is kept whole for the W (DeepSeek's
+        keeps only each Linear's input: less memory)."""
         grad = None if stage == self.last else self.received("B", mb, stage)
         start = self.now()
         x, out, weighted = self.kept.pop((mb, stage))
@@ -313,32 +275,10 @@ class PipelineRank:
         return loss
 
 
-def comm_theory_mb(shape: tuple[int, ...], m: int, params: int) -> float:
-    """What rank 0 sends a step: the activations of the m/2 micro-batches it starts and the
-    input gradients of the m/2 it ends, all to rank 1; its parameters' gradients and the loss
-    to rank p-1 (an all-reduce in a group of two: each tensor once). 4 bytes a value: the
-    residual stream stays fp32."""
-    return (m * 4 * shape[0] * shape[1] * shape[2] + 4 * params + 4) / 2**20
-
-
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: skip_unless_pipelined
-def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
-    """The world size is the host's (the Makefile's NPROC: its GPUs), not a flag: where this
-    pipeline cannot use it, the run is skipped with why, not refused."""
-    layers = common.SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
-    if world == 1:
-        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
-                          "more")
-    if stages > layers:
-        raise common.Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages "
-                          f"on {world} processes: use fewer processes or a larger --size")
-
-
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
-                        help="micro-batches m the batch is split into: even, at least 2p "
-                             "(default: 8, or 2p above 4 processes)")
+                        help="micro-batches m, even and at least 2p (default: max(8, 2p))")
     parser.set_defaults(batch_size=0)  # 0: two sequences per micro-batch, as the others
     parser.set_defaults(steps=10, warmup=3)  # 8 runs in `make pipeline`: ~2 min
     args = parser.parse_args()
@@ -351,34 +291,28 @@ def main():
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
-    if args.microbatches % 2:
-        parser.error(f"DualPipe sends half the micro-batches each way: use an even "
-                     f"--microbatches, not {args.microbatches}")
-    skip_unless_pipelined(world, world, args.size)
+    common.skip_unless_pipelined(world, world, args.size)
     if world % 2:
         raise common.Skip(f"DualPipe pairs rank r with rank p-1-r, so it needs an even number "
                           f"of processes, not {world}: DualPipeV runs on any number")
-    if chosen and args.microbatches < 2 * world:
+    if args.microbatches % 2 or (chosen and args.microbatches < 2 * world):
         parser.error(f"DualPipe sends half the micro-batches each way and needs m >= 2p: use an "
-                     f"even --microbatches of at least {2 * world}")
+                     f"even --microbatches of at least {2 * world}, not {args.microbatches}")
     topo = common.setup(args)
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
-    layers = model.pipeline_layers()
-    params = sum(q.numel() for q in model.parameters())
-    stages = cut([layer_cost(layer) for layer in layers], p)
-    mine = {s: [layers[i] for i in stages[s]] for s in sorted({topo.rank, p - 1 - topo.rank})}
+    params, stages = sum(q.numel() for q in model.parameters()), model.pipeline_stages(p)
+    mine = {s: stages[s] for s in sorted({topo.rank, p - 1 - topo.rank})}
     shape = (args.batch_size // m, args.seq_len, model.tok_emb.embedding_dim)
     pipe = PipelineRank(mine, schedule(p, m), topo, m, shape, model.autocast_dtype)
-    del model, layers  # the other ranks' layers are freed: a rank holds its stages only
+    del model, stages  # the other ranks' layers are freed: a rank holds its stages only
     twins = [dist.new_group([r, p - 1 - r]) for r in range(p // 2)]  # ranks with the same stages
     twin = twins[min(topo.rank, p - 1 - topo.rank)]
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=args.lr)
     held = list(pipe.layers.parameters())
 
     def sum_with_twin(loss: torch.Tensor) -> torch.Tensor:
-        """In one all-reduce with the twin: both directions' gradients of the two stages, and
-        (ranks 0 and p-1) of the loss, each of which saw half the micro-batches."""
+        """One all-reduce with the twin: the two stages' gradients and the loss, each from half."""
         flat = torch.cat([q.grad.flatten() for q in held] + [loss.view(1)])
         dist.all_reduce(flat, group=twin)
         *grads, loss = flat.split([q.numel() for q in held] + [1])
@@ -394,20 +328,22 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(pipe.layers, opt),
                                loss_rank=0, dp_world=1)
-    steps, measured, means = common.gather_timelines(pipe.timelines[args.warmup:], args, topo)
+    steps, measured, means, inflight_max = common.gather_timelines(
+        pipe.timelines[args.warmup:], pipe.inflight_max, args, topo)
     bubble, inflight, _ = simulate(schedule(p, m), means)
     paired, _, _ = simulate(schedule(p, m), means, paired=True)
-    inflight_max = torch.tensor(pipe.inflight_max, device=topo.device)
-    dist.all_reduce(inflight_max, op=dist.ReduceOp.MAX)  # the most any rank held
     common.record(args, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
                   optimizer=opt, comm_mb=stats.comm_mb, dp_world=1, params=params,
                   loss_tolerance=1e-5 if args.dtype == "fp32" else 5e-2,
                   schedule="dualpipe", microbatches=m, stages=p,
                   timeline=[[list(a) for a in tl] for tl in steps[-1]],
-                  bubble=round(measured, 4), inflight_max=int(inflight_max),
+                  bubble=round(measured, 4), inflight_max=inflight_max,
                   theory={"bubble": round(bubble, 4), "bubble_paired": round(paired, 4),
                           "inflight_max": inflight,
-                          "comm_mb": comm_theory_mb(shape, m, sum(q.numel() for q in held))})
+                          # rank 0 sends m/2 activations and m/2 input gradients to rank 1, its
+                          # gradients and loss to its twin: 4 bytes a value
+                          "comm_mb": (m * 4 * shape[0] * shape[1] * shape[2]
+                                      + 4 * (sum(q.numel() for q in held) + 1)) / 2**20})
 
 
 if __name__ == "__main__":

@@ -7,14 +7,12 @@ comes whole (B) or split, as in zero-bubble pipelines: I, the input's gradient, 
 previous stage waits for, then later W, the weights' gradient, which nobody waits for and so
 fills a gap. The schedule is DeepSeek's (DeepSeek-V3 report, github.com/deepseek-ai/DualPipe),
 eight phases per rank (`dualpipe_rank`). The runtime is 1F1B's, extended with the split, two
-stages a rank and the turn; receives are posted as soon as their send is scheduled.
+stages a rank and the turn. DeepSeek overlaps each paired forward and backward on a GPU; with
+one thread a rank they run one after the other here (`theory.bubble_paired`: had they waited).
 Why it helps: with the first and last stage on rank 0 the V is fed from both ends, and the W's
 fill the gaps: the bubble falls from 1F1B's (p-1)(F+B) to (p-1)(F+2B-3W)/2 (F, B, W a whole
 rank's; the paper's (PP/2-1)(F&B+B-3W) for stages half as large). It needs m >= 2p micro-batches.
 The tied embedding/head weight sits on rank 0 twice, one tensor: nothing to sum.
-On a GPU DeepSeek overlaps each paired forward and backward (one's communication behind the
-other's kernels); with one thread per rank they run one after the other here, each when its
-input is here. `theory.bubble_paired` is the bubble had they waited for each other.
 Run:        torchrun --nproc_per_node=2 05_pipeline/optimized_pipeline_dualpipev.py --size small
 Look for:   `bubble` below 1F1B's and near `theory.bubble`; `inflight_max` 2p+1 half-size stages
             (the paper's PP+1); the timeline: the second stage in lower case (f, b, i, w).
@@ -53,9 +51,8 @@ def schedule(p: int, m: int) -> list[list[Action]]:
 
 def dualpipe_rank(n: int, m: int, r: int, stage: dict[int, int], mbs: dict[int, range]
                   ) -> list[Action]:
-    """Rank r of a V on n ranks, m micro-batches through it: DeepSeek's eight phases. Each
-    stage's F's and backwards take its micro-batches in order; an I queues its W, a W runs the
-    oldest queued."""
+    """Rank r of a V on n ranks, m micro-batches through it: DeepSeek's eight phases. A stage
+    takes its micro-batches in order; an I queues its W, a W runs the oldest queued."""
     actions, forwards, backwards, owed = [], {0: 0, 1: 0}, {0: 0, 1: 0}, collections.deque()
 
     def F(half, paired=False):
@@ -106,39 +103,14 @@ def dualpipe_rank(n: int, m: int, r: int, stage: dict[int, int], mbs: dict[int, 
 
 
 # --- the runtime: 1F1B's, with I and W, two stages a rank and the V's turn ---------------
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: layer_cost
-def layer_cost(layer: nn.Module) -> int:
-    """A layer's compute, roughly: the weights of its matrix multiplies (2 FLOPs each a token);
-    the embedding lookups, norms and the attention's own product are small beside them."""
-    return sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear))
-
-
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cut
-def cut(costs: list[int], stages: int) -> list[range]:
-    """Contiguous stages of about equal cost, each of at least one layer: stage s ends where the
-    running cost comes nearest to s/stages of the total (the embeddings cost nearly nothing and
-    the head a third of a block at `small`, so equal numbers of layers would not balance)."""
-    running, bounds = list(itertools.accumulate(costs)), [0]
-    for s in range(1, stages):
-        ends = range(bounds[-1] + 1, len(costs) - (stages - s) + 1)
-        bounds.append(min(ends, key=lambda end: abs(running[end - 1] - s * running[-1] / stages)))
-    return [range(a, b) for a, b in zip(bounds, [*bounds[1:], len(costs)], strict=True)]
-
-
 def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None = None,
              paired: bool = False) -> tuple[float, int, list[list[list[tuple[str, int, int]]]]]:
-    """Walks these action lists in rounds, each rank taking its next action once its input is
-    done (an F's: the previous stage's F; a B's or I's: the next stage's B or I; a W's: its own
-    I), with each rank's times of each kind (`seconds`, default 1) and free communication; with
-    `paired`, a paired F and the action after it start together, once both inputs are done.
+    """1F1B's walk, with I (its input is a B's, and what it sends too), W (its input: its own
+    I; it sends nothing), two stages a rank (the V's turn stays on its rank, in memory) and, with
+    `paired`, a paired F and the action after it started together, once both inputs are done.
     Returns the idle fraction; the most stages' activations a rank holds at once (from an F to
-    its B or W); and where the runtime posts its receives: for each rank and action, the inputs
-    (kind F or B, micro-batch, stage) posted just before it, as soon as the action that sends
-    one is taken (not the V's turn: it stays on its rank). So every rank posts its sends and
-    receives in one global order, as torch.distributed.pipelining does, and under NCCL's rule
-    (a send completes only once its receive is posted) no rank waits for a peer that waits for
-    it (tests/test_pipeline.py checks it). The rounds, so the receives, do not depend on the
-    times."""
+    its B or W); and for each rank and action, the inputs (kind F or B, micro-batch, stage)
+    whose receives are posted just before it."""
     owner = {(a.mb, a.stage): r for r, actions in enumerate(ranks) for a in actions}
     p, last, done = len(ranks), max(s for _, s in owner), {}
     clock, at = [0.0] * p, [0] * p
@@ -181,13 +153,9 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
 
 
 class PipelineRank:
-    """This rank's stages: runs its actions, keeping each micro-batch's input and output per
-    stage until its backward. A receive is posted where `simulate` places it, into a buffer of
-    its own, and waited for when the action that needs it starts; a send goes out when its
-    tensor is ready and is waited for at the end of the step, or, to a stage of this rank (the
-    V's turn), is handed over in memory. An action is timed from the moment its input is here,
-    on this rank's clock from the barrier that starts the step (on CUDA after synchronising the
-    device: its kernels' time, not their launch)."""
+    """1F1B's runtime for this rank's stages (two): each micro-batch's input and output kept
+    per stage until its backward, which comes whole (B) or as an I and a later W; an output
+    for a stage of this rank (the V's turn) is handed over in memory, not sent."""
 
     def __init__(self, stages: dict[int, list[nn.Module]], ranks: list[list[Action]],
                  topo: common.Topology, m: int, shape: tuple[int, ...],
@@ -199,8 +167,6 @@ class PipelineRank:
         self.owner = {(a.mb, a.stage): r for r, actions in enumerate(ranks) for a in actions}
         self.last = max(s for _, s in self.owner)
         self.split = {(a.mb, a.stage) for a in self.actions if a.kind == "I"}
-        self.weighted = {s: [mod for mod in layers.modules() if list(mod.parameters(recurse=False))]
-                         for s, layers in self.stages.items()}  # what a W differentiates
         self.inbox: dict[tuple[str, int, int], tuple[torch.Tensor, dist.Work | None]] = {}
         self.kept: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> what its backward needs
         self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # sends in flight
@@ -236,7 +202,8 @@ class PipelineRank:
         start = self.now()
         weighted = []  # (layer, its output) of each layer with weights, if its W comes later
         hooks = [layer.register_forward_hook(lambda mod, _, out: weighted.append((mod, out)))
-                 for layer in self.weighted[stage] if (mb, stage) in self.split]
+                 for layer in self.stages[stage].modules() if (mb, stage) in self.split
+                 and list(layer.parameters(recurse=False))]  # what a W differentiates
         with torch.autocast(self.topo.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
             out = x
@@ -255,8 +222,8 @@ class PipelineRank:
 
     def backward(self, mb: int, stage: int, split: bool) -> None:
         """B: the input's and the weights' gradients in one pass. I (split): the input's and the
-        gradient at the output of every layer with weights; the stage's graph is kept for the W
-        (all it saved, not only what the W needs: more memory than DeepSeek's per-Linear W)."""
+        gradient at each weighted layer's output; the graph is kept whole for the W (DeepSeek's
+        keeps only each Linear's input: less memory)."""
         grad = None if stage == self.last else self.received("B", mb, stage)
         start = self.now()
         x, out, weighted = self.kept.pop((mb, stage))
@@ -311,19 +278,6 @@ def comm_theory_mb(shape: tuple[int, ...], m: int) -> float:
     return 2 * m * 4 * shape[0] * shape[1] * shape[2] / 2**20
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: skip_unless_pipelined
-def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
-    """The world size is the host's (the Makefile's NPROC: its GPUs), not a flag: where this
-    pipeline cannot use it, the run is skipped with why, not refused."""
-    layers = common.SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
-    if world == 1:
-        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
-                          "more")
-    if stages > layers:
-        raise common.Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages "
-                          f"on {world} processes: use fewer processes or a larger --size")
-
-
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
@@ -341,20 +295,18 @@ def main():
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
-    skip_unless_pipelined(world, 2 * world, args.size)
+    common.skip_unless_pipelined(world, 2 * world, args.size)
     if chosen and args.microbatches < 2 * world:
         parser.error(f"DualPipeV needs at least as many micro-batches as its {2 * world} stages "
                      f"(2 x {world} processes): use --microbatches {2 * world} or more")
     topo = common.setup(args)
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
-    layers = model.pipeline_layers()
-    params = sum(q.numel() for q in model.parameters())
-    stages = cut([layer_cost(layer) for layer in layers], 2 * p)
-    mine = {s: [layers[i] for i in stages[s]] for s in (topo.rank, 2 * p - 1 - topo.rank)}
+    params, stages = sum(q.numel() for q in model.parameters()), model.pipeline_stages(2 * p)
+    mine = {s: stages[s] for s in (topo.rank, 2 * p - 1 - topo.rank)}
     shape = (args.batch_size // m, args.seq_len, model.tok_emb.embedding_dim)
     pipe = PipelineRank(mine, schedule(p, m), topo, m, shape, model.autocast_dtype)
-    del model, layers  # the other ranks' layers are freed: a rank holds its stages only
+    del model, stages  # the other ranks' layers are freed: a rank holds its stages only
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=args.lr)
 
     def train_step(tokens, targets):
@@ -365,17 +317,16 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(pipe.layers, opt),
                                loss_rank=0, dp_world=1)
-    steps, measured, means = common.gather_timelines(pipe.timelines[args.warmup:], args, topo)
+    steps, measured, means, inflight_max = common.gather_timelines(
+        pipe.timelines[args.warmup:], pipe.inflight_max, args, topo)
     bubble, inflight, _ = simulate(schedule(p, m), means)
     paired, _, _ = simulate(schedule(p, m), means, paired=True)
-    inflight_max = torch.tensor(pipe.inflight_max, device=topo.device)
-    dist.all_reduce(inflight_max, op=dist.ReduceOp.MAX)  # the most any rank held
     common.record(args, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
                   optimizer=opt, comm_mb=stats.comm_mb, dp_world=1, params=params,
                   loss_tolerance=1e-5 if args.dtype == "fp32" else 5e-2,
                   schedule="dualpipev", microbatches=m, stages=2 * p,
                   timeline=[[list(a) for a in tl] for tl in steps[-1]],
-                  bubble=round(measured, 4), inflight_max=int(inflight_max),
+                  bubble=round(measured, 4), inflight_max=inflight_max,
                   theory={"bubble": round(bubble, 4), "bubble_paired": round(paired, 4),
                           "inflight_max": inflight, "comm_mb": comm_theory_mb(shape, m)})
 

@@ -22,7 +22,6 @@ Look for:   the rows `optimized_pipeline_pytorch` (beside optimized_pipeline_gpi
 Theory:     the same bubble as the hand-written schedule; torch records no timeline here.
 """
 
-import itertools
 import sys
 from pathlib import Path
 
@@ -43,25 +42,6 @@ import common  # noqa: E402
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "dualpipev": ScheduleDualPipeV}
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: layer_cost
-def layer_cost(layer: nn.Module) -> int:
-    """A layer's compute, roughly: the weights of its matrix multiplies (2 FLOPs each a token);
-    the embedding lookups, norms and the attention's own product are small beside them."""
-    return sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear))
-
-
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cut
-def cut(costs: list[int], stages: int) -> list[range]:
-    """Contiguous stages of about equal cost, each of at least one layer: stage s ends where the
-    running cost comes nearest to s/stages of the total (the embeddings cost nearly nothing and
-    the head a third of a block at `small`, so equal numbers of layers would not balance)."""
-    running, bounds = list(itertools.accumulate(costs)), [0]
-    for s in range(1, stages):
-        ends = range(bounds[-1] + 1, len(costs) - (stages - s) + 1)
-        bounds.append(min(ends, key=lambda end: abs(running[end - 1] - s * running[-1] / stages)))
-    return [range(a, b) for a, b in zip(bounds, [*bounds[1:], len(costs)], strict=True)]
-
-
 def stage_module(layers: list[nn.Module]) -> nn.Sequential:
     """The layers as one module; the loss head becomes norm + head: torch computes the loss."""
     if isinstance(layers[-1], common.LossHead):
@@ -71,19 +51,6 @@ def stage_module(layers: list[nn.Module]) -> nn.Sequential:
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: skip_unless_pipelined
-def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
-    """The world size is the host's (the Makefile's NPROC: its GPUs), not a flag: where this
-    pipeline cannot use it, the run is skipped with why, not refused."""
-    layers = common.SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
-    if world == 1:
-        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or "
-                          "more")
-    if stages > layers:
-        raise common.Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages "
-                          f"on {world} processes: use fewer processes or a larger --size")
 
 
 def main():
@@ -107,20 +74,19 @@ def main():
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
-    skip_unless_pipelined(world, n_stages, args.size)
+    common.skip_unless_pipelined(world, n_stages, args.size)
     if chosen and v and args.microbatches < n_stages:
         parser.error(f"ScheduleDualPipeV needs at least as many micro-batches as its {n_stages} "
                      f"stages: use --microbatches {n_stages} or more")
     topo = common.setup(args)
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
-    layers = model.pipeline_layers()
     params = sum(q.numel() for q in model.parameters())
-    stages = cut([layer_cost(layer) for layer in layers], n_stages)
+    stages = model.pipeline_stages(n_stages)
     mine = [topo.rank, 2 * p - 1 - topo.rank] if v else [topo.rank]  # stage indices
-    modules = {s: stage_module([layers[i] for i in stages[s]]) for s in mine}
+    modules = {s: stage_module(stages[s]) for s in mine}
     autocast_dtype = model.autocast_dtype
-    del model, layers
+    del model, stages
     held = nn.ModuleList(modules.values())
     pipe_stages = [PipelineStage(modules[s], s, n_stages, topo.device) for s in mine]
     if v:  # see the docstring: the loss divided by m, not the gradients

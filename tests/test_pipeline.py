@@ -198,21 +198,21 @@ def test_the_simulator_finds_a_deadlock_and_uneven_stages_widen_the_bubble():
 
 @pytest.mark.parametrize("n, stages", [(8, 2), (8, 3), (4, 4), (10, 7)])
 def test_equal_costs_cut_into_contiguous_stages_within_one_layer(n, stages):
-    cut = RECIPES["1f1b"].cut([1] * n, stages)
+    cut = common.cut_into_stages([1] * n, stages)
     assert [i for stage in cut for i in stage] == list(range(n))
     assert max(map(len, cut)) - min(map(len, cut)) <= 1 and min(map(len, cut)) >= 1
 
 
 def test_the_cut_weighs_layers_by_their_matrix_multiplies():
-    recipe = RECIPES["dualpipev"]
-    layers = common.GPT(common.SIZES["small"], 32).pipeline_layers()
-    costs = [recipe.layer_cost(layer) for layer in layers]
-    assert costs[0] == 0 and costs[1] == 12 * 256**2 and costs[-1] == 1024 * 256  # head: 1/3
-    # Four stages of two layers would put 2 blocks and the two light ends on the V's rank 0
-    # and 4 blocks on rank 1; by cost the ranks get 3 blocks each.
-    assert [list(s) for s in recipe.cut(costs, 4)] == [[0, 1, 2], [3], [4, 5], [6, 7]]
-    assert [list(s) for s in recipe.cut(costs, 2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [len(s) for s in recipe.cut([0, 0, 0, 5], 4)] == [1, 1, 1, 1]  # never empty
+    """At `small` a block costs 12 x 256^2, the head 1024 x 256 (a third), the embeddings 0.
+    Four stages of two layers would put 2 blocks and the two light ends on the V's rank 0 and 4
+    blocks on rank 1; by cost the ranks get 3 blocks each."""
+    model = common.GPT(common.SIZES["small"], 32)
+    for stages, lengths in [(4, [3, 1, 2, 2]), (2, [4, 4])]:
+        cut = model.pipeline_stages(stages)
+        assert [len(stage) for stage in cut] == lengths
+        assert [layer for stage in cut for layer in stage][1:-1] == list(model.blocks)  # in order
+    assert [len(s) for s in common.cut_into_stages([0, 0, 0, 5], 4)] == [1, 1, 1, 1]  # never empty
 
 
 def test_the_timeline_draws_each_action_where_it_ran(tmp_path):
