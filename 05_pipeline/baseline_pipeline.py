@@ -77,12 +77,12 @@ def comm_theory_mb(shape: tuple[int, ...], m: int, tied: int) -> float:
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=8,
-                        help="the pipelines' m: sets the default batch only (2 sequences per "
+                        help="the pipelines' m: sets the default batch only (4 sequences per "
                              "micro-batch, as theirs), which this baseline runs in one piece")
     parser.set_defaults(batch_size=0)
-    parser.set_defaults(steps=10, warmup=3)  # as the pipelines'
+    parser.set_defaults(steps=8, warmup=3)  # as the pipelines'
     args = parser.parse_args()
-    args.batch_size = args.batch_size or 2 * args.microbatches
+    args.batch_size = args.batch_size or 4 * args.microbatches
     if args.model != "gpt":
         parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
     world = common.launch_world_size()

@@ -283,13 +283,13 @@ def main():
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
                         help="micro-batches m the batch is split into, at least 2p "
                              "(default: 8, or 2p above 4 processes)")
-    parser.set_defaults(batch_size=0)  # 0: two sequences per micro-batch, as the others
-    parser.set_defaults(steps=10, warmup=3)  # 8 runs in `make pipeline`: ~2 min
+    parser.set_defaults(batch_size=0)  # 0: four sequences per micro-batch, as the others
+    parser.set_defaults(steps=8, warmup=3)  # 8 runs in `make pipeline`: ~4 min
     args = parser.parse_args()
     world = common.launch_world_size()
     chosen = args.microbatches is not None
     args.microbatches = args.microbatches or max(8, 2 * world)
-    args.batch_size = args.batch_size or 2 * args.microbatches
+    args.batch_size = args.batch_size or 4 * args.microbatches
     if args.model != "gpt":
         parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
     if args.batch_size % args.microbatches:

@@ -185,12 +185,13 @@ def main():
     parser = common.parser(__doc__)
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=8,
                         help="micro-batches m the batch is split into (default: 8)")
-    # The whole batch, split into m: by default two sequences per micro-batch (one is faster to
-    # run but on a CPU a GEMM that small runs well below its speed, which the bubble is not).
+    # The whole batch, split into m: by default four sequences per micro-batch. Fewer run
+    # faster, but on a CPU a micro-batch's GEMMs then run well below the whole batch's speed
+    # (two: ~20% below here), which is the cost of splitting, not of the bubble.
     parser.set_defaults(batch_size=0)
-    parser.set_defaults(steps=10, warmup=3)  # 8 runs in `make pipeline`: ~2 min
+    parser.set_defaults(steps=8, warmup=3)  # 8 runs in `make pipeline`: ~4 min
     args = parser.parse_args()
-    args.batch_size = args.batch_size or 2 * args.microbatches
+    args.batch_size = args.batch_size or 4 * args.microbatches
     if args.model != "gpt":
         parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
     if args.batch_size % args.microbatches:

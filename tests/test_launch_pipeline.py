@@ -192,7 +192,7 @@ def test_micro_batches_default_to_what_the_world_needs(script, world, m, monkeyp
     with pytest.raises(ReachedSetup) as reached_with:
         load_recipe(FOLDER / f"{script}.py").main()
     args = reached_with.value.args[0]
-    assert (args.microbatches, args.batch_size) == (m, 2 * m)
+    assert (args.microbatches, args.batch_size) == (m, 4 * m)
 
 
 @pytest.mark.parametrize("mine, theirs", [("optimized_pipeline_gpipe", "torch gpipe"),
