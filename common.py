@@ -1046,27 +1046,53 @@ def write_timeline_trace(timelines: Sequence[Sequence[tuple[str, int, int, float
     log(topo, f"timeline of one step written to {path} (open in https://ui.perfetto.dev)")
 
 
-def gather_timelines(timelines: list[list[tuple[str, int, int, float, float]]], held: int,
-                     args: argparse.Namespace, topo: Topology
+def clock_offset(topo: Topology, rounds: int = 10) -> float:
+    """What to add to this rank's `time.perf_counter()` to read rank 0's: from the round trip
+    to rank 0 with the least delay of `rounds` (NTP's estimate: rank 0 read its clock halfway),
+    right to within half that round trip, whatever the ranks' clocks or nodes."""
+    stamp, best = torch.zeros(1, dtype=torch.float64, device=topo.device), (math.inf, 0.0)
+    for peer in range(1, topo.world_size):
+        for _ in range(rounds):
+            if topo.rank == 0:
+                dist.recv(stamp, peer)
+                stamp.fill_(time.perf_counter())
+                dist.send(stamp, peer)
+            elif topo.rank == peer:
+                sent = time.perf_counter()
+                dist.send(stamp, 0)
+                dist.recv(stamp, 0)
+                back = time.perf_counter()
+                best = min(best, (back - sent, stamp.item() - (sent + back) / 2))
+    return best[1]
+
+
+def gather_timelines(steps: list[tuple[float, list[tuple[str, int, int, float, float]]]],
+                     held: int, args: argparse.Namespace, topo: Topology
                      ) -> tuple[list[list[list[tuple]]], float, list[dict[str, float]], int]:
-    """A pipeline's timed steps from every rank: each action (kind, micro-batch, stage, start,
-    end) in seconds on its own rank's clock from the barrier that started the step, so no two
-    ranks' clocks are compared (they may be on different nodes). Rank 0 prints the last step's
-    timeline and writes its trace. Returns the steps (each a timeline per rank); the mean idle
-    fraction of a step, the bubble: 1 - busy time / (ranks x the time to the step's last
-    action's end); each rank's mean time of each kind of action; and the most micro-batches'
-    activations a rank `held`."""
+    """A pipeline's timed steps from every rank, each (its start, its actions: kind, micro-batch,
+    stage, start, end) on the rank's own clock. Each rank's clock is read on rank 0's through
+    `clock_offset`, and each step's times count from its common reference: the moment its first
+    rank started it. No barrier: it would stop the ranks overlapping one step's end with the
+    next's start. Rank 0 prints the last step's timeline and writes its trace. Returns the
+    steps (a timeline per rank, in seconds from the reference); the mean idle fraction of a
+    step, the bubble: 1 - busy time / (ranks x the time to its last action's end); each rank's
+    mean time of each kind of action; and the most micro-batches' activations a rank `held`."""
     gathered = [None] * topo.world_size
-    dist.all_gather_object(gathered, (timelines, held))
-    steps = [list(ranks) for ranks in zip(*[tls for tls, _ in gathered], strict=True)]
+    dist.all_gather_object(gathered, (steps, held, clock_offset(topo)))
+    timed = []
+    for ranks in zip(*[[(start + off, [(*a[:3], a[3] + off, a[4] + off) for a in actions])
+                        for start, actions in rank] for rank, _, off in gathered], strict=True):
+        reference = min(start for start, _ in ranks)
+        timed.append([[(*a[:3], a[3] - reference, a[4] - reference) for a in actions]
+                      for _, actions in ranks])
     bubble = statistics.mean(1 - sum(a[4] - a[3] for tl in ranks for a in tl)
                              / (len(ranks) * max(a[4] for tl in ranks for a in tl))
-                             for ranks in steps)
-    means = [{kind: statistics.mean(a[4] - a[3] for step in rank for a in step if a[0] == kind)
-              for kind in {a[0] for step in rank for a in step}} for rank, _ in gathered]
-    log(topo, render_timeline(steps[-1]))
-    write_timeline_trace(steps[-1], args, topo)
-    return steps, bubble, means, max(n for _, n in gathered)
+                             for ranks in timed)
+    means = [{kind: statistics.mean(a[4] - a[3] for _, acts in rank for a in acts if a[0] == kind)
+              for kind in {a[0] for _, acts in rank for a in acts}} for rank, _, _ in gathered]
+    log(topo, render_timeline(timed[-1]))
+    write_timeline_trace(timed[-1], args, topo)
+    return timed, bubble, means, max(n for _, n, _ in gathered)
 
 
 # ---------------------------------------------------------------------------------------------

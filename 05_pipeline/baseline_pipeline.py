@@ -12,7 +12,7 @@ Run:        torchrun --nproc_per_node=2 05_pipeline/baseline_pipeline.py --size 
 Look for:   `bubble` near (p-1)/p, and one step's timeline: one rank busy at a time.
 Theory:     bubble (p-1)/p: the ranks' forwards and backwards run one after another, so the step
             is their sum, whatever each costs. Measured: each rank times its forward and backward
-            on its own clock from a barrier that starts the step (sends and waits are idle).
+            on its own clock, read on rank 0's through a measured offset (sends, waits: idle).
 """
 
 import sys
@@ -29,18 +29,20 @@ import common  # noqa: E402
 
 def forward_backward(layers: nn.ModuleList, tokens: torch.Tensor, targets: torch.Tensor,
                      topo: common.Topology, shape: tuple[int, ...],
-                     autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, list[tuple]]:
+                     autocast_dtype: torch.dtype | None
+                     ) -> tuple[torch.Tensor, tuple[float, list[tuple]]]:
     """The whole batch through this rank's stage, forward and then backward, each waiting for
     its input from the neighbouring rank. Returns the loss (on the last rank, else 0) and the
-    step's timeline: the forward and the backward, each from its input's arrival to its end."""
+    step on this rank's clock: its start, and the forward and the backward, each timed from its
+    input's arrival to its end."""
     rank, last = topo.rank, topo.world_size - 1
-    dist.barrier()  # the step's one reference: every rank times its actions from here
-    t0 = time.perf_counter()
 
     def now() -> float:
         if topo.device.type == "cuda":
             torch.cuda.synchronize(topo.device)
-        return time.perf_counter() - t0
+        return time.perf_counter()
+
+    step_start = now()
 
     x = tokens
     if rank > 0:
@@ -63,7 +65,8 @@ def forward_backward(layers: nn.ModuleList, tokens: torch.Tensor, targets: torch
     timeline.append(("B", 0, rank, start, now()))
     if rank > 0:
         dist.send(x.grad, rank - 1)
-    return (out.detach() if rank == last else torch.zeros((), device=topo.device)), timeline
+    return (out.detach() if rank == last else torch.zeros((), device=topo.device)), \
+        (step_start, timeline)
 
 
 # Copied from 05_pipeline/optimized_pipeline_1f1b.py: comm_theory_mb

@@ -170,13 +170,13 @@ class PipelineRank:
         self.inbox: dict[tuple[str, int, int], tuple[torch.Tensor, dist.Work | None]] = {}
         self.kept: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> what its backward needs
         self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # sends in flight
-        self.timelines: list[list[tuple[str, int, int, float, float]]] = []  # per step
-        self.inflight_max, self.t0 = 0, 0.0
+        self.steps: list[tuple[float, list[tuple]]] = []  # (its start, its timed actions)
+        self.inflight_max = 0
 
     def now(self) -> float:
         if self.topo.device.type == "cuda":
             torch.cuda.synchronize(self.topo.device)
-        return time.perf_counter() - self.t0
+        return time.perf_counter()
 
     def post_receive(self, kind: str, mb: int, stage: int) -> None:
         x = torch.empty(self.shape, device=self.topo.device)
@@ -217,7 +217,7 @@ class PipelineRank:
             self.send(out.detach(), "F", mb, stage + 1)
         self.kept[(mb, stage)] = (x, out, weighted)
         self.inflight_max = max(self.inflight_max, len(self.kept))
-        self.timelines[-1].append(("F", mb, stage, start, self.now()))
+        self.steps[-1][1].append(("F", mb, stage, start, self.now()))
         return out.detach()
 
     def backward(self, mb: int, stage: int, split: bool) -> None:
@@ -236,7 +236,7 @@ class PipelineRank:
             out.backward(grad)
         if inputs:
             self.send(x.grad, "B", mb, stage - 1)
-        self.timelines[-1].append(("I" if split else "B", mb, stage, start, self.now()))
+        self.steps[-1][1].append(("I" if split else "B", mb, stage, start, self.now()))
 
     def weight_backward(self, mb: int, stage: int) -> None:
         """W: each layer's weight gradients from the gradient at its output (a layer at a time:
@@ -244,13 +244,11 @@ class PipelineRank:
         start = self.now()
         for layer, out in self.kept.pop((mb, stage)):
             torch.autograd.backward(out, out.grad, inputs=list(layer.parameters(recurse=False)))
-        self.timelines[-1].append(("W", mb, stage, start, self.now()))
+        self.steps[-1][1].append(("W", mb, stage, start, self.now()))
 
     def run(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One step's actions; returns the loss (on the rank of the last stage, else 0)."""
-        dist.barrier()  # the step's one reference: every rank times its actions from here
-        self.t0 = time.perf_counter()
-        self.timelines.append([])
+        self.steps.append((self.now(), []))
         loss = torch.zeros((), device=self.topo.device)
         micro = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
         for (kind, mb, stage, _), posts in zip(self.actions, self.posts, strict=True):
@@ -318,7 +316,7 @@ def main():
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(pipe.layers, opt),
                                loss_rank=0, dp_world=1)
     steps, measured, means, inflight_max = common.gather_timelines(
-        pipe.timelines[args.warmup:], pipe.inflight_max, args, topo)
+        pipe.steps[args.warmup:], pipe.inflight_max, args, topo)
     bubble, inflight, _ = simulate(schedule(p, m), means)
     paired, _, _ = simulate(schedule(p, m), means, paired=True)
     common.record(args, topo, stats, baseline="baseline_pipeline", model=pipe.layers,

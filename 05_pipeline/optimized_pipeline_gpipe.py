@@ -16,8 +16,8 @@ Look for:   `make pipeline report`: the speedup over the baseline, `bubble` besi
             `theory.bubble`, `inflight_max` (m), and one step's timeline.
 Theory:     bubble = the idle fraction of these action lists run with each rank's measured mean
             F and B times (`simulate`), (p-1)/(m+p-1) when they are equal; m micro-batches in
-            flight. The measured bubble times each rank's actions on its own clock from a
-            barrier that starts the step, so it holds across nodes.
+            flight. Measured, each rank times its actions on its own clock, read on rank 0's
+            through a measured offset: it holds across nodes.
 """
 
 import itertools
@@ -92,8 +92,8 @@ class PipelineRank:
     backward. A receive is posted where `simulate` places it, into a buffer of its own, and
     waited for when the action that needs it starts; a send goes out as soon as its tensor is
     ready and is waited for at the end of the step. An action is timed from the moment its input
-    is here, on this rank's clock from the barrier that starts the step (on CUDA after
-    synchronising the device: its kernels' time, not their launch)."""
+    is here, on this rank's clock (on CUDA after synchronising the device: its kernels' time,
+    not their launch)."""
 
     def __init__(self, layers: list[nn.Module], ranks: list[list[Action]], topo: common.Topology,
                  m: int, shape: tuple[int, ...], autocast_dtype: torch.dtype | None):
@@ -104,13 +104,13 @@ class PipelineRank:
         self.inbox: dict[tuple[str, int], tuple[torch.Tensor, dist.Work]] = {}  # posted
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> input, output
         self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # sends in flight
-        self.timelines: list[list[tuple[str, int, int, float, float]]] = []  # per step
-        self.inflight_max, self.t0 = 0, 0.0
+        self.steps: list[tuple[float, list[tuple]]] = []  # (its start, its timed actions)
+        self.inflight_max = 0
 
     def now(self) -> float:
         if self.topo.device.type == "cuda":
             torch.cuda.synchronize(self.topo.device)
-        return time.perf_counter() - self.t0
+        return time.perf_counter()
 
     def post_receive(self, kind: str, mb: int) -> None:
         x = torch.empty(self.shape, device=self.topo.device)
@@ -138,7 +138,7 @@ class PipelineRank:
             self.send(out.detach(), self.stage + 1)
         self.kept[mb] = (x, out)
         self.inflight_max = max(self.inflight_max, len(self.kept))
-        self.timelines[-1].append(("F", mb, self.stage, start, self.now()))
+        self.steps[-1][1].append(("F", mb, self.stage, start, self.now()))
         return out.detach()
 
     def backward(self, mb: int) -> None:
@@ -148,13 +148,11 @@ class PipelineRank:
         out.backward(grad)
         if self.stage > 0:
             self.send(x.grad, self.stage - 1)
-        self.timelines[-1].append(("B", mb, self.stage, start, self.now()))
+        self.steps[-1][1].append(("B", mb, self.stage, start, self.now()))
 
     def run(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One step's actions; returns the loss (on the last stage, else 0)."""
-        dist.barrier()  # the step's one reference: every rank times its actions from here
-        self.t0 = time.perf_counter()
-        self.timelines.append([])
+        self.steps.append((self.now(), []))
         loss = torch.zeros((), device=self.topo.device)
         micro = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
         for (kind, mb, _), posts in zip(self.actions, self.posts, strict=True):
@@ -223,7 +221,7 @@ def main():
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(pipe.layers, opt),
                                loss_rank=p - 1, dp_world=1)
     steps, measured, means, inflight_max = common.gather_timelines(
-        pipe.timelines[args.warmup:], pipe.inflight_max, args, topo)
+        pipe.steps[args.warmup:], pipe.inflight_max, args, topo)
     bubble, inflight, _ = simulate(schedule(p, m), means)
     common.record(args, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
                   optimizer=opt, comm_mb=stats.comm_mb, dp_world=1, params=params,

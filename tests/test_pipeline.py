@@ -5,6 +5,7 @@ import collections
 import json
 
 import pytest
+import torch
 
 import common
 from helpers import load_recipe
@@ -226,3 +227,27 @@ def test_the_timeline_draws_each_action_where_it_ran(tmp_path):
     assert [(e["name"], e["tid"], e["ts"], e["dur"], e["args"]["stage"]) for e in spans] == [
         ("F0", 0, 0.0, 250000.0, 0), ("B0", 0, 500000.0, 500000.0, 3),
         ("F0", 1, 250000.0, 250000.0, 1)]
+
+
+def test_gathered_timelines_count_from_the_steps_first_start(tmp_path):
+    """Each step's times from the moment its first rank started it (here the only rank, whose
+    clock is rank 0's: offset 0); the bubble from busy time over the span to the last end."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{common.free_port()}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        steps = [(100.0, [("F", 0, 0, 100.5, 101.0), ("B", 0, 0, 101.0, 102.0)]),
+                 (200.0, [("F", 0, 0, 200.0, 201.0), ("B", 0, 0, 202.0, 204.0)])]
+        args = common.parser(None).parse_args(["--results", str(tmp_path / "r.jsonl")])
+        topo = common.Topology(0, 0, 1, 1, 1, "gloo", torch.device("cpu"))
+        assert common.clock_offset(topo) == 0.0
+        timed, bubble, means, held = common.gather_timelines(steps, 3, args, topo)
+    finally:
+        dist.destroy_process_group()
+    assert timed == [[[("F", 0, 0, 0.5, 1.0), ("B", 0, 0, 1.0, 2.0)]],
+                     [[("F", 0, 0, 0.0, 1.0), ("B", 0, 0, 2.0, 4.0)]]]
+    assert bubble == pytest.approx((0.25 + 0.25) / 2)  # 1.5 of 2 s busy, then 3 of 4
+    assert means == [{"F": 0.75, "B": 1.5}] and held == 3
