@@ -1051,16 +1051,22 @@ def clock_offset(topo: Topology, rounds: int = 10) -> float:
     to rank 0 with the least delay of `rounds` (NTP's estimate: rank 0 read its clock halfway),
     right to within half that round trip, whatever the ranks' clocks or nodes."""
     stamp, best = torch.zeros(1, dtype=torch.float64, device=topo.device), (math.inf, 0.0)
+
+    def receive(src: int) -> None:  # until it is here: NCCL's recv returns once it is queued
+        dist.recv(stamp, src)
+        if topo.device.type == "cuda":
+            torch.cuda.synchronize(topo.device)
+
     for peer in range(1, topo.world_size):
         for _ in range(rounds):
             if topo.rank == 0:
-                dist.recv(stamp, peer)
+                receive(peer)
                 stamp.fill_(time.perf_counter())
                 dist.send(stamp, peer)
             elif topo.rank == peer:
                 sent = time.perf_counter()
                 dist.send(stamp, 0)
-                dist.recv(stamp, 0)
+                receive(0)
                 back = time.perf_counter()
                 best = min(best, (back - sent, stamp.item() - (sent + back) / 2))
     return best[1]

@@ -39,7 +39,7 @@ def forward_backward(layers: nn.ModuleList, tokens: torch.Tensor, targets: torch
 
     def now() -> float:
         if topo.device.type == "cuda":
-            torch.cuda.synchronize(topo.device)
+            torch.cuda.current_stream(topo.device).synchronize()
         return time.perf_counter()
 
     step_start = now()

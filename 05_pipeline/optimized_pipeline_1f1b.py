@@ -96,8 +96,8 @@ class PipelineRank:
     backward. A receive is posted where `simulate` places it, into a buffer of its own, and
     waited for when the action that needs it starts; a send goes out as soon as its tensor is
     ready and is waited for at the end of the step. An action is timed from the moment its input
-    is here, on this rank's clock (on CUDA after synchronising the device: its kernels' time,
-    not their launch)."""
+    is here, on this rank's clock (on CUDA after synchronising the compute stream: its kernels'
+    time, not their launch)."""
 
     def __init__(self, layers: list[nn.Module], ranks: list[list[Action]], topo: common.Topology,
                  m: int, shape: tuple[int, ...], autocast_dtype: torch.dtype | None):
@@ -112,8 +112,8 @@ class PipelineRank:
         self.inflight_max = 0
 
     def now(self) -> float:
-        if self.topo.device.type == "cuda":
-            torch.cuda.synchronize(self.topo.device)
+        if self.topo.device.type == "cuda":  # this stream's kernels, not the receives posted
+            torch.cuda.current_stream(self.topo.device).synchronize()
         return time.perf_counter()
 
     def post_receive(self, kind: str, mb: int) -> None:
@@ -190,7 +190,7 @@ def main():
     # faster, but on a CPU a micro-batch's GEMMs then run well below the whole batch's speed
     # (two: ~20% below here), which is the cost of splitting, not of the bubble.
     parser.set_defaults(batch_size=0)
-    parser.set_defaults(steps=8, warmup=3)  # 8 runs in `make pipeline`: ~4 min
+    parser.set_defaults(steps=8, warmup=3)  # 8 runs in `make pipeline`: ~5 min
     args = parser.parse_args()
     args.batch_size = args.batch_size or 4 * args.microbatches
     if args.model != "gpt":

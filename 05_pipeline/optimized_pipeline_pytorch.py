@@ -61,7 +61,7 @@ def main():
                         help="micro-batches m the batch is split into (default: 8; for "
                              "dualpipev 2p above 4 processes)")
     parser.set_defaults(batch_size=0)  # 0: four sequences per micro-batch, as the others
-    parser.set_defaults(steps=8, warmup=3)  # 8 runs in `make pipeline`: ~4 min
+    parser.set_defaults(steps=8, warmup=3)  # 8 runs in `make pipeline`: ~5 min
     args = parser.parse_args()
     world = common.launch_world_size()
     v = args.schedule == "dualpipev"

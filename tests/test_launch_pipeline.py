@@ -95,7 +95,7 @@ def test_records_carry_the_real_timeline_of_the_schedule_and_its_bubble(runs, sc
     assert rec["stages"] == stages and rec["tokens_per_s"] > 0
     timeline = rec["timeline"]
     assert [[tuple(a[:3]) for a in actions] for actions in timeline] == planned  # as written
-    for actions in timeline:  # on each rank's clock from the step's barrier, one at a time
+    for actions in timeline:  # on each rank's clock from the step's first start, one at a time
         assert all(0 <= start < end for *_, start, end in actions)
         assert all(a[4] <= b[3] for a, b in zip(actions[:-1], actions[1:], strict=True))
     assert 0 < rec["bubble"] < 1 and 0 <= rec["theory"]["bubble"] < 1

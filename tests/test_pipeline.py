@@ -124,17 +124,26 @@ def test_receives_posted_ahead_never_deadlock_under_nccls_rule(name, p, fifo):
         run_under_nccls_rule(schedule, recipe.simulate(schedule)[2], fifo)
 
 
-def test_the_model_catches_receives_posted_only_when_needed():
+@pytest.mark.parametrize("fifo", ["pair", "rank"])
+def test_the_model_catches_receives_posted_only_when_needed(fifo):
     """The model can fail: DualPipeV with each receive posted just before the action that needs
-    it (the runtime this one replaced) deadlocks at p = 4, where two ranks each send to the other
-    before posting the receive for what the other sends."""
+    it (the runtime this one replaced; the V's turn, in memory, receives nothing) deadlocks at
+    p = 4, where two ranks each send to the other before posting the receive for what the other
+    sends; the same lists with `simulate`'s posts run through."""
     recipe = RECIPES["dualpipev"]
     schedule = recipe.schedule(4, 8)
-    late = [[[("F" if a.kind == "F" else "B", a.mb, a.stage)] if a.kind != "W" and (
-        a.stage > 0 if a.kind == "F" else a.stage < 7) else [] for a in actions]
-        for actions in schedule]
+    owner = {(a.mb, a.stage): r for r, actions in enumerate(schedule) for a in actions}
+
+    def networked(a, r):
+        src = a.stage - 1 if a.kind == "F" else a.stage + 1
+        return a.kind != "W" and 0 <= src <= 7 and owner[(a.mb, src)] != r
+
+    late = [[[("F" if a.kind == "F" else "B", a.mb, a.stage)] if networked(a, r) else []
+             for a in actions] for r, actions in enumerate(schedule)]
+    assert sum(map(len, sum(late, []))) == sum(map(len, sum(recipe.simulate(schedule)[2], [])))
     with pytest.raises(AssertionError, match="deadlock"):
-        run_under_nccls_rule(schedule, late, "rank")
+        run_under_nccls_rule(schedule, late, fifo)
+    run_under_nccls_rule(schedule, recipe.simulate(schedule)[2], fifo)
 
 
 def idle_time(recipe, schedule, seconds, paired=False):
