@@ -1311,6 +1311,22 @@ def run_key(rec: dict) -> tuple:
             rec.get("device"), rec.get("link"))
 
 
+def max_loss_diff(losses: list[float] | None, baseline_losses: list[float] | None
+                  ) -> float | None:
+    """The largest per-step loss difference from the baseline's run (None: not comparable)."""
+    if not losses or not baseline_losses or len(losses) != len(baseline_losses):
+        return None
+    return max(abs(a - b) for a, b in zip(losses, baseline_losses, strict=True))
+
+
+def over_tolerance(rec: dict, base: dict | None) -> bool:
+    """Whether a run's losses strayed from its baseline's further than the tolerance its script
+    states: its status is then `over tolerance`, not `ok`."""
+    diff = max_loss_diff(rec.get("losses"), (base or {}).get("losses"))
+    tolerance = rec.get("loss_tolerance")
+    return diff is not None and tolerance is not None and diff > tolerance
+
+
 # ---------------------------------------------------------------------------------------------
 # Runs seen from the Makefile: a failed run's one line and record, and `make smoke`
 # ---------------------------------------------------------------------------------------------
@@ -1406,10 +1422,12 @@ def _fork_rank(script: str, argv: list[str], env: dict[str, str], log_fd: int) -
 def smoke(runs: Sequence[str], nproc: int, flags: Sequence[str], out: Path,
           timeout: float) -> int:
     """`make smoke`: every run (a script and its flags) once, `nproc` ranks on this host, one
-    line each: ok, skipped (why) or FAILED (its error line). Returns 1 if any failed."""
+    line each: ok, over tolerance (its losses strayed from its baseline's, run just before, by
+    more than its script allows), skipped (why) or FAILED (its error line). Returns 1 if any
+    failed."""
     results, logs = out / "results.jsonl", out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    failed, began = 0, time.monotonic()
+    failed, over, began = 0, 0, time.monotonic()
     for run in runs:
         script, *own = run.split()
         log_path = logs / (Path(script).stem + "".join(own) + ".log")
@@ -1434,7 +1452,13 @@ def smoke(runs: Sequence[str], nproc: int, flags: Sequence[str], out: Path,
             codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         code = next((codes[pid] for pid in pids if codes[pid]), 0)
         own = _own_record(results, Path(script), _flags_of(argv)[1], since)
-        if code == 0 and own and own["status"] == "ok":
+        base = next((rec for rec in reversed(load_results(results)) if own and rec.get("script")
+                     == own.get("baseline") and run_key(rec) == run_key(own)), None)
+        if code == 0 and own and own["status"] == "ok" and over_tolerance(own, base):
+            diff = max_loss_diff(own["losses"], base["losses"])
+            line = f"over tolerance (max loss difference {diff:.2e} > {own['loss_tolerance']:g})"
+            over += 1
+        elif code == 0 and own and own["status"] == "ok":
             line = f"ok ({own['step_ms']:.1f} ms/step, loss {own['losses'][-1]:.3f})" \
                 if "losses" in own else f"ok ({len(own['sweep'])} sizes x ops timed)"
         elif code == 0 and own and own["status"] == "skipped":
@@ -1446,8 +1470,8 @@ def smoke(runs: Sequence[str], nproc: int, flags: Sequence[str], out: Path,
                  str(nproc), "--", *argv], capture_output=True, text=True).stdout.strip()
             line, failed = f"FAILED: {reason} (log: {log_path})", failed + 1
         print(f"{run:<62} {line}", flush=True)
-    print(f"smoke: {len(runs)} runs, {failed} failed, {time.monotonic() - began:.0f} s "
-          f"({nproc} processes each)", flush=True)
+    print(f"smoke: {len(runs)} runs, {failed} failed, {over} over tolerance, "
+          f"{time.monotonic() - began:.0f} s ({nproc} processes each)", flush=True)
     return 1 if failed else 0
 
 

@@ -44,13 +44,6 @@ def _fmt(value, spec: str = ",.1f") -> str:
     return "" if value is None else format(value, spec)
 
 
-def max_loss_diff(losses: list[float] | None, baseline_losses: list[float] | None
-                  ) -> float | None:
-    if not losses or not baseline_losses or len(losses) != len(baseline_losses):
-        return None
-    return max(abs(a - b) for a, b in zip(losses, baseline_losses, strict=True))
-
-
 def _size_label(rec: dict) -> str:
     """The size, the model unless it is the GPT, and the link where LINK shaped it."""
     model, link = rec.get("model"), rec.get("link")
@@ -76,11 +69,13 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
     elif base is not None and base.get("status") == "ok":
         speedup = f"{base['step_ms'] / rec['step_ms']:.2f}x"
         mem_ratio = f"{rec['peak_mem_mb'] / base['peak_mem_mb']:.2f}x"
-        diff = max_loss_diff(rec.get("losses"), base.get("losses"))
+        diff = common.max_loss_diff(rec.get("losses"), base.get("losses"))
         if diff is not None:
             tol = rec.get("loss_tolerance")
             verdict = "" if tol is None else (" (ok)" if diff <= tol else f" (> {tol:g})")
             dloss = f"{diff:.2e}{verdict}"
+        if common.over_tolerance(rec, base):
+            status = "over tolerance"
     theory = _theory_cell(rec)
     return [_script_label(rec), _size_label(rec), rec.get("world_size"), rec.get("device"),
             f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _fmt(throughput, ",.0f"),

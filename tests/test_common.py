@@ -243,10 +243,15 @@ def test_report_shows_ok_failed_and_skipped_rows():
     assert "999.0" not in text
 
 
-def test_report_flags_a_loss_difference_over_tolerance():
+def test_a_loss_difference_over_tolerance_is_the_rows_status():
     records = [_row("baseline_ddp"),
                _row("optimized_ddp", "baseline_ddp", losses=[5.0, 4.5], loss_tolerance=1e-4)]
-    assert "5.00e-01 (> 0.0001)" in report.render_report(records)
+    (row,) = [line for line in report.render_report(records).splitlines()
+              if line.startswith("| optimized_ddp")]
+    assert "5.00e-01 (> 0.0001)" in row and row.rstrip(" |").endswith("over tolerance")
+    assert common.over_tolerance(records[1], records[0])
+    assert not common.over_tolerance({**records[1], "loss_tolerance": 0.6}, records[0])
+    assert not common.over_tolerance(records[1], None)  # nothing to compare with
 
 
 def test_report_does_not_compare_runs_with_other_settings():

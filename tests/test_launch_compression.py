@@ -13,7 +13,6 @@ import sys
 import pytest
 
 import common
-import report
 from helpers import (
     LAUNCH_TIMEOUT,
     TINY,
@@ -66,13 +65,13 @@ def test_each_run_records_sane_figures_and_the_bytes_its_theory_predicts(runs, n
 def test_int8_sends_a_quarter_and_trains_like_fp32(runs):
     base, rec = runs["baseline"], runs["int8"]
     assert base["comm_mb"] / rec["comm_mb"] >= 3.8
-    assert report.max_loss_diff(rec["losses"], base["losses"]) <= rec["loss_tolerance"]
+    assert common.max_loss_diff(rec["losses"], base["losses"]) <= rec["loss_tolerance"]
 
 
 def test_hand_written_powersgd_gives_pytorchs_losses_and_bytes(runs):
     hand, torch_hook = runs["powersgd"], runs["powersgd_torch"]
     assert (hand["impl"], torch_hook["impl"]) == ("hand", "torch")
-    assert report.max_loss_diff(hand["losses"], torch_hook["losses"]) <= 1e-5
+    assert common.max_loss_diff(hand["losses"], torch_hook["losses"]) <= 1e-5
     assert hand["comm_mb"] == pytest.approx(torch_hook["comm_mb"], rel=1e-6)
     assert hand["collectives_per_step"] == 2 and torch_hook["collectives_per_step"] == 3
 
@@ -80,8 +79,8 @@ def test_hand_written_powersgd_gives_pytorchs_losses_and_bytes(runs):
 def test_powersgd_sends_far_less_than_int8_and_loses_more(runs):
     base, int8, powersgd = runs["baseline"], runs["int8"], runs["powersgd"]
     assert powersgd["comm_mb"] < int8["comm_mb"] < base["comm_mb"]
-    assert report.max_loss_diff(powersgd["losses"], base["losses"]) > \
-        report.max_loss_diff(int8["losses"], base["losses"])
+    assert common.max_loss_diff(powersgd["losses"], base["losses"]) > \
+        common.max_loss_diff(int8["losses"], base["losses"])
 
 
 @pytest.mark.parametrize("name", ["int8_3ranks_buckets", "powersgd_3ranks_buckets"])

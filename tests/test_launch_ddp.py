@@ -66,14 +66,14 @@ def test_baseline_all_reduces_every_parameter_tensor_and_ddp_buckets_them(runs):
 
 
 def test_ddp_pair_losses_match_to_float_rounding(runs):
-    diff = report.max_loss_diff(runs["optimized_ddp"][0]["losses"],
+    diff = common.max_loss_diff(runs["optimized_ddp"][0]["losses"],
                                 runs["baseline_ddp"][0]["losses"])
     assert diff is not None and diff <= 1e-5
 
 
 def test_attention_pair_losses_match_within_stated_tolerance(runs):
     optimized = runs["optimized_ddp_flash"][0]
-    diff = report.max_loss_diff(optimized["losses"], runs["baseline_ddp_flash"][0]["losses"])
+    diff = common.max_loss_diff(optimized["losses"], runs["baseline_ddp_flash"][0]["losses"])
     assert diff is not None and diff <= optimized["loss_tolerance"] == 1e-3
     assert runs["baseline_ddp_flash"][0]["theory"]["attn_saved_mb"] > \
         optimized["theory"]["attn_saved_mb"]
@@ -84,7 +84,7 @@ def test_accumulation_with_small_buckets_trains_like_the_full_batch(runs, tmp_pa
     finish(torchrun("optimized_ddp.py", results, "--accum", "2", "--bucket-mb", "0.05"))
     rec = only_record(results)
     assert rec["accum"] == 2
-    assert report.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
+    assert common.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
     assert rec["theory"]["comm_mb_without_no_sync"] == pytest.approx(2 * rec["comm_mb"],
                                                                      rel=1e-3)
     # 0.4 MB of gradients in 0.05 MiB buckets: the buckets DDP rebuilt and sends, not its one
@@ -106,7 +106,7 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rec = only_record(results)
     assert rec["world_size"] == 1 and rec["comm_mb"] == 0
-    assert report.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
+    assert common.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
     trace = json.loads((tmp_path / "traces" / "01_ddp_baseline_ddp_rank0.json").read_text())
     all_reduces = [e for e in trace["traceEvents"] if e.get("name") == "gloo:all_reduce"]
     assert len(all_reduces) == 2 * rec["collectives_per_step"]  # two traced warm-up steps

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import common
-import report
 from helpers import assert_bad_input_is_one_line, finish, load_recipe, only_record, torchrun
 
 FOLDER = common.ROOT / "03_fsdp"
@@ -181,7 +180,7 @@ def test_checkpointing_alone_keeps_fsdps_losses_and_cuts_the_activations(runs, a
 def test_fp8_trains_within_its_tolerance_and_gathers_fewer_bytes(ablation):
     both, exact = ablation["both"], ablation["checkpointing"]
     assert both["fp8"]["scaling"] == "tensorwise" and len(both["fp8"]["layers"]) == 8
-    assert 0 < report.max_loss_diff(both["losses"], exact["losses"]) <= both["loss_tolerance"]
+    assert 0 < common.max_loss_diff(both["losses"], exact["losses"]) <= both["loss_tolerance"]
     assert both["gathered_mb"]["uint8"] > 0  # float8 weights travel as bytes
     assert sum(both["gathered_mb"].values()) < 0.6 * sum(exact["gathered_mb"].values())
 

@@ -303,19 +303,23 @@ SKIPS = '''
 
 def test_smoke_is_one_line_a_script_and_fails_if_any_failed(tmp_path):
     """On a host with GPUs torch cannot use, CPU=1 runs the smoke on CPU instead."""
+    ddp = (common.ROOT / "01_ddp" / "baseline_ddp.py").read_text()
+    strays = ddp.replace("lr=args.lr", "lr=2 * args.lr").replace(  # other losses, a tolerance
+        "baseline=None,", "baseline='baseline_ok', loss_tolerance=1e-3,")
+    assert strays.count("2 * args.lr") == strays.count("loss_tolerance=1e-3") == 1
     project_copy(tmp_path, "09_smoke", {
-        "baseline_ok.py": (common.ROOT / "01_ddp" / "baseline_ddp.py").read_text(),
-        "optimized_raises.py": textwrap.dedent(RAISES).lstrip(),
-        "optimized_skips.py": textwrap.dedent(SKIPS).lstrip()})
+        "baseline_ok.py": ddp, "optimized_raises.py": textwrap.dedent(RAISES).lstrip(),
+        "optimized_skips.py": textwrap.dedent(SKIPS).lstrip(), "optimized_strays.py": strays})
     run = subprocess.run(["make", "--no-print-directory", "smoke", f"PYTHON={sys.executable}",
                           "CPU=1"], cwd=tmp_path,
                          env=gpu_host(tmp_path, 2), capture_output=True, text=True, timeout=240)
     assert run.returncode != 0
     lines = run.stdout.strip().splitlines()
-    assert len(lines) == 4, run.stdout  # a line a script, then the count
+    assert len(lines) == 5, run.stdout  # a line a script, then the count
     assert lines[0].startswith("09_smoke/baseline_ok.py") and " ok (" in lines[0]
     assert "FAILED: RuntimeError: broken on purpose (log: " in lines[1]
     assert lines[2].endswith("skipped: needs a GPU: run on one")
-    assert lines[3].startswith("smoke: 3 runs, 1 failed")
-    assert len(common.load_results(tmp_path / "outputs" / "smoke" / "results.jsonl")) == 3
+    assert "over tolerance (max loss difference " in lines[3] and "> 0.001)" in lines[3]
+    assert lines[4].startswith("smoke: 4 runs, 1 failed, 1 over tolerance")
+    assert len(common.load_results(tmp_path / "outputs" / "smoke" / "results.jsonl")) == 4
     assert not (tmp_path / "outputs" / "results.jsonl").exists()  # not the report's
