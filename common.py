@@ -18,6 +18,7 @@ import datetime
 import faulthandler
 import functools
 import gc
+import importlib.metadata
 import itertools
 import json
 import math
@@ -653,21 +654,29 @@ def items_per_step(args: argparse.Namespace, dp_world: int) -> int:
 class Stats:
     step_ms: float
     step_ms_p90: float
+    step_ms_iqr: tuple[float, float]  # first and third quartiles: the spread of the timed steps
     startup_s: float  # `import common` (torch already imported) to the first timed step
     warmup_s: float
+    # the host's 1-minute load average at the first timed step and after the last: whether other
+    # work shared the cores while the steps were timed (report.py reads it)
+    load_avg: tuple[float, float]
     losses: list[float]
     memory: dict[str, float] | None = None  # the last warm-up step's peak MB (its split: CPU)
     comm_mb: float | None = None  # sent by this rank in the last warm-up step, counted
     comm_mb_by_kind: dict[str, float] | None = None  # the same, by collective and dtype
 
 
-def summarize_times(seconds: Sequence[float]) -> tuple[float, float]:
-    """Median and 90th percentile (nearest rank) of step times, in milliseconds."""
+def summarize_times(seconds: Sequence[float]) -> tuple[float, float, tuple[float, float]]:
+    """Median, 90th percentile (nearest rank) and the first and third quartiles (interpolated
+    between ranks, as numpy's default) of step times, in milliseconds."""
     if not seconds:
         raise ValueError("no timed steps")
     ordered = sorted(seconds)
     p90 = ordered[-(-9 * len(ordered) // 10) - 1]  # the ceil(0.9 n)-th smallest
-    return 1e3 * statistics.median(ordered), 1e3 * p90
+    # Python 3.11's quantiles() refuses a single value, whose quartiles are itself
+    q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive") \
+        if len(ordered) > 1 else ordered * 3
+    return 1e3 * statistics.median(ordered), 1e3 * p90, (1e3 * q1, 1e3 * q3)
 
 
 def _sync(device: torch.device) -> None:
@@ -884,6 +893,8 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     traced = range(max(0, args.warmup - 3), args.warmup - 1) if args.trace else range(0)
     phase_hooks = nvtx_phase_ranges(memory_of) if topo.device.type == "cuda" else []
     for i, (inputs, targets) in enumerate(batches):
+        if i == args.warmup:
+            load_start = os.getloadavg()[0]
         if traced and i == traced.start:
             profiler = torch.profiler.profile(activities=_profiler_activities(topo.device),
                                               record_shapes=True)  # bytes per collective
@@ -927,6 +938,7 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                   f"{items_per_step(args, dp_world or topo.world_size) / elapsed:10,.0f} "
                   f"{'tok' if args.model == 'gpt' else 'img'}/s | "
                   f"mem {peak_memory_mb(topo.device):,.0f} MB", flush=True)
+    load_end = os.getloadavg()[0]
     for hook in phase_hooks:
         hook.remove()
     mean_losses = torch.stack(losses)
@@ -940,9 +952,9 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     if diverged:  # a run that diverged is not a result, however fast it was
         raise FloatingPointError(f"the loss is not finite from step {diverged[0]} on: "
                                  f"lower --lr or use --dtype fp32")
-    step_ms, p90 = summarize_times(times[args.warmup:])
-    return Stats(step_ms, p90, startup_s, sum(times[:args.warmup]), mean_losses, memory,
-                 comm_mb, comm_by_kind)
+    step_ms, p90, iqr = summarize_times(times[args.warmup:])
+    return Stats(step_ms, p90, iqr, startup_s, sum(times[:args.warmup]), (load_start, load_end),
+                 mean_losses, memory, comm_mb, comm_by_kind)
 
 
 @contextlib.contextmanager
@@ -1116,6 +1128,14 @@ def _device_name(device: torch.device | None = None) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def _installed_version(package: str) -> str | None:
+    """From the package's metadata, without importing it; None where it is not installed."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _base_record(args: argparse.Namespace | None, topo: Topology | None, baseline: str | None,
                  status: str, reason: str | None) -> dict:
     folder, script = _script_identity()
@@ -1133,6 +1153,9 @@ def _base_record(args: argparse.Namespace | None, topo: Topology | None, baselin
         "variant": getattr(args, "variant", None),
         "link": os.environ.get("PLAYBOOK_LINK") or None,  # set by `make ... LINK=1gbit`
         "torch": torch.__version__,
+        # the other packages whose release changes what a recipe computes (float8, ResNet)
+        "torchao": _installed_version("torchao"),
+        "torchvision": _installed_version("torchvision"),
         "cuda": torch.version.cuda if cuda else None,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if nccl else None,
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -1162,6 +1185,10 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     rec.update({
         "params": sum(p.numel() for p in model.parameters()),  # a tied weight counts once
         "step_ms": round(stats.step_ms, 3), "step_ms_p90": round(stats.step_ms_p90, 3),
+        "step_ms_iqr": [round(q, 3) for q in stats.step_ms_iqr],
+        # the host's: the load average counts every runnable task on it, as cpu_count counts
+        # every core (a container's affinity may list fewer)
+        "load_avg": [round(load, 2) for load in stats.load_avg], "cpus": os.cpu_count(),
         ("tokens_per_s" if args.model == "gpt" else "samples_per_s"):
             round(items / (stats.step_ms / 1e3), 1),
         "peak_mem_mb": round(memory["total"] if memory else allocator_peak, 1),

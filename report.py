@@ -17,10 +17,14 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
 import common
+
+if TYPE_CHECKING:  # matplotlib is imported when a chart is drawn, not for the table
+    from matplotlib.figure import Figure
 
 
 # ---------------------------------------------------------------------------------------------
@@ -30,6 +34,15 @@ import common
 def _script_label(rec: dict) -> str:
     """The script, and its flags where they differ from the defaults."""
     return " ".join(filter(None, [rec.get("script"), rec.get("variant")]))
+
+
+def baseline_run(rec: dict, by_key: dict) -> dict | None:
+    """The run `rec` is compared with: its baseline's run with the same flags where there is one
+    (06's `--batch-size 1 --seq-len 32` pair, a sweep's `--sizes`), else the baseline's default
+    run (for flags only the optimized script takes, such as `--replicated-optimizer`)."""
+    same_flags = " ".join(filter(None, [rec.get("baseline"), rec.get("variant")]))
+    return by_key.get(common.run_key(rec) + (same_flags,)) or \
+        by_key.get(common.run_key(rec) + (rec.get("baseline"),))
 
 
 def latest_runs(records: list[dict]) -> list[dict]:
@@ -55,6 +68,59 @@ def _size_label(rec: dict) -> str:
 COMPARED = ("dtype", "batch_size", "seq_len", "steps", "warmup", "seed", "lr", "nnodes")
 
 
+def why_not_compared(rec: dict, base: dict | None) -> str | None:
+    """Why a run that names a baseline has no speedup beside it (None: it has one, or it is a
+    baseline). `base` is the baseline's latest run on the same setup. A baseline that failed
+    says so: its record, written before its flags were known, lacks the settings compared."""
+    if rec.get("baseline") is None:
+        return None
+    if rec.get("status") != "ok":
+        return str(rec.get("status"))
+    if base is None:
+        return f"no {rec['baseline']} run on this setup"
+    if base.get("status") != "ok":
+        return f"baseline {base.get('status')}"
+    unlike = [k for k in COMPARED if rec.get(k) != base.get(k)]
+    return f"baseline ran with other {', '.join(unlike)}" if unlike else None
+
+
+# A spoiled comparison says so. Both tests read what a run records (`step_ms_iqr`, `load_avg`,
+# `cpus`); a record from before they existed is marked neither way.
+def within_noise(rec: dict, base: dict) -> bool:
+    """`~`: the middle halves of the two runs' step times ([q1, q3]) overlap, so the speedup is
+    smaller than the step-to-step spread within either run."""
+    ours, theirs = rec.get("step_ms_iqr"), base.get("step_ms_iqr")
+    return bool(ours and theirs) and ours[0] <= theirs[1] and theirs[0] <= ours[1]
+
+
+# Runnable tasks beyond the host's cores (or the run's own ranks) that mark a host busy. Less
+# than one, so that a single busy process beside 2 ranks on 2 cores (a load near 3) is caught;
+# above zero, so that the run's own helper threads (gloo's, autograd's), which wake only
+# briefly, are not. Chosen from how the load average counts, not calibrated on measured runs.
+BUSY_MARGIN = 0.5
+
+
+def busy_host(rec: dict) -> bool:
+    """`(busy host)`: the host's 1-minute load average, at the first timed step or after the
+    last (the larger), was above max(its cores, the run's ranks on it) + BUSY_MARGIN. The run's
+    ranks alone fill the cores on CPU (`common.setup` gives each cores / ranks threads; more
+    ranks than cores run one thread each) and keep one thread each busy on GPU, so load beyond
+    that is other work taking cores from the timed steps. The average lags by about a minute:
+    a burst shorter than that barely shows, and load from just before the run still does."""
+    load, cpus = rec.get("load_avg"), rec.get("cpus")
+    if not load or not cpus:
+        return False
+    ranks_here = rec.get("world_size", 1) // (rec.get("nnodes") or 1)
+    return max(load) > max(cpus, ranks_here) + BUSY_MARGIN
+
+
+NOISE_NOTE = ("~ before a speedup: within noise, the two runs' middle halves of step times "
+              "(q1 to q3) overlap. (busy host): the host's 1-minute load average at the run's "
+              "first or last timed step was above its cores (or the run's own ranks, where "
+              f"more) + {BUSY_MARGIN}, so other work took cores from the timed steps: its times, "
+              "and the speedups they enter, are not the technique's; rerun on a quiet host.")
+
+
 def _report_row(rec: dict, base: dict | None) -> list[str]:
     status = rec.get("status", "?")
     if status != "ok":
@@ -62,12 +128,10 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
                 *[""] * 9, f"{status}: {rec.get('reason') or ''}"]
     throughput = rec.get("tokens_per_s") or rec.get("samples_per_s")
     speedup = mem_ratio = dloss = ""
-    status = "ok"
-    unlike = [k for k in COMPARED if base is not None and rec.get(k) != base.get(k)]
-    if unlike:
-        status = f"ok; not compared: baseline ran with other {', '.join(unlike)}"
-    elif base is not None and base.get("status") == "ok":
-        speedup = f"{base['step_ms'] / rec['step_ms']:.2f}x"
+    why = why_not_compared(rec, base)
+    if why is None and base is not None:
+        noise = "~" if within_noise(rec, base) else ""
+        speedup = f"{noise}{base['step_ms'] / rec['step_ms']:.2f}x"
         mem_ratio = f"{rec['peak_mem_mb'] / base['peak_mem_mb']:.2f}x"
         diff = common.max_loss_diff(rec.get("losses"), base.get("losses"))
         if diff is not None:
@@ -76,6 +140,8 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
             dloss = f"{diff:.2e}{verdict}"
         if common.over_tolerance(rec, base):
             status = "over tolerance"
+    status += " (busy host)" if busy_host(rec) else ""
+    status += f"; not compared: {why}" if why else ""
     theory = _theory_cell(rec)
     return [_script_label(rec), _size_label(rec), rec.get("world_size"), rec.get("device"),
             f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _fmt(throughput, ",.0f"),
@@ -115,10 +181,7 @@ def _sweep_table(sweeps: list[dict], by_key: dict) -> str:
     for rec in sweeps:
         if rec.get("baseline") is None:
             continue
-        # the baseline's run with the same sweep flags, else its default one
-        same_flags = " ".join(filter(None, [rec["baseline"], rec.get("variant")]))
-        base = by_key.get(common.run_key(rec) + (same_flags,)) or \
-            by_key.get(common.run_key(rec) + (rec["baseline"],))
+        base = baseline_run(rec, by_key)
         theirs = {(r["op"], r["bytes"]): r for r in (base or {}).get("sweep", [])}
         for row in rec["sweep"]:
             other = theirs.pop((row["op"], row["bytes"]), None)
@@ -158,7 +221,7 @@ def render_report(records: list[dict]) -> str:
                                      (r.get("baseline") or r.get("script") or ""),
                                      r.get("baseline") is not None, r.get("variant") or ""))
         sweeps = [r for r in rows if "sweep" in r]
-        table = [_report_row(r, by_key.get(common.run_key(r) + (r.get("baseline"),)))
+        table = [_report_row(r, baseline_run(r, by_key) if r.get("baseline") else None)
                  for r in rows if r not in sweeps]
         out += [f"## {folder}", ""]
         if table:
@@ -170,6 +233,9 @@ def render_report(records: list[dict]) -> str:
                 "link); mem vs base = peak memory ratio; max Δloss = largest per-step loss "
                 "difference from the baseline, checked against the script's stated tolerance.",
                 ""]
+    if any(busy_host(r) for r in runs) or \
+            any(within_noise(rec, base) for rec, base in compared_pairs(records)):
+        out += [NOISE_NOTE, ""]
     return "\n".join(out)
 
 
@@ -427,17 +493,20 @@ def render_traces(traces: Path) -> str:
 KIND_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
 
 
-def compared_pairs(records: list[dict]) -> list[tuple[dict, dict]]:
-    """(optimized, baseline) of every training run the table compares: both ok, same settings."""
+def optimized_runs(records: list[dict]) -> list[tuple[dict, dict | None]]:
+    """(run, its baseline's latest run on the same setup or None) of every training run that
+    names a baseline, as the table pairs them; by folder and script."""
     runs = latest_runs(records)
     by_key = {common.run_key(r) + (_script_label(r),): r for r in runs}
-    pairs = []
-    for rec in runs:
-        base = by_key.get(common.run_key(rec) + (rec.get("baseline"),))
-        if base and rec.get("status") == base.get("status") == "ok" and "step_ms" in rec \
-                and not [k for k in COMPARED if rec.get(k) != base.get(k)]:
-            pairs.append((rec, base))
-    return sorted(pairs, key=lambda pair: (str(pair[0]["folder"]), _script_label(pair[0])))
+    found = [(rec, baseline_run(rec, by_key)) for rec in runs
+             if rec.get("baseline") is not None and "sweep" not in rec]
+    return sorted(found, key=lambda pair: (str(pair[0]["folder"]), _script_label(pair[0])))
+
+
+def compared_pairs(records: list[dict]) -> list[tuple[dict, dict]]:
+    """(optimized, baseline) of every training run the table compares: both ok, same settings."""
+    return [(rec, base) for rec, base in optimized_runs(records)
+            if why_not_compared(rec, base) is None]
 
 
 def _setup(rec: dict) -> str:
@@ -452,36 +521,55 @@ def _setups(recs: list[dict]) -> tuple[str, list[str]]:
     return "runs on several setups", [f" [{_setup(r)}]" for r in recs]
 
 
-def _speedup_chart(plt, records: list[dict], path: Path) -> bool:
-    pairs = compared_pairs(records)
-    if not pairs:
-        return False
-    setup, suffixes = _setups([r for r, _ in pairs])
+GREEN, RED, GREY = "#55a868", "#c44e52", "#8c8c8c"
+
+
+def _speedup_chart(plt, records: list[dict]) -> Figure | None:
+    """Speedup and memory ratio of every optimized run over its baseline: green better, red
+    worse, grey neither (over tolerance: it does not train the same model; `~`: within noise);
+    `(busy host)` where either run of the pair was. A run with no pair says why where its bars
+    would be."""
+    rows = optimized_runs(records)
+    compared = [why_not_compared(rec, base) is None for rec, base in rows]
+    if not any(compared):
+        return None
+    setup, suffixes = _setups([r for r, _ in rows])
     labels = [f"{r['folder']}  {_script_label(r)}" + (f" @{r['link']}" if r.get("link") else "")
-              + suffix for (r, _), suffix in zip(pairs, suffixes, strict=True)]
-    speedup = [b["step_ms"] / r["step_ms"] for r, b in pairs]
-    memory = [r["peak_mem_mb"] / b["peak_mem_mb"] for r, b in pairs]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 0.42 * len(pairs) + 1.6), sharey=True)
-    for ax, values, title in ((axes[0], speedup, "speedup over its baseline (step time)"),
-                              (axes[1], memory, "peak memory / its baseline's")):
-        better = [v >= 1 if ax is axes[0] else v <= 1 for v in values]
-        ax.barh(range(len(values)), values, color=["#55a868" if b else "#c44e52" for b in better])
+              + suffix for (r, _), suffix in zip(rows, suffixes, strict=True)]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.42 * len(rows) + 1.6), sharey=True)
+    speedups, memories = [], []
+    for y, ((rec, base), paired) in enumerate(zip(rows, compared, strict=True)):
+        if not paired:
+            axes[0].text(0, y, f" not compared: {why_not_compared(rec, base)}", va="center",
+                         fontsize=8, color=GREY)
+            continue
+        speedup, memory = base["step_ms"] / rec["step_ms"], rec["peak_mem_mb"] / base["peak_mem_mb"]
+        over, noise = common.over_tolerance(rec, base), within_noise(rec, base)
+        busy = " (busy host)" if busy_host(rec) or busy_host(base) else ""
+        tail = " over tolerance" if over else ""
+        axes[0].barh(y, speedup, color=GREY if over or noise else GREEN if speedup >= 1 else RED)
+        axes[0].text(speedup, y, f" {'~' if noise else ''}{speedup:.2f}x{busy}{tail}",
+                     va="center", fontsize=8)
+        axes[1].barh(y, memory, color=GREY if over else GREEN if memory <= 1 else RED)
+        axes[1].text(memory, y, f" {memory:.2f}x{tail}", va="center", fontsize=8)
+        speedups.append(speedup)
+        memories.append(memory)
+    for ax, values, title in ((axes[0], speedups, "speedup over its baseline (step time)"),
+                              (axes[1], memories, "peak memory / its baseline's")):
         ax.axvline(1.0, color="black", linewidth=0.8)
-        for y, v in enumerate(values):
-            ax.text(v, y, f" {v:.2f}x", va="center", fontsize=8)
         ax.set_title(title, fontsize=10)
-        ax.set_xlim(0, max(values) * 1.2)
+        ax.set_xlim(0, max([*values, 1.0]) * 1.2)
     axes[0].set_yticks(range(len(labels)), labels, fontsize=8)
     axes[0].invert_yaxis()
-    fig.suptitle(f"{setup}: green is better")
-    return _save(plt, fig, path)
+    fig.suptitle(f"{setup}: green is better, red worse; grey: over tolerance, or within noise (~)")
+    return _laid_out(fig)
 
 
-def _compression_chart(plt, records: list[dict], path: Path) -> bool:
+def _compression_chart(plt, records: list[dict]) -> Figure | None:
     runs = [r for r in latest_runs(records)
             if r.get("folder") == "02_compression" and r.get("status") == "ok"]
     if not runs:
-        return False
+        return None
     labels = [_script_label(r) + (f" @{r['link']}" if r.get("link") else "") for r in runs]
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(runs) + 1.4))
     ax.barh(range(len(runs)), [r["comm_mb"] for r in runs], color="#4c72b0")
@@ -492,14 +580,14 @@ def _compression_chart(plt, records: list[dict], path: Path) -> bool:
     ax.set_xlabel("MB each rank sends per step")
     ax.set_title("02_compression: gradient bytes on the wire")
     ax.set_xlim(0, max(r["comm_mb"] for r in runs) * 1.25)
-    return _save(plt, fig, path)
+    return _laid_out(fig)
 
 
-def _pipeline_chart(plt, records: list[dict], path: Path) -> bool:
+def _pipeline_chart(plt, records: list[dict]) -> Figure | None:
     runs = [r for r in latest_runs(records) if r.get("folder") == "05_pipeline"
             and r.get("status") == "ok" and r.get("timeline")]
     if not runs:
-        return False
+        return None
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.0 + 0.45 * sum(
         len(r["timeline"]) + 1.5 for r in runs)), squeeze=False)
     for ax, rec in zip(axes[:, 0], runs, strict=True):
@@ -522,14 +610,14 @@ def _pipeline_chart(plt, records: list[dict], path: Path) -> bool:
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLOURS.values()]
     fig.legend(handles, ["F forward", "B backward", "I input grad", "W weight grad"],
                loc="upper center", ncol=4, fontsize=8)
-    return _save(plt, fig, path, top=1 - 0.35 / fig.get_figheight())
+    return _laid_out(fig, top=1 - 0.35 / fig.get_figheight())
 
 
-def _busbw_chart(plt, records: list[dict], path: Path) -> bool:
+def _busbw_chart(plt, records: list[dict]) -> Figure | None:
     sweeps = [r for r in latest_runs(records) if r.get("status") == "ok" and r.get("sweep")]
     ops = sorted({row["op"] for r in sweeps for row in r["sweep"]})
     if not ops:
-        return False
+        return None
     # a world of one moves nothing between ranks (busbw 0): its algbw shows that the path ran
     one = all(r.get("world_size") == 1 for r in sweeps)
     figure = "algbw_gbps" if one else "busbw_gbps"
@@ -552,29 +640,44 @@ def _busbw_chart(plt, records: list[dict], path: Path) -> bool:
     fig.legend(lines.values(), lines.keys(), loc="lower center", ncol=len(lines), fontsize=8)
     fig.suptitle(f"06_symmem: {'algorithm' if one else 'bus'} bandwidth against message size, "
                  f"{setup}", fontsize=11)
-    return _save(plt, fig, path, bottom=0.1)
+    return _laid_out(fig, bottom=0.1)
 
 
-def _save(plt, fig, path: Path, top: float = 1.0, bottom: float = 0.0) -> bool:
+def _laid_out(fig: Figure, top: float = 1.0, bottom: float = 0.0) -> Figure:
     fig.tight_layout(rect=(0, bottom, 1, top))  # room for a legend above or below the plots
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 CHARTS = {"speedup.png": _speedup_chart, "compression_bytes.png": _compression_chart,
           "pipeline_timelines.png": _pipeline_chart, "symmem_busbw.png": _busbw_chart}
 
 
-def write_charts(records: list[dict], out_dir: Path) -> list[Path]:
-    """Every chart the records have data for, as PNGs in `out_dir`; the paths written."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def draw_charts(records: list[dict]) -> dict[str, Figure]:
+    """Every chart the records have data for, by file name, drawn and not yet saved: the tests
+    read what each shows from its axes. Close them (`write_charts` does)."""
+    plt = _pyplot()
+    drawn = {name: draw(plt, records) for name, draw in CHARTS.items()}
+    return {name: fig for name, fig in drawn.items() if fig is not None}
+
+
+def write_charts(records: list[dict], out_dir: Path) -> list[Path]:
+    """Every chart the records have data for, as PNGs in `out_dir`; the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [out_dir / name for name, draw in CHARTS.items() if draw(plt, records, out_dir / name)]
+    plt, written = _pyplot(), []
+    for name, fig in draw_charts(records).items():
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        written.append(out_dir / name)
+    return written
 
 
 # ---------------------------------------------------------------------------------------------

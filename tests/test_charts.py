@@ -1,9 +1,13 @@
-"""report.py's charts, drawn from the records of a real `make all SIZE=small` run (2 CPU
-processes; tests/fixtures/records_small.jsonl), and what happens when a folder has none."""
+"""report.py's charts: what each one draws (its bars, their lengths, colours and labels, the
+words beside them), from the records of a real `make all SIZE=small` run (2 CPU processes;
+tests/fixtures/records_small.jsonl) and from made-up pairs; and what happens when a folder has
+none."""
 
 import json
 
+import matplotlib.pyplot as plt
 import pytest
+from matplotlib.colors import to_hex
 
 import common
 import report
@@ -17,12 +21,79 @@ def records():
     return common.load_results(FIXTURE)
 
 
-def test_every_chart_is_drawn_from_a_real_run(records, tmp_path):
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def bars(ax) -> dict[int, tuple[float, str]]:
+    """Each horizontal bar's row, length and colour."""
+    return {round(p.get_y() + p.get_height() / 2): (p.get_width(), to_hex(p.get_facecolor()))
+            for p in ax.patches}
+
+
+def words(ax) -> dict[int, str]:
+    """The text drawn on each row."""
+    return {round(t.get_position()[1]): t.get_text() for t in ax.texts}
+
+
+def rows_of(ax) -> list[str]:
+    return [label.get_text() for label in ax.get_yticklabels()]
+
+
+# --- the real run ----------------------------------------------------------------------------
+def test_the_speedup_chart_draws_each_compared_pair_of_a_real_run(records):
+    speed, memory = report.draw_charts(records)["speedup.png"].axes
+    pairs = report.compared_pairs(records)
+    assert rows_of(speed) == [f"{r['folder']}  {report._script_label(r)}" for r, _ in pairs]
+    assert [w for w, _ in bars(speed).values()] == pytest.approx(
+        [b["step_ms"] / r["step_ms"] for r, b in pairs])
+    assert [w for w, _ in bars(memory).values()] == pytest.approx(
+        [r["peak_mem_mb"] / b["peak_mem_mb"] for r, b in pairs])
+    row = {label: y for y, label in enumerate(rows_of(speed))}
+    # 374.4 ms / 241.9 ms: a win; int8 compression is slower on 2 cores: a loss
+    assert bars(speed)[row["01_ddp  optimized_ddp"]][1] == report.GREEN
+    assert words(speed)[row["01_ddp  optimized_ddp"]] == " 1.55x"
+    int8 = row["02_compression  optimized_compression_int8"]
+    assert bars(speed)[int8][1] == report.RED and words(speed)[int8] == " 0.79x"
+    # PowerSGD's losses strayed 1.46 from the baseline's, past its 0.2: neither bar is a result
+    powersgd = row["02_compression  optimized_compression_powersgd"]
+    assert bars(speed)[powersgd][1] == bars(memory)[powersgd][1] == report.GREY
+    assert words(speed)[powersgd] == " 0.92x over tolerance"
+    assert words(memory)[powersgd] == " 1.15x over tolerance"
+
+
+def test_the_other_charts_draw_what_the_real_run_recorded(records):
+    charts = report.draw_charts(records)
+    assert list(charts) == list(report.CHARTS)
+    runs = report.latest_runs(records)
+
+    (wire,) = charts["compression_bytes.png"].axes
+    compression = [r for r in runs if r["folder"] == "02_compression"]
+    assert rows_of(wire) == [r["script"] for r in compression]
+    assert [w for w, _ in bars(wire).values()] == [r["comm_mb"] for r in compression]
+
+    timelines = [r for r in runs if r["folder"] == "05_pipeline" and r.get("timeline")]
+    lanes = charts["pipeline_timelines.png"].axes
+    assert [ax.get_title() for ax in lanes] == [
+        f"{report._script_label(r)}: measured bubble {r['bubble']:.3f}" for r in timelines]
+    # one box per forward, backward or weight-gradient action of every rank
+    assert [len(ax.collections) for ax in lanes] == [
+        sum(len(lane) for lane in r["timeline"]) for r in timelines]
+
+    sweeps = [r for r in runs if "sweep" in r]
+    for ax in charts["symmem_busbw.png"].axes:
+        assert [list(line.get_ydata()) for line in ax.get_lines()] == [
+            [row["busbw_gbps"] for row in r["sweep"] if row["op"] == ax.get_title()]
+            for r in sweeps]
+
+
+def test_write_charts_saves_each_drawn_chart_as_a_png(records, tmp_path):
     written = report.write_charts(records, tmp_path)
     assert [p.name for p in written] == list(report.CHARTS)
-    for path in written:
-        data = path.read_bytes()
-        assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+    assert all(path.read_bytes().startswith(PNG_MAGIC) for path in written)
+    assert not plt.get_fignums()  # saved and closed
 
 
 def test_the_speedup_chart_pairs_exactly_what_the_table_compares(records):
@@ -44,13 +115,88 @@ def test_the_report_links_the_charts_it_wrote(tmp_path):
 
 def test_records_without_a_folders_data_draw_no_chart_for_it(records, tmp_path):
     only_ddp = [r for r in records if r["folder"] == "01_ddp"]
-    assert [p.name for p in report.write_charts(only_ddp, tmp_path)] == ["speedup.png"]
+    assert list(report.draw_charts(only_ddp)) == ["speedup.png"]
     failed = [dict(r, status="skipped", reason="needs CUDA") for r in records]
-    assert report.write_charts(failed, tmp_path / "none") == []
+    assert report.draw_charts(failed) == {}
     out = tmp_path / "empty.md"
     (tmp_path / "empty.jsonl").write_text(json.dumps(failed[0]) + "\n")
     report.main(["--results", str(tmp_path / "empty.jsonl"), "--out", str(out)])
     assert "## Charts" not in out.read_text()
+
+
+# --- made-up pairs ---------------------------------------------------------------------------
+def _run(script, baseline=None, status="ok", **fields):
+    """A record as `common.record` writes it (ok) or as a run that died writes it (no flags)."""
+    rec = {"folder": "01_ddp", "script": script, "baseline": baseline, "status": status,
+           "reason": None, "size": "small", "model": "gpt", "world_size": 2, "nnodes": 1,
+           "device": "cpu", "link": None}
+    if status == "ok":
+        rec.update(step_ms=100.0, step_ms_p90=110.0, peak_mem_mb=800.0, losses=[5.0, 4.0],
+                   dtype="fp32", batch_size=4, seq_len=128, steps=20, warmup=5, seed=0,
+                   lr=1e-3)
+    return {**rec, **fields}
+
+
+def test_a_pair_the_table_does_not_compare_says_why_where_its_bars_would_be():
+    records = [_run("baseline_ddp"), _run("optimized_ddp", "baseline_ddp", step_ms=50.0),
+               _run("baseline_ddp_flash", status="failed", reason="RuntimeError: boom"),
+               _run("optimized_ddp_flash", "baseline_ddp_flash"),
+               _run("optimized_ddp_bf16", "baseline_ddp", batch_size=8),
+               _run("optimized_ddp_lone", "baseline_ddp_lone")]
+    speed, memory = report.draw_charts(records)["speedup.png"].axes
+    assert rows_of(speed) == ["01_ddp  optimized_ddp", "01_ddp  optimized_ddp_bf16",
+                              "01_ddp  optimized_ddp_flash", "01_ddp  optimized_ddp_lone"]
+    assert list(bars(speed)) == list(bars(memory)) == [0]  # one pair, drawn
+    assert words(speed) == {0: " 2.00x",
+                            1: " not compared: baseline ran with other batch_size",
+                            2: " not compared: baseline failed",
+                            3: " not compared: no baseline_ddp_lone run on this setup"}
+
+
+def test_a_run_over_its_tolerance_is_not_drawn_as_a_win():
+    base = _run("baseline_ddp")
+    faster = _run("optimized_ddp", "baseline_ddp", step_ms=50.0, peak_mem_mb=400.0,
+                  losses=[5.0, 4.5], loss_tolerance=0.1)
+    speed, memory = report.draw_charts([base, faster])["speedup.png"].axes
+    assert bars(speed) == {0: (2.0, report.GREY)} and bars(memory) == {0: (0.5, report.GREY)}
+    assert words(speed) == {0: " 2.00x over tolerance"}
+    within = dict(faster, loss_tolerance=0.6)
+    speed, memory = report.draw_charts([base, within])["speedup.png"].axes
+    assert bars(speed) == {0: (2.0, report.GREEN)} and bars(memory) == {0: (0.5, report.GREEN)}
+    assert words(speed) == {0: " 2.00x"}
+
+
+def test_a_speedup_within_the_runs_spread_is_grey_and_marked_and_a_busy_host_named():
+    base = _run("baseline_ddp", step_ms_iqr=[95.0, 130.0])
+    overlapping = _run("optimized_ddp", "baseline_ddp", step_ms=80.0, step_ms_iqr=[75.0, 96.0])
+    (speed, _) = report.draw_charts([base, overlapping])["speedup.png"].axes
+    assert bars(speed) == {0: (1.25, report.GREY)} and words(speed) == {0: " ~1.25x"}
+    apart = dict(overlapping, step_ms_iqr=[75.0, 90.0])
+    (speed, _) = report.draw_charts([base, apart])["speedup.png"].axes
+    assert bars(speed) == {0: (1.25, report.GREEN)} and words(speed) == {0: " 1.25x"}
+    # 2 ranks on 2 cores, the load near 3 after the baseline's timed steps: one task too many
+    busy_base = dict(base, load_avg=[2.1, 3.1], cpus=2)
+    (speed, _) = report.draw_charts([busy_base, apart])["speedup.png"].axes
+    assert words(speed) == {0: " 1.25x (busy host)"}
+
+
+def test_a_world_of_one_sweep_keeps_the_baselines_rows_and_draws_its_algbw():
+    # on CUDA symmetric memory sweeps all-reduce only: the baseline's other ops stay in the table
+    records = [_sweep("baseline_symmem_allreduce", None, ["all_reduce", "all_gather"]),
+               _sweep("optimized_symmem_allreduce", "baseline_symmem_allreduce", ["all_reduce"],
+                      transport="cuda symmetric memory")]
+    table = report.render_report(records)
+    gathered = [line for line in table.splitlines() if line.startswith("| all_gather")]
+    assert len(gathered) == 2 and all("baseline_symmem_allreduce" in line for line in gathered)
+    charts = report.draw_charts(records)
+    assert list(charts) == ["symmem_busbw.png"]
+    gather, reduce = charts["symmem_busbw.png"].axes
+    assert gather.get_ylabel() == "algbw GB/s"  # a world of one's busbw is 0
+    assert [line.get_label() for line in reduce.get_lines()] == [
+        "baseline_symmem_allreduce (process group)",
+        "optimized_symmem_allreduce (cuda symmetric memory)"]
+    assert list(reduce.get_lines()[1].get_ydata()) == [
+        row["algbw_gbps"] for row in records[1]["sweep"]]
 
 
 def _sweep(script, baseline, ops, world=1, transport=None):
@@ -60,17 +206,6 @@ def _sweep(script, baseline, ops, world=1, transport=None):
             "link": None, "transport": transport,
             "sweep": [common.sweep_entry(op, b, 0.01 * b / 4096, world)
                       for op in ops for b in (4096, 2**20)]}
-
-
-def test_a_world_of_one_sweep_keeps_the_baselines_rows_and_draws_its_algbw(tmp_path):
-    # on CUDA symmetric memory sweeps all-reduce only: the baseline's other ops stay in the table
-    records = [_sweep("baseline_symmem_allreduce", None, ["all_reduce", "all_gather"]),
-               _sweep("optimized_symmem_allreduce", "baseline_symmem_allreduce", ["all_reduce"],
-                      transport="cuda symmetric memory")]
-    table = report.render_report(records)
-    gathered = [line for line in table.splitlines() if line.startswith("| all_gather")]
-    assert len(gathered) == 2 and all("baseline_symmem_allreduce" in line for line in gathered)
-    assert [p.name for p in report.write_charts(records, tmp_path)] == ["symmem_busbw.png"]
 
 
 def test_runs_on_different_setups_are_labelled_each_with_its_own(records):

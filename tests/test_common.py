@@ -1,7 +1,9 @@
 """Unit tests for common.py: timing statistics, sharding, memory counting, workload, report."""
 
 import argparse
+import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,14 +27,16 @@ def cpu_topology(rank: int = 0, world: int = 1) -> common.Topology:
 
 
 # --- timing -----------------------------------------------------------------------------------
-def test_summarize_times_median_and_nearest_rank_p90():
-    median, p90 = common.summarize_times([i / 1000 for i in range(10, 0, -1)])  # 1..10 ms
+def test_summarize_times_median_nearest_rank_p90_and_quartiles():
+    median, p90, (q1, q3) = common.summarize_times([i / 1000 for i in range(10, 0, -1)])  # 1..10 ms
     assert median == pytest.approx(5.5)
     assert p90 == pytest.approx(9.0)
+    assert (q1, q3) == pytest.approx((3.25, 7.75))  # 3 + 0.25 x (4 - 3), 7 + 0.75 x (8 - 7)
 
 
 def test_summarize_times_single_step_and_empty():
-    assert common.summarize_times([0.25]) == pytest.approx((250.0, 250.0))
+    median, p90, iqr = common.summarize_times([0.25])
+    assert (median, p90, *iqr) == pytest.approx((250.0, 250.0, 250.0, 250.0))
     with pytest.raises(ValueError):
         common.summarize_times([])
 
@@ -262,6 +266,88 @@ def test_report_does_not_compare_runs_with_other_settings():
     assert "2.00x" not in text
 
 
+def test_a_baseline_that_did_not_run_is_what_its_optimized_rows_say():
+    # a failed run's record is written before its flags are known: it has no dtype, batch size..
+    flags = {"dtype": "fp32", "batch_size": 4, "steps": 20}
+    records = [_row("baseline_ddp", status="failed", reason="RuntimeError: boom"),
+               _row("optimized_ddp", "baseline_ddp", **flags),
+               _row("baseline_ddp_flash", status="skipped", reason="needs CUDA"),
+               _row("optimized_ddp_flash", "baseline_ddp_flash", **flags),
+               _row("optimized_ddp_lone", "baseline_ddp_lone", **flags)]
+    rows = {line.split("|")[1].strip(): line for line in
+            report.render_report(records).splitlines() if line.startswith("| optimized")}
+    assert rows["optimized_ddp"].rstrip(" |").endswith("ok; not compared: baseline failed")
+    assert rows["optimized_ddp_flash"].rstrip(" |").endswith(
+        "ok; not compared: baseline skipped")
+    assert rows["optimized_ddp_lone"].rstrip(" |").endswith(
+        "ok; not compared: no baseline_ddp_lone run on this setup")
+    assert all(row.split("|")[7].strip() == "" and "other" not in row for row in rows.values())
+
+
+def test_a_run_is_compared_with_its_baselines_run_of_the_same_flags_else_its_default():
+    heavy = {"batch_size": 1, "seq_len": 32, "variant": "--batch-size 1 --seq-len 32"}
+    records = [_row("baseline_symmem_training", step_ms=200.0, batch_size=4, seq_len=128),
+               _row("baseline_symmem_training", step_ms=60.0, **heavy),
+               _row("optimized_symmem_training", "baseline_symmem_training", step_ms=30.0,
+                    **heavy),
+               _row("optimized_symmem_training", "baseline_symmem_training", step_ms=160.0,
+                    batch_size=4, seq_len=128, variant="--replicated-optimizer")]
+    speedups = {line.split("|")[1].strip(): line.split("|")[7].strip() for line in
+                report.render_report(records).splitlines() if line.startswith("| optimized")}
+    assert speedups == {"optimized_symmem_training --batch-size 1 --seq-len 32": "2.00x",
+                        "optimized_symmem_training --replicated-optimizer": "1.25x"}
+
+
+@pytest.mark.parametrize("ours, theirs, noise", [
+    ([75.0, 90.0], [95.0, 130.0], False),  # faster, and its middle half below the baseline's
+    ([75.0, 96.0], [95.0, 130.0], True),
+    ([100.0, 110.0], [95.0, 130.0], True),  # inside it
+    ([120.0, 140.0], [95.0, 130.0], True),  # slower, overlapping from above
+    ([131.0, 140.0], [95.0, 130.0], False),
+    (None, [95.0, 130.0], False),  # recorded before spreads were: not marked either way
+])
+def test_a_speedup_is_within_noise_when_the_runs_middle_halves_overlap(ours, theirs, noise):
+    assert report.within_noise(_row("optimized_ddp", "baseline_ddp", step_ms_iqr=ours),
+                               _row("baseline_ddp", step_ms_iqr=theirs)) is noise
+
+
+@pytest.mark.parametrize("load, cpus, world, nnodes, busy", [
+    ([2.2, 2.4], 2, 2, 1, False),  # 2 ranks on 2 cores: the run's own load
+    ([2.1, 3.1], 2, 2, 1, True),  # one busy process beside them, seen at the end
+    ([3.2, 2.3], 2, 2, 1, True),  # or still there as the timed steps began
+    ([4.3, 4.4], 2, 4, 1, False),  # 4 ranks on 2 cores load it with 4 by themselves
+    ([4.6, 4.4], 2, 4, 1, True),
+    ([6.0, 6.0], 2, 8, 2, True),  # 8 ranks on 2 nodes: 4 on this host
+    ([9.0, 9.0], 64, 8, 1, False),  # 8 GPU ranks on a 64-core host
+    (None, None, 2, 1, False),  # recorded before hosts' load was: not marked either way
+])
+def test_a_host_is_busy_when_its_load_exceeds_its_cores_or_the_runs_own_ranks(
+        load, cpus, world, nnodes, busy):
+    assert report.busy_host(_row("baseline_ddp", load_avg=load, cpus=cpus, world_size=world,
+                                 nnodes=nnodes)) is busy
+
+
+def test_a_speedup_within_the_runs_spread_and_a_busy_host_are_marked_and_explained():
+    base = _row("baseline_ddp", step_ms_iqr=[95.0, 130.0], load_avg=[2.0, 2.2], cpus=2)
+    apart = _row("optimized_ddp", "baseline_ddp", step_ms=80.0, step_ms_iqr=[75.0, 90.0],
+                 load_avg=[2.1, 2.3], cpus=2)
+
+    def table(*records):
+        text = report.render_report(list(records))
+        rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")]
+                for line in text.splitlines() if line.startswith("| ")}
+        return rows, text
+
+    rows, text = table(base, apart)
+    assert rows["optimized_ddp"][7] == "1.25x" and rows["optimized_ddp"][-2] == "ok"
+    assert report.NOISE_NOTE not in text  # the note comes with a mark only
+    rows, text = table(base, dict(apart, step_ms_iqr=[75.0, 96.0]))  # overlaps [95, 130]
+    assert rows["optimized_ddp"][7] == "~1.25x" and report.NOISE_NOTE in text
+    rows, text = table(dict(base, load_avg=[2.1, 3.1]), apart)
+    assert rows["baseline_ddp"][-2] == "ok (busy host)" and rows["optimized_ddp"][-2] == "ok"
+    assert report.NOISE_NOTE in text
+
+
 def test_report_cli_survives_an_empty_and_a_truncated_file(tmp_path):
     results = tmp_path / "results.jsonl"
     out = tmp_path / "report.md"
@@ -398,6 +484,41 @@ def test_a_diverged_run_is_an_error_not_a_result(monkeypatch):
             common.timed_steps(lambda x, y: torch.tensor(next(losses)), batches, args, topo)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_a_record_keeps_its_step_spread_its_hosts_load_and_the_versions_that_change_results(
+        tmp_path, monkeypatch):
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port())).items():
+        monkeypatch.setenv(name, value)
+    loads = iter([1.25, 3.5])  # the first timed step's 1-minute average, then the last's
+    monkeypatch.setattr(common.os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
+    args = tiny_args("--steps", "6", "--warmup", "2", "--results", str(tmp_path / "r.jsonl"))
+    topo = common.setup(args)
+    try:
+        model, batches = common.workload(args, topo)
+        stats = common.timed_steps(lambda x, y: model(x, y), batches, args, topo)
+        rec = common.record(args, topo, stats, baseline=None, model=model, optimizer=None,
+                            comm_mb=None, theory={})
+    finally:
+        torch.distributed.destroy_process_group()
+    assert rec == common.load_results(args.results)[0]
+    assert rec["load_avg"] == [1.25, 3.5] and rec["cpus"] == os.cpu_count()
+    q1, q3 = rec["step_ms_iqr"]
+    assert q1 <= rec["step_ms"] <= q3 <= rec["step_ms_p90"] + 1e-3
+    assert rec["torchao"] == importlib.metadata.version("torchao")
+    assert rec["torchvision"] == importlib.metadata.version("torchvision")
+
+
+def test_a_package_that_is_not_installed_records_no_version(monkeypatch):
+    def not_torchao(package):
+        if package == "torchao":
+            raise importlib.metadata.PackageNotFoundError(package)
+        return "0.29.1"
+
+    monkeypatch.setattr(importlib.metadata, "version", not_torchao)
+    rec = common._base_record(None, None, None, "failed", "boom")
+    assert (rec["torchao"], rec["torchvision"]) == (None, "0.29.1")
 
 
 def test_report_compares_rows_only_on_the_same_link_and_shows_measured_beside_theory():
