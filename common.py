@@ -1176,11 +1176,13 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     """Append this run's result (rank 0) and print its one-line summary. `dp_world` as in
     `timed_steps`."""
     items = items_per_step(args, dp_world or topo.world_size)
-    # The report shows the busiest rank: on CPU the one with the most live tensor bytes.
+    # The report shows the busiest rank: on CPU the one with the most live tensor bytes, and the
+    # most state (a pipeline's ranks hold stages of different sizes).
     ranks = [None] * topo.world_size
-    dist.all_gather_object(ranks, (peak_memory_mb(topo.device), stats.memory))
-    allocator_peak = max(peak for peak, _ in ranks)
-    memory = max((m for _, m in ranks if m), key=lambda m: m["total"], default=None)
+    dist.all_gather_object(ranks, (peak_memory_mb(topo.device), stats.memory,
+                                   state_mb(model, optimizer)))
+    allocator_peak = max(peak for peak, _, _ in ranks)
+    memory = max((m for _, m, _ in ranks if m), key=lambda m: m["total"], default=None)
     rec = _base_record(args, topo, baseline, "ok", None)
     rec.update({
         "params": sum(p.numel() for p in model.parameters()),  # a tied weight counts once
@@ -1192,7 +1194,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         ("tokens_per_s" if args.model == "gpt" else "samples_per_s"):
             round(items / (stats.step_ms / 1e3), 1),
         "peak_mem_mb": round(memory["total"] if memory else allocator_peak, 1),
-        "state_mb": round(state_mb(model, optimizer), 2),
+        "state_mb": round(max(state for _, _, state in ranks), 2),
         "comm_mb": None if comm_mb is None else round(comm_mb, 3),
         "losses": [round(x, 6) for x in stats.losses],
         "loss_tolerance": loss_tolerance,

@@ -15,6 +15,7 @@ import common
 from helpers import (
     TINY,
     assert_bad_input_is_one_line,
+    assert_within_its_tolerance,
     finish,
     load_recipe,
     only_record,
@@ -75,6 +76,27 @@ def test_every_schedule_trains_the_unsplit_model(runs, script):
     assert max(abs(a - b) / b for a, b in zip(rec["losses"], reference, strict=True)) <= 1e-5
     size = common.SIZES[rec["size"]]
     assert rec["params"] == common.gpt_param_count(size, rec["seq_len"])  # all stages
+
+
+@pytest.mark.parametrize("script, stages_of", [
+    ("optimized_pipeline_1f1b", lambda r, p: [r]),
+    ("1f1b at 3 ranks", lambda r, p: [r]),
+    ("optimized_pipeline_dualpipev", lambda r, p: [r, 2 * p - 1 - r]),
+    ("dualpipev at 3 ranks", lambda r, p: [r, 2 * p - 1 - r])])
+def test_state_is_the_busiest_ranks_every_stage(runs, script, stages_of):
+    rec, _ = runs[script]
+    p = rec["world_size"]
+    stages = common.GPT(common.SIZES[rec["size"]], rec["seq_len"]).pipeline_stages(
+        p * len(stages_of(0, p)))
+    held = [{id(q): q.numel() for s in stages_of(r, p) for layer in stages[s]
+             for q in layer.parameters()} for r in range(p)]  # a tied weight once a rank
+    busiest = max(sum(params.values()) for params in held)
+    assert rec["state_mb"] == pytest.approx(16 * busiest / 2**20, rel=0.01)  # AdamW, fp32
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS[1:], "torch gpipe", "torch 1f1b", "torch dualpipev"])
+def test_every_schedule_holds_its_tolerance_against_the_baseline(runs, script):
+    assert_within_its_tolerance(runs[script][0], runs["baseline_pipeline"][0])
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, "1f1b at 3 ranks", "dualpipev at 3 ranks",
