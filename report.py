@@ -36,15 +36,6 @@ def _script_label(rec: dict) -> str:
     return " ".join(filter(None, [rec.get("script"), rec.get("variant")]))
 
 
-def baseline_run(rec: dict, by_key: dict) -> dict | None:
-    """The run `rec` is compared with: its baseline's run with the same flags where there is one
-    (06's `--batch-size 1 --seq-len 32` pair, a sweep's `--sizes`), else the baseline's default
-    run (for flags only the optimized script takes, such as `--replicated-optimizer`)."""
-    same_flags = " ".join(filter(None, [rec.get("baseline"), rec.get("variant")]))
-    return by_key.get(common.run_key(rec) + (same_flags,)) or \
-        by_key.get(common.run_key(rec) + (rec.get("baseline"),))
-
-
 def latest_runs(records: list[dict]) -> list[dict]:
     """The last record of each (folder, script and variant, size, model, world, device, link)."""
     latest = {}
@@ -65,7 +56,8 @@ def _size_label(rec: dict) -> str:
 
 
 # An optimized row is compared with its baseline only if these settings match too.
-COMPARED = ("dtype", "batch_size", "seq_len", "steps", "warmup", "seed", "lr", "nnodes")
+COMPARED = ("dtype", "batch_size", "seq_len", "steps", "warmup", "seed", "lr", "nnodes",
+            "clip_grad_norm")
 
 
 def why_not_compared(rec: dict, base: dict | None) -> str | None:
@@ -82,6 +74,22 @@ def why_not_compared(rec: dict, base: dict | None) -> str | None:
         return f"baseline {base.get('status')}"
     unlike = [k for k in COMPARED if rec.get(k) != base.get(k)]
     return f"baseline ran with other {', '.join(unlike)}" if unlike else None
+
+
+def baseline_run(rec: dict, by_key: dict) -> dict | None:
+    """The run `rec` is compared with, of its baseline's runs on the same setup: the one with the
+    same flags (06's `--batch-size 1 --seq-len 32` pair, a sweep's `--sizes`), else one with the
+    same compared settings (`--clip-grad-norm 0.5` beside `--stage 3`, a flag the baseline
+    lacks), else the default run, which then says why it is not compared."""
+    same_flags = " ".join(filter(None, [rec.get("baseline"), rec.get("variant")]))
+    default = by_key.get(common.run_key(rec) + (rec.get("baseline"),))
+    alike = (run for run in by_key.values()
+             if run.get("script") == rec.get("baseline") and run.get("status") == "ok"
+             and common.run_key(run) == common.run_key(rec)
+             and all(run.get(k) == rec.get(k) for k in COMPARED))
+    return by_key.get(common.run_key(rec) + (same_flags,)) or \
+        (default if default and why_not_compared(rec, default) is None else None) or \
+        next(alike, default)
 
 
 # A spoiled comparison says so. Both tests read what a run records (`step_ms_iqr`, `load_avg`,

@@ -157,13 +157,17 @@ def full_parameter(p: DTensor, device: torch.device) -> torch.Tensor:
                               stride=p.stride()).full_tensor()
 
 
-def validated(train_step, reference: DDP, reference_opt, tolerance: float):
-    """Wrap `train_step` so a DDP replica takes the same step and their losses are compared."""
+def validated(train_step, reference: DDP, reference_opt, tolerance: float,
+              clip_grad_norm: float | None):
+    """Wrap `train_step` so a DDP replica takes the same step (clipped alike) and their losses
+    are compared."""
     def step(inputs, targets):
         loss = train_step(inputs, targets)
         reference_opt.zero_grad(set_to_none=True)
         expected = reference(inputs, targets)
         expected.backward()
+        if clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_grad_norm)
         reference_opt.step()
         if abs(loss.item() - expected.item()) > tolerance * abs(expected.item()):
             raise AssertionError(f"FSDP loss {loss.item():.7f} != DDP loss "
@@ -213,6 +217,10 @@ def main():
     parser.add_argument("--cpu-offload", action="store_true",
                         help="keep sharded parameters, gradients and optimizer state in host "
                              "memory (CUDA only)")
+    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
+                        metavar="MAX", help="clip the gradient to this global 2-norm before "
+                        "each step: torch.nn.utils.clip_grad_norm_ on the DTensor gradients, "
+                        "each rank's shard once, the norm all-reduced (default: no clipping)")
     parser.add_argument("--validate", action="store_true",
                         help="train a DDP replica beside it and assert equal losses and "
                              "parameters (its bytes and memory then count in the record)")
@@ -232,6 +240,9 @@ def main():
     if world % args.hsdp or (args.hsdp > 1 and args.hsdp == world):
         parser.error(f"--hsdp {args.hsdp} must divide the world size {world} into groups of "
                      f"two or more ranks: use a divisor of {world} below it, or 1")
+    if args.cpu_offload and args.clip_grad_norm:
+        parser.error("--clip-grad-norm with --cpu-offload: clip_grad_norm_ would all-reduce the "
+                     "norm of host-memory gradients over NCCL (pytorch/pytorch#148532): drop one")
     if args.cpu_offload and not torch.cuda.is_available():
         parser.error("--cpu-offload moves parameters to host memory, where a CPU run keeps them "
                      "already: drop it, or run on CUDA")
@@ -257,6 +268,8 @@ def main():
         opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
         loss = model(inputs, targets)
         loss.backward()
+        if args.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
         opt.step()
         done += 1
         if args.checkpoint_every and done % args.checkpoint_every == 0:
@@ -268,7 +281,7 @@ def main():
         reference = DDP(reference, device_ids=[topo.device] if topo.device.type == "cuda" else None)
         step = validated(train_step, reference, torch.optim.AdamW(reference.parameters(),
                                                                   lr=args.lr),
-                         RELATIVE_TOLERANCE[args.dtype])
+                         RELATIVE_TOLERANCE[args.dtype], args.clip_grad_norm)
     stats = common.timed_steps(step, batches, args, topo, memory_of=(model, opt))
     if reference is not None:
         diff = max((full_parameter(p, q.device) - q).abs().max().item()
@@ -285,7 +298,7 @@ def main():
                   comm_mb=stats.comm_mb, strategy=strategy, wrap=args.wrap,
                   mesh=list(mesh.shape), prefetch=len(units) > 1 and not args.no_prefetch,
                   validated=args.validate, loss_tolerance=LOSS_TOLERANCE[args.dtype],
-                  resumed_from=start,
+                  resumed_from=start, clip_grad_norm=args.clip_grad_norm,
                   theory=theory(model, units, group, args.hsdp, reshard, 2 if bf16 else 4))
 
 

@@ -118,6 +118,9 @@ def main():
                         help="keep every block's activations for backward")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile each block (default: on with CUDA, off on CPU)")
+    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
+                        metavar="MAX", help="clip the gradient to this global 2-norm before "
+                        "each step, as optimized_fsdp.py does (default: no clipping)")
     args = parser.parse_args()
     if args.model != "gpt":
         parser.error("--model resnet has no float8 linears to speak of: use --model gpt")
@@ -143,6 +146,8 @@ def main():
         opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
         loss = model(inputs, targets)
         loss.backward()
+        if args.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
         opt.step()
         if gather_fp8:  # the float8 scales of every sharded weight, for the next all-gathers
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -155,7 +160,7 @@ def main():
     common.record(args, topo, stats, baseline="optimized_fsdp", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, gathered_mb=gathered, checkpointing=checkpointing,
                   activation_mb=(stats.memory or {}).get("activations"),  # CPU's split
-                  compile=compile_blocks,
+                  compile=compile_blocks, clip_grad_norm=args.clip_grad_norm,
                   loss_tolerance=LOSS_TOLERANCE["fp8" if fp8 else (args.dtype, compile_blocks)],
                   fp8={"layers": converted, "scaling": "tensorwise",
                        "all_gather": "float8_e4m3fn" if gather_fp8 else args.dtype}

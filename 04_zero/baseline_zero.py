@@ -37,6 +37,9 @@ def main():
     parser = common.parser(__doc__)
     parser.add_argument("--bucket-mb", type=common.positive_float, default=25.0,
                         help="gradient bucket size in MiB (DDP's default: 25)")
+    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
+                        metavar="MAX", help="clip the gradient to this global 2-norm before "
+                        "each step, with torch.nn.utils.clip_grad_norm_ (default: no clipping)")
     parser.add_summary_flag()
     args = parser.parse_args()
     if args.model != "gpt":
@@ -50,6 +53,8 @@ def main():
         opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
         loss = model(inputs, targets)
         loss.backward()
+        if args.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
         opt.step()
         return loss
 
@@ -60,7 +65,8 @@ def main():
               "comm_mb": common.ring_allreduce_mb(4 * psi, topo.world_size)}
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
-                  comm_mb=stats.comm_mb, theory=theory, stage=0, **measured)
+                  comm_mb=stats.comm_mb, theory=theory, stage=0,
+                  clip_grad_norm=args.clip_grad_norm, **measured)
     if args.summary:
         common.print_summary(args, topo, stats, baseline=None, measured=measured, theory=theory)
 

@@ -7,6 +7,7 @@ as backward has produced it, and frees it; when a bucket's last gradient is in, 
 reduce-scattered at once, while backward computes the buckets before it, and only this rank's
 summed slice is kept. The bucket's buffer is dropped when its reduce-scatter is done. AdamW
 updates the owned slices, and they are all-gathered into every rank's parameters, as in ZeRO-1.
+--clip-grad-norm clips by the global norm as ZeRO-1 does: from the owned values, once each.
 Why it helps: after ZeRO-1 the full gradient (4 bytes per parameter) is the largest thing a
 rank holds besides the weights; now a rank holds a full gradient only for the buckets being
 filled or reduced, and 1/N of it at rest, for the same communication as ZeRO-1 and DDP.
@@ -96,6 +97,33 @@ def owned_shards(buckets: list[Bucket], flat_params: torch.Tensor,
     update lands in the flat parameters, and AdamW's moments exist for 1/N of the model. Their
     gradients come from GradReducer."""
     return [nn.Parameter(b.owned(flat_params, topo.rank, topo.world_size)) for b in buckets]
+
+
+# Copied from 04_zero/optimized_zero1.py: owned_grads
+def owned_grads(buckets: list[Bucket], shards: list[nn.Parameter], rank: int
+                ) -> list[torch.Tensor]:
+    """The gradient values this rank owns, without the padding: one slice per bucket, cut where
+    the bucket's parameters end (its padding lies at its end, in the last ranks' slices)."""
+    grads = []
+    for bucket, shard in zip(buckets, shards, strict=True):
+        values = sum(p.numel() for p in bucket.params) - rank * shard.numel()  # from the slice on
+        grads.append(shard.grad[:max(0, values)])
+    return grads
+
+
+# Copied from 04_zero/optimized_zero1.py: clip_grad_norm_
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over every rank's `grads` together: the global 2-norm is
+    the square root of the ranks' sums of squares (one fp32 all-reduce), which counts each value
+    of the gradient exactly once when each rank passes only the values it owns; every rank then
+    scales its values by min(1, max_norm / (norm + 1e-6)), torch's formula. Returns the norm."""
+    squares = torch.stack([g.float().square().sum() for g in grads]).sum()
+    dist.all_reduce(squares)
+    norm = squares.sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale)
+    return norm
 
 
 # Copied from 04_zero/optimized_zero1.py: ParamGatherer
@@ -197,6 +225,9 @@ class GradReducer:
 
 def main():
     parser = common.parser(__doc__)
+    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
+                        metavar="MAX", help="clip the gradient to this global 2-norm before "
+                        "each step (default: no clipping)")
     parser.add_summary_flag()
     args = parser.parse_args()
     if args.model != "gpt":
@@ -216,6 +247,8 @@ def main():
         loss = model(inputs, targets)
         loss.backward()
         reducer.wait()
+        if args.clip_grad_norm:
+            clip_grad_norm_(owned_grads(buckets, shards, topo.rank), args.clip_grad_norm)
         opt.step()
         gatherer.start()
         return loss
@@ -228,7 +261,8 @@ def main():
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=2,
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype], **measured)
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
+                  **measured)
     if args.summary:
         common.print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
                              theory=theory)

@@ -10,7 +10,8 @@ previous block's); and, as in ZeRO-2, reduce-scatter its gradients as soon as ba
 produced them, freeing the parameters then. The embeddings and final norm, used at both ends of
 the step, are gathered once at the start of forward and freed at the end of backward, as FSDP2
 does for its root. AdamW updates the owned slices in place: there is nothing to all-gather after
-the step, the next forward gathers what it needs.
+the step, the next forward gathers what it needs. --clip-grad-norm clips by the global norm as
+ZeRO-1 does: from the owned values only (padding left out), so each value counts exactly once.
 Why it helps: memory per rank falls to 16 bytes per parameter / N, plus about two blocks and
 the embeddings in full, so a model N times larger than one rank's memory trains; the price is
 one more all-gather of the parameters per step (1.5x ZeRO-2's traffic), which the prefetching
@@ -112,6 +113,33 @@ def owned_shards(buckets: list[Bucket], param_shards: torch.Tensor,
     update lands in the parameter shards, and AdamW's moments exist for 1/N of the model. Their
     gradients come from GradReducer."""
     return [nn.Parameter(b.shard(param_shards, topo.world_size)) for b in buckets]
+
+
+# Copied from 04_zero/optimized_zero1.py: owned_grads
+def owned_grads(buckets: list[Bucket], shards: list[nn.Parameter], rank: int
+                ) -> list[torch.Tensor]:
+    """The gradient values this rank owns, without the padding: one slice per bucket, cut where
+    the bucket's parameters end (its padding lies at its end, in the last ranks' slices)."""
+    grads = []
+    for bucket, shard in zip(buckets, shards, strict=True):
+        values = sum(p.numel() for p in bucket.params) - rank * shard.numel()  # from the slice on
+        grads.append(shard.grad[:max(0, values)])
+    return grads
+
+
+# Copied from 04_zero/optimized_zero1.py: clip_grad_norm_
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over every rank's `grads` together: the global 2-norm is
+    the square root of the ranks' sums of squares (one fp32 all-reduce), which counts each value
+    of the gradient exactly once when each rank passes only the values it owns; every rank then
+    scales its values by min(1, max_norm / (norm + 1e-6)), torch's formula. Returns the norm."""
+    squares = torch.stack([g.float().square().sum() for g in grads]).sum()
+    dist.all_reduce(squares)
+    norm = squares.sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale)
+    return norm
 
 
 class ParamGatherer:
@@ -225,6 +253,9 @@ class GradReducer:
 
 def main():
     parser = common.parser(__doc__)
+    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
+                        metavar="MAX", help="clip the gradient to this global 2-norm before "
+                        "each step (default: no clipping)")
     parser.add_summary_flag()
     args = parser.parse_args()
     if args.model != "gpt":
@@ -244,6 +275,8 @@ def main():
         loss = model(inputs, targets)
         loss.backward()
         reducer.wait()
+        if args.clip_grad_norm:
+            clip_grad_norm_(owned_grads(buckets, shards, topo.rank), args.clip_grad_norm)
         opt.step()
         return loss
 
@@ -257,7 +290,8 @@ def main():
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=3,
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype], **measured)
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
+                  **measured)
     if args.summary:
         common.print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
                              theory=theory)

@@ -60,6 +60,11 @@ def main():
     parser = common.parser(__doc__)
     parser.add_argument("--stage", type=int, choices=[1, 3], default=1,
                         help="1: DDP + ZeroRedundancyOptimizer; 3: FSDP2 fully_shard per block")
+    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
+                        metavar="MAX", help="clip the gradient to this global 2-norm before "
+                        "each step, with torch.nn.utils.clip_grad_norm_: on DDP's full "
+                        "gradients (stage 1), on FSDP2's DTensor shards (stage 3, the norm "
+                        "all-reduced) (default: no clipping)")
     parser.add_summary_flag()
     args = parser.parse_args()
     if args.model != "gpt":
@@ -78,6 +83,8 @@ def main():
         opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
         loss = model(inputs, targets)
         loss.backward()
+        if args.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
         opt.step()
         return loss
 
@@ -93,7 +100,8 @@ def main():
     measured = common.state_split_mb(model, counted_opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=counted_opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=args.stage,
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype], **measured)
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
+                  **measured)
     if args.summary:
         common.print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
                              theory=theory)

@@ -291,11 +291,24 @@ def test_a_run_is_compared_with_its_baselines_run_of_the_same_flags_else_its_def
                _row("optimized_symmem_training", "baseline_symmem_training", step_ms=30.0,
                     **heavy),
                _row("optimized_symmem_training", "baseline_symmem_training", step_ms=160.0,
-                    batch_size=4, seq_len=128, variant="--replicated-optimizer")]
-    speedups = {line.split("|")[1].strip(): line.split("|")[7].strip() for line in
-                report.render_report(records).splitlines() if line.startswith("| optimized")}
+                    batch_size=4, seq_len=128, variant="--replicated-optimizer"),
+               # a flag the baseline lacks beside one it shares: the baseline's run with it
+               _row("baseline_zero", step_ms=100.0, clip_grad_norm=0.5,
+                    variant="--clip-grad-norm 0.5"),
+               _row("baseline_zero", step_ms=400.0),
+               _row("optimized_zero_pytorch", "baseline_zero", step_ms=50.0, clip_grad_norm=0.5,
+                    variant="--stage 3 --clip-grad-norm 0.5"),
+               _row("optimized_zero1", "baseline_zero", step_ms=50.0, clip_grad_norm=1.0,
+                    variant="--clip-grad-norm 1.0")]
+    rows = {line.split("|")[1].strip(): line for line in
+            report.render_report(records).splitlines() if line.startswith("| optimized")}
+    speedups = {label: row.split("|")[7].strip() for label, row in rows.items()}
     assert speedups == {"optimized_symmem_training --batch-size 1 --seq-len 32": "2.00x",
-                        "optimized_symmem_training --replicated-optimizer": "1.25x"}
+                        "optimized_symmem_training --replicated-optimizer": "1.25x",
+                        "optimized_zero_pytorch --stage 3 --clip-grad-norm 0.5": "2.00x",
+                        "optimized_zero1 --clip-grad-norm 1.0": ""}
+    assert rows["optimized_zero1 --clip-grad-norm 1.0"].rstrip(" |").endswith(
+        "not compared: baseline ran with other clip_grad_norm")
 
 
 @pytest.mark.parametrize("ours, theirs, noise", [

@@ -56,12 +56,13 @@ def fix() -> int:
 
 def test_the_deliberate_copies_are_marked():
     """The ones a reader diffs: the 05 runtime in GPipe's and DualPipe's scripts, ZeRO-1's
-    partition in ZeRO-2's and -3's, the DDP wrap of the baselines."""
+    partition and gradient clipping in ZeRO-2's and -3's, the DDP wrap of the baselines."""
     marked = {(path.name, name) for path, name, _ in marked_copies()}
     assert {("optimized_pipeline_gpipe.py", "PipelineRank"), ("optimized_pipeline_gpipe.py",
             "simulate"), ("optimized_pipeline_dualpipe.py", "PipelineRank"),
             ("optimized_pipeline_dualpipe.py", "dualpipe_rank"), ("optimized_zero2.py",
             "partition"), ("optimized_zero3.py", "partition"),
+            ("optimized_zero2.py", "clip_grad_norm_"), ("optimized_zero3.py", "clip_grad_norm_"),
             ("baseline_zero.py", "wrap_ddp")} <= marked
 
 

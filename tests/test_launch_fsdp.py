@@ -2,8 +2,9 @@
 
 Six launches shared through one module-scoped fixture: DDP, FSDP in each strategy and wrap
 (60 steps, so that checkpointed runs have room to be killed and resumed), hybrid sharding at 4
-ranks and a ResNet, the last two validated step by step against a DDP replica in the same
-process. Three more launches checkpoint, resume and survive a killed rank.
+ranks (clipped by the global norm) and a ResNet, the last two validated step by step against a
+DDP replica in the same process (clipped alike). Three more launches checkpoint, resume and
+survive a killed rank.
 """
 
 import math
@@ -16,16 +17,24 @@ import pytest
 import torch
 
 import common
-from helpers import assert_bad_input_is_one_line, finish, load_recipe, only_record, torchrun
+from helpers import (
+    assert_bad_input_is_one_line,
+    assert_within_its_tolerance,
+    finish,
+    load_recipe,
+    only_record,
+    torchrun,
+)
 
 FOLDER = common.ROOT / "03_fsdp"
 LONG = ["--steps", "58"]  # 60 steps with the 2 of warm-up
+CLIP = ["--clip-grad-norm", "0.5"]  # under the tiny GPT's gradient norm (1.2 to 2.1): always clips
 RUNS = {  # name: (script, processes, flags)
     "ddp": ("baseline_fsdp", 2, LONG),
     "full_shard": ("optimized_fsdp", 2, LONG),
     "shard_grad_op": ("optimized_fsdp", 2, [*LONG, "--reshard-after-forward", "false"]),
     "root": ("optimized_fsdp", 2, [*LONG, "--wrap", "root"]),
-    "hybrid": ("optimized_fsdp", 4, ["--hsdp", "2", "--validate"]),
+    "hybrid": ("optimized_fsdp", 4, ["--hsdp", "2", "--validate", *CLIP]),
     "resnet": ("optimized_fsdp", 2, ["--model", "resnet", "--validate"]),
 }
 
@@ -57,6 +66,7 @@ def test_each_run_records_state_and_bytes_as_its_theory_predicts(runs, name):
 @pytest.mark.parametrize("name", ["full_shard", "shard_grad_op", "root"])
 def test_fsdp_trains_like_ddp_to_float_rounding(runs, name):
     ddp, fsdp = runs["ddp"][0], runs[name][0]
+    assert_within_its_tolerance(fsdp, ddp)
     assert max(abs(a - b) / b for a, b in zip(fsdp["losses"], ddp["losses"], strict=True)) <= 1e-5
     assert fsdp["state_mb"] == pytest.approx(ddp["state_mb"] / 2, rel=0.01)  # 16/N bytes
 
@@ -86,19 +96,28 @@ def test_validated_runs_match_a_ddp_replica_every_step(runs, name, mesh):
     rec, console = runs[name]
     assert rec["validated"] and rec["mesh"] == mesh
     assert "validate: losses equal DDP's every step" in console
-    if name == "hybrid":
+    if name == "hybrid":  # clipped too: clip_grad_norm_ on 2-D DTensors, like DDP's
+        assert rec["clip_grad_norm"] == float(CLIP[1]) and "--clip-grad-norm" in rec["variant"]
         assert rec["strategy"] == "hybrid_full_shard"
         assert rec["state_mb"] == pytest.approx(runs["full_shard"][0]["state_mb"], rel=0.01)
 
 
 @pytest.mark.parametrize("flags, world, hint", [
     (["--hsdp", "3"], "4", "--hsdp"),
+    (["--clip-grad-norm", "0"], "2", "--clip-grad-norm"),
+    (["--clip-grad-norm", "1", "--cpu-offload"], "2", "--clip-grad-norm with --cpu-offload"),
     pytest.param(["--cpu-offload"], "1", "--cpu-offload", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="--cpu-offload is refused only without CUDA")),
 ])
 def test_bad_input_exits_2_with_one_line(flags, world, hint, tmp_path):
     assert_bad_input_is_one_line(FOLDER / "optimized_fsdp.py", flags, hint, tmp_path,
                                  WORLD_SIZE=world)
+
+
+@pytest.mark.parametrize("script", ["baseline_fsdp", "optimized_fsdp_fp8"])
+def test_the_other_scripts_refuse_a_clip_norm_not_above_zero_in_one_line(script, tmp_path):
+    assert_bad_input_is_one_line(FOLDER / f"{script}.py", ["--clip-grad-norm", "-1"],
+                                 "--clip-grad-norm", tmp_path)
 
 
 def test_k_steps_then_a_resumed_run_give_the_losses_of_one_uninterrupted_run(runs, tmp_path):
@@ -180,7 +199,8 @@ def test_checkpointing_alone_keeps_fsdps_losses_and_cuts_the_activations(runs, a
 def test_fp8_trains_within_its_tolerance_and_gathers_fewer_bytes(ablation):
     both, exact = ablation["both"], ablation["checkpointing"]
     assert both["fp8"]["scaling"] == "tensorwise" and len(both["fp8"]["layers"]) == 8
-    assert 0 < common.max_loss_diff(both["losses"], exact["losses"]) <= both["loss_tolerance"]
+    assert_within_its_tolerance(both, exact)  # FSDP's losses (the test above)
+    assert common.max_loss_diff(both["losses"], exact["losses"]) > 0  # it did cast to float8
     assert both["gathered_mb"]["uint8"] > 0  # float8 weights travel as bytes
     assert sum(both["gathered_mb"].values()) < 0.6 * sum(exact["gathered_mb"].values())
 

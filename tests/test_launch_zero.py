@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 import common
-from helpers import assert_bad_input_is_one_line, finish, torchrun
+from helpers import assert_bad_input_is_one_line, assert_within_its_tolerance, finish, torchrun
 
 FOLDER = common.ROOT / "04_zero"
 RUNS = {  # name: (script, flags)
@@ -58,8 +58,9 @@ def test_state_and_bytes_are_their_formulas_counted_from_the_tensors(runs, name)
     assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], rel=1e-3)
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "pytorch1", "pytorch3"])
 def test_each_stage_trains_like_ddp_to_float_rounding(runs, name):
+    assert_within_its_tolerance(runs[name][0], runs["ddp"][0])
     assert relative_diff(runs[name][0]["losses"], runs["ddp"][0]["losses"]) <= 1e-5
 
 
@@ -109,6 +110,13 @@ def test_summary_prints_each_ranks_state_beside_its_formula(runs):
 def test_bad_input_exits_2_with_one_line(tmp_path):
     assert_bad_input_is_one_line(FOLDER / "optimized_zero2.py", ["--model", "resnet"],
                                  "--model gpt", tmp_path)
+
+
+@pytest.mark.parametrize("script", sorted(path.stem for path in FOLDER.glob("*.py")))
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_every_script_refuses_a_clip_norm_not_above_zero_in_one_line(script, value, tmp_path):
+    assert_bad_input_is_one_line(FOLDER / f"{script}.py", ["--clip-grad-norm", value],
+                                 "--clip-grad-norm", tmp_path)
 
 
 def test_a_traced_run_survives_the_all_gathers_in_flight_when_the_trace_ends(tmp_path):

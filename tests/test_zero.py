@@ -1,8 +1,9 @@
 """Unit tests for 04_zero's pure parts (units, the flat partitioner, flattening, sharding), and
-every stage against the DDP baseline at odd world sizes, 3 and 1.
+every stage against the DDP baseline at odd world sizes, 3 and 1, and clipped by the global
+norm (--clip-grad-norm) at 2 and 3 ranks.
 
 Those run each script's own `main()` in spawned gloo processes (cheaper than torchrun
-launches); rank 0 writes the records and the tests compare them here.
+launches), one spawn per world size; rank 0 writes the records and the tests compare them here.
 """
 
 import os
@@ -13,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 import common
-from helpers import TINY, load_recipe
+from helpers import TINY, assert_within_its_tolerance, load_recipe
 
 FOLDER = common.ROOT / "04_zero"
 STAGES = {stage: load_recipe(FOLDER / f"optimized_zero{stage}.py") for stage in (1, 2, 3)}
@@ -68,6 +69,32 @@ def test_every_element_is_owned_by_exactly_one_rank(stage, world):
     assert (covered == 1).all()
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_the_ranks_owned_gradients_hold_every_value_once_and_no_padding(stage, world):
+    """What clip_grad_norm_ sums: each value of the gradient, counted by exactly one rank."""
+    recipe = STAGES[stage]
+    buckets = recipe.partition(recipe.units_in_gradient_order(tiny_gpt()), world)
+    values = sum(p.numel() for b in buckets for p in b.params)
+    index = torch.full((sum(b.numel for b in buckets),), -1.0)  # -1: padding
+    for b in buckets:
+        used = sum(p.numel() for p in b.params)
+        index[b.offset:b.offset + used] = torch.arange(used) + b.offset
+    seen = []
+    for rank in range(world):
+        shards = []
+        for b in buckets:
+            shard = torch.nn.Parameter(torch.empty(b.numel // world))
+            start = b.offset + rank * b.numel // world
+            shard.grad = index[start:start + b.numel // world]
+            shards.append(shard)
+        seen += recipe.owned_grads(buckets, shards, rank)
+    seen = torch.cat(seen)
+    assert seen.numel() == values and (seen >= 0).all() and seen.unique().numel() == values
+    if world == 3:  # here the blocks' buckets are padded
+        assert sum(b.numel for b in buckets) > values
+
+
 def test_the_shard_buffer_holds_each_bucket_slice_in_bucket_order():
     recipe = STAGES[3]
     buckets = recipe.partition(recipe.units_in_gradient_order(tiny_gpt()), 3)
@@ -117,26 +144,54 @@ def test_zero3_keeps_one_slice_per_rank_and_frees_the_full_parameters():
         assert torch.equal(joined[:used], full[0][1][i]) and not joined[used:].any()
 
 
-# --- every stage at an odd world size, in spawned processes ----------------------------------
+# --- every stage at an odd world size, and clipped, in spawned processes --------------------
 SCRIPTS = ["baseline_zero", "optimized_zero1", "optimized_zero2", "optimized_zero3"]
+CLIP = ["--clip-grad-norm", "0.5"]  # under the tiny GPT's gradient norm (1.2 to 2.1): always clips
+PYTORCH = [("optimized_zero_pytorch", CLIP), ("optimized_zero_pytorch", [*CLIP, "--stage", "3"])]
+RUNS = {  # world size: the runs of its one spawn, (script, flags)
+    3: [(name, flags) for flags in ([], CLIP) for name in SCRIPTS],
+    2: [("baseline_zero", []), *((name, CLIP) for name in SCRIPTS), *PYTORCH],
+    1: [(name, []) for name in SCRIPTS],
+}
 
 
 def _run_every_script(rank: int, world: int, port: int, results: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    for k, name in enumerate(SCRIPTS):
+    for k, (name, flags) in enumerate(RUNS[world]):
         os.environ["MASTER_PORT"] = str(port + k)  # a fresh store for each run's group
         path = FOLDER / f"{name}.py"
-        sys.argv = [str(path), *TINY, "--results", results]
+        sys.argv = [str(path), *TINY, *flags, "--results", results]
         common.run_main(load_recipe(path).main)
 
 
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """world size -> {(script, stage, clip_grad_norm): record}, each world's runs spawned once,
+    when a test first asks for them."""
+    done = {}
+
+    def at(world: int) -> dict:
+        if world not in done:
+            results = tmp_path_factory.mktemp(f"world{world}") / "results.jsonl"
+            mp.spawn(_run_every_script, args=(world, common.free_port(), str(results)),
+                     nprocs=world)
+            done[world] = {(rec["script"], rec["stage"], rec["clip_grad_norm"]): rec
+                           for rec in common.load_results(results)}
+            assert len(done[world]) == len(RUNS[world])
+        return done[world]
+
+    return at
+
+
 @pytest.fixture(scope="module", params=[3, 1], ids=["3 ranks", "a world of one"])
-def world(request, tmp_path_factory):
-    results = tmp_path_factory.mktemp("world") / "results.jsonl"
-    mp.spawn(_run_every_script, args=(request.param, common.free_port(), str(results)),
-             nprocs=request.param)
-    return request.param, {rec["script"]: rec for rec in common.load_results(results)}
+def world(request, spawned):
+    return request.param, {script: rec for (script, _, clip), rec in
+                           spawned(request.param).items() if clip is None}
+
+
+def relative_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / y for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("script", SCRIPTS[1:])
@@ -144,6 +199,27 @@ def test_each_stage_trains_like_ddp_at_an_odd_world_size(world, script):
     n, runs = world
     base, rec = runs["baseline_zero"], runs[script]
     assert rec["status"] == "ok" and rec["world_size"] == n
-    assert max(abs(a - b) / b for a, b in zip(rec["losses"], base["losses"], strict=True)) <= 1e-5
+    assert relative_diff(rec["losses"], base["losses"]) <= 1e-5
     for key in ("state_mb", "params_mb", "grads_mb", "optim_mb", "comm_mb"):
         assert rec[key] == pytest.approx(rec["theory"][key], rel=0.05), key
+
+
+# at 3 ranks the blocks' buckets are padded (the last rank's slices end in padding)
+CLIPPED = [(world, name, stage) for world in (2, 3) for name, stage in
+           zip(SCRIPTS[1:], (1, 2, 3), strict=True)]
+CLIPPED += [(2, "optimized_zero_pytorch", 1), (2, "optimized_zero_pytorch", 3)]
+
+
+@pytest.mark.parametrize("world, script, stage", CLIPPED)
+def test_each_stage_clips_by_the_global_norm_like_ddp(spawned, world, script, stage):
+    """The hand-written norm (each rank's owned values, padding left out, all-reduced) clips
+    like torch.nn.utils.clip_grad_norm_ under DDP, and so does PyTorch's own ZeRO (on DDP's
+    full gradients beside ZeroRedundancyOptimizer, on FSDP2's DTensor shards)."""
+    runs, clip = spawned(world), float(CLIP[1])
+    rec, base = runs[(script, stage, clip)], runs[("baseline_zero", 0, clip)]
+    assert rec["status"] == base["status"] == "ok" and rec["world_size"] == world
+    assert relative_diff(rec["losses"], base["losses"]) <= 1e-5
+    assert_within_its_tolerance(rec, base)
+    # clipping did change the training: the unclipped baseline's losses are elsewhere
+    unclipped = runs[("baseline_zero", 0, None)]["losses"]
+    assert common.max_loss_diff(base["losses"], unclipped) > 10 * rec["loss_tolerance"]
