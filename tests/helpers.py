@@ -45,6 +45,16 @@ def only_record(results: Path) -> dict:
     return records[0]
 
 
+def assert_within_its_tolerance(rec: dict, base: dict) -> None:
+    """Every step's loss within the tolerance the run's script states, against its baseline's
+    run: what the report prints as `ok` rather than `over tolerance`."""
+    diff = common.max_loss_diff(rec["losses"], base["losses"])
+    assert diff is not None and rec["loss_tolerance"] is not None, (rec["script"], diff)
+    assert diff <= rec["loss_tolerance"], \
+        f"{rec['script']}: max loss difference {diff:.3g} over its {rec['loss_tolerance']:g}"
+    assert not common.over_tolerance(rec, base)
+
+
 def load_recipe(path: Path) -> ModuleType:
     """Import a recipe by path (its folder name starts with a digit, so `import` cannot)."""
     spec = importlib.util.spec_from_file_location(path.stem, path)

@@ -13,7 +13,13 @@ import pytest
 
 import common
 import report
-from helpers import LAUNCH_TIMEOUT, assert_bad_input_is_one_line, finish, only_record
+from helpers import (
+    LAUNCH_TIMEOUT,
+    assert_bad_input_is_one_line,
+    assert_within_its_tolerance,
+    finish,
+    only_record,
+)
 from helpers import TINY as STEPS
 from helpers import torchrun as torchrun_script
 
@@ -66,15 +72,15 @@ def test_baseline_all_reduces_every_parameter_tensor_and_ddp_buckets_them(runs):
 
 
 def test_ddp_pair_losses_match_to_float_rounding(runs):
-    diff = common.max_loss_diff(runs["optimized_ddp"][0]["losses"],
-                                runs["baseline_ddp"][0]["losses"])
-    assert diff is not None and diff <= 1e-5
+    optimized, base = runs["optimized_ddp"][0], runs["baseline_ddp"][0]
+    assert_within_its_tolerance(optimized, base)
+    assert common.max_loss_diff(optimized["losses"], base["losses"]) <= 1e-5
 
 
 def test_attention_pair_losses_match_within_stated_tolerance(runs):
     optimized = runs["optimized_ddp_flash"][0]
-    diff = common.max_loss_diff(optimized["losses"], runs["baseline_ddp_flash"][0]["losses"])
-    assert diff is not None and diff <= optimized["loss_tolerance"] == 1e-3
+    assert_within_its_tolerance(optimized, runs["baseline_ddp_flash"][0])
+    assert optimized["loss_tolerance"] == 1e-3
     assert runs["baseline_ddp_flash"][0]["theory"]["attn_saved_mb"] > \
         optimized["theory"]["attn_saved_mb"]
 
