@@ -124,7 +124,7 @@ endif
 help:
 	@echo "Distributed Training Playbook"
 	@echo
-	@echo "  make smoke          first thing on a new host: every script, 3 steps at tiny, one"
+	@echo "  make smoke          first thing on a new host: every script, 6 steps at tiny, one"
 	@echo "                      line each (ok / skipped: why / FAILED: its error)"
 	@echo "  make all report     run every folder under torchrun, then print the results table"
 	@echo "  make test           CPU-only test suite (lint, unit and 2-process launch tests)"
@@ -160,9 +160,13 @@ endif
 
 all: $(TECHNIQUES)
 
-# Runs a folder makes beyond one per script, as "script flags": PyTorch's own implementation of
-# a second technique beside the hand-written one (the script's default runs anyway).
+# Runs a folder makes beyond one per script, as "script flags" (the script's default runs
+# anyway): PyTorch's own implementation of a second technique beside the hand-written one; a
+# row that takes one change of two apart; a setting where the technique's cost is most of a step.
 EXTRA_RUNS_zero := "04_zero/optimized_zero_pytorch.py --stage 3"
+EXTRA_RUNS_symmem := "06_symmem/optimized_symmem_training.py --replicated-optimizer" \
+	"06_symmem/baseline_symmem_training.py --batch-size 1 --seq-len 32" \
+	"06_symmem/optimized_symmem_training.py --batch-size 1 --seq-len 32"
 EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1b" \
 	"05_pipeline/optimized_pipeline_pytorch.py --schedule dualpipev"
 
@@ -203,7 +207,7 @@ fsdp-ablation: fsdp
 		$(launch); \
 	done; exit $$status
 
-# The first command on a new host: every script of every folder and the extra runs, 3 steps at
+# The first command on a new host: every script of every folder and the extra runs, 6 steps at
 # `tiny` on what the host has (all its GPUs, or 2 CPU processes), one line each (ok, skipped:
 # why, FAILED: its error line), non-zero if any failed. The ranks are forked from one Python
 # that imported torch once (28 runs x 2 fresh interpreters would take minutes on 2 cores);
@@ -212,7 +216,7 @@ SMOKE_RUNS = $(foreach f,$(FOLDERS),$(sort $(wildcard $(f)/baseline_*.py)) \
 	$(sort $(wildcard $(f)/optimized_*.py)) $(EXTRA_RUNS_$(word 2,$(subst _, ,$(f)))))
 smoke: preflight
 	@rm -rf outputs/smoke
-	@$(PY) common.py smoke --nproc $(NPROC) --flags "--size tiny --steps 3 --warmup 2 --timeout 60" \
+	@$(PY) common.py smoke --nproc $(NPROC) --flags "--size tiny --steps 2 --warmup 4 --timeout 60" \
 		-- $(SMOKE_RUNS)
 
 # A host whose GPUs torch cannot use (a driver older than torch's CUDA build, say) would

@@ -149,6 +149,7 @@ def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) ->
 
 def main():
     parser = common.parser(__doc__)
+    parser.set_defaults(warmup=6, steps=19)  # the folder's 25 steps, as PowerSGD's warm-up needs
     parser.add_argument("--bucket-mb", type=common.positive_float, default=25.0,
                         help="gradient bucket size in MiB (DDP's default: 25)")
     parser.add_argument("--block", type=common.int_at_least(8), default=256,

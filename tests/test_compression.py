@@ -60,9 +60,14 @@ def test_compression_theory_counts_matrices_and_uncompressed_tensors_from_the_sh
         (3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]
     full = sum(n * m for n, m in matrices)
     uncompressed = common.gpt_param_count(size, size.seq_len) - full
-    expected = (full + uncompressed) / (sum(r * (n + m) for n, m in matrices) + uncompressed)
-    assert powersgd.compression_theory(model, r) == pytest.approx(expected)
-    assert 38 < expected < 42  # the "about 40x at small"
+    sent = sum(r * (n + m) for n, m in matrices) + uncompressed
+    assert powersgd.compression_theory(model, r, []) == pytest.approx((full + uncompressed) / sent)
+    assert 38 < (full + uncompressed) / sent < 42  # "about 40x at small"
+    # the embedding/head sent whole: its r(n + m) replaced by its n * m
+    embedding = size.vocab_size * d
+    sent_without = sent - r * (size.vocab_size + d) + embedding
+    assert powersgd.compression_theory(model, r, ["tok_emb.weight"]) == \
+        pytest.approx((full + uncompressed) / sent_without)
 
 
 # --- Both hooks on real process groups ------------------------------------------------------------
@@ -117,22 +122,25 @@ def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> N
     found["int8_feedback"] = (applied, true, sender + owner, one_step)
 
     # PowerSGD: a rank-r mean (shared column space, different rows per rank) comes back exactly;
-    # a bias in the same bucket is averaged exactly, uncompressed.
+    # a bias and a full-rank matrix marked uncompressed, in the same bucket, are averaged exactly.
     gen = torch.Generator().manual_seed(7)
     columns = torch.randn(96, 4, generator=gen)
     rows = torch.randn(80, 4, generator=torch.Generator().manual_seed(100 + rank))
     bias = torch.randn(80, generator=torch.Generator().manual_seed(200 + rank))
-    shapes = [torch.Size([96, 80]), torch.Size([80])]
+    embedding = torch.randn(64, 48, generator=torch.Generator().manual_seed(300 + rank))
     state = powersgd.PowerSGDState(world, 4, start_iter=0, seed=0)
-    flat = torch.cat([(columns @ rows.T).flatten(), bias])
-    out = powersgd.powersgd_allreduce(state, 0, flat.clone(), shapes).wait()
-    found["powersgd_exact"] = (out, gathered(flat, world).mean(0))
+    flat = torch.cat([(columns @ rows.T).flatten(), bias, embedding.flatten()])
+    shapes = [torch.Size([96, 80]), bias.shape, embedding.shape]
+    out = powersgd.powersgd_allreduce(state, 0, flat.clone(), shapes, [True, False, False]).wait()
+    found["powersgd_exact"] = (out, gathered(flat, world).mean(0), state.sent_bytes)
 
     # PowerSGD error feedback on full-rank gradients, warm-started across steps.
     state, applied, true = powersgd.PowerSGDState(world, 2, start_iter=0, seed=0), 0, 0
+    shapes = shapes[:2]
     for step in range(6):
         grad = torch.randn(96 * 80 + 80, generator=torch.Generator().manual_seed(step + 10 * rank))
-        applied = applied + powersgd.powersgd_allreduce(state, 0, grad.clone(), shapes).wait()
+        applied = applied + powersgd.powersgd_allreduce(state, 0, grad.clone(), shapes,
+                                                        [True, False]).wait()
         true = true + gathered(grad, world).mean(0)
     found["powersgd_feedback"] = (applied, true, gathered(state.residual[0], world).mean(0),
                                   state.sent_bytes)
@@ -170,9 +178,11 @@ def test_int8_error_feedback_delays_gradient_and_never_loses_it(collectives):
 
 
 def test_powersgd_returns_a_rank_r_average_exactly_and_averages_the_rest(collectives):
-    _, found = collectives
-    out, exact = found["powersgd_exact"]
+    world, found = collectives
+    out, exact, sent = found["powersgd_exact"]
     assert (out - exact).abs().max() <= 1e-5 * exact.abs().max()  # float rounding
+    # P (96 x 4) with the bias and the uncompressed 64 x 48 in one all-reduce, then Q (80 x 4)
+    assert sent == pytest.approx(2 * (world - 1) / world * 4 * (96 * 4 + 80 + 64 * 48 + 80 * 4))
 
 
 def test_powersgd_error_feedback_keeps_what_the_approximation_dropped(collectives):
