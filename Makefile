@@ -166,7 +166,8 @@ all: $(TECHNIQUES)
 EXTRA_RUNS_zero := "04_zero/optimized_zero_pytorch.py --stage 3"
 EXTRA_RUNS_symmem := "06_symmem/optimized_symmem_training.py --replicated-optimizer" \
 	"06_symmem/baseline_symmem_training.py --batch-size 1 --seq-len 32" \
-	"06_symmem/optimized_symmem_training.py --batch-size 1 --seq-len 32"
+	"06_symmem/optimized_symmem_training.py --batch-size 1 --seq-len 32" \
+	"06_symmem/optimized_symmem_training.py --batch-size 1 --seq-len 32 --replicated-optimizer"
 EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1b" \
 	"05_pipeline/optimized_pipeline_pytorch.py --schedule dualpipev"
 

@@ -103,10 +103,16 @@ class RecipeParser(argparse.ArgumentParser):
         ns = super().parse_args(args, namespace)
         _RUN["args"] = ns  # a run that skips before `setup` is recorded too
         size = SIZES[ns.size]
+        sized = {"seq_len": size.long_seq_len if self.long_context else size.seq_len,
+                 "batch_size": size.long_batch_size if self.long_context else size.batch_size}
+        # A batch or sequence length other than the script's own is another workload: it names
+        # the run's variant too (06's `--batch-size 1 --seq-len 32` row beside the default one).
+        shape = [f"--{dest.replace('_', '-')} {value}" for dest in ("batch_size", "seq_len")
+                 if (value := getattr(ns, dest)) not in (None, self.get_default(dest), sized[dest])]
         if ns.seq_len is None:
-            ns.seq_len = size.long_seq_len if self.long_context else size.seq_len
+            ns.seq_len = sized["seq_len"]
         if ns.batch_size is None:
-            ns.batch_size = size.long_batch_size if self.long_context else size.batch_size
+            ns.batch_size = sized["batch_size"]
         if ns.model == "resnet" and ns.batch_size < 2:
             self.error("--model resnet needs --batch-size >= 2 (BatchNorm normalises over the "
                        "batch)")
@@ -115,12 +121,12 @@ class RecipeParser(argparse.ArgumentParser):
         if ns.trace and ns.warmup < 3:
             self.error("--trace profiles the two warm-up steps before the last (which measures "
                        "memory): use --warmup 3 or more")
-        # The script's own flags that differ from their defaults name the run's variant: the
-        # report shows `optimized_fsdp --wrap root` as a row of its own.
-        ns.variant = " ".join(
+        # So do the script's own flags that differ from their defaults: the report shows
+        # `optimized_fsdp --wrap root` as a row of its own.
+        ns.variant = " ".join(shape + [
             f"--{a.dest.replace('_', '-')}" + ("" if v is True else f" {_flag_text(v)}")
             for a in self._actions[self.shared_flags:] if a.dest not in {"help", *self.output_only}
-            for v in [getattr(ns, a.dest)] if v != _parsed_default(a)) or None
+            for v in [getattr(ns, a.dest)] if v != _parsed_default(a)]) or None
         return ns
 
     def add_summary_flag(self) -> None:

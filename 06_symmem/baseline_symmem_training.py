@@ -6,7 +6,9 @@ gradients straight into it; after backward one `dist.all_reduce` sums the buffer
 and it is divided by N; then every rank runs the same AdamW step on all the parameters and
 keeps all of its state (16 bytes a parameter in fp32: weights, gradients, two moments).
 Why it is the baseline: it is DDP at its simplest and best for a small model: one collective a
-step, no copies (as `gradient_as_bucket_view` does). What it spends is the process group's
+step, no copies (as `gradient_as_bucket_view` does), and AdamW's fused implementation, the one
+the symmetric-memory script runs (torch's default on CPU is a loop over the tensors), so the
+comparison is the transport and the sharding alone. What it spends is the process group's
 all-reduce, through gloo's sockets even between processes on one host, and the N-fold
 replicated optimizer step and state that optimized_symmem_training.py shares out.
 Run:        torchrun --nproc_per_node=2 06_symmem/baseline_symmem_training.py --size small
@@ -42,7 +44,7 @@ def main():
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     grads = flat_gradients(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
 
     def train_step(inputs, targets):
         grads.zero_()  # backward accumulates into the views

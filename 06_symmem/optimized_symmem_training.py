@@ -17,6 +17,10 @@ once per host instead of once per rank saves (N-1) x 4P bytes there, and no rank
 them; the optimizer state is 8P/N a rank instead of 8P. Flags, ordering (x86-64 total store
 order), yielding waits and the unlink-at-once lifetime are optimized_symmem_allreduce.py's;
 with more than one node, or off x86-64, the run records `skipped`.
+`--replicated-optimizer` changes the transport alone: each rank keeps its own parameters and
+steps all of them, as the baseline does; the gradients are all-reduced in the slots in two
+shots (my 1/N reduced, a third flag, then every peer's reduced share copied out of its slot).
+Its row and the default's split the speedup into the transport's and the sharding's.
 On CUDA: each GPU has memory of its own, so each rank keeps its full parameters and its
 gradients in two buffers from `torch.distributed._symmetric_memory` (`symm_mem.empty`,
 `rendezvous` once), which maps every peer's buffer into this GPU's address space (NVLink). The
@@ -28,12 +32,16 @@ half-written buffer or overwrites one a peer still reads. The parameters are hel
 (once a GPU); the optimizer state is still 8P/N.
 Why it helps: the baseline pays gloo's all-reduce of every gradient (sockets, even on one
 host) and N copies of the same optimizer step; here the gradients move at memory speed and
-each rank steps 1/N of the model.
+each rank steps 1/N of the model. Both run the same AdamW implementation (fused).
 Run:        torchrun --nproc_per_node=2 06_symmem/optimized_symmem_training.py --size small
-Look for:   `make symmem report`: speedup over baseline_symmem_training, losses equal to it to
-            float rounding, `optim_mb` halved at 2 ranks (state MB 4P + 4P + 8P/N).
-Theory:     optimizer state 8P/N bytes a rank; nothing sent through the process group (on CUDA
-            each rank loads (N-1)/N x 4P bytes of gradients and as much of parameters).
+Look for:   `make symmem report`: speedup over baseline_symmem_training of the transport alone
+            (--replicated-optimizer) and with the sharding (default), and at --batch-size 1
+            --seq-len 32, where communication is most of a step; losses equal to float
+            rounding; `optim_mb` halved at 2 ranks (state MB 4P + 4P + 8P/N).
+Theory:     optimizer state 8P/N bytes a rank (8P replicated). comm MB/step here is what a rank
+            reads out of its peers' buffers (nothing goes through the process group): (N-1)/N
+            x 4P of gradients, and as much again of reduced gradients (replicated) or of
+            parameters (CUDA); the baseline's is the ring all-reduce's 2(N-1)/N x 4P sent.
 """
 
 import mmap
@@ -59,19 +67,25 @@ LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
 
 
 class SharedSegment:
-    """CPU: flags, one gradient slot per rank, and the parameters once, in a /dev/shm file every
-    rank of this host maps (unlinked as soon as all have: nothing outlives the run)."""
+    """CPU: flags, one gradient slot per rank and, sharded, the parameters once, in a /dev/shm
+    file every rank of this host maps (unlinked as soon as all have: nothing outlives the run).
+    Replicated, each rank keeps its own parameters and the segment carries the gradients."""
 
-    def __init__(self, topo: common.Topology, numel: int, timeout: float):
+    def __init__(self, topo: common.Topology, numel: int, timeout: float, replicated: bool):
         if topo.nnodes > 1:
             raise common.Skip("a /dev/shm segment is one host's: run on one node (NNODES=1)")
         if platform.machine() not in ("x86_64", "AMD64"):
             raise common.Skip(f"the flags rely on x86-64's store order, not {platform.machine()}'s")
-        n, self.rank, self.timeout = topo.world_size, topo.rank, timeout
-        self.world = n
+        n, self.rank, self.timeout, self.world = (topo.world_size, topo.rank, timeout,
+                                                  topo.world_size)
+        self.bounds = [numel * k // n for k in range(n + 1)]  # rank k's share: k-th to k+1-th
+        self.mine = slice(self.bounds[self.rank], self.bounds[self.rank + 1])
         path = [f"/dev/shm/playbook-symmem-{os.getpid()}-{time.time_ns()}"]
         dist.broadcast_object_list(path)  # rank 0's name
-        flag_bytes, size = 2 * n * LINE * 8, 2 * n * LINE * 8 + (n + 1) * numel * 4
+        phases = 3 if replicated else 2  # replicated also waits for every share to be reduced
+        regions = n if replicated else n + 1
+        flag_bytes = phases * n * LINE * 8
+        size = flag_bytes + regions * numel * 4
         if topo.rank == 0:
             with open(path[0], "wb") as f:
                 f.truncate(size)  # zeros: every flag starts at step 0
@@ -88,14 +102,15 @@ class SharedSegment:
                 os.unlink(path[0])
                 signal.signal(signal.SIGTERM, sigterm)
         self.flags = memoryview(self.mapping)[:flag_bytes].cast("q")
-        self.ready, self.stepped = (range(k * n * LINE, (k + 1) * n * LINE, LINE) for k in range(2))
+        self.ready, self.stepped, *self.reduced = (
+            range(k * n * LINE, (k + 1) * n * LINE, LINE) for k in range(phases))
         # A tensor of its own for the parameters and for each slot (not views of one): memory
         # is counted by storage, and a rank's gradients are its slot, not all N.
-        self.params, *self.slots = (
-            torch.frombuffer(self.mapping, dtype=torch.float32, count=numel,
-                             offset=flag_bytes + k * numel * 4) for k in range(n + 1))
+        tensors = [torch.frombuffer(self.mapping, dtype=torch.float32, count=numel,
+                                    offset=flag_bytes + k * numel * 4) for k in range(regions)]
+        self.params, self.slots = (None, tensors) if replicated else (tensors[0], tensors[1:])
         self.grads = self.slots[self.rank]
-        self.step = 0
+        self.step, self.loaded_bytes = 0, 0  # bytes read out of peers' slots this step
 
     def signal(self, flags: range) -> None:
         self.flags[flags[self.rank]] = self.step
@@ -108,12 +123,17 @@ class SharedSegment:
                 raise TimeoutError(f"a peer did not reach step {self.step} within {self.timeout} s")
             os.sched_yield()
 
-    def load_params(self, flat: torch.Tensor) -> None:
-        if self.rank == 0:  # one copy for the host; all ranks' initial weights are equal
+    def load_params(self, flat: torch.Tensor) -> torch.Tensor:
+        """The parameters this rank's model views: the segment's, written once for the host, or,
+        replicated, `flat`, its own copy (all ranks' initial weights are equal)."""
+        if self.params is None:
+            return flat
+        if self.rank == 0:
             self.params.copy_(flat)
         dist.barrier()  # written before anyone reads them
+        return self.params
 
-    def reduce_my_share(self, mine: slice) -> None:
+    def reduce_my_share(self) -> None:
         """My 1/N of every rank's gradients, summed into my slot and averaged, once all are
         ready."""
         self.step += 1
@@ -121,12 +141,26 @@ class SharedSegment:
         self.wait(self.ready)
         for k in range(self.world):
             if k != self.rank:
-                self.grads[mine].add_(self.slots[k][mine])
-        self.grads[mine].div_(self.world)
+                self.grads[self.mine].add_(self.slots[k][self.mine])
+        self.grads[self.mine].div_(self.world)
+        self.loaded_bytes = (self.world - 1) * self.grads[self.mine].nbytes
 
-    def share_params(self, bounds: list[int]) -> None:
-        """Every rank has stepped its share: the model they all view is whole again, and no
-        peer still reads my gradient slot, so the next backward may overwrite it."""
+    def all_reduce_grads(self) -> None:
+        """Replicated: the whole mean gradient in my slot, in two shots. I reduce my 1/N; once
+        every share is reduced, no peer reads the rest of my slot any more, and I copy each
+        peer's reduced share out of its slot into mine."""
+        self.reduce_my_share()
+        self.signal(self.reduced[0])
+        self.wait(self.reduced[0])
+        for k in range(self.world):
+            if k != self.rank:
+                theirs = slice(self.bounds[k], self.bounds[k + 1])
+                self.grads[theirs].copy_(self.slots[k][theirs])
+                self.loaded_bytes += self.grads[theirs].nbytes
+
+    def finish_step(self) -> None:
+        """Every rank has stepped: the model they all view is whole again (sharded), and no peer
+        still reads my slot, so the next backward may overwrite it."""
         self.signal(self.stepped)
         self.wait(self.stepped)
 
@@ -140,85 +174,125 @@ def peer_views(handle, numel: int) -> list[torch.Tensor]:
 
 
 class SymmetricBuffers:
-    """CUDA: this rank's parameters and gradients in symmetric memory, every peer's mapped."""
+    """CUDA: this rank's gradients and, sharded, its parameters in symmetric memory, every peer's
+    mapped. Replicated, the parameters stay the model's own."""
 
-    def __init__(self, topo: common.Topology, numel: int, timeout: float):
+    def __init__(self, topo: common.Topology, numel: int, timeout: float, replicated: bool):
         import torch.distributed._symmetric_memory as symm_mem
 
         if why := common.peer_access_problem(topo):
             raise common.Skip(why)
         self.rank, self.world, self.timeout_ms = topo.rank, topo.world_size, int(timeout * 1000)
-        self.params = symm_mem.empty(numel, device=topo.device)
+        self.bounds = [numel * k // self.world for k in range(self.world + 1)]
+        self.mine = slice(self.bounds[self.rank], self.bounds[self.rank + 1])
         self.grads = symm_mem.empty(numel, device=topo.device)
-        self.param_handle = symm_mem.rendezvous(self.params, dist.group.WORLD)
         self.grad_handle = symm_mem.rendezvous(self.grads, dist.group.WORLD)
-        self.peer_params, self.peer_grads = (peer_views(handle, numel)
-                                             for handle in (self.param_handle, self.grad_handle))
+        self.peer_grads = peer_views(self.grad_handle, numel)
+        self.params = self.param_handle = None
+        if not replicated:
+            self.params = symm_mem.empty(numel, device=topo.device)
+            self.param_handle = symm_mem.rendezvous(self.params, dist.group.WORLD)
+            self.peer_params = peer_views(self.param_handle, numel)
+        self.loaded_bytes = 0  # bytes read out of peers' buffers this step
 
-    def load_params(self, flat: torch.Tensor) -> None:
+    def load_params(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.params is None:
+            return flat
         self.params.copy_(flat)  # every GPU its own copy; all ranks' initial weights are equal
+        return self.params
 
-    def reduce_my_share(self, mine: slice) -> None:
+    def reduce_my_share(self) -> None:
         self.grad_handle.barrier(timeout_ms=self.timeout_ms)  # every backward has finished
         for k in range(self.world):
             if k != self.rank:
-                self.grads[mine].add_(self.peer_grads[k][mine])
-        self.grads[mine].div_(self.world)
+                self.grads[self.mine].add_(self.peer_grads[k][self.mine])
+        self.grads[self.mine].div_(self.world)
+        self.loaded_bytes = (self.world - 1) * self.grads[self.mine].nbytes
 
-    def share_params(self, bounds: list[int]) -> None:
-        """Every rank has stepped its share: copy each peer's out of its buffer. No barrier
-        after: a peer reads my gradients before this barrier and my share before the next
-        step's, and I write either only after passing the same one."""
-        self.param_handle.barrier(timeout_ms=self.timeout_ms)
+    def all_reduce_grads(self) -> None:
+        """Replicated: as the CPU segment's, a device-side barrier between the two shots."""
+        self.reduce_my_share()
+        self.grad_handle.barrier(timeout_ms=self.timeout_ms)
+        self.copy_peer_shares(self.grads, self.peer_grads)
+
+    def copy_peer_shares(self, mine: torch.Tensor, peers: list[torch.Tensor]) -> None:
         for k in range(self.world):
             if k != self.rank:
-                theirs = slice(bounds[k], bounds[k + 1])
-                self.params[theirs].copy_(self.peer_params[k][theirs])
+                theirs = slice(self.bounds[k], self.bounds[k + 1])
+                mine[theirs].copy_(peers[k][theirs])
+                self.loaded_bytes += mine[theirs].nbytes
+
+    def finish_step(self) -> None:
+        """Every rank has stepped. Sharded: copy each peer's share out of its buffer; no barrier
+        after, since a peer reads my gradients before this barrier and my share before the next
+        step's, and I write either only after passing the same one. Replicated: the barrier
+        alone, so no peer still reads my gradients when the next backward overwrites them."""
+        if self.param_handle is None:
+            self.grad_handle.barrier(timeout_ms=self.timeout_ms)
+            return
+        self.param_handle.barrier(timeout_ms=self.timeout_ms)
+        self.copy_peer_shares(self.params, self.peer_params)
 
 
-def place_in_buffers(model: torch.nn.Module, buffers: SharedSegment | SymmetricBuffers) -> None:
-    """Every parameter a view into the shared parameters, every `.grad` a view into this rank's
-    gradient buffer, so backward writes where peers read."""
-    buffers.load_params(torch.cat([p.detach().flatten() for p in model.parameters()]))
+def place_in_buffers(model: torch.nn.Module, buffers: SharedSegment | SymmetricBuffers
+                     ) -> torch.Tensor:
+    """Every parameter a view into the flat parameters `buffers` hold (or this rank's own,
+    replicated), every `.grad` a view into this rank's gradient buffer, so backward writes where
+    peers read. Returns the flat parameters."""
+    flat = buffers.load_params(torch.cat([p.detach().flatten() for p in model.parameters()]))
     offset = 0
     for p in model.parameters():
         n = p.numel()
-        p.data = buffers.params[offset:offset + n].view_as(p)
+        p.data = flat[offset:offset + n].view_as(p)
         p.grad = buffers.grads[offset:offset + n].view_as(p)
         offset += n
+    return flat
 
 
 def main():
-    args = common.parser(__doc__).parse_args()
+    parser = common.parser(__doc__)
+    parser.add_argument("--replicated-optimizer", action="store_true",
+                        help="the transport alone: gradients all-reduced through the segment, "
+                             "every rank keeps its own parameters and steps all of them, as the "
+                             "baseline does")
+    args = parser.parse_args()
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     numel = sum(p.numel() for p in model.parameters())
     kind = SymmetricBuffers if topo.device.type == "cuda" else SharedSegment
-    buffers = kind(topo, numel, args.timeout)
-    place_in_buffers(model, buffers)
-    bounds = [numel * k // topo.world_size for k in range(topo.world_size + 1)]
-    mine = slice(bounds[topo.rank], bounds[topo.rank + 1])
-    share = torch.nn.Parameter(buffers.params[mine])  # my 1/N of the model, where peers read it
-    share.grad = buffers.grads[mine]
-    opt = torch.optim.AdamW([share], lr=args.lr)
+    buffers = kind(topo, numel, args.timeout, args.replicated_optimizer)
+    flat = place_in_buffers(model, buffers)
+    if args.replicated_optimizer:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+        reduce_grads, owned = buffers.all_reduce_grads, numel
+    else:
+        share = torch.nn.Parameter(flat[buffers.mine])  # my 1/N of the model, where peers read it
+        share.grad = buffers.grads[buffers.mine]
+        opt = torch.optim.AdamW([share], lr=args.lr, fused=True)
+        reduce_grads, owned = buffers.reduce_my_share, share.numel()
 
     def train_step(inputs, targets):
         buffers.grads.zero_()  # backward accumulates into the views
         loss = model(inputs, targets)
         loss.backward()
-        buffers.reduce_my_share(mine)
+        reduce_grads()
         opt.step()
-        buffers.share_params(bounds)
+        buffers.finish_step()
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     split = common.state_split_mb(model, opt)
+    # Read out of peers' buffers: their shares of my share's gradients, and their reduced shares
+    # (replicated) or updated parameters (CUDA, sharded); CPU, sharded, reads these in place.
+    shots = 1 if kind is SharedSegment and not args.replicated_optimizer else 2
+    loaded = shots * (topo.world_size - 1) / topo.world_size * 4 * numel
     common.record(args, topo, stats, baseline="baseline_symmem_training", model=model,
-                  optimizer=opt, comm_mb=stats.comm_mb, loss_tolerance=LOSS_TOLERANCE[args.dtype],
-                  optim_mb=round(split["optim_mb"], 2),
+                  optimizer=opt, comm_mb=buffers.loaded_bytes / 2**20,
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], optim_mb=round(split["optim_mb"], 2),
                   transport="cuda symmetric memory" if kind is SymmetricBuffers
                   else "/dev/shm segment",
-                  theory={"comm_mb": 0.0, "optim_mb": 8 * (mine.stop - mine.start) / 2**20})
+                  comm="bytes read out of peers' buffers", process_group_mb=stats.comm_mb,
+                  theory={"comm_mb": loaded / 2**20, "optim_mb": 8 * owned / 2**20})
 
 
 if __name__ == "__main__":

@@ -545,6 +545,15 @@ def test_report_compares_rows_only_on_the_same_link_and_shows_measured_beside_th
     assert "comm_mb=0.5;" in optimized  # comm MB has its own column
 
 
+@pytest.mark.parametrize("flags, variant", [
+    ([], None), (["--batch-size", "4", "--seq-len", "128"], None),  # small's own, given
+    (["--seq-len", "32", "--batch-size", "1"], "--batch-size 1 --seq-len 32"),
+    (["--lr", "0.01", "--batch-size", "2"], "--batch-size 2"),  # other shared flags do not
+])
+def test_another_batch_or_sequence_length_names_the_runs_variant(flags, variant):
+    assert common.parser(None).parse_args(["--size", "small", *flags]).variant == variant
+
+
 def test_a_variants_trace_is_named_after_it_as_its_log_is(tmp_path, monkeypatch):
     class Profiler:  # stands in for torch.profiler.profile: writes what it is asked to
         def export_chrome_trace(self, path):

@@ -136,24 +136,34 @@ def test_busbw_follows_the_nccl_tests_convention():
     assert common.sweep_entry("all_gather", 10**9, 1000.0, world=4)["busbw_gbps"] == 0.75
 
 
-def _train_both(rank: int, world: int, port: int, results: str) -> None:
+def _train_three(rank: int, world: int, port: int, results: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    for k, name in enumerate(("baseline_symmem_training", "optimized_symmem_training")):
+    for k, (name, flags) in enumerate([("baseline_symmem_training", []),
+                                       ("optimized_symmem_training", []),
+                                       ("optimized_symmem_training", ["--replicated-optimizer"])]):
         os.environ["MASTER_PORT"] = str(port + k)  # a fresh store for each run's group
         path = FOLDER / f"{name}.py"
-        sys.argv = [str(path), *TINY, "--results", results]
+        sys.argv = [str(path), *TINY, "--results", results, *flags]
         common.run_main(load_recipe(path).main)
 
 
 def test_training_at_an_odd_world_size_equals_the_baseline(tmp_path):
     # 3 ranks: shares of unequal length, and sums whose order differs from gloo's ring
     results = tmp_path / "results.jsonl"
-    mp.spawn(_train_both, args=(3, common.free_port(), str(results)), nprocs=3)
-    runs = {rec["script"]: rec for rec in common.load_results(results)}
-    base, ours = runs["baseline_symmem_training"], runs["optimized_symmem_training"]
-    assert ours["status"] == "ok" and ours["world_size"] == 3 and ours["comm_mb"] == 0
-    assert max(abs(a - b) / b for a, b in zip(ours["losses"], base["losses"], strict=True)) \
-        <= 1e-5
-    assert ours["optim_mb"] == pytest.approx(ours["theory"]["optim_mb"], rel=0.01)
-    assert ours["optim_mb"] == pytest.approx(base["optim_mb"] / 3, rel=0.01)
+    mp.spawn(_train_three, args=(3, common.free_port(), str(results)), nprocs=3)
+    base, ours, replicated = common.load_results(results)
+    assert replicated["variant"] == "--replicated-optimizer"
+    for rec, state in [(ours, 1 / 3), (replicated, 1)]:
+        assert rec["status"] == "ok" and rec["world_size"] == 3
+        assert max(abs(a - b) / b for a, b in zip(rec["losses"], base["losses"], strict=True)) \
+            <= 1e-5
+        assert rec["optim_mb"] == pytest.approx(rec["theory"]["optim_mb"], rel=0.01)
+        assert rec["optim_mb"] == pytest.approx(base["optim_mb"] * state, rel=0.01)
+        assert rec["process_group_mb"] == 0
+    # read out of peers' slots: their shares of my third (2 x P/3 x 4 bytes), and,
+    # replicated, their reduced thirds (2/3 x 4P), counted where the reads happen
+    params, recorded = ours["params"], {"abs": 1e-3}  # MB, to 3 decimals
+    assert ours["comm_mb"] == pytest.approx(2 / 3 * 4 * params / 2**20, **recorded)
+    assert replicated["comm_mb"] == pytest.approx(2 * 2 / 3 * 4 * params / 2**20, **recorded)
+    assert replicated["comm_mb"] == pytest.approx(base["comm_mb"], **recorded)  # the ring's bytes
