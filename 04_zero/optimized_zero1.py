@@ -208,9 +208,14 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     gatherer.wait_all()  # the last step's parameters, before anything reads them
-    mb = 4 * sum(b.numel for b in buckets) / 2**20  # 4P bytes, P = parameters with padding
+    # State from the model's shape (P = gpt_param_count), not from the buckets allocated for it:
+    # they hold it plus padding, under N values a bucket (`padding_mb_max`). Every value of every
+    # bucket is sent, padding included.
+    psi = common.gpt_param_count(common.SIZES[args.size], args.seq_len)
+    mb, sent_mb = 4 * psi / 2**20, 4 * sum(b.numel for b in buckets) / 2**20
     theory = {"params_mb": mb, "grads_mb": mb, "optim_mb": 2 * mb / n,
-              "state_mb": 2 * mb + 2 * mb / n, "comm_mb": 2 * (n - 1) / n * mb}
+              "state_mb": 2 * mb + 2 * mb / n, "comm_mb": 2 * (n - 1) / n * sent_mb,
+              "padding_mb_max": 4 * (n - 1) * len(buckets) / 2**20}
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=1,

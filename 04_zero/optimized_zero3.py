@@ -281,12 +281,17 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    mb = 4 * sum(b.numel for b in buckets) / 2**20  # 4P bytes, P = parameters with padding
+    # State from the model's shape (P = gpt_param_count), not from the buckets allocated for it:
+    # they hold it plus padding, under N values a bucket (`padding_mb_max`). Every value of every
+    # bucket is sent, padding included.
+    psi = common.gpt_param_count(common.SIZES[args.size], args.seq_len)
+    mb = 4 * psi / 2**20
     gathers = [2] * len(model.blocks) + [1]  # per bucket and step; the root's stay gathered
     theory = {"params_mb": mb / n, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
               "state_mb": 4 * mb / n,
               "comm_mb": sum((g + 1) * (n - 1) / n * 4 * b.numel / 2**20
-                             for g, b in zip(gathers, buckets, strict=True))}
+                             for g, b in zip(gathers, buckets, strict=True)),
+              "padding_mb_max": 4 * (n - 1) * len(buckets) / 2**20}
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=3,
