@@ -48,11 +48,13 @@ import common  # noqa: E402
 
 # Per step, absolute, against optimized_fsdp (uncompiled, in the same dtype):
 # - FP8: float8's 3-bit mantissa moves each matmul by about 1e-2 relative and the trajectories
-#   drift apart; 0.15 is 3% of a loss near 5 (at `small` the largest difference was 0.10, the
-#   final losses 1% apart). bf16's own drift (5e-2) is inside it.
+#   drift apart. How far is too far comes from fp32 itself, not from FP8's own result: the
+#   spread of fp32's losses over seeds 0-4 at `small` (25 steps, the shared workload), whose
+#   per-step standard deviation peaks at 0.158 (README): an FP8 run inside it is one fp32 could
+#   have been with another seed. bf16's own drift (5e-2) is inside it.
 # - Without FP8 the same arithmetic: fp32 rounding (1e-4) uncompiled; compiled, inductor's fused
 #   kernels sum in other orders (1e-3); in bf16 either drifts by bf16's resolution (5e-2).
-LOSS_TOLERANCE = {"fp8": 0.15, ("fp32", False): 1e-4, ("fp32", True): 1e-3,
+LOSS_TOLERANCE = {"fp8": 0.16, ("fp32", False): 1e-4, ("fp32", True): 1e-3,
                   ("bf16", False): 5e-2, ("bf16", True): 5e-2}
 
 
