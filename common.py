@@ -102,17 +102,7 @@ class RecipeParser(argparse.ArgumentParser):
     def parse_args(self, args: Sequence[str] | None = None, namespace=None) -> argparse.Namespace:
         ns = super().parse_args(args, namespace)
         _RUN["args"] = ns  # a run that skips before `setup` is recorded too
-        size = SIZES[ns.size]
-        sized = {"seq_len": size.long_seq_len if self.long_context else size.seq_len,
-                 "batch_size": size.long_batch_size if self.long_context else size.batch_size}
-        # A batch or sequence length other than the script's own is another workload: it names
-        # the run's variant too (06's `--batch-size 1 --seq-len 32` row beside the default one).
-        shape = [f"--{dest.replace('_', '-')} {value}" for dest in ("batch_size", "seq_len")
-                 if (value := getattr(ns, dest)) not in (None, self.get_default(dest), sized[dest])]
-        if ns.seq_len is None:
-            ns.seq_len = sized["seq_len"]
-        if ns.batch_size is None:
-            ns.batch_size = sized["batch_size"]
+        shape = self.fill_shape(ns)
         if ns.model == "resnet" and ns.batch_size < 2:
             self.error("--model resnet needs --batch-size >= 2 (BatchNorm normalises over the "
                        "batch)")
@@ -121,13 +111,27 @@ class RecipeParser(argparse.ArgumentParser):
         if ns.trace and ns.warmup < 3:
             self.error("--trace profiles the two warm-up steps before the last (which measures "
                        "memory): use --warmup 3 or more")
-        # So do the script's own flags that differ from their defaults: the report shows
-        # `optimized_fsdp --wrap root` as a row of its own.
+        # With them, the script's own flags that differ from their defaults name the run's
+        # variant: the report shows `optimized_fsdp --wrap root` as a row of its own.
         ns.variant = " ".join(shape + [
             f"--{a.dest.replace('_', '-')}" + ("" if v is True else f" {_flag_text(v)}")
             for a in self._actions[self.shared_flags:] if a.dest not in {"help", *self.output_only}
             for v in [getattr(ns, a.dest)] if v != _parsed_default(a)]) or None
         return ns
+
+    def fill_shape(self, ns: argparse.Namespace) -> list[str]:
+        """Fill in the size's batch and sequence length where no flag gave them. Returns the
+        flags that chose others: another workload, which names the run's variant too (06's
+        `--batch-size 1 --seq-len 32` row beside its default one)."""
+        size = SIZES[ns.size]
+        sized = {"seq_len": size.long_seq_len if self.long_context else size.seq_len,
+                 "batch_size": size.long_batch_size if self.long_context else size.batch_size}
+        shape = [f"--{dest.replace('_', '-')} {value}" for dest in ("batch_size", "seq_len")
+                 if (value := getattr(ns, dest)) not in (None, self.get_default(dest), sized[dest])]
+        for dest, value in sized.items():
+            if getattr(ns, dest) is None:
+                setattr(ns, dest, value)
+        return shape
 
     def add_summary_flag(self) -> None:
         """`--summary` (see `print_summary`); it prints more, so the run is no variant."""
@@ -1397,8 +1401,9 @@ def _flags_of(script_args: Sequence[str]) -> tuple[argparse.Namespace, str | Non
     the script refused them (then `--results`, `--size` read leniently and no variant)."""
     try:
         with contextlib.redirect_stderr(None):
-            run_args, own_flags = parser(None).parse_known_args(script_args)
-        return run_args, " ".join(own_flags) or None
+            shared = parser(None)
+            run_args, own_flags = shared.parse_known_args(script_args)
+        return run_args, " ".join(shared.fill_shape(run_args) + own_flags) or None
     except SystemExit:
         lenient = argparse.ArgumentParser(add_help=False)
         lenient.add_argument("--results", type=Path, default=RESULTS)

@@ -126,6 +126,10 @@ def powersgd_allreduce(state: PowerSGDState, bucket: int, grad: torch.Tensor,
     plain_sums, p_sums = first.split([plain_numel, first.numel() - plain_numel])
     for t, total in zip(plain, plain_sums.split([t.numel() for t in plain]), strict=True):
         t.copy_(total.view_as(t)).div_(N)
+    if not matrices:  # nothing here worth compressing (a small model at a high rank): done
+        done = torch.futures.Future()
+        done.set_result(grad)
+        return done
     ps = [torch.linalg.qr(total.view_as(p)).Q  # an orthonormal basis of the summed P
           for total, p in zip(p_sums.split([p.numel() for p in ps]), ps, strict=True)]
 

@@ -552,6 +552,9 @@ def test_report_compares_rows_only_on_the_same_link_and_shows_measured_beside_th
 ])
 def test_another_batch_or_sequence_length_names_the_runs_variant(flags, variant):
     assert common.parser(None).parse_args(["--size", "small", *flags]).variant == variant
+    # as the Makefile's bookkeeping finds a run's record from its flags, the script's own after
+    assert common._flags_of(["--size", "small", *flags, "--replicated-optimizer"])[1] == \
+        " ".join(filter(None, [variant, "--replicated-optimizer"]))
 
 
 def test_a_variants_trace_is_named_after_it_as_its_log_is(tmp_path, monkeypatch):

@@ -133,6 +133,11 @@ def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> N
     shapes = [torch.Size([96, 80]), bias.shape, embedding.shape]
     out = powersgd.powersgd_allreduce(state, 0, flat.clone(), shapes, [True, False, False]).wait()
     found["powersgd_exact"] = (out, gathered(flat, world).mean(0), state.sent_bytes)
+    # a bucket with nothing to compress is one plain all-reduce
+    state = powersgd.PowerSGDState(world, 4, start_iter=0, seed=0)
+    found["powersgd_plain"] = (powersgd.powersgd_allreduce(state, 0, bias.clone(), [bias.shape],
+                                                           [False]).wait(),
+                               gathered(bias, world).mean(0), state.sent_bytes)
 
     # PowerSGD error feedback on full-rank gradients, warm-started across steps.
     state, applied, true = powersgd.PowerSGDState(world, 2, start_iter=0, seed=0), 0, 0
@@ -183,6 +188,12 @@ def test_powersgd_returns_a_rank_r_average_exactly_and_averages_the_rest(collect
     assert (out - exact).abs().max() <= 1e-5 * exact.abs().max()  # float rounding
     # P (96 x 4) with the bias and the uncompressed 64 x 48 in one all-reduce, then Q (80 x 4)
     assert sent == pytest.approx(2 * (world - 1) / world * 4 * (96 * 4 + 80 + 64 * 48 + 80 * 4))
+
+
+def test_powersgd_sends_a_bucket_with_no_matrix_worth_compressing_in_one_all_reduce(collectives):
+    world, found = collectives
+    out, exact, sent = found["powersgd_plain"]
+    assert torch.allclose(out, exact) and sent == 2 * (world - 1) / world * 4 * 80
 
 
 def test_powersgd_error_feedback_keeps_what_the_approximation_dropped(collectives):
