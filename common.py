@@ -127,7 +127,9 @@ class RecipeParser(argparse.ArgumentParser):
         sized = {"seq_len": size.long_seq_len if self.long_context else size.seq_len,
                  "batch_size": size.long_batch_size if self.long_context else size.batch_size}
         shape = [f"--{dest.replace('_', '-')} {value}" for dest in ("batch_size", "seq_len")
-                 if (value := getattr(ns, dest)) not in (None, self.get_default(dest), sized[dest])]
+                 if (value := getattr(ns, dest)) not in
+                 (None, self.get_default(dest) if self.get_default(dest) is not None
+                  else sized[dest])]
         for dest, value in sized.items():
             if getattr(ns, dest) is None:
                 setattr(ns, dest, value)

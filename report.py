@@ -14,6 +14,7 @@ import argparse
 import ast
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -76,20 +77,21 @@ def why_not_compared(rec: dict, base: dict | None) -> str | None:
     return f"baseline ran with other {', '.join(unlike)}" if unlike else None
 
 
+def _flag_groups(variant: str | None) -> set[str]:
+    """A variant's flags, each with its values: "--stage 3 --clip-grad-norm 0.5" -> two."""
+    return set(re.findall(r"--\S+(?: (?!--)\S+)*", variant or ""))
+
+
 def baseline_run(rec: dict, by_key: dict) -> dict | None:
-    """The run `rec` is compared with, of its baseline's runs on the same setup: the one with the
-    same flags (06's `--batch-size 1 --seq-len 32` pair, a sweep's `--sizes`), else one with the
-    same compared settings (`--clip-grad-norm 0.5` beside `--stage 3`, a flag the baseline
-    lacks), else the default run, which then says why it is not compared."""
-    same_flags = " ".join(filter(None, [rec.get("baseline"), rec.get("variant")]))
-    default = by_key.get(common.run_key(rec) + (rec.get("baseline"),))
-    alike = (run for run in by_key.values()
-             if run.get("script") == rec.get("baseline") and run.get("status") == "ok"
-             and common.run_key(run) == common.run_key(rec)
-             and all(run.get(k) == rec.get(k) for k in COMPARED))
-    return by_key.get(common.run_key(rec) + (same_flags,)) or \
-        (default if default and why_not_compared(rec, default) is None else None) or \
-        next(alike, default)
+    """The run `rec` is compared with: of its baseline's runs on the same setup, the one whose
+    flags are the most of `rec`'s (06's `--batch-size 1 --seq-len 32` beside its
+    `--replicated-optimizer`, a flag the baseline lacks), whatever its status, so that a row
+    says why it is not compared (`baseline failed`) rather than pick another run."""
+    ours = _flag_groups(rec.get("variant"))
+    theirs = [run for run in by_key.values() if run.get("script") == rec.get("baseline")
+              and common.run_key(run) == common.run_key(rec)
+              and _flag_groups(run.get("variant")) <= ours]
+    return max(theirs, key=lambda run: len(_flag_groups(run.get("variant"))), default=None)
 
 
 # A spoiled comparison says so. Both tests read what a run records (`step_ms_iqr`, `load_avg`,

@@ -16,9 +16,10 @@ Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero1.py --size small 
 Look for:   `make zero report`: state MB = theory.state_mb, losses equal to baseline_zero's to
             float rounding, tokens/s close to it; optim_mb falls by N, params and grads do not.
             optimized_zero_pytorch.py runs PyTorch's ZeroRedundancyOptimizer beside it.
-Theory:     per rank 4P + 4P + 8P/N bytes (params, grads, optimizer), P = the parameters with
-            each bucket's padding; sent per step (N-1)/N x 4P reduce-scattered plus the same
-            all-gathered: 2(N-1)/N x 4P, what DDP's all-reduce sends.
+Theory:     per rank 4P + 4P + 8P/N bytes (params, grads, optimizer), P = gpt_param_count,
+            plus each bucket's padding (under N values); sent per step (N-1)/N x 4P
+            reduce-scattered plus the same all-gathered: 2(N-1)/N x 4P, what DDP's all-reduce
+            sends.
 """
 
 import sys

@@ -15,8 +15,8 @@ Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero2.py --size small 
 Look for:   `make zero report`: state MB = theory.state_mb, losses equal to baseline_zero's to
             float rounding, tokens/s close to it; grads_mb falls by N too, and the peak's
             `grads` share (memory.grads in the record) is far below a full gradient.
-Theory:     per rank 4P + 4P/N + 8P/N bytes (params, grads, optimizer), P = the parameters with
-            each bucket's padding, plus the buckets in flight during backward; sent per step
+Theory:     per rank 4P + 4P/N + 8P/N bytes (params, grads, optimizer), P = gpt_param_count,
+            plus padding and the buckets in flight during backward; sent per step
             (N-1)/N x 4P reduce-scattered plus the same all-gathered: 2(N-1)/N x 4P.
 """
 

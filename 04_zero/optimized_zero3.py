@@ -20,8 +20,8 @@ Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero3.py --size small 
 Look for:   `make zero report`: state MB = theory.state_mb, losses equal to baseline_zero's to
             float rounding, the lowest peak of the three; optimized_zero_pytorch.py --stage 3
             runs FSDP2's fully_shard on the same blocks beside it.
-Theory:     per rank 16P/N bytes (params, grads, optimizer 4P/N, 4P/N, 8P/N), P = the parameters
-            with each bucket's padding, plus the blocks gathered at a time; sent per step
+Theory:     per rank 16P/N bytes (params, grads, optimizer 4P/N, 4P/N, 8P/N), P = gpt_param_count
+            plus padding, and the blocks gathered at a time; sent per step
             (N-1)/N x 4 bytes x (3 x the blocks' parameters + 2 x the embeddings' and final
             norm's): two all-gathers and a reduce-scatter, against ZeRO-2's 2 x (N-1)/N x 4P.
             Expect a smaller saving under bf16 autocast (the GPU default; not measured, no GPU

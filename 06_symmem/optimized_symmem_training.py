@@ -102,8 +102,9 @@ class SharedSegment:
                 os.unlink(path[0])
                 signal.signal(signal.SIGTERM, sigterm)
         self.flags = memoryview(self.mapping)[:flag_bytes].cast("q")
-        self.ready, self.stepped, *self.reduced = (
-            range(k * n * LINE, (k + 1) * n * LINE, LINE) for k in range(phases))
+        flags = [range(k * n * LINE, (k + 1) * n * LINE, LINE) for k in range(phases)]
+        self.ready, self.stepped = flags[:2]
+        self.reduced = flags[2] if replicated else None  # every rank's share is reduced
         # A tensor of its own for the parameters and for each slot (not views of one): memory
         # is counted by storage, and a rank's gradients are its slot, not all N.
         tensors = [torch.frombuffer(self.mapping, dtype=torch.float32, count=numel,
@@ -150,8 +151,8 @@ class SharedSegment:
         every share is reduced, no peer reads the rest of my slot any more, and I copy each
         peer's reduced share out of its slot into mine."""
         self.reduce_my_share()
-        self.signal(self.reduced[0])
-        self.wait(self.reduced[0])
+        self.signal(self.reduced)
+        self.wait(self.reduced)
         for k in range(self.world):
             if k != self.rank:
                 theirs = slice(self.bounds[k], self.bounds[k + 1])

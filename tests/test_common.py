@@ -309,6 +309,16 @@ def test_a_run_is_compared_with_its_baselines_run_of_the_same_flags_else_its_def
                         "optimized_zero1 --clip-grad-norm 1.0": ""}
     assert rows["optimized_zero1 --clip-grad-norm 1.0"].rstrip(" |").endswith(
         "not compared: baseline ran with other clip_grad_norm")
+    # the baseline run it pairs with died: that is the reason, not the default run's settings
+    records[1] = _row("baseline_symmem_training", status="failed", reason="boom",
+                      variant=heavy["variant"])
+    records.append(_row("optimized_symmem_training", "baseline_symmem_training", step_ms=40.0,
+                        **{**heavy, "variant": heavy["variant"] + " --replicated-optimizer"}))
+    rows = {line.split("|")[1].strip(): line for line in
+            report.render_report(records).splitlines() if line.startswith("| optimized")}
+    for label in ("optimized_symmem_training --batch-size 1 --seq-len 32",
+                  "optimized_symmem_training --batch-size 1 --seq-len 32 --replicated-optimizer"):
+        assert rows[label].rstrip(" |").endswith("not compared: baseline failed"), label
 
 
 @pytest.mark.parametrize("ours, theirs, noise", [

@@ -113,7 +113,9 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
     rec = only_record(results)
     assert rec["world_size"] == 1 and rec["comm_mb"] == 0
     assert common.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
-    trace = json.loads((tmp_path / "traces" / "01_ddp_baseline_ddp_rank0.json").read_text())
+    assert rec["variant"] == "--batch-size 8"  # another workload than the 2-rank run's
+    (trace_file,) = (tmp_path / "traces").glob("01_ddp_baseline_ddp*_rank0.json")
+    trace = json.loads(trace_file.read_text())
     all_reduces = [e for e in trace["traceEvents"] if e.get("name") == "gloo:all_reduce"]
     assert len(all_reduces) == 2 * rec["collectives_per_step"]  # two traced warm-up steps
     steps = report.step_breakdown(trace)
