@@ -842,6 +842,42 @@ def list_scripts(root: Path = common.ROOT) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Command line
+RESULTS_SCHEMA = """\
+results schema: each run appends one JSON object (rank 0) to outputs/results.jsonl.
+Every record:
+  folder, script        e.g. 01_ddp, optimized_ddp
+  baseline              the script this one is compared with (null for a baseline)
+  variant               the flags that make it another run of its script (null: defaults)
+  status, reason        ok | skipped (why) | failed (the script's own error line); the report
+                        adds `over tolerance` when max loss difference > loss_tolerance
+  time, host            when (ISO 8601, UTC) and on which host it ran
+  size, model, world_size, nnodes, link, backend, device
+                        the setup; link is LINK's rate (null: unshaped)
+  torch, torchao, torchvision, cuda, nccl
+                        versions that change results (null where absent or unused)
+A training run (status ok) also:
+  params                model parameters, all ranks together
+  step_ms, step_ms_p90, step_ms_iqr
+                        median, p90 and [q1, q3] of the timed steps' milliseconds
+  tokens_per_s | samples_per_s
+                        global throughput
+  peak_mem_mb, memory   the busiest rank's peak over the measured step (live tensor MB on
+                        CPU, with its split by kind; the allocator's on CUDA)
+  peak_rss_mb | reserved_mb
+                        the process's resident peak (CPU) or the allocator's reserve (CUDA)
+  state_mb              the busiest rank's parameters + gradients + optimizer state
+  comm_mb               MB a rank sends per step, counted where the script hands tensors over
+  losses, loss_tolerance
+                        every step's loss; the largest difference from the baseline allowed
+  theory                what the technique predicts, computed, beside the measured keys
+  steps, warmup, batch_size, seq_len, dtype, seed, lr, startup_s, warmup_s
+  load_avg, cpus        the host's 1-minute load at the first timed step and after the last,
+                        and its logical cores
+A collectives sweep has `sweep`: one {op, bytes, ms, algbw_gbps, busbw_gbps} per op and size.
+A script adds what its technique measures (compression, bubble, timeline, optim_mb, ...).
+"""
+
+
 # ---------------------------------------------------------------------------------------------
 class OneLineErrors(argparse.ArgumentParser):
     """Bad flags end with one line that names what to change, as the recipes' do."""
@@ -852,7 +888,8 @@ class OneLineErrors(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str]) -> int:
-    cli = OneLineErrors(prog="report.py", description=__doc__.split("\n\n")[0])
+    cli = OneLineErrors(prog="report.py", description=__doc__.split("\n\n")[0],
+                        epilog=RESULTS_SCHEMA, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_argument("--results", type=Path, default=common.RESULTS)
     cli.add_argument("--out", type=Path, default=common.RESULTS.parent / "report.md")
     sub = cli.add_subparsers(dest="command", parser_class=OneLineErrors)

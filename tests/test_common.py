@@ -4,6 +4,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -531,6 +532,9 @@ def test_a_record_keeps_its_step_spread_its_hosts_load_and_the_versions_that_cha
     assert q1 <= rec["step_ms"] <= q3 <= rec["step_ms_p90"] + 1e-3
     assert rec["torchao"] == importlib.metadata.version("torchao")
     assert rec["torchvision"] == importlib.metadata.version("torchvision")
+    # every key a record carries is in the schema `report.py --help` prints
+    named = set(re.findall(r"[a-z_0-9]+", report.RESULTS_SCHEMA))
+    assert set(rec) <= named, set(rec) - named
 
 
 def test_a_package_that_is_not_installed_records_no_version(monkeypatch):
