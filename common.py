@@ -1227,8 +1227,10 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         _append(args.results, rec)
         unit = "tok/s" if args.model == "gpt" else "img/s"
         comm = "" if comm_mb is None else f", comm {comm_mb:.2f} MB/step"
-        print(f"{rec['script']}: {stats.step_ms:.1f} ms/step (p90 {stats.step_ms_p90:.1f}), "
-              f"{items / (stats.step_ms / 1e3):,.0f} {unit}, peak {rec['peak_mem_mb']:,.0f} MB, "
+        variant = f"{rec['variant']}, " if rec["variant"] else ""  # which of a script's runs
+        print(f"{rec['script']}: {variant}{stats.step_ms:.1f} ms/step "
+              f"(p90 {stats.step_ms_p90:.1f}), {items / (stats.step_ms / 1e3):,.0f} {unit}, "
+              f"peak {rec['peak_mem_mb']:,.0f} MB, "
               f"state {rec['state_mb']:.1f} MB{comm}, final mean loss {stats.losses[-1]:.4f}",
               flush=True)
     return rec

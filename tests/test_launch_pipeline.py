@@ -225,4 +225,8 @@ def test_the_hand_written_schedule_trains_like_torchs_own(runs, mine, theirs):
     assert max(abs(a - b) / b for a, b in zip(ours["losses"], torchs["losses"], strict=True)) \
         <= 1e-5
     assert torchs["schedule"] == theirs and torchs["stages"] == ours["stages"]
+    if theirs != "torch gpipe":  # the console's summary names the schedule it ran
+        (summary,) = [line for line in runs[theirs][1].splitlines()
+                      if line.startswith("optimized_pipeline_pytorch: ")]
+        assert f"--schedule {theirs.split()[1]}" in summary and "ms/step" in summary
     assert ours["comm_mb"] == pytest.approx(torchs["comm_mb"], rel=1e-3)  # the same tensors
