@@ -57,7 +57,7 @@ def main():
     sent = {}
 
     def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
         sent["bytes"], sent["calls"] = allreduce_gradients(model, topo.world_size)

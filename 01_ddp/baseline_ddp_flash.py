@@ -1,9 +1,10 @@
 """DDP at long context, attention written out: the T x T score matrix is materialised.
 
-What it does: the same data-parallel training as optimized_ddp_flash.py (DDP with its default
-settings) on long sequences, with attention computed the textbook way:
-softmax(mask(Q K^T / sqrt(d))) V. Every layer builds the full (batch, heads, T, T) score
-matrix, keeps the softmax output for backward, and makes several T x T temporaries on the way.
+What it does: data-parallel training on long sequences, with DDP wrapped exactly as in
+optimized_ddp_flash.py (buckets of one block's gradients, gradients as views into them) and
+attention computed the textbook way: softmax(mask(Q K^T / sqrt(d))) V. Every layer builds the
+full (batch, heads, T, T) score matrix, keeps the softmax output for backward, and makes
+several T x T temporaries on the way.
 Why it is the baseline: it is the attention most people write first and it is exact; at long
 context its memory grows with T^2 and its time is spent streaming those matrices through memory.
 Run:        torchrun --nproc_per_node=2 01_ddp/baseline_ddp_flash.py --size small
@@ -33,7 +34,7 @@ def materialized_attention(q, k, v):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def attention_scores_mb(args) -> float:
+def attention_saved_mb(args) -> float:
     """Score memory every layer keeps for backward, per rank: the fp32 softmax output, plus
     under bf16 autocast the bf16 copy of it that the second matmul saves (6 bytes a score)."""
     size = common.SIZES[args.size]
@@ -41,18 +42,37 @@ def attention_scores_mb(args) -> float:
     return scores * (4 if args.dtype == "fp32" else 6) / 2**20
 
 
+# Copied from 01_ddp/optimized_ddp_flash.py: block_gradient_mb
+def block_gradient_mb(model: common.GPT) -> float:
+    """One transformer block's gradient bytes: the bucket size that aligns buckets with blocks."""
+    return sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
+
+
+# Copied from 01_ddp/optimized_ddp_flash.py: wrap_ddp
+def wrap_ddp(model: common.GPT, topo: common.Topology, bucket_mb: float) -> DDP:
+    """DDP for long context. With O(T) attention activations the gradients are a large share of
+    the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
+    one block's gradients let a block's all-reduce start as soon as its backward ends and run
+    under the next block's."""
+    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+
+
 def main():
     parser = common.parser(__doc__, long_context=True)
+    parser.add_argument("--bucket-mb", type=common.positive_float, default=None,
+                        help="gradient bucket size in MiB (default: one block's gradients)")
     args = parser.parse_args()
     if args.model != "gpt":
         parser.error("the attention recipes need --model gpt")
     topo = common.setup(args)
     model, batches = common.workload(args, topo, attention=materialized_attention)
-    model = DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None)
+    bucket_mb = args.bucket_mb or block_gradient_mb(model)
+    model = wrap_ddp(model, topo, bucket_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
         opt.step()
@@ -61,10 +81,10 @@ def main():
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     buckets = common.ddp_bucket_bytes(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
-                  comm_mb=common.ring_allreduce_mb(sum(buckets), topo.world_size),
-                  collectives_per_step=len(buckets),
-                  theory={"attn_saved_mb": attention_scores_mb(args),
+    common.record(args, topo, stats, baseline=None, model=model.module,
+                  optimizer=opt, comm_mb=common.ring_allreduce_mb(sum(buckets), topo.world_size),
+                  collectives_per_step=len(buckets), bucket_mb=round(bucket_mb, 2),
+                  theory={"attn_saved_mb": attention_saved_mb(args),
                           "comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size)})
 
 

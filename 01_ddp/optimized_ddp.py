@@ -6,18 +6,15 @@ asynchronously while backward keeps computing the earlier layers' gradients.
 `gradient_as_bucket_view` makes each .grad a view into its bucket, so there is no copy into
 and out of the communication buffer (and one gradient-sized buffer less in memory);
 `static_graph` declares that every step uses the same parameters in the same order, which
-DDP needs for activation checkpointing and lets it drop its per-step unused-parameter search;
-here every parameter is used, so it costs and saves nothing measurable (it is off with --accum:
-broken together with no_sync() in current PyTorch, see wrap_ddp).
+DDP needs for activation checkpointing and lets it drop its per-step unused-parameter search
+(off with --accum: see wrap_ddp).
 With `--accum k` the per-rank batch is split into k micro-batches; the first k-1 run under
 `no_sync()`, which only accumulates local gradients, and the last one all-reduces the sum
 once. Dividing each micro-batch loss by k makes the sum the full-batch gradient (to rounding).
 Why it helps: a few large collectives instead of one per tensor (the fixed latency is paid
 once per bucket, not 76 times for `small`), and on GPUs the communication hides behind the
-rest of backward. On a 2-core CPU it cannot hide: gloo's threads need the cores that backward
-is using, so there the win is the collective count alone (README: measured). Accumulation
-fits a large batch in k smaller activation footprints and still sends one all-reduce per
-optimizer step: k times fewer bytes than all-reducing every micro-batch.
+rest of backward. Accumulation fits a large batch in k smaller activation footprints and
+still sends one all-reduce per optimizer step.
 Run:        torchrun --nproc_per_node=2 01_ddp/optimized_ddp.py --size small [--accum 2]
 Look for:   `make ddp report`: speedup over baseline_ddp at identical losses (max Δloss at
             float rounding: the same sums, grouped differently), the same comm MB/step in a
@@ -81,7 +78,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = accumulate_and_reduce(model, inputs, targets, args.accum)
         opt.step()
         return loss

@@ -1,22 +1,12 @@
-"""DDP at long context with fused (flash) attention, and DDP tuned around it.
+"""DDP at long context with fused (flash) attention: the T x T score matrix never exists.
 
 What it does: attention is one call to `scaled_dot_product_attention`. On GPU in bf16 it runs
 the flash kernel (in fp32, the memory-efficient kernel); on CPU PyTorch's fused flash-style
 kernel. All of them walk Q, K, V in tiles with an online softmax, so the (batch, heads, T, T)
 score matrix never exists: forward keeps only the output and one log-sum-exp per row, and
-backward recomputes the scores tile by tile.
-"Flash-aware" all-reduce tuning: flash moves where the time and memory of a step go, and DDP
-is set up for that.
-  * Memory: with O(T) attention activations the gradients become a large share of the peak,
-    so `gradient_as_bucket_view=True` drops the separate gradient buffers: each .grad is a view
-    into its communication bucket, one gradient-sized copy less.
-  * Overlap: flash backward recomputes the scores, so each block's backward is compute-heavy
-    relative to the gradients it produces; `--bucket-mb` (default: one transformer block's
-    gradients) lets a block's all-reduce start as soon as that block's backward ends and run
-    under the next block's backward. `--bucket-mb 25` gives DDP's default buckets; on the
-    2-core CPU the two measured within a few percent of each other (README), since there the
-    collectives compete with backward for the same cores. The report's speedup is the sum of
-    both changes, as the recipe would be used; rerun with `--bucket-mb 25` to see the split.
+backward recomputes the scores tile by tile. Everything else is baseline_ddp_flash.py's, the
+DDP wrapping included (buckets of one block's gradients, gradients as views into them), so the
+two scripts differ in the attention alone and the report's speedup is the attention's.
 Why it helps: no T^2 memory traffic (faster) and no T^2 activations (less memory, so longer
 context or a bigger batch fits), while the communication volume is unchanged.
 Run:        torchrun --nproc_per_node=2 01_ddp/optimized_ddp_flash.py --size small
@@ -43,12 +33,23 @@ def flash_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def attention_saved_mb(args) -> float:
+    """Attention memory every layer keeps for backward, per rank: one fp32 log-sum-exp a row."""
+    size = common.SIZES[args.size]
+    rows = size.n_layers * args.batch_size * size.n_heads * args.seq_len
+    return rows * 4 / 2**20
+
+
 def block_gradient_mb(model: common.GPT) -> float:
     """One transformer block's gradient bytes: the bucket size that aligns buckets with blocks."""
     return sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
 
 
-def wrap_ddp_for_flash(model: common.GPT, topo: common.Topology, bucket_mb: float) -> DDP:
+def wrap_ddp(model: common.GPT, topo: common.Topology, bucket_mb: float) -> DDP:
+    """DDP for long context. With O(T) attention activations the gradients are a large share of
+    the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
+    one block's gradients let a block's all-reduce start as soon as its backward ends and run
+    under the next block's."""
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
                bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
 
@@ -63,28 +64,26 @@ def main():
     topo = common.setup(args)
     model, batches = common.workload(args, topo, attention=flash_attention)
     bucket_mb = args.bucket_mb or block_gradient_mb(model)
-    model = wrap_ddp_for_flash(model, topo, bucket_mb)
+    model = wrap_ddp(model, topo, bucket_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
         opt.step()
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    size = common.SIZES[args.size]
     buckets = common.ddp_bucket_bytes(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    lse_mb = size.n_layers * args.batch_size * size.n_heads * args.seq_len * 4 / 2**20
     common.record(args, topo, stats, baseline="baseline_ddp_flash", model=model.module,
                   optimizer=opt, comm_mb=common.ring_allreduce_mb(sum(buckets), topo.world_size),
                   collectives_per_step=len(buckets), bucket_mb=round(bucket_mb, 2),
                   # fp32: both attentions are exact, but sum in a different order; bf16 rounds
                   # each probability to 8 bits, so the per-step losses drift further apart.
                   loss_tolerance=1e-3 if args.dtype == "fp32" else 5e-2,
-                  theory={"attn_saved_mb": lse_mb,
+                  theory={"attn_saved_mb": attention_saved_mb(args),
                           "comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size)})
 
 

@@ -9,16 +9,12 @@ each bucket of fp32 gradients as int8 in two collectives.
      it, scales included. It dequantizes the N copies and sums them in fp32.
   3. All-gather: the owner quantizes its averaged chunk again and all-gathers it as int8, so
      every rank can dequantize the whole averaged bucket.
-Why not an int8 all-reduce: the SUM of N int8 tensors overflows unless every scale leaves
-room for N, which spends log2(N) of the 8 bits as the world grows; here each sum happens in
-fp32, on the chunk's owner.
-Error feedback, twice: what each quantization drops (the sender's, and the owner's
-re-quantization of the reduced chunk) is kept and added to the same place before the next
-step's quantization. A gradient is then delayed, never lost: over k steps the sum of what was
-applied equals the sum of the true averaged gradients minus the last step's residuals, which
-is what a unit test checks.
-Collective order: every collective is issued from the hook on the autograd thread, in bucket
-order, which DDP keeps the same on every rank; the completion callback only dequantizes.
+Not an int8 all-reduce: a SUM of N int8 tensors overflows unless every scale leaves room for
+N; here each sum happens in fp32, on the chunk's owner. Error feedback, twice: what each
+quantization drops (the sender's, and the owner's re-quantization) is added back before the
+next step's, so a gradient is delayed, never lost. Every collective is issued from the hook,
+in bucket order, the same on every rank.
+Why it helps: 4 times fewer bytes than fp32, where a slow link makes the bytes the step.
 Run:        torchrun --nproc_per_node=2 02_compression/optimized_compression_int8.py --size small
             make compression report LINK=1gbit     (where the bytes are the bottleneck)
 Look for:   comm MB/step about 3.9x below baseline_compression, losses within the stated
@@ -169,7 +165,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
         opt.step()

@@ -5,48 +5,32 @@ every gradient matrix M (n x m) in a bucket, all-reduces two thin factors instea
     P = M Q            all-reduce P, then orthogonalize its columns
     Q = M^T P          all-reduce Q, average
     M ~ P Q^T          the rank-r projection of the averaged M onto P's columns
-One step of power iteration per training step; Q is warm-started from the previous step, so
-the iteration keeps converging across steps while the gradient changes slowly. 1-D tensors
-(biases, norms), matrices too small to gain (r(n + m) more than half of n*m) and the ones named
-by `--uncompressed` go as they are, in the same all-reduce as the P factors. The first
-`--start-iter` steps are plain fp32 all-reduces, as PyTorch's powerSGD_hook advises (about the
-first 10% of training; DDP also rebuilds its buckets meanwhile): here all warm-up steps but the last
-two, so that the one that measures memory already holds the error-feedback residual.
-Error feedback: each rank keeps M - P Q^T of its compensated gradient and adds it to the next
-step's gradient before compressing, so what the approximation dropped is delayed, never lost.
-The algorithm is linear in M up to each all-reduce, so only the sum of the ranks' residuals
-matters: Vogels et al. keep M - P Q_local^T (before Q's all-reduce), this recipe and PyTorch
-M - P Q^T (after it, one matmul less); the sums are equal.
-Collective order: PyTorch's `powerSGD_hook` issues the P and Q all-reduces from future
-callbacks, which run when the previous collective of that bucket completes; with several
-buckets two ranks can then issue bucket 1's first all-reduce and bucket 0's second in opposite
-orders, and gloo fails ("Received data size doesn't match expected size", or a hang until the
-timeout). Here every collective is issued from the hook on the autograd thread, in bucket
-order (DDP calls hooks in bucket order on every rank), and the completion callback only
-computes: the order is the same on every rank, on gloo and on NCCL.
+One power-iteration step per training step, Q warm-started from the previous one. Error
+feedback: each rank keeps M - P Q^T and adds it to its next gradient, so what the approximation
+dropped is delayed, never lost. 1-D tensors, matrices too small to gain and the ones named by
+`--uncompressed` (default: the tied embedding/head) ride along uncompressed with P; the first
+`--start-iter` steps are plain fp32. Every collective is issued from the hook, in bucket order,
+so all ranks agree on it (PyTorch's own hook: optimized_compression_powersgd_pytorch.py).
+Why it helps: r(n + m) values sent instead of n*m per matrix; across nodes the gradient bytes
+dominate a step, and these are what a slow link charges for.
 Run:        torchrun --nproc_per_node=2 02_compression/optimized_compression_powersgd.py
-            --impl torch --uncompressed: PyTorch's powerSGD_hook, every matrix compressed
-Look for:   comm MB/step against baseline_compression's (4.7x fewer at `small`), the speedup at
-            LINK=1gbit, and the max loss difference inside its tolerance.
+            --size small
+Look for:   comm MB/step against baseline_compression's, the speedup at LINK=1gbit, and the max
+            loss difference inside its tolerance.
 Theory:     theory.compression = (sum of n*m + uncompressed) / (sum of r(n+m) + uncompressed),
             from the parameter shapes; each rank sends 2(N-1)/N x 4 bytes x that denominator.
-            Accuracy depends on how much of each gradient lies in its top r directions. This
-            workload's tokens follow a random permutation of the vocabulary: the tied
-            embedding/head and the MLPs learn it, and their gradients are far from low rank
-            (at step 20 the top 8 directions hold a third of the embedding's energy and 60% of
-            an MLP matrix's, against 94% of an attention matrix's). Rank 32 with the embedding
-            sent whole is the cheapest setting that holds the tolerance here (README's sweep).
+            Accuracy depends on how much of each gradient lies in its top r directions: the
+            embedding/head's gradient is far from low rank on this workload, hence sent whole.
 """
 
+import argparse
 import math
 import sys
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
@@ -54,7 +38,7 @@ import common  # noqa: E402
 
 # Per step, against the baseline in the same dtype: 5% of the final loss at `small`, in fp32 and
 # in bf16 (whose own drift, about 5e-2, is well inside it). The default rank holds it; rank 16
-# and below do not on this workload (see "Theory" above and the README's sweep).
+# and below do not on this workload (the README's sweep).
 LOSS_TOLERANCE = {"fp32": 0.2, "bf16": 0.2}
 MIN_COMPRESSION_RATE = 2  # compress n x m only if r(n+m) is under half of n*m (PyTorch's default)
 
@@ -99,7 +83,9 @@ def powersgd_allreduce(state: PowerSGDState, bucket: int, grad: torch.Tensor,
                        shapes: list[torch.Size],
                        compress: list[bool]) -> torch.futures.Future[torch.Tensor]:
     """Average a flat gradient holding tensors of `shapes`, in place, the ones `compress`
-    marks as rank-r products; the future holds it."""
+    marks as rank-r products; the future holds it. Both all-reduces are issued here, so every
+    rank issues them in DDP's bucket order; the callback only computes (PyTorch's hook issues
+    them from callbacks, in an order two ranks may not share)."""
     N = state.world_size
     if bucket not in state.residual:
         state.residual[bucket] = torch.zeros_like(grad)
@@ -175,46 +161,6 @@ def powersgd_hook(state: PowerSGDState,
     return fut
 
 
-def torch_powersgd_hook(seed: int):
-    """PyTorch's own powerSGD_hook (`--impl torch`), started from the same Q as ours.
-
-    Its Q buffer holds the factors grouped by matrix shape; filling it before its first
-    compressed step makes it skip its own (numpy-seeded) random start."""
-
-    def hook(state: torch_powersgd.PowerSGDState,
-             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        index, rank = bucket.index(), state.matrix_approximation_rank
-        if state.iter >= state.start_powerSGD_iter and index not in state.q_memory_dict:
-            if dist.get_backend() == "gloo" and dist.get_world_size() > 1 and \
-                    not bucket.is_last():
-                raise common.Skip("PyTorch's powerSGD_hook issues collectives from future "
-                                  "callbacks, which hang or abort on gloo with several "
-                                  "buckets: raise --bucket-mb above the gradient MB, or use "
-                                  "--impl hand")
-            matrices = [m for m in map(as_matrix, bucket.gradients())
-                        if worth_compressing(m, rank)]
-            by_shape = defaultdict(list)
-            for m, q in zip(matrices, initial_qs(matrices, rank, seed + index), strict=True):
-                by_shape[m.shape].append(q)
-            state.q_memory_dict[index] = torch.cat(
-                [q.flatten() for group in by_shape.values() for q in group])
-            state.p_memory_dict[index] = bucket.buffer().new_empty(
-                sum(m.shape[0] * min(*m.shape, rank) for m in matrices))
-        return torch_powersgd.powerSGD_hook(state, bucket)
-
-    return hook
-
-
-def torch_hook_sent_bytes(state, model: torch.nn.Module, world_size: int) -> float:
-    """What PyTorch's hook hands to its all-reduces per step: its P and Q buffers and the
-    uncompressed tensors (it keeps no count of its own)."""
-    values = sum(t.numel() for t in [*state.p_memory_dict.values(),
-                                     *state.q_memory_dict.values()])
-    values += sum(p.numel() for p in model.parameters()
-                  if not worth_compressing(as_matrix(p), state.matrix_approximation_rank))
-    return 2 * (world_size - 1) / world_size * 4 * values
-
-
 # Copied from 02_compression/baseline_compression.py: wrap_ddp
 def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) -> DDP:
     """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph."""
@@ -231,6 +177,22 @@ def compression_theory(model: torch.nn.Module, rank: int, uncompressed: list[str
         sent += (min(*matrix.shape, rank) * sum(matrix.shape)
                  if name not in uncompressed and worth_compressing(matrix, rank) else p.numel())
     return full / sent
+
+
+def resolve_start_iter(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--start-iter's default and bounds: at least 2 plain steps (DDP rebuilds its buckets in
+    them), and at least 2 compressed warm-up steps, so that the last one, which measures bytes
+    and memory, already carries the error-feedback residual like the timed steps."""
+    if args.start_iter is None:
+        if args.warmup < 4:
+            parser.error(f"--warmup {args.warmup} leaves no room for 2 plain steps (DDP rebuilds "
+                         f"its buckets in them) and 2 compressed ones before the timed steps: use "
+                         f"--warmup 4 or more")
+        args.start_iter = args.warmup - 2
+    if args.start_iter > args.warmup - 2:
+        parser.error(f"--start-iter {args.start_iter} leaves fewer than 2 compressed warm-up "
+                     f"steps before the timed ones (--warmup {args.warmup}): raise --warmup or "
+                     f"lower --start-iter")
 
 
 def main():
@@ -250,25 +212,10 @@ def main():
                         help="parameters sent in fp32, never compressed (default: the GPT's "
                              "tied embedding/head, tok_emb.weight; none named: every matrix "
                              "worth it is compressed)")
-    parser.add_argument("--impl", choices=["hand", "torch"], default="hand",
-                        help="this recipe's hook, or PyTorch's powerSGD_hook with the same "
-                             "settings")
     args = parser.parse_args()
     if args.uncompressed is None:
         args.uncompressed = ["tok_emb.weight"] if args.model == "gpt" else []
-    if args.impl == "torch" and args.uncompressed:
-        parser.error("PyTorch's powerSGD_hook compresses every matrix worth it, with no "
-                     "per-tensor choice: add --uncompressed with no names to compare")
-    if args.start_iter is None:
-        if args.warmup < 4:
-            parser.error(f"--warmup {args.warmup} leaves no room for 2 plain steps (DDP rebuilds "
-                         f"its buckets in them) and 2 compressed ones before the timed steps: use "
-                         f"--warmup 4 or more")
-        args.start_iter = args.warmup - 2
-    if args.start_iter > args.warmup - 2:
-        parser.error(f"--start-iter {args.start_iter} leaves fewer than 2 compressed warm-up "
-                     f"steps before the timed ones (--warmup {args.warmup}): raise --warmup or "
-                     f"lower --start-iter")
+    resolve_start_iter(parser, args)
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     named = dict(model.named_parameters())
@@ -277,20 +224,13 @@ def main():
                                 f"model; name them as named_parameters() does, e.g. "
                                 f"{', '.join(list(named)[::len(named) // 3])}")
     model = wrap_ddp(model, topo, args.bucket_mb)
-    if args.impl == "hand":
-        state = PowerSGDState(topo.world_size, args.rank, args.start_iter, args.seed,
-                              {id(named[name]) for name in args.uncompressed})
-        model.register_comm_hook(state, powersgd_hook)
-    else:
-        state = torch_powersgd.PowerSGDState(
-            process_group=None, matrix_approximation_rank=args.rank,
-            start_powerSGD_iter=args.start_iter, min_compression_rate=MIN_COMPRESSION_RATE,
-            use_error_feedback=True, warm_start=True)
-        model.register_comm_hook(state, torch_powersgd_hook(args.seed))
+    state = PowerSGDState(topo.world_size, args.rank, args.start_iter, args.seed,
+                          {id(named[name]) for name in args.uncompressed})
+    model.register_comm_hook(state, powersgd_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
         opt.step()
@@ -301,13 +241,11 @@ def main():
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     compression = compression_theory(model.module, args.rank, args.uncompressed)
     fp32_mb = common.ring_allreduce_mb(sum(buckets), topo.world_size)
-    comm_mb = (state.sent_bytes if args.impl == "hand" else
-               torch_hook_sent_bytes(state, model.module, topo.world_size)) / 2**20
+    comm_mb = state.sent_bytes / 2**20
     common.record(args, topo, stats, baseline="baseline_compression", model=model.module,
-                  optimizer=opt, comm_mb=comm_mb, impl=args.impl,
+                  optimizer=opt, comm_mb=comm_mb, impl="hand",
                   uncompressed=args.uncompressed, start_iter=args.start_iter,
-                  collectives_per_step=state.collectives if args.impl == "hand" else
-                  3 * len(buckets),
+                  collectives_per_step=state.collectives,
                   compression=fp32_mb / comm_mb if comm_mb else None,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype],
                   theory={"comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size)

@@ -1,10 +1,11 @@
 """Launch tests: the 02_compression scripts under torchrun with CPU processes at `tiny`.
 
 Eight launches (10-20 s of start-up each), shared through one module-scoped fixture: each
-script at 2 processes, PyTorch's PowerSGD hook beside the hand-written one compressing every
-matrix, both hooks with several buckets at an odd world size, and PyTorch's hook where it cannot
-run. PowerSGD runs at rank 8, the default's share of the model width (32 of `small`'s 256, 8 of
-`tiny`'s 64): the default's 32 would compress nothing at `tiny`.
+script at 2 processes, the hand-written PowerSGD compressing every matrix beside PyTorch's hook
+(optimized_compression_powersgd_pytorch), both hand-written hooks with several buckets at an odd
+world size, and PyTorch's hook where it cannot run. PowerSGD runs at rank 8, the hand-written
+default's share of the model width (32 of `small`'s 256, 8 of `tiny`'s 64): the defaults (32,
+and PyTorch's script's 64) would compress nothing at `tiny`.
 """
 
 import math
@@ -15,6 +16,7 @@ import sys
 import pytest
 
 import common
+import report
 from helpers import (
     LAUNCH_TIMEOUT,
     TINY,
@@ -30,17 +32,17 @@ SEVERAL_BUCKETS = ["--bucket-mb", "0.05"]  # tiny's 0.4 MB of gradients in 7 buc
 # PowerSGD: 2 plain steps, then 2 compressed before the timed ones: the same 8 steps, 4 untimed
 WARMUP = ["--warmup", "4", "--steps", "4"]
 RANK = [*WARMUP, "--rank", "8"]
-EVERY_MATRIX = [*RANK, "--uncompressed"]  # PyTorch's hook has no per-tensor choice
+EVERY_MATRIX = [*RANK, "--uncompressed"]  # as PyTorch's hook, which has no per-tensor choice
 RUNS = {  # name: (script, processes, flags)
     "baseline": ("baseline_compression", 2, WARMUP),
     "int8": ("optimized_compression_int8", 2, WARMUP),
     "powersgd": ("optimized_compression_powersgd", 2, RANK),
     "powersgd_every_matrix": ("optimized_compression_powersgd", 2, EVERY_MATRIX),
-    "powersgd_torch": ("optimized_compression_powersgd", 2, ["--impl", "torch", *EVERY_MATRIX]),
+    "powersgd_torch": ("optimized_compression_powersgd_pytorch", 2, RANK),
     "int8_3ranks_buckets": ("optimized_compression_int8", 3, SEVERAL_BUCKETS),
     "powersgd_3ranks_buckets": ("optimized_compression_powersgd", 3, [*RANK, *SEVERAL_BUCKETS]),
-    "powersgd_torch_buckets": ("optimized_compression_powersgd", 2,
-                               ["--impl", "torch", *EVERY_MATRIX, *SEVERAL_BUCKETS]),
+    "powersgd_torch_buckets": ("optimized_compression_powersgd_pytorch", 2,
+                               [*RANK, *SEVERAL_BUCKETS]),
 }
 
 
@@ -87,7 +89,8 @@ def test_powersgd_with_the_embedding_sent_whole_holds_its_tolerance(runs):
 def test_hand_written_powersgd_gives_pytorchs_losses_and_bytes(runs):
     hand, torch_hook = runs["powersgd_every_matrix"], runs["powersgd_torch"]
     assert (hand["impl"], torch_hook["impl"]) == ("hand", "torch")
-    assert common.max_loss_diff(hand["losses"], torch_hook["losses"]) <= 1e-5
+    assert hand["uncompressed"] == torch_hook["uncompressed"] == []
+    assert report.max_loss_diff(hand["losses"], torch_hook["losses"]) <= 1e-5
     assert hand["comm_mb"] == pytest.approx(torch_hook["comm_mb"], rel=1e-6)
     assert hand["collectives_per_step"] == 2 and torch_hook["collectives_per_step"] == 3
 
@@ -101,7 +104,7 @@ def test_hand_written_hooks_run_several_buckets_on_gloo_at_an_odd_world_size(run
 def test_pytorchs_hook_with_several_buckets_on_gloo_is_skipped_with_the_reason(runs):
     rec = runs["powersgd_torch_buckets"]
     assert rec["status"] == "skipped" and "several buckets" in rec["reason"]
-    assert "--bucket-mb" in rec["reason"]
+    assert "--bucket-mb" in rec["reason"] and "optimized_compression_powersgd.py" in rec["reason"]
 
 
 def test_srun_without_torchrun_builds_the_same_two_rank_world(runs, tmp_path):
@@ -130,7 +133,9 @@ def test_srun_without_torchrun_builds_the_same_two_rank_world(runs, tmp_path):
     ("optimized_compression_powersgd", ["--start-iter", "1"], "--start-iter"),
     ("optimized_compression_powersgd", ["--start-iter", "5", "--warmup", "5"], "--start-iter"),
     ("optimized_compression_powersgd", ["--warmup", "3"], "--warmup"),
-    ("optimized_compression_powersgd", ["--impl", "torch"], "--uncompressed"),
+    ("optimized_compression_powersgd_pytorch", ["--uncompressed", "tok_emb.weight"],
+     "--uncompressed"),  # PyTorch's hook has no per-tensor choice
+    ("optimized_compression_powersgd_pytorch", ["--warmup", "3"], "--warmup"),
     ("optimized_compression_int8", ["--start-iter", "4", "--warmup", "3"], "--start-iter"),
     ("optimized_compression_int8", ["--block", "3"], "--block"),
 ])

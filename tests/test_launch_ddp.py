@@ -74,7 +74,7 @@ def test_baseline_all_reduces_every_parameter_tensor_and_ddp_buckets_them(runs):
 def test_ddp_pair_losses_match_to_float_rounding(runs):
     optimized, base = runs["optimized_ddp"][0], runs["baseline_ddp"][0]
     assert_within_its_tolerance(optimized, base)
-    assert common.max_loss_diff(optimized["losses"], base["losses"]) <= 1e-5
+    assert report.max_loss_diff(optimized["losses"], base["losses"]) <= 1e-5
 
 
 def test_attention_pair_losses_match_within_stated_tolerance(runs):
@@ -85,12 +85,20 @@ def test_attention_pair_losses_match_within_stated_tolerance(runs):
         optimized["theory"]["attn_saved_mb"]
 
 
+def test_attention_pair_wraps_ddp_alike_so_it_differs_in_the_attention_alone(runs):
+    base, optimized = runs["baseline_ddp_flash"][0], runs["optimized_ddp_flash"][0]
+    size = common.SIZES["tiny"]
+    block_mb = (12 * size.d_model**2 + 13 * size.d_model) * 4 / 2**20  # one block's gradients
+    assert base["bucket_mb"] == optimized["bucket_mb"] == round(block_mb, 2)
+    assert base["collectives_per_step"] == optimized["collectives_per_step"] > 1
+
+
 def test_accumulation_with_small_buckets_trains_like_the_full_batch(runs, tmp_path):
     results = tmp_path / "results.jsonl"
     finish(torchrun("optimized_ddp.py", results, "--accum", "2", "--bucket-mb", "0.05"))
     rec = only_record(results)
     assert rec["accum"] == 2
-    assert common.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
+    assert report.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
     assert rec["theory"]["comm_mb_without_no_sync"] == pytest.approx(2 * rec["comm_mb"],
                                                                      rel=1e-3)
     # 0.4 MB of gradients in 0.05 MiB buckets: the buckets DDP rebuilt and sends, not its one
@@ -112,7 +120,7 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rec = only_record(results)
     assert rec["world_size"] == 1 and rec["comm_mb"] == 0
-    assert common.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
+    assert report.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
     assert rec["variant"] == "--batch-size 8"  # another workload than the 2-rank run's
     (trace_file,) = (tmp_path / "traces").glob("01_ddp_baseline_ddp*_rank0.json")
     trace = json.loads(trace_file.read_text())
