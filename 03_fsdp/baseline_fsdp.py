@@ -9,7 +9,8 @@ its memory is what FSDP divides: in fp32 every rank holds 16 bytes per parameter
 4 gradient, 8 for Adam's two moments), whatever the world size.
 Run:        torchrun --nproc_per_node=2 03_fsdp/baseline_fsdp.py --size small
 Look for:   state MB = theory.state_mb (16 x params), and the peak tensor memory and tokens/s
-            that optimized_fsdp.py is compared with in `make fsdp report`.
+            that optimized_fsdp.py and optimized_fsdp_checkpoint.py are compared with in
+            `make fsdp report`.
 Theory:     state 16 x params bytes per rank; each rank sends 2(N-1)/N x 4 x params bytes a
             step (ring all-reduce).
 """
@@ -45,7 +46,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
         if args.clip_grad_norm:

@@ -1,36 +1,27 @@
 """FP8 linears and activation checkpointing on FSDP2: the two levers once the model fits.
 
-What it does: optimized_fsdp.py's FSDP2 (a unit per block plus the root, FULL_SHARD, the next
+What it does: optimized_fsdp.py's FSDP2 (a FULL_SHARD unit per block plus the root, the next
 block's all-gather prefetched, a MixedPrecisionPolicy following --dtype), with two additions,
 each one flag away so that the four rows of an ablation differ in one thing:
   FP8 (torchao, tensorwise scaling; --no-fp8 drops it): every nn.Linear whose in and out
-    features are multiples of 16, except the output head tied to the embedding, becomes a
-    Float8Linear. Its matmuls take float8 operands, E4M3 (3 mantissa bits) for activations
-    and weights in forward and E5M2 (more range) for gradients in backward, each tensor scaled
-    by its largest magnitude. The sharded weights are cast to float8 *before* FSDP gathers them
-    (`enable_fsdp_float8_all_gather`), so they travel as 1 byte a value (FSDP2 sends them as
-    uint8 beside the fp32 tensors it does not convert); the scales of that cast are computed
-    for every weight at once after each optimizer step (`precompute_float8_dynamic_scale_for_
-    fsdp`: one all-reduce, not one per weight). Where a weight's rows do not split evenly over
-    the ranks, torchao cannot gather float8 shards and they travel in --dtype.
-  Activation checkpointing per block (--no-checkpointing drops it): applied before sharding, a
-    block keeps only its input for backward and runs its forward again there, so activation
-    memory falls from every block's intermediates to the block inputs plus one block's, for
-    about one more forward pass of compute.
-  torch.compile of each block (--compile; on by default on CUDA): torchao's float8 casts and
-  scaling only pay off fused into the neighbouring kernels.
+    features are multiples of 16, except the tied output head, becomes a Float8Linear: E4M3
+    operands in forward, E5M2 gradients in backward, each tensor scaled by its largest
+    magnitude. Sharded weights are cast to float8 before FSDP gathers them, so they travel as
+    1 byte a value (in --dtype where a weight's rows do not split evenly over the ranks).
+  Activation checkpointing per block (--no-checkpointing drops it): a block keeps only its
+    input for backward and runs its forward again there.
+  torch.compile of each block (--compile; on by default on CUDA), where float8 pays off.
 Why it helps: on GPUs with FP8 tensor cores (sm89+) float8 matmuls run at twice the bf16 rate
 and the gathers move half the bytes; checkpointing buys memory (a longer sequence, a bigger
-batch) with compute. On CPU, torchao's float8 runs through torch's CPU `_scaled_mm`, slower
-than fp32: there this run proves correctness and the loss tolerance, not speed.
+batch) for about one more forward pass. On CPU float8 is slower than fp32: there this run
+proves correctness and the loss tolerance, not speed.
 Run:        torchrun --nproc_per_node=2 03_fsdp/optimized_fsdp_fp8.py --size small
             make fsdp-ablation     (the four rows: FSDP, +checkpointing, +FP8, both)
 Look for:   the activations share of the peak (record `memory`) against theory.activation_mb,
             bytes gathered per dtype (`gathered_mb`), tokens/s, losses within the tolerance.
-Theory:     a block saves, per token, its input and LayerNorm outputs, q/k/v, the attention
-            output and its reshaped copy, the residual, the MLP's hidden and GELU output:
-            17 x d_model values plus one log-sum-exp per head; with checkpointing, its input
-            (d_model) plus, while it recomputes, one block's full set.
+Theory:     a block saves 17 x d_model values a token (input, LayerNorm outputs, q/k/v, the
+            attention output and its copy, residual, MLP hidden and GELU output) plus a
+            log-sum-exp per head; checkpointed, its input plus, while it recomputes, one block's.
 """
 
 import argparse
@@ -145,7 +136,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
         if args.clip_grad_norm:

@@ -1,0 +1,252 @@
+r"""FSDP2 with sharded checkpoints: save every K steps, resume after a crash or a killed rank.
+
+What it does: optimized_fsdp.py's training (the same sharding, flags and record) plus
+torch.distributed.checkpoint (DCP). Every --checkpoint-every K steps each rank writes its own
+shards of the model and of AdamW's state (nothing is gathered on one rank) into a hidden
+`.step-N.partial` folder, which rank 0 renames to `step-N` once every rank has written: a run
+killed mid-save leaves the previous checkpoint whole. --resume loads the newest complete one,
+each rank reading its own shards (or starts fresh when there is none), and continues at the
+next step on the batches the interrupted run would have seen next.
+A killed rank: under `torchrun --max-restarts 1 ... --resume`, torchrun stops the group when a
+rank dies and starts it again with the same flags; the new group resumes from the last
+checkpoint and ends with the losses of a run that was never interrupted.
+Why it helps: a long job survives a lost process or node and loses at most K steps; each rank
+writes only its 1/N of the state, all in parallel, instead of funnelling it through rank 0.
+Run:        torchrun --nproc_per_node=2 --max-restarts 1 03_fsdp/optimized_fsdp_checkpoint.py \
+              --size small --checkpoint-dir outputs/checkpoints --checkpoint-every 10 --resume
+            (--checkpoint-dir: a folder every rank reaches; on several nodes, a shared one)
+Look for:   `make fsdp report`: its row against baseline_fsdp, as optimized_fsdp's (the median
+            step hides the saves); in its record checkpoint_ms (each save's milliseconds),
+            checkpoint_every and resumed_from (the step it resumed after; 0: a fresh start).
+Theory:     a save holds the parameters and AdamW's two moments, about 12 bytes a parameter
+            in fp32 plus DCP's metadata, each rank writing its own 1/N. The same data order
+            and the state restored bit for bit give a resumed run the uninterrupted run's
+            losses, step for step.
+"""
+
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+# Against DDP: in fp32 the same sums grouped differently (per step, absolute). In bf16 FSDP
+# gathers bf16 weights where DDP autocasts fp32 ones: they round differently, so the losses may
+# drift by bf16's resolution.
+LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: build_mesh
+def build_mesh(topo: common.Topology, hsdp: int) -> DeviceMesh:
+    """All ranks on one dim (FSDP), or (replicate, shard) groups for hybrid sharding. The
+    device type is explicit: on a machine with CUDA, FSDP2 would otherwise pick it for a CPU
+    run (pytorch/pytorch#132471)."""
+    if hsdp == 1:
+        return init_device_mesh(topo.device.type, (topo.world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(topo.device.type, (hsdp, topo.world_size // hsdp),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: sharding_units
+def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that get their own all-gather: transformer blocks, or ResNet stages."""
+    if isinstance(model, common.GPT):
+        return list(model.blocks)
+    return [model.net.layer1, model.net.layer2, model.net.layer3, model.net.layer4]
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: batchnorms
+def batchnorms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: keep_batchnorm_fp32
+def keep_batchnorm_fp32(model: torch.nn.Module, policy: dict) -> None:
+    """Under a bf16 policy, every BatchNorm in one unit of its own that stays fp32: its running
+    statistics are fp32 buffers, which bf16 weights would not match (FSDP1 kept `_BatchNorm`
+    out of mixed precision for this reason). Grouped, its weights are one small all-gather a
+    forward (and one reduce-scatter), not one per layer."""
+    norms = batchnorms(model)
+    if norms:
+        fully_shard(norms, **{**policy, "mp_policy": MixedPrecisionPolicy()})
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: shard
+def shard(model: torch.nn.Module, mesh: DeviceMesh, wrap: str, reshard_after_forward: bool,
+          mp_policy: MixedPrecisionPolicy, offload: bool) -> list[torch.nn.Module]:
+    """fully_shard bottom-up: BatchNorms under bf16, each unit, then the root (what is left:
+    embeddings, final norm, head). The root keeps FSDP2's default of not resharding after
+    forward: its weights are the first backward needs."""
+    policy = {"mesh": mesh, "mp_policy": mp_policy,
+              "offload_policy": CPUOffloadPolicy() if offload else None}
+    policy = {k: v for k, v in policy.items() if v is not None}
+    if mp_policy.param_dtype is not None:
+        keep_batchnorm_fp32(model, policy)
+    units = sharding_units(model) if wrap == "block" else []
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **policy)
+    fully_shard(model, **policy)
+    return units
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: prefetch_one_ahead
+def prefetch_one_ahead(units: list[torch.nn.Module]) -> None:
+    """Forward: block i issues block i+1's all-gather before it computes; backward (blocks in
+    reverse), block i+1 issues block i's."""
+    for earlier, later in zip(units, units[1:], strict=False):
+        earlier.set_modules_to_forward_prefetch([later])
+        later.set_modules_to_backward_prefetch([earlier])
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: padded_numel
+def padded_numel(p: torch.Tensor, group: int) -> int:
+    """Elements FSDP allocates for `p` across a shard group: dim 0 rounded up to the group."""
+    return math.ceil(p.shape[0] / group) * group * math.prod(p.shape[1:])
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: theory
+def theory(model: torch.nn.Module, units: list, group: int, replicas: int,
+           reshard_after_forward: bool, param_bytes: int) -> dict:
+    """Per-rank state (fp32 AdamW) and bytes sent per step, from the parameter shapes."""
+    params = list(model.parameters())
+    unit_of = {id(p): 1 for u in units for p in u.parameters()}  # 1: a block, else the root
+    kept_fp32 = {id(p) for m in batchnorms(model) for p in m.parameters()} \
+        if param_bytes == 2 else set()
+    gathers = 2 if reshard_after_forward else 1
+    sent = 0.0
+    for p in params:
+        n = padded_numel(p, group)
+        if id(p) in kept_fp32:  # BatchNorm's unit under bf16: fp32, gathered again for backward
+            times, nbytes = 2, 4
+        else:  # FSDP2 never reshards the root
+            times, nbytes = (gathers if unit_of.get(id(p)) else 1), param_bytes
+        sent += (group - 1) / group * n * (times * nbytes + 4)  # all-gathers, reduce-scatter
+        sent += 2 * (replicas - 1) / replicas * n / group * 4  # HSDP: all-reduce of the shard
+    return {"state_mb": 16 * sum(padded_numel(p, group) for p in params) / group / 2**20,
+            "comm_mb": sent / 2**20}
+
+
+def save_checkpoint(model, opt, directory: Path, step: int, topo: common.Topology) -> None:
+    """Each rank writes its own shards (nothing is gathered) into a hidden folder, which rank 0
+    renames once every rank is done: a run killed mid-save leaves the last checkpoint intact."""
+    partial, final = directory / f".step-{step:06d}.partial", directory / f"step-{step:06d}"
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+    dist.barrier()
+    if topo.is_main:
+        if final.exists():  # a rerun without --resume: the new state replaces the old
+            shutil.rmtree(final)
+        partial.rename(final)
+
+
+def load_latest_checkpoint(model, opt, directory: Path) -> int:
+    """Load the newest complete checkpoint, each rank reading its own shards; return its step
+    (0, and nothing loaded, when there is none yet)."""
+    found = [sorted(directory.glob("step-*"))[-1:] if directory.exists() else []]
+    dist.broadcast_object_list(found)  # rank 0's listing: every rank loads the same one
+    if not found[0]:
+        return 0
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=found[0][0])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(found[0][0].name.removeprefix("step-"))
+
+
+def main():
+    parser = common.parser(__doc__)
+    parser.add_argument("--reshard-after-forward", choices=["true", "false"], default="true",
+                        help="true: FULL_SHARD; false: SHARD_GRAD_OP")
+    parser.add_argument("--hsdp", type=common.int_at_least(1), default=1,
+                        help="replicate groups R for hybrid sharding (1: plain FSDP)")
+    parser.add_argument("--wrap", choices=["block", "root"], default="block",
+                        help="one FSDP unit per block (ResNet stage) plus the root, or the root "
+                             "alone")
+    parser.add_argument("--no-prefetch", action="store_true",
+                        help="let FSDP2 issue each all-gather when the block is reached")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="keep sharded parameters, gradients and optimizer state in host "
+                             "memory (CUDA only)")
+    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
+                        metavar="MAX", help="clip the gradient to this global 2-norm before "
+                        "each step: torch.nn.utils.clip_grad_norm_ on the DTensor gradients, "
+                        "each rank's shard once, the norm all-reduced (default: no clipping)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="save sharded checkpoints here, a folder every rank reaches "
+                             "(default: checkpoints/ beside the --results file)")
+    parser.add_argument("--checkpoint-every", type=common.int_at_least(1), default=10,
+                        help="steps between checkpoints (default: 10)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in --checkpoint-dir (start "
+                             "fresh if there is none), at the step after it, on the same data")
+    args = parser.parse_args()
+    directory = args.checkpoint_dir or args.results.parent / "checkpoints"
+    world = common.launch_world_size()
+    if world % args.hsdp or (args.hsdp > 1 and args.hsdp == world):
+        parser.error(f"--hsdp {args.hsdp} must divide the world size {world} into groups of "
+                     f"two or more ranks: use a divisor of {world} below it, or 1")
+    if args.cpu_offload and args.clip_grad_norm:
+        parser.error("--clip-grad-norm with --cpu-offload: clip_grad_norm_ would all-reduce the "
+                     "norm of host-memory gradients over NCCL (pytorch/pytorch#148532): drop one")
+    if args.cpu_offload and not torch.cuda.is_available():
+        parser.error("--cpu-offload moves parameters to host memory, where a CPU run keeps them "
+                     "already: drop it, or run on CUDA")
+    reshard = args.reshard_after_forward == "true"
+    topo = common.setup(args)
+    model, batches = common.workload(args, topo)
+    mesh = build_mesh(topo, args.hsdp)
+    bf16 = args.dtype == "bf16"
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                     reduce_dtype=torch.float32 if bf16 else None)
+    units = shard(model, mesh, args.wrap, reshard, mp_policy, args.cpu_offload)
+    if not args.no_prefetch:
+        prefetch_one_ahead(units)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    start = load_latest_checkpoint(model, opt, directory) if args.resume else 0
+    if len(batches) - start <= args.warmup:
+        raise ValueError(f"resuming after step {start} leaves no timed step: raise --steps")
+    batches, done, save_ms = batches[start:], start, []  # the data the interrupted run saw next
+
+    def train_step(inputs, targets):
+        nonlocal done
+        opt.zero_grad(set_to_none=True)
+        loss = model(inputs, targets)
+        loss.backward()
+        if args.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+        opt.step()
+        done += 1
+        if done % args.checkpoint_every == 0:
+            if topo.device.type == "cuda":  # the step's queued kernels are not the save's time
+                torch.cuda.synchronize(topo.device)
+            began = time.perf_counter()
+            save_checkpoint(model, opt, directory, done, topo)
+            save_ms.append(round(1e3 * (time.perf_counter() - began), 1))
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
+    group = topo.world_size // args.hsdp
+    resharded = reshard and bool(units)  # FSDP2 keeps the root unit gathered until backward
+    strategy = ("hybrid_" if args.hsdp > 1 else "") + ("full_shard" if resharded else
+                                                        "shard_grad_op")
+    common.record(args, topo, stats, baseline="baseline_fsdp", model=model, optimizer=opt,
+                  comm_mb=stats.comm_mb, strategy=strategy, wrap=args.wrap,
+                  mesh=list(mesh.shape), prefetch=len(units) > 1 and not args.no_prefetch,
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
+                  checkpoint_every=args.checkpoint_every, checkpoint_ms=save_ms,
+                  resumed_from=start,
+                  theory=theory(model, units, group, args.hsdp, reshard, 2 if bf16 else 4))
+
+
+if __name__ == "__main__":
+    common.run_main(main)
