@@ -9,11 +9,11 @@ memory is what the ZeRO stages take apart. In fp32 every rank holds 16 bytes per
 whatever the world size: 4 for the weight, 4 for its gradient, 8 for Adam's two moments.
 (The ZeRO paper's 16 bytes are a mixed-precision count: 2 + 2 + 12 with fp32 master weights.)
 Run:        torchrun --nproc_per_node=2 04_zero/baseline_zero.py --size small [--summary]
-Look for:   state MB = theory.state_mb (16 x params); `--summary` prints each rank's parameter,
+Look for:   state MB = theory.state_mb (16P); `--summary` prints each rank's parameter,
             gradient and optimizer MB beside the formula. The ZeRO stages in `make zero report`
             are compared with this row's step time and peak memory.
-Theory:     state 16 x params bytes per rank (4 params, 4 grads, 8 optimizer); each rank sends
-            2(N-1)/N x 4 x params bytes a step (ring all-reduce).
+Theory:     per rank 4P + 4P + 8P = 16P bytes (params, grads, optimizer), P = parameter count;
+            each rank sends 2(N-1)/N x 4P bytes a step (ring all-reduce).
 """
 
 import sys
@@ -50,7 +50,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
         if args.clip_grad_norm:
@@ -59,10 +59,10 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    psi = sum(p.numel() for p in model.parameters())
-    theory = {"params_mb": 4 * psi / 2**20, "grads_mb": 4 * psi / 2**20,
-              "optim_mb": 8 * psi / 2**20, "state_mb": 16 * psi / 2**20,
-              "comm_mb": common.ring_allreduce_mb(4 * psi, topo.world_size)}
+    param_count = sum(p.numel() for p in model.parameters())
+    mb = 4 * param_count / 2**20
+    theory = {"params_mb": mb, "grads_mb": mb, "optim_mb": 2 * mb, "state_mb": 4 * mb,
+              "comm_mb": common.ring_allreduce_mb(4 * param_count, topo.world_size)}
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=0,

@@ -10,16 +10,15 @@ its two moments exist for 1/N of the model, and the updated slices are all-gathe
 every rank's flat parameters. --clip-grad-norm clips by the global norm: the all-reduced sum of
 each rank's squares over the values it owns, padding left out, so each value counts once.
 Why it helps: Adam's moments are 8 of the 16 bytes per parameter a replicated fp32 trainer
-holds; sharding them saves 8 x params x (N-1)/N bytes per rank for no extra communication,
-since a reduce-scatter plus an all-gather move what one all-reduce moves.
+holds; sharding them saves 8(N-1)/N bytes per parameter on each rank for no extra
+communication, since a reduce-scatter plus an all-gather move what one all-reduce moves.
 Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero1.py --size small [--summary]
 Look for:   `make zero report`: state MB = theory.state_mb, losses equal to baseline_zero's to
             float rounding, tokens/s close to it; optim_mb falls by N, params and grads do not.
             optimized_zero_pytorch.py runs PyTorch's ZeroRedundancyOptimizer beside it.
-Theory:     per rank 4P + 4P + 8P/N bytes (params, grads, optimizer), P = gpt_param_count,
+Theory:     per rank 4P + 4P + 8P/N bytes (params, grads, optimizer), P = parameter count,
             plus each bucket's padding (under N values); sent per step (N-1)/N x 4P
-            reduce-scattered plus the same all-gathered: 2(N-1)/N x 4P, what DDP's all-reduce
-            sends.
+            reduce-scattered plus the same all-gathered: 2(N-1)/N x 4P, as DDP's all-reduce.
 """
 
 import sys
@@ -209,11 +208,10 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     gatherer.wait_all()  # the last step's parameters, before anything reads them
-    # State from the model's shape (P = gpt_param_count), not from the buckets allocated for it:
-    # they hold it plus padding, under N values a bucket (`padding_mb_max`). Every value of every
-    # bucket is sent, padding included.
-    psi = common.gpt_param_count(common.SIZES[args.size], args.seq_len)
-    mb, sent_mb = 4 * psi / 2**20, 4 * sum(b.numel for b in buckets) / 2**20
+    # State from the model's shape, not from the buckets: they add padding, under N values a
+    # bucket (`padding_mb_max`). Every value of every bucket is sent, padding included.
+    param_count = common.gpt_param_count(common.SIZES[args.size], args.seq_len)
+    mb, sent_mb = 4 * param_count / 2**20, 4 * sum(b.numel for b in buckets) / 2**20
     theory = {"params_mb": mb, "grads_mb": mb, "optim_mb": 2 * mb / n,
               "state_mb": 2 * mb + 2 * mb / n, "comm_mb": 2 * (n - 1) / n * sent_mb,
               "padding_mb_max": 4 * (n - 1) * len(buckets) / 2**20}

@@ -15,7 +15,7 @@ Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero2.py --size small 
 Look for:   `make zero report`: state MB = theory.state_mb, losses equal to baseline_zero's to
             float rounding, tokens/s close to it; grads_mb falls by N too, and the peak's
             `grads` share (memory.grads in the record) is far below a full gradient.
-Theory:     per rank 4P + 4P/N + 8P/N bytes (params, grads, optimizer), P = gpt_param_count,
+Theory:     per rank 4P + 4P/N + 8P/N bytes (params, grads, optimizer), P = parameter count,
             plus padding and the buckets in flight during backward; sent per step
             (N-1)/N x 4P reduce-scattered plus the same all-gathered: 2(N-1)/N x 4P.
 """
@@ -243,7 +243,7 @@ def main():
     opt = torch.optim.AdamW(shards, lr=args.lr)
 
     def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
         reducer.wait()
@@ -255,11 +255,10 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     gatherer.wait_all()  # the last step's parameters, before anything reads them
-    # State from the model's shape (P = gpt_param_count), not from the buckets allocated for it:
-    # they hold it plus padding, under N values a bucket (`padding_mb_max`). Every value of every
-    # bucket is sent, padding included.
-    psi = common.gpt_param_count(common.SIZES[args.size], args.seq_len)
-    mb, sent_mb = 4 * psi / 2**20, 4 * sum(b.numel for b in buckets) / 2**20
+    # State from the model's shape, not from the buckets: they add padding, under N values a
+    # bucket (`padding_mb_max`). Every value of every bucket is sent, padding included.
+    param_count = common.gpt_param_count(common.SIZES[args.size], args.seq_len)
+    mb, sent_mb = 4 * param_count / 2**20, 4 * sum(b.numel for b in buckets) / 2**20
     theory = {"params_mb": mb, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
               "state_mb": mb + 3 * mb / n, "comm_mb": 2 * (n - 1) / n * sent_mb,
               "padding_mb_max": 4 * (n - 1) * len(buckets) / 2**20}

@@ -1,33 +1,26 @@
 """ZeRO-3 by hand: ZeRO-2, and each rank keeps only its 1/N of the parameters too.
 
-What it does: the same buckets and ownership as optimized_zero1.py and optimized_zero2.py, one
-bucket per transformer block plus one for the embeddings and final norm. At rest a rank holds
-only its slices: parameters, gradients and AdamW state, 1/N of the model each. Each bucket's
-parameters are views into a buffer whose storage exists only while it is needed. Hooks
-all-gather a block's parameters just before its forward (starting the next block's all-gather
-meanwhile) and free them right after; gather them again just before its backward (starting the
-previous block's); and, as in ZeRO-2, reduce-scatter its gradients as soon as backward has
-produced them, freeing the parameters then. The embeddings and final norm, used at both ends of
-the step, are gathered once at the start of forward and freed at the end of backward, as FSDP2
-does for its root. AdamW updates the owned slices in place: there is nothing to all-gather after
-the step, the next forward gathers what it needs. --clip-grad-norm clips by the global norm as
-ZeRO-1 does: from the owned values only (padding left out), so each value counts exactly once.
+What it does: the buckets and ownership of optimized_zero1.py (one bucket per transformer block,
+one for the embeddings and final norm). At rest a rank holds only its 1/N slices of the
+parameters, gradients and AdamW state; a bucket's full parameters are views into a buffer whose
+storage exists only while it is needed. Hooks all-gather a block's parameters just before its
+forward and free them right after, gather them again just before its backward (each gather
+starting the next block's), and, as in ZeRO-2, reduce-scatter its gradients as soon as backward
+has produced them, freeing the parameters then. The embeddings and final norm, used at both
+ends of the step, stay gathered from forward's start to backward's end, as FSDP2's root does.
+AdamW updates the owned slices in place: nothing to all-gather after the step.
+--clip-grad-norm as in ZeRO-1: from the owned values, each counted once.
 Why it helps: memory per rank falls to 16 bytes per parameter / N, plus about two blocks and
-the embeddings in full, so a model N times larger than one rank's memory trains; the price is
-one more all-gather of the parameters per step (1.5x ZeRO-2's traffic), which the prefetching
-hides where it can.
+the embeddings in full, so a model N times larger than one rank's memory trains; the price, one
+more all-gather of the parameters a step (1.5x ZeRO-2's traffic), prefetching hides where it can.
 Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero3.py --size small [--summary]
 Look for:   `make zero report`: state MB = theory.state_mb, losses equal to baseline_zero's to
             float rounding, the lowest peak of the three; optimized_zero_pytorch.py --stage 3
             runs FSDP2's fully_shard on the same blocks beside it.
-Theory:     per rank 16P/N bytes (params, grads, optimizer 4P/N, 4P/N, 8P/N), P = gpt_param_count
-            plus padding, and the blocks gathered at a time; sent per step
-            (N-1)/N x 4 bytes x (3 x the blocks' parameters + 2 x the embeddings' and final
-            norm's): two all-gathers and a reduce-scatter, against ZeRO-2's 2 x (N-1)/N x 4P.
-            Expect a smaller saving under bf16 autocast (the GPU default; not measured, no GPU
-            was available): autograd keeps the bf16 copies of the weights it saved, from
-            forward to backward, 2 bytes per parameter; FSDP2's MixedPrecisionPolicy gathers
-            in bf16 instead.
+Theory:     per rank 4P/N + 4P/N + 8P/N = 16P/N bytes (params, grads, optimizer), P = parameter
+            count, plus padding and the blocks gathered at a time; sent per step (N-1)/N x 4
+            bytes x (3 x the blocks' parameters + 2 x the embeddings' and final norm's): two
+            all-gathers and a reduce-scatter, against ZeRO-2's 2(N-1)/N x 4P.
 """
 
 import functools
@@ -271,7 +264,7 @@ def main():
     opt = torch.optim.AdamW(shards, lr=args.lr)
 
     def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
         reducer.wait()
@@ -281,11 +274,10 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    # State from the model's shape (P = gpt_param_count), not from the buckets allocated for it:
-    # they hold it plus padding, under N values a bucket (`padding_mb_max`). Every value of every
-    # bucket is sent, padding included.
-    psi = common.gpt_param_count(common.SIZES[args.size], args.seq_len)
-    mb = 4 * psi / 2**20
+    # State from the model's shape, not from the buckets: they add padding, under N values a
+    # bucket (`padding_mb_max`). Every value of every bucket is sent, padding included.
+    param_count = common.gpt_param_count(common.SIZES[args.size], args.seq_len)
+    mb = 4 * param_count / 2**20
     gathers = [2] * len(model.blocks) + [1]  # per bucket and step; the root's stay gathered
     theory = {"params_mb": mb / n, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
               "state_mb": 4 * mb / n,

@@ -14,11 +14,12 @@ Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero_pytorch.py --size
 Look for:   the rows `optimized_zero_pytorch` (beside optimized_zero1) and
             `optimized_zero_pytorch --stage 3` (beside optimized_zero3): step time, peak MB,
             state MB and comm MB/step.
-Theory:     stage 1: per rank 4P + 4P + 8P/N bytes (its share of whole tensors is only close to
-            1/N); sent 2(N-1)/N x 4P all-reduced plus (N-1)/N x 4P broadcast (counted as a
-            pipelined broadcast), 1.5x the hand-written ZeRO-1's reduce-scatter + all-gather.
-            stage 3: per rank 16P/N bytes; sent (N-1)/N x 4 bytes x (3 x the blocks' parameters
-            + 2 x the root's, which FSDP2 keeps gathered from forward to backward).
+Theory:     P = parameter count. Stage 1: per rank 4P + 4P + 8P/N bytes (its share of whole
+            tensors is only close to 1/N); sent 2(N-1)/N x 4P all-reduced plus (N-1)/N x 4P
+            broadcast (counted as a pipelined broadcast), 1.5x the hand-written ZeRO-1's
+            reduce-scatter + all-gather. Stage 3: per rank 16P/N bytes; sent (N-1)/N x 4 bytes
+            x (3 x the blocks' parameters + 2 x the root's, which FSDP2 keeps gathered from
+            forward to backward).
 """
 
 import sys
@@ -72,7 +73,7 @@ def main():
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     n = topo.world_size
-    psi = sum(p.numel() for p in model.parameters())
+    param_count = sum(p.numel() for p in model.parameters())
     in_blocks = sum(p.numel() for p in model.blocks.parameters())
     if args.stage == 1:
         model, opt, counted_opt = pytorch_zero1(model, topo, args.lr)
@@ -80,7 +81,7 @@ def main():
         model, opt, counted_opt = pytorch_zero3(model, args.lr)
 
     def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
         if args.clip_grad_norm:
@@ -89,14 +90,15 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, counted_opt))
-    mb = 4 * psi / 2**20
+    mb = 4 * param_count / 2**20
     if args.stage == 1:
         theory = {"params_mb": mb, "grads_mb": mb, "optim_mb": 2 * mb / n,
                   "state_mb": 2 * mb + 2 * mb / n, "comm_mb": 3 * (n - 1) / n * mb}
     else:
+        # Each value is all-gathered twice and reduce-scattered once; the root's stay gathered.
+        moved = 3 * in_blocks + 2 * (param_count - in_blocks)
         theory = {"params_mb": mb / n, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
-                  "state_mb": 4 * mb / n,
-                  "comm_mb": (n - 1) / n * 4 * (3 * in_blocks + 2 * (psi - in_blocks)) / 2**20}
+                  "state_mb": 4 * mb / n, "comm_mb": (n - 1) / n * 4 * moved / 2**20}
     measured = common.state_split_mb(model, counted_opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=counted_opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=args.stage,

@@ -1,20 +1,19 @@
 """Collectives benchmark through the process group: all-reduce, all-gather, reduce-scatter and
 send/recv over a sweep of message sizes.
 
-What it does: the bandwidth test of the distributed-training guides (nccl-tests, and
-ml-engineering's all_reduce_bench and point_to_point benchmarks): for each operation and
-message size, a few untimed calls, then timed ones, each after a barrier so every rank starts
-together, the device synchronised before the clock is read; a call's time is the shortest any
-rank measured (the last rank out of the barrier waits for nobody), the median kept. Every result is
-checked against what the operation must produce. All-reduce sums a tensor of `bytes` over the
-ranks in place; all-gather assembles `bytes` from N pieces; reduce-scatter sums `bytes` and
-leaves each rank its 1/N; send/recv sends `bytes` from every rank to the next (a ring of rank
-pairs, each rank sending and receiving at once).
+What it does: the bandwidth test of nccl-tests and ml-engineering's all_reduce_bench: for each
+operation and message size, a few untimed calls, then timed ones, each after a barrier so every
+rank starts together, the device synchronised before the clock is read; a call's time is the
+shortest any rank measured (the last rank out of the barrier waits for nobody), the median
+kept, and every result checked. All-reduce sums `bytes` over the ranks in place; all-gather
+assembles `bytes` from N pieces; reduce-scatter sums `bytes` and leaves each rank its 1/N;
+send/recv sends `bytes` from every rank to the next (a ring, each rank sending and receiving
+at once).
 Why it is the baseline: it is what a training loop calls, `dist.all_reduce` and friends over
 gloo on CPU (NCCL on GPUs): each call goes through the process group, and over gloo through a
-TCP connection per pair even between processes on one host. Its fixed cost, about 1.6 ms per
-call here, is what small messages pay; symmetric memory (optimized_symmem_allreduce.py) skips
-the library and the sockets.
+TCP connection per pair even between processes on one host. That fixed cost per call is what
+small messages pay; symmetric memory (optimized_symmem_allreduce.py) skips the library and the
+sockets.
 Run:        torchrun --nproc_per_node=2 06_symmem/baseline_symmem_allreduce.py
             ... --sizes 4K,64K,1M,16M,256M --ops all_reduce
 Look for:   `make symmem report`: the bandwidth table, this script's time and busbw beside the

@@ -15,7 +15,7 @@ Run:        torchrun --nproc_per_node=2 06_symmem/baseline_symmem_training.py --
 Look for:   `make symmem report`: step time, state MB and its `memory.optim` part (8 bytes a
             parameter), beside the symmetric-memory run.
 Theory:     comm: a ring all-reduce of the buffer, 2(N-1)/N x 4P bytes sent by each rank;
-            optimizer state 8P bytes on every rank.
+            optimizer state 8P bytes on every rank; P = parameter count.
 """
 
 import sys
@@ -56,12 +56,12 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    params = grads.numel()
+    param_count = grads.numel()
     common.record(args, topo, stats, baseline=None, model=model, optimizer=opt,
                   comm_mb=stats.comm_mb,
                   optim_mb=round(common.state_split_mb(model, opt)["optim_mb"], 2),
-                  theory={"comm_mb": common.ring_allreduce_mb(4 * params, topo.world_size),
-                          "optim_mb": 8 * params / 2**20})
+                  theory={"comm_mb": common.ring_allreduce_mb(4 * param_count, topo.world_size),
+                          "optim_mb": 8 * param_count / 2**20})
 
 
 if __name__ == "__main__":

@@ -1,36 +1,21 @@
 """Collectives through symmetric memory: every rank's buffer mapped into its peers' address
 space, so a collective is plain loads and stores and a few flags, with no library round trip.
 
-What it does: the same sweep as baseline_symmem_allreduce.py (same sizes, same checks, same
-timing), each operation done through memory every rank of the host can read and write.
-- CPU: one file under /dev/shm that every local rank maps (`torch.from_file(shared=True)`):
-  three flags per rank (each on its own cache line), then one slot per rank. Rank 0 creates it,
-  every rank maps it, and rank 0 unlinks it at once, so the memory lives exactly as long as the
-  mappings: nothing is left in /dev/shm when the run ends, or when a rank is killed.
-  An all-reduce: each rank copies its tensor into its slot and raises its `ready` flag to the
-  call's number; once all are ready, one-shot (messages up to 256 KB) sums all slots into its
-  tensor; two-shot (larger) sums only its 1/N of every slot, into its own slot, raises
-  `reduced`, and then reads each 1/N from the rank that summed it: each rank reads about 2
-  messages' worth instead of N. Last it raises `done`; the next call waits for every `done`
-  before overwriting a slot a peer may still read, so back-to-back calls never read stale
-  data. All-gather, reduce-scatter and send/recv are the same idea (write your slot, flag, read
-  the slots you need, flag). Waiting polls the flags and yields the core between polls (ranks
-  may outnumber cores; a spin would starve the very rank it waits for), with a timeout.
-  Ordering: a rank writes its data, then its flag; a peer reads the flag, then the data. On
-  x86-64 stores become visible in program order and loads are not reordered with older loads
-  (total store order), and torch's copy and sum kernels store normally, so a peer that sees the
-  flag sees the data. ARM (e.g. the Grace CPUs of GB200 nodes) makes no such promise and Python
-  has no fence to call, so elsewhere the run records `skipped`. Ranks on other hosts cannot map
-  the file: with more than one node the run records `skipped` too.
-- CUDA: `torch.distributed._symmetric_memory`: a buffer per size allocated with
-  `symm_mem.empty`, `rendezvous` once, then PyTorch's `one_shot_all_reduce` (small) and
-  `two_shot_all_reduce_` (large) kernels, which read peers' buffers over NVLink. Only
-  all-reduce is swept on CUDA.
-Why it helps: gloo's fixed cost per call (about 1.6 ms here: the process group, a TCP round
-trip) is gone, which is most of the time of a small message; large messages move through
-memory at memory bandwidth instead of through the loopback's sockets. vLLM measured PyTorch's
-symmetric-memory all-reduce 1.2-1.3x faster than NCCL at 3-4 MB on H100 (vllm PR #24111), and
-DeepSpeed's CPU all-reduce uses a shared segment the same way (DeepSpeed PR #5320).
+What it does: the same sweep as baseline_symmem_allreduce.py (sizes, checks, timing), each
+operation done through memory every rank of the host can read and write.
+- CPU: one /dev/shm file every local rank maps (SharedSegment): three flags per rank, then one
+  slot per rank. An all-reduce: each rank copies its tensor into its slot and raises `ready`;
+  once all are ready, one-shot (up to 256 KB) sums all slots into its tensor, two-shot (larger)
+  sums its 1/N of every slot into its own slot, raises `reduced`, then copies each 1/N from the
+  rank that summed it. Last it raises `done`, which the next call waits for before it
+  overwrites a slot. All-gather, reduce-scatter and send/recv: write your slot, flag, read the
+  slots you need, flag. One node and x86-64 only (else the run records `skipped`).
+- CUDA: `torch.distributed._symmetric_memory`: a buffer per size (`symm_mem.empty`,
+  `rendezvous` once), then PyTorch's `one_shot_all_reduce` (small) and `two_shot_all_reduce_`
+  (large) kernels, which read peers' buffers over NVLink. Only all-reduce is swept on CUDA.
+Why it helps: gloo's fixed cost per call (the process group, a TCP round trip) is gone, and it
+is most of the time of a small message; large messages move through memory at memory
+bandwidth instead of through the loopback's sockets.
 Run:        torchrun --nproc_per_node=2 06_symmem/optimized_symmem_allreduce.py
 Look for:   `make symmem report`: the speedup column: many-fold at 64 KB and less, and a busbw
             above gloo's at 16 MB and more.
@@ -60,7 +45,15 @@ LINE = 8  # int64s per flag: one 64-byte cache line each
 class SharedSegment:
     """Flags and one slot per rank in a /dev/shm file every rank of this host maps. The flags are
     read and written as Python ints through a memoryview (a poll costs well under a
-    microsecond); the slots are a tensor over the same mapping."""
+    microsecond); the slots are a tensor over the same mapping. Each flag has a cache line of
+    its own. Rank 0 creates the file and unlinks it once every rank has mapped it, so the
+    memory lives exactly as long as the mappings: nothing is left in /dev/shm when the run
+    ends, or when a rank is killed.
+    Ordering: a rank writes its data, then its flag; a peer reads the flag, then the data.
+    x86-64 makes stores visible in program order and does not reorder loads with older loads
+    (total store order), and torch's copy and sum kernels store normally, so a peer that sees
+    the flag sees the data. ARM (e.g. GB200's Grace CPUs) promises no such order and Python has
+    no fence to call, hence the check below."""
 
     def __init__(self, topo: common.Topology, slot_bytes: int, timeout: float):
         if topo.nnodes > 1:
@@ -102,7 +95,9 @@ class SharedSegment:
         self.flags[flags[self.rank]] = self.call
 
     def wait(self, flags: range, value: int | None = None) -> None:
-        """Until every rank's flag reaches `value` (default: this call), yielding the core."""
+        """Until every rank's flag reaches `value` (default: this call), yielding the core
+        between polls: ranks may outnumber cores, and a spin would starve the rank it waits
+        for."""
         value, deadline = self.call if value is None else value, time.monotonic() + self.timeout
         while any(self.flags[i] < value for i in flags):
             if time.monotonic() > deadline:

@@ -1,47 +1,28 @@
 """Symmetric-memory training: gradients reduced through memory every rank maps, each rank's AdamW
 on its 1/N only, and the updated parameters read by every rank with plain loads.
 
-What it does, on CPU: one /dev/shm segment per host, mapped by every local rank (as in
-optimized_symmem_allreduce.py): flags, one gradient slot per rank, and the parameters, once.
-- Every rank's model views the same parameters in the segment (`p.data` is a view into it), and
-  its `.grad`s are views into its own slot, so backward writes the gradients there directly.
-- After backward a rank raises `ready`; once all are ready, rank r sums its 1/N of every slot
-  into its own slot and divides by N: its share of the mean gradient (a reduce-scatter with
-  no library call and no copy in).
-- Rank r's AdamW holds its 1/N of the parameters (a view into the segment) and their two
-  moments, and steps them in place: the updated weights are where every rank reads them. It
-  raises `stepped`; a rank starts the next forward once all have, so it never reads a
-  half-updated model, and never writes a gradient slot a peer is still summing.
-No broadcast, no all-gather, no all-reduce: two waits on flags a step. Holding the parameters
-once per host instead of once per rank saves (N-1) x 4P bytes there, and no rank ever copies
-them; the optimizer state is 8P/N a rank instead of 8P. Flags, ordering (x86-64 total store
-order), yielding waits and the unlink-at-once lifetime are optimized_symmem_allreduce.py's;
-with more than one node, or off x86-64, the run records `skipped`.
-`--replicated-optimizer` changes the transport alone: each rank keeps its own parameters and
-steps all of them, as the baseline does; the gradients are all-reduced in the slots in two
-shots (my 1/N reduced, a third flag, then every peer's reduced share copied out of its slot).
-Its row and the default's split the speedup into the transport's and the sharding's.
-On CUDA: each GPU has memory of its own, so each rank keeps its full parameters and its
-gradients in two buffers from `torch.distributed._symmetric_memory` (`symm_mem.empty`,
-`rendezvous` once), which maps every peer's buffer into this GPU's address space (NVLink). The
-step is the same: a device-side `barrier` on the gradient buffer, rank r sums its 1/N of every
-peer's gradients with plain loads (`get_buffer(peer)[mine]`), its AdamW steps its 1/N in place,
-then a `barrier` on the parameter buffer and every rank copies each peer's updated 1/N out of
-that peer's buffer. The barriers order the kernels of every rank's stream, so nobody reads a
-half-written buffer or overwrites one a peer still reads. The parameters are held N times here
-(once a GPU); the optimizer state is still 8P/N.
-Why it helps: the baseline pays gloo's all-reduce of every gradient (sockets, even on one
-host) and N copies of the same optimizer step; here the gradients move at memory speed and
-each rank steps 1/N of the model. Both run the same AdamW implementation (fused).
+What it does, on CPU: one /dev/shm segment per host, mapped by every local rank as in
+optimized_symmem_allreduce.py (flags, one gradient slot per rank, the parameters once). Every
+rank's model views the segment's parameters, its `.grad`s view its own slot, so backward writes
+there. Once all ranks are `ready`, rank r sums its 1/N of every slot into its own slot and
+averages it (a reduce-scatter with no library call and no copy in); its AdamW steps its 1/N of
+the parameters in place, where every rank reads them; all wait for `stepped` before the next
+forward. Two waits on flags a step: no broadcast, no all-gather, no all-reduce. One node and
+x86-64 only (else `skipped`). On CUDA (SymmetricBuffers) each GPU keeps its own parameters and
+gradients in `symm_mem` buffers that every peer maps: the same step, device-side barriers for
+the flags, and each peer's updated 1/N copied out of its buffer.
+`--replicated-optimizer` changes the transport alone: every rank keeps its own parameters and
+steps all of them, as the baseline; the gradients are all-reduced in the slots in two shots.
+Why it helps: the baseline pays gloo's all-reduce (sockets, even on one host) and N copies of
+the same AdamW step (both scripts run it fused); here the gradients move at memory speed and
+each rank steps 1/N of the model. On CPU the host holds the parameters once, not N times.
 Run:        torchrun --nproc_per_node=2 06_symmem/optimized_symmem_training.py --size small
 Look for:   `make symmem report`: speedup over baseline_symmem_training of the transport alone
-            (--replicated-optimizer) and with the sharding (default), and at --batch-size 1
-            --seq-len 32, where communication is most of a step; losses equal to float
-            rounding; `optim_mb` halved at 2 ranks (state MB 4P + 4P + 8P/N).
-Theory:     optimizer state 8P/N bytes a rank (8P replicated). comm MB/step here is what a rank
-            reads out of its peers' buffers (nothing goes through the process group): (N-1)/N
-            x 4P of gradients, and as much again of reduced gradients (replicated) or of
-            parameters (CUDA); the baseline's is the ring all-reduce's 2(N-1)/N x 4P sent.
+            (--replicated-optimizer) and with the sharding (default), also at --batch-size 1
+            --seq-len 32; losses equal to float rounding; `optim_mb` halved at 2 ranks.
+Theory:     optimizer state 8P/N bytes a rank (8P replicated), P = parameter count. comm MB/step
+            is what a rank reads out of its peers' buffers: (N-1)/N x 4P of gradients, and as
+            much again of reduced gradients (replicated) or of parameters (CUDA).
 """
 
 import mmap
@@ -176,7 +157,11 @@ def peer_views(handle, numel: int) -> list[torch.Tensor]:
 
 class SymmetricBuffers:
     """CUDA: this rank's gradients and, sharded, its parameters in symmetric memory, every peer's
-    mapped. Replicated, the parameters stay the model's own."""
+    mapped into this GPU's address space (`symm_mem.empty`, `rendezvous` once; NVLink). Each GPU
+    has memory of its own, so the parameters are held once a GPU, N times a host; each rank's
+    AdamW state still covers 1/N of the model. Device-side barriers order the kernels of every
+    rank's stream, so nobody reads a half-written buffer or overwrites one a peer still reads.
+    Replicated, the parameters stay the model's own."""
 
     def __init__(self, topo: common.Topology, numel: int, timeout: float, replicated: bool):
         import torch.distributed._symmetric_memory as symm_mem
@@ -259,13 +244,13 @@ def main():
     args = parser.parse_args()
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
-    numel = sum(p.numel() for p in model.parameters())
+    param_count = sum(p.numel() for p in model.parameters())
     kind = SymmetricBuffers if topo.device.type == "cuda" else SharedSegment
-    buffers = kind(topo, numel, args.timeout, args.replicated_optimizer)
+    buffers = kind(topo, param_count, args.timeout, args.replicated_optimizer)
     flat = place_in_buffers(model, buffers)
     if args.replicated_optimizer:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
-        reduce_grads, owned = buffers.all_reduce_grads, numel
+        reduce_grads, owned = buffers.all_reduce_grads, param_count
     else:
         share = torch.nn.Parameter(flat[buffers.mine])  # my 1/N of the model, where peers read it
         share.grad = buffers.grads[buffers.mine]
@@ -286,7 +271,7 @@ def main():
     # Read out of peers' buffers: their shares of my share's gradients, and their reduced shares
     # (replicated) or updated parameters (CUDA, sharded); CPU, sharded, reads these in place.
     shots = 1 if kind is SharedSegment and not args.replicated_optimizer else 2
-    loaded = shots * (topo.world_size - 1) / topo.world_size * 4 * numel
+    loaded = shots * (topo.world_size - 1) / topo.world_size * 4 * param_count
     common.record(args, topo, stats, baseline="baseline_symmem_training", model=model,
                   optimizer=opt, comm_mb=buffers.loaded_bytes / 2**20,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], optim_mb=round(split["optim_mb"], 2),

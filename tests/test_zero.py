@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 import common
+import report
 from helpers import TINY, assert_within_its_tolerance, load_recipe
 
 FOLDER = common.ROOT / "04_zero"
@@ -222,4 +223,4 @@ def test_each_stage_clips_by_the_global_norm_like_ddp(spawned, world, script, st
     assert_within_its_tolerance(rec, base)
     # clipping did change the training: the unclipped baseline's losses are elsewhere
     unclipped = runs[("baseline_zero", 0, None)]["losses"]
-    assert common.max_loss_diff(base["losses"], unclipped) > 10 * rec["loss_tolerance"]
+    assert report.max_loss_diff(base["losses"], unclipped) > 10 * rec["loss_tolerance"]
