@@ -11,8 +11,7 @@ at any moment all ranks but one wait: each is idle (p-1)/p of the step. The pipe
 Run:        torchrun --nproc_per_node=2 05_pipeline/baseline_pipeline.py --size small
 Look for:   `bubble` near (p-1)/p, and one step's timeline: one rank busy at a time.
 Theory:     bubble (p-1)/p: the ranks' forwards and backwards run one after another, so the step
-            is their sum, whatever each costs. Measured: each rank times its forward and backward
-            on its own clock, read on rank 0's through a measured offset (sends, waits: idle).
+            is their sum, whatever each costs. Activations: the whole batch's, on every rank.
 """
 
 import sys
@@ -105,7 +104,7 @@ def main():
     timelines = []
 
     def train_step(tokens, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss, timeline = forward_backward(mine, tokens, targets, topo, shape, autocast_dtype)
         timelines.append(timeline)
         if tied_weight is not None:

@@ -15,9 +15,8 @@ Run:        torchrun --nproc_per_node=2 05_pipeline/optimized_pipeline_1f1b.py -
 Look for:   `make pipeline report`: the speedup over the baseline, `bubble` beside
             `theory.bubble`, `inflight_max` (p, against GPipe's m), and one step's timeline.
 Theory:     bubble = the idle fraction of these action lists run with each rank's measured mean
-            F and B times (`simulate`), (p-1)/(m+p-1) when they are equal; min(p, m)
-            micro-batches in flight on the first rank. Measured, each rank times its actions on
-            its own clock, read on rank 0's through a measured offset: it holds across nodes.
+            F and B times (`simulate`), (p-1)/(m+p-1) when they are equal. Activations: at most
+            min(p, m) micro-batches' in flight, on the first rank (GPipe: m).
 """
 
 import itertools
@@ -36,7 +35,7 @@ import common  # noqa: E402
 
 class Action(NamedTuple):
     kind: str  # F forward, B backward
-    mb: int  # the micro-batch
+    micro: int  # the micro-batch's index
     stage: int
 
 
@@ -59,12 +58,11 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
     """Walks these action lists in rounds, each rank taking its next action once its input is
     done (an F's: the previous stage's F; a B's: the next stage's B), with each rank's times of
     F and B (`seconds`, default 1) and free communication. Returns the idle fraction; the most
-    micro-batches a rank holds at once (from an F to its B); and where the runtime posts its
-    receives: for each rank and action, the inputs (kind, micro-batch) posted just before it,
-    as soon as the action that sends one is taken. So every rank posts its sends and receives
-    in one global order, as torch.distributed.pipelining does, and under NCCL's rule (a send
-    completes only once its receive is posted) no rank waits for a peer that waits for it
-    (tests/test_pipeline.py checks it). The rounds, so the receives, do not depend on the times."""
+    micro-batches a rank holds at once (from an F to its B); and for each rank and action, the
+    receives (kind, micro-batch) to post just before it: as soon as the action that sends one
+    is taken. Posted in that one global order, as torch.distributed.pipelining does, no rank
+    waits for a peer that waits for it under NCCL's rule (a send completes only once its
+    receive is posted; tests/test_pipeline.py). The rounds, so the posts, ignore the times."""
     p, done, clock, at = len(ranks), {}, [0.0] * len(ranks), [0] * len(ranks)
     seconds = seconds or [{"F": 1.0, "B": 1.0}] * p
     posts = [[[] for _ in actions] for actions in ranks]
@@ -73,14 +71,14 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
         for r in range(p):
             if at[r] == len(ranks[r]):
                 continue
-            kind, mb, stage = ranks[r][at[r]]
-            needs = (kind, mb, stage - 1 if kind == "F" else stage + 1)
+            kind, micro, stage = ranks[r][at[r]]
+            needs = (kind, micro, stage - 1 if kind == "F" else stage + 1)
             if 0 <= needs[2] < p and needs not in done:
                 continue
             clock[r] = max(clock[r], done.get(needs, 0.0)) + seconds[r][kind]
-            done[(kind, mb, stage)] = clock[r]
+            done[(kind, micro, stage)] = clock[r]
             if 0 <= (to := stage + 1 if kind == "F" else stage - 1) < p:
-                posts[to][at[to]].append((kind, mb))
+                posts[to][at[to]].append((kind, micro))
             at[r] += 1
             progressed = True
         if not progressed:
@@ -104,11 +102,13 @@ class PipelineRank:
         self.layers = nn.ModuleList(layers)
         self.topo, self.m, self.shape, self.autocast_dtype = topo, m, shape, autocast_dtype
         self.stage, self.last = topo.rank, topo.world_size - 1
-        self.actions, self.posts = ranks[topo.rank], simulate(ranks)[2][topo.rank]
-        self.inbox: dict[tuple[str, int], tuple[torch.Tensor, dist.Work]] = {}  # posted
-        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> input, output
-        self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # sends in flight
-        self.steps: list[tuple[float, list[tuple]]] = []  # (its start, its timed actions)
+        self.actions, self.receives_before = ranks[topo.rank], simulate(ranks)[2][topo.rank]
+        # (kind, micro) -> the buffer and its receive, posted ahead of the action that needs it
+        self.inbox: dict[tuple[str, int], tuple[torch.Tensor, dist.Work]] = {}
+        # micro -> its input and output: what its backward differentiates, until it runs
+        self.saved_for_backward: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # tensors kept alive until sent
+        self.timelines: list[tuple[float, list[tuple]]] = []  # a step's start, its timed actions
         self.inflight_max = 0
 
     def now(self) -> float:
@@ -116,20 +116,21 @@ class PipelineRank:
             torch.cuda.current_stream(self.topo.device).synchronize()
         return time.perf_counter()
 
-    def post_receive(self, kind: str, mb: int) -> None:
+    def post_receive(self, kind: str, micro: int) -> None:
         x = torch.empty(self.shape, device=self.topo.device)
-        self.inbox[(kind, mb)] = x, dist.irecv(x, self.stage - 1 if kind == "F" else self.stage + 1)
+        src = self.stage - 1 if kind == "F" else self.stage + 1
+        self.inbox[(kind, micro)] = x, dist.irecv(x, src)
 
-    def received(self, kind: str, mb: int) -> torch.Tensor:
-        x, work = self.inbox.pop((kind, mb))
+    def received(self, kind: str, micro: int) -> torch.Tensor:
+        x, work = self.inbox.pop((kind, micro))
         work.wait()
         return x
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self.sending.append((tensor, dist.isend(tensor, dst)))
 
-    def forward(self, mb: int, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = tokens if self.stage == 0 else self.received("F", mb).requires_grad_()
+    def forward(self, micro: int, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = tokens if self.stage == 0 else self.received("F", micro).requires_grad_()
         start = self.now()
         with torch.autocast(self.topo.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
@@ -140,35 +141,35 @@ class PipelineRank:
             out = out / self.m  # the step's loss is the mean over micro-batches
         else:
             self.send(out.detach(), self.stage + 1)
-        self.kept[mb] = (x, out)
-        self.inflight_max = max(self.inflight_max, len(self.kept))
-        self.steps[-1][1].append(("F", mb, self.stage, start, self.now()))
+        self.saved_for_backward[micro] = (x, out)
+        self.inflight_max = max(self.inflight_max, len(self.saved_for_backward))
+        self.timelines[-1][1].append(("F", micro, self.stage, start, self.now()))
         return out.detach()
 
-    def backward(self, mb: int) -> None:
-        grad = None if self.stage == self.last else self.received("B", mb)
+    def backward(self, micro: int) -> None:
+        grad = None if self.stage == self.last else self.received("B", micro)
         start = self.now()
-        x, out = self.kept.pop(mb)
+        x, out = self.saved_for_backward.pop(micro)
         out.backward(grad)
         if self.stage > 0:
             self.send(x.grad, self.stage - 1)
-        self.steps[-1][1].append(("B", mb, self.stage, start, self.now()))
+        self.timelines[-1][1].append(("B", micro, self.stage, start, self.now()))
 
     def run(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One step's actions; returns the loss (on the last stage, else 0)."""
-        self.steps.append((self.now(), []))
+        self.timelines.append((self.now(), []))
         loss = torch.zeros((), device=self.topo.device)
-        micro = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
-        for (kind, mb, _), posts in zip(self.actions, self.posts, strict=True):
+        chunks = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
+        for (kind, micro, _), posts in zip(self.actions, self.receives_before, strict=True):
             for post in posts:
                 self.post_receive(*post)
             self.sending = [(t, work) for t, work in self.sending if not work.is_completed()]
             if kind == "F":
-                out = self.forward(mb, *micro[mb])
+                out = self.forward(micro, *chunks[micro])
                 if self.stage == self.last:
                     loss += out
             else:
-                self.backward(mb)
+                self.backward(micro)
         for _, work in self.sending:
             work.wait()
         self.sending.clear()
@@ -186,11 +187,10 @@ def main():
     parser = common.parser(__doc__)
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=8,
                         help="micro-batches m the batch is split into (default: 8)")
-    # The whole batch, split into m: by default four sequences per micro-batch. Fewer run
-    # faster, but on a CPU a micro-batch's GEMMs then run well below the whole batch's speed
-    # (two: ~20% below here), which is the cost of splitting, not of the bubble.
+    # batch 0: four sequences per micro-batch. On a CPU smaller ones run each GEMM well below
+    # the whole batch's speed: a cost of splitting that would blur the bubble's.
     parser.set_defaults(batch_size=0)
-    parser.set_defaults(steps=8, warmup=3)  # 8 runs in `make pipeline`: ~5 min
+    parser.set_defaults(steps=8, warmup=3)  # fewer than elsewhere: eight runs in `make pipeline`
     args = parser.parse_args()
     args.batch_size = args.batch_size or 4 * args.microbatches
     if args.model != "gpt":
@@ -214,7 +214,7 @@ def main():
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=args.lr)
 
     def train_step(tokens, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = pipe.run(tokens, targets)
         if tied_weight is not None:
             dist.all_reduce(tied_weight.grad, group=tied)  # embedding's + head's gradient
@@ -224,7 +224,7 @@ def main():
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(pipe.layers, opt),
                                loss_rank=p - 1, dp_world=1)
     steps, measured, means, inflight_max = common.gather_timelines(
-        pipe.steps[args.warmup:], pipe.inflight_max, args, topo)
+        pipe.timelines[args.warmup:], pipe.inflight_max, args, topo)
     bubble, inflight, _ = simulate(schedule(p, m), means)
     common.record(args, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
                   optimizer=opt, comm_mb=stats.comm_mb, dp_world=1, params=params,

@@ -1,19 +1,17 @@
 """DualPipe by hand: two pipelines through the same ranks in opposite directions, over send/recv.
 
 What it does: the GPT's layers are cut into p stages; half the m micro-batches go through them
-from rank 0 to rank p-1, the other half back from rank p-1 to rank 0. So rank r holds stage r of
-the first direction and p-1-r of the second, and ranks r and p-1-r sum the gradients of the two
-they share each step (one all-reduce): the unsplit model, exactly. The split backward (I, then
-W), the runtime and the schedule are DualPipeV's (see there), the schedule with every count
-halved (DeepSeek's github.com/deepseek-ai/DualPipe), so p and m are even and m >= 2p.
-Why it helps: each rank's idle start in one direction is filled by the other's work, the W's
-fill the rest: the bubble falls from 1F1B's (p-1)(F+B) to (p/2-1)(F&B+B-3W) (the paper's table,
-per stage). The price: twice a 1F1B rank's parameters and optimizer state, p+1 micro-batches'
-activations, a gradient all-reduce. At p = 2 each rank holds the whole model.
+from rank 0 to rank p-1, the other half back, so rank r holds stages r and p-1-r and sums their
+gradients with rank p-1-r each step (one all-reduce): the unsplit model, exactly. The split
+backward, the runtime and the schedule are DualPipeV's (see there) with every count halved:
+p and m are even, m >= 2p (github.com/deepseek-ai/DualPipe).
+Why it helps: each direction's idle start is filled by the other's work, the W's fill the rest:
+the bubble falls from 1F1B's (p-1)(F+B) to (p/2-1)(F&B+B-3W) (the paper's, per stage). The price:
+twice a 1F1B rank's parameters and optimizer state (at p = 2 the whole model), an all-reduce.
 Run:        torchrun --nproc_per_node=4 05_pipeline/optimized_pipeline_dualpipe.py --size small
-Look for:   `bubble` near `theory.bubble`, below 1F1B's for p > 2; `inflight_max` p+1 (PP+1).
-Theory:     bubble = these action lists run with the measured mean F, B, I, W times (`simulate`);
-            paired, with F = I and B = I + W, the paper's (PP/2-1)(F&B + B - 3W), PP = p.
+Look for:   `bubble` near `theory.bubble`, below 1F1B's for p > 2; `inflight_max` p+1.
+Theory:     bubble: these lists run with the measured mean F, B, I, W times (`simulate`); paired,
+            F = I, B = I + W: the paper's (PP/2-1)(F&B+B-3W), PP = p. Activations: p+1 stages'.
 """
 
 import collections
@@ -34,7 +32,7 @@ import common  # noqa: E402
 # Copied from 05_pipeline/optimized_pipeline_dualpipev.py: Action
 class Action(NamedTuple):
     kind: str  # F forward; B backward; I the input's gradient, its W (the weights') later
-    mb: int  # the micro-batch
+    micro: int  # the micro-batch's index
     stage: int
     paired: bool = False  # DeepSeek overlaps this F with the action after it
 
@@ -42,32 +40,31 @@ class Action(NamedTuple):
 def schedule(p: int, m: int) -> list[list[Action]]:
     """DeepSeek's DualPipe: rank r is rank min(r, p-1-r) of a DualPipeV on p/2 ranks, whose down
     stage ("0") is its stage in the direction it starts, and up stage ("1") the other's."""
-    ranks = []
+    ranks, starts, ends = [], range(m // 2), range(m // 2, m)  # the directions' micro-batches
     for r in range(p):
-        half = min(r, p - 1 - r)
-        starts, ends = range(m // 2), range(m // 2, m)  # the two directions' micro-batches
-        mbs = {0: starts, 1: ends} if r < p // 2 else {0: ends, 1: starts}
-        ranks.append(dualpipe_rank(p // 2, m // 2, half, {0: half, 1: p - 1 - half}, mbs))
+        v_rank = min(r, p - 1 - r)
+        micros = {0: starts, 1: ends} if r < p // 2 else {0: ends, 1: starts}
+        ranks.append(dualpipe_rank(p // 2, m // 2, v_rank, {0: v_rank, 1: p - 1 - v_rank}, micros))
     return ranks
 
 
 # Copied from 05_pipeline/optimized_pipeline_dualpipev.py: dualpipe_rank
-def dualpipe_rank(n: int, m: int, r: int, stage: dict[int, int], mbs: dict[int, range]
+def dualpipe_rank(n: int, m: int, r: int, stage: dict[int, int], micros: dict[int, range]
                   ) -> list[Action]:
     """Rank r of a V on n ranks, m micro-batches through it: DeepSeek's eight phases. A stage
     takes its micro-batches in order; an I queues its W, a W runs the oldest queued."""
     actions, forwards, backwards, owed = [], {0: 0, 1: 0}, {0: 0, 1: 0}, collections.deque()
 
     def F(half, paired=False):
-        actions.append(Action("F", mbs[half][forwards[half]], stage[half], paired))
+        actions.append(Action("F", micros[half][forwards[half]], stage[half], paired))
         forwards[half] += 1
 
     def B(half, split=False):
-        mb = mbs[half][backwards[half]]
+        micro = micros[half][backwards[half]]
         backwards[half] += 1
-        actions.append(Action("I" if split else "B", mb, stage[half]))
+        actions.append(Action("I" if split else "B", micro, stage[half]))
         if split:
-            owed.append(Action("W", mb, stage[half]))
+            owed.append(Action("W", micro, stage[half]))
 
     def W():
         actions.append(owed.popleft())  # an I is always owed here: a miscount would raise
@@ -108,13 +105,11 @@ def dualpipe_rank(n: int, m: int, r: int, stage: dict[int, int], mbs: dict[int, 
 # Copied from 05_pipeline/optimized_pipeline_dualpipev.py: simulate
 def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None = None,
              paired: bool = False) -> tuple[float, int, list[list[list[tuple[str, int, int]]]]]:
-    """1F1B's walk, with I (its input is a B's, and what it sends too), W (its input: its own
-    I; it sends nothing), two stages a rank (the V's turn stays on its rank, in memory) and, with
-    `paired`, a paired F and the action after it started together, once both inputs are done.
-    Returns the idle fraction; the most stages' activations a rank holds at once (from an F to
-    its B or W); and for each rank and action, the inputs (kind F or B, micro-batch, stage)
-    whose receives are posted just before it."""
-    owner = {(a.mb, a.stage): r for r, actions in enumerate(ranks) for a in actions}
+    """1F1B's walk, with I (its input a B's; it sends what a B sends), W (its input its own I; it
+    sends nothing), two stages a rank (the turn, in memory) and, if `paired`, a paired F and the
+    next action started together once both inputs are done. Returns the idle fraction, the most
+    stages' activations a rank holds, and each action's receives (F or B, micro, stage)."""
+    owner = {(a.micro, a.stage): r for r, actions in enumerate(ranks) for a in actions}
     p, last, done = len(ranks), max(s for _, s in owner), {}
     clock, at = [0.0] * p, [0] * p
     seconds = seconds or [{"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0}] * p
@@ -122,9 +117,9 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
 
     def needs(a: Action) -> list[tuple[str, int, int]]:
         if a.kind == "W":
-            return [("I", a.mb, a.stage)]
+            return [("I", a.micro, a.stage)]
         src = a.stage - 1 if a.kind == "F" else a.stage + 1
-        return [("F" if a.kind == "F" else "B", a.mb, src)] if 0 <= src <= last else []
+        return [("F" if a.kind == "F" else "B", a.micro, src)] if 0 <= src <= last else []
 
     while any(at[r] < len(ranks[r]) for r in range(p)):
         progressed = False
@@ -139,12 +134,12 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
             clock[r] = max([clock[r]] + [done[n] for n in inputs])
             for b in group:
                 clock[r] += seconds[r][b.kind]
-                done[(b.kind, b.mb, b.stage)] = clock[r]
+                done[(b.kind, b.micro, b.stage)] = clock[r]
                 if b.kind == "I":  # what the previous stage's backward waits for
-                    done[("B", b.mb, b.stage)] = clock[r]
+                    done[("B", b.micro, b.stage)] = clock[r]
                 to = b.stage + 1 if b.kind == "F" else b.stage - 1
-                if b.kind != "W" and 0 <= to <= last and (dst := owner[(b.mb, to)]) != r:
-                    posts[dst][at[dst]].append(("F" if b.kind == "F" else "B", b.mb, to))
+                if b.kind != "W" and 0 <= to <= last and (dst := owner[(b.micro, to)]) != r:
+                    posts[dst][at[dst]].append(("F" if b.kind == "F" else "B", b.micro, to))
             at[r] += len(group)
             progressed = True
         if not progressed:
@@ -157,9 +152,8 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
 
 # Copied from 05_pipeline/optimized_pipeline_dualpipev.py: PipelineRank
 class PipelineRank:
-    """1F1B's runtime for this rank's stages (two): each micro-batch's input and output kept
-    per stage until its backward, which comes whole (B) or as an I and a later W; an output
-    for a stage of this rank (the V's turn) is handed over in memory, not sent."""
+    """1F1B's runtime for this rank's two stages, a backward whole (B) or as an I and a later W;
+    an input for a stage on this rank (the V's turn) is handed over in memory, not sent."""
 
     def __init__(self, stages: dict[int, list[nn.Module]], ranks: list[list[Action]],
                  topo: common.Topology, m: int, shape: tuple[int, ...],
@@ -167,14 +161,14 @@ class PipelineRank:
         self.stages = {s: nn.ModuleList(layers) for s, layers in stages.items()}
         self.layers = nn.ModuleList(self.stages.values())  # every parameter once
         self.topo, self.m, self.shape, self.autocast_dtype = topo, m, shape, autocast_dtype
-        self.actions, self.posts = ranks[topo.rank], simulate(ranks)[2][topo.rank]
-        self.owner = {(a.mb, a.stage): r for r, actions in enumerate(ranks) for a in actions}
+        self.actions, self.receives_before = ranks[topo.rank], simulate(ranks)[2][topo.rank]
+        self.owner = {(a.micro, a.stage): r for r, actions in enumerate(ranks) for a in actions}
         self.last = max(s for _, s in self.owner)
-        self.split = {(a.mb, a.stage) for a in self.actions if a.kind == "I"}
+        self.split_backward = {(a.micro, a.stage) for a in self.actions if a.kind == "I"}
         self.inbox: dict[tuple[str, int, int], tuple[torch.Tensor, dist.Work | None]] = {}
-        self.kept: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> what its backward needs
-        self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # sends in flight
-        self.steps: list[tuple[float, list[tuple]]] = []  # (its start, its timed actions)
+        self.saved_for_backward: dict[tuple[int, int], tuple] = {}  # by (micro, stage)
+        self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # tensors kept alive until sent
+        self.timelines: list[tuple[float, list[tuple]]] = []  # a step's start, its timed actions
         self.inflight_max = 0
 
     def now(self) -> float:
@@ -182,32 +176,32 @@ class PipelineRank:
             torch.cuda.current_stream(self.topo.device).synchronize()
         return time.perf_counter()
 
-    def post_receive(self, kind: str, mb: int, stage: int) -> None:
+    def post_receive(self, kind: str, micro: int, stage: int) -> None:
         x = torch.empty(self.shape, device=self.topo.device)
-        src = self.owner[(mb, stage - 1 if kind == "F" else stage + 1)]
-        self.inbox[(kind, mb, stage)] = x, dist.irecv(x, src)
+        src = self.owner[(micro, stage - 1 if kind == "F" else stage + 1)]
+        self.inbox[(kind, micro, stage)] = x, dist.irecv(x, src)
 
-    def received(self, kind: str, mb: int, stage: int) -> torch.Tensor:
-        x, work = self.inbox.pop((kind, mb, stage))
-        if work is not None:
+    def received(self, kind: str, micro: int, stage: int) -> torch.Tensor:
+        x, work = self.inbox.pop((kind, micro, stage))
+        if work is not None:  # None: handed over in memory
             work.wait()
         return x
 
-    def send(self, tensor: torch.Tensor, kind: str, mb: int, stage: int) -> None:
+    def send(self, tensor: torch.Tensor, kind: str, micro: int, stage: int) -> None:
         """`tensor` is stage `stage`'s input for its F (kind "F") or its backward ("B")."""
-        if (dst := self.owner[(mb, stage)]) == self.topo.rank:
-            self.inbox[(kind, mb, stage)] = tensor, None
+        if (dst := self.owner[(micro, stage)]) == self.topo.rank:
+            self.inbox[(kind, micro, stage)] = tensor, None
         else:
             self.sending.append((tensor, dist.isend(tensor, dst)))
 
-    def forward(self, mb: int, stage: int, tokens: torch.Tensor, targets: torch.Tensor
+    def forward(self, micro: int, stage: int, tokens: torch.Tensor, targets: torch.Tensor
                 ) -> torch.Tensor:
-        x = tokens if stage == 0 else self.received("F", mb, stage).requires_grad_()
+        x = tokens if stage == 0 else self.received("F", micro, stage).requires_grad_()
         start = self.now()
         weighted = []  # (layer, its output) of each layer with weights, if its W comes later
         hooks = [layer.register_forward_hook(lambda mod, _, out: weighted.append((mod, out)))
-                 for layer in self.stages[stage].modules() if (mb, stage) in self.split
-                 and list(layer.parameters(recurse=False))]  # what a W differentiates
+                 for layer in self.stages[stage].modules()
+                 if (micro, stage) in self.split_backward and list(layer.parameters(recurse=False))]
         with torch.autocast(self.topo.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
             out = x
@@ -218,55 +212,54 @@ class PipelineRank:
         if stage == self.last:
             out = out / self.m  # the step's loss is the mean over micro-batches
         else:
-            self.send(out.detach(), "F", mb, stage + 1)
-        self.kept[(mb, stage)] = (x, out, weighted)
-        self.inflight_max = max(self.inflight_max, len(self.kept))
-        self.steps[-1][1].append(("F", mb, stage, start, self.now()))
+            self.send(out.detach(), "F", micro, stage + 1)
+        self.saved_for_backward[(micro, stage)] = (x, out, weighted)
+        self.inflight_max = max(self.inflight_max, len(self.saved_for_backward))
+        self.timelines[-1][1].append(("F", micro, stage, start, self.now()))
         return out.detach()
 
-    def backward(self, mb: int, stage: int, split: bool) -> None:
-        """B: the input's and the weights' gradients in one pass. I (split): the input's and the
-        gradient at each weighted layer's output; the graph is kept whole for the W (DeepSeek's
-        keeps only each Linear's input: less memory)."""
-        grad = None if stage == self.last else self.received("B", mb, stage)
+    def backward(self, micro: int, stage: int, split: bool) -> None:
+        """B: the input's and the weights' gradients in one pass. I (split): the input's and each
+        weighted layer's output's, the whole graph kept for the W (DeepSeek keeps less)."""
+        grad = None if stage == self.last else self.received("B", micro, stage)
         start = self.now()
-        x, out, weighted = self.kept.pop((mb, stage))
+        x, out, weighted = self.saved_for_backward.pop((micro, stage))
         inputs = [x] if stage > 0 else []
         if split:  # into each one's .grad; the W walks one node of the graph per layer
             torch.autograd.backward(out, grad, inputs=inputs + [o for _, o in weighted],
                                     retain_graph=True)
-            self.kept[(mb, stage)] = weighted
+            self.saved_for_backward[(micro, stage)] = weighted
         else:
             out.backward(grad)
         if inputs:
-            self.send(x.grad, "B", mb, stage - 1)
-        self.steps[-1][1].append(("I" if split else "B", mb, stage, start, self.now()))
+            self.send(x.grad, "B", micro, stage - 1)
+        self.timelines[-1][1].append(("I" if split else "B", micro, stage, start, self.now()))
 
-    def weight_backward(self, mb: int, stage: int) -> None:
+    def weight_backward(self, micro: int, stage: int) -> None:
         """W: each layer's weight gradients from the gradient at its output (a layer at a time:
         from all outputs at once, a gradient would also flow on into the earlier layers)."""
         start = self.now()
-        for layer, out in self.kept.pop((mb, stage)):
+        for layer, out in self.saved_for_backward.pop((micro, stage)):
             torch.autograd.backward(out, out.grad, inputs=list(layer.parameters(recurse=False)))
-        self.steps[-1][1].append(("W", mb, stage, start, self.now()))
+        self.timelines[-1][1].append(("W", micro, stage, start, self.now()))
 
     def run(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One step's actions; returns the loss (on the rank of the last stage, else 0)."""
-        self.steps.append((self.now(), []))
+        self.timelines.append((self.now(), []))
         loss = torch.zeros((), device=self.topo.device)
-        micro = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
-        for (kind, mb, stage, _), posts in zip(self.actions, self.posts, strict=True):
+        chunks = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
+        for (kind, micro, stage, _), posts in zip(self.actions, self.receives_before, strict=True):
             for post in posts:
                 self.post_receive(*post)
             self.sending = [(t, work) for t, work in self.sending if not work.is_completed()]
             if kind == "F":
-                out = self.forward(mb, stage, *micro[mb])
+                out = self.forward(micro, stage, *chunks[micro])
                 if stage == self.last:
                     loss += out
             elif kind == "W":
-                self.weight_backward(mb, stage)
+                self.weight_backward(micro, stage)
             else:
-                self.backward(mb, stage, split=kind == "I")
+                self.backward(micro, stage, split=kind == "I")
         for _, work in self.sending:
             work.wait()
         self.sending.clear()
@@ -278,10 +271,9 @@ def main():
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
                         help="micro-batches m, even and at least 2p (default: max(8, 2p))")
     parser.set_defaults(batch_size=0)  # 0: four sequences per micro-batch, as the others
-    parser.set_defaults(steps=8, warmup=3)  # 8 runs in `make pipeline`: ~5 min
+    parser.set_defaults(steps=8, warmup=3)  # fewer than elsewhere: eight runs in `make pipeline`
     args = parser.parse_args()
     world = common.launch_world_size()
-    chosen = args.microbatches is not None
     args.microbatches = args.microbatches or max(8, 2 * world)
     args.batch_size = args.batch_size or 4 * args.microbatches
     if args.model != "gpt":
@@ -293,7 +285,7 @@ def main():
     if world % 2:
         raise common.Skip(f"DualPipe pairs rank r with rank p-1-r, so it needs an even number "
                           f"of processes, not {world}: DualPipeV runs on any number")
-    if args.microbatches % 2 or (chosen and args.microbatches < 2 * world):
+    if args.microbatches % 2 or args.microbatches < 2 * world:  # never the default, max(8, 2p)
         parser.error(f"DualPipe sends half the micro-batches each way and needs m >= 2p: use an "
                      f"even --microbatches of at least {2 * world}, not {args.microbatches}")
     topo = common.setup(args)
@@ -319,7 +311,7 @@ def main():
         return loss[0]
 
     def train_step(tokens, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = sum_with_twin(pipe.run(tokens, targets))
         opt.step()
         return loss
@@ -327,7 +319,7 @@ def main():
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(pipe.layers, opt),
                                loss_rank=0, dp_world=1)
     steps, measured, means, inflight_max = common.gather_timelines(
-        pipe.steps[args.warmup:], pipe.inflight_max, args, topo)
+        pipe.timelines[args.warmup:], pipe.inflight_max, args, topo)
     bubble, inflight, _ = simulate(schedule(p, m), means)
     paired, _, _ = simulate(schedule(p, m), means, paired=True)
     common.record(args, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
@@ -338,8 +330,8 @@ def main():
                   bubble=round(measured, 4), inflight_max=inflight_max,
                   theory={"bubble": round(bubble, 4), "bubble_paired": round(paired, 4),
                           "inflight_max": inflight,
-                          # rank 0 sends m/2 activations and m/2 input gradients to rank 1, its
-                          # gradients and loss to its twin: 4 bytes a value
+                          # rank 0 sends rank 1 m/2 activations and m/2 gradients, its twin its
+                          # gradients and loss: 4 bytes a value (the residual stream stays fp32)
                           "comm_mb": (m * 4 * shape[0] * shape[1] * shape[2]
                                       + 4 * (sum(q.numel() for q in held) + 1)) / 2**20})
 

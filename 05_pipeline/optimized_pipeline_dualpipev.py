@@ -1,24 +1,17 @@
 """DualPipeV by hand: 2p stages folded into a V on p ranks, the backward split in two.
 
 What it does: the GPT's layers are cut into 2p stages; rank r holds stage r on the way down the V
-and stage 2p-1-r on the way back up, so rank 0 holds the first and the last stage and rank p-1
-the two middle ones, handed from one to the other in memory (the V's turn). A stage's backward
-comes whole (B) or split, as in zero-bubble pipelines: I, the input's gradient, which the
-previous stage waits for, then later W, the weights' gradient, which nobody waits for and so
-fills a gap. The schedule is DeepSeek's (DeepSeek-V3 report, github.com/deepseek-ai/DualPipe),
-eight phases per rank (`dualpipe_rank`). The runtime is 1F1B's, extended with the split, two
-stages a rank and the turn. DeepSeek overlaps each paired forward and backward on a GPU; with
-one thread a rank they run one after the other here (`theory.bubble_paired`: had they waited).
-Why it helps: with the first and last stage on rank 0 the V is fed from both ends, and the W's
-fill the gaps: the bubble falls from 1F1B's (p-1)(F+B) to (p-1)(F+2B-3W)/2 (F, B, W a whole
-rank's; the paper's (PP/2-1)(F&B+B-3W) for stages half as large). It needs m >= 2p micro-batches.
-The tied embedding/head weight sits on rank 0 twice, one tensor: nothing to sum.
+and 2p-1-r on the way up (rank 0 the first and last: the tied weight once, nothing to sum). A
+backward runs whole (B) or split as in zero-bubble pipelines: I, the input's gradient, which the
+previous stage waits for, then W, the weights', which fills a gap. The schedule is DeepSeek's
+(`dualpipe_rank`, github.com/deepseek-ai/DualPipe); the runtime is 1F1B's with the split.
+Why it helps: the V is fed from both ends and the W's fill the gaps: the bubble falls from
+1F1B's (p-1)(F+B) to (p-1)(F+2B-3W)/2 (F, B, W a whole rank's). It needs m >= 2p micro-batches.
 Run:        torchrun --nproc_per_node=2 05_pipeline/optimized_pipeline_dualpipev.py --size small
-Look for:   `bubble` below 1F1B's and near `theory.bubble`; `inflight_max` 2p+1 half-size stages
-            (the paper's PP+1); the timeline: the second stage in lower case (f, b, i, w).
-Theory:     bubble = the idle fraction of these action lists run with each rank's measured mean
-            F, B, I and W times (`simulate`); paired, with F = I and B = I + W, it is the paper's
-            (PP/2-1)(F&B + B - 3W), PP = 2p stages (tests/test_pipeline.py).
+Look for:   `bubble` below 1F1B's, near `theory.bubble`; the timeline's second stage in lower case.
+Theory:     bubble: these lists run with the measured mean F, B, I, W times (`simulate`); paired
+            (DeepSeek overlaps F and B), F = I, B = I + W: the paper's (PP/2-1)(F&B+B-3W), PP = 2p.
+            Activations: at most 2p+1 half-size stages' in flight (the paper's PP+1).
 """
 
 import collections
@@ -38,7 +31,7 @@ import common  # noqa: E402
 
 class Action(NamedTuple):
     kind: str  # F forward; B backward; I the input's gradient, its W (the weights') later
-    mb: int  # the micro-batch
+    micro: int  # the micro-batch's index
     stage: int
     paired: bool = False  # DeepSeek overlaps this F with the action after it
 
@@ -49,22 +42,22 @@ def schedule(p: int, m: int) -> list[list[Action]]:
             for r in range(p)]
 
 
-def dualpipe_rank(n: int, m: int, r: int, stage: dict[int, int], mbs: dict[int, range]
+def dualpipe_rank(n: int, m: int, r: int, stage: dict[int, int], micros: dict[int, range]
                   ) -> list[Action]:
     """Rank r of a V on n ranks, m micro-batches through it: DeepSeek's eight phases. A stage
     takes its micro-batches in order; an I queues its W, a W runs the oldest queued."""
     actions, forwards, backwards, owed = [], {0: 0, 1: 0}, {0: 0, 1: 0}, collections.deque()
 
     def F(half, paired=False):
-        actions.append(Action("F", mbs[half][forwards[half]], stage[half], paired))
+        actions.append(Action("F", micros[half][forwards[half]], stage[half], paired))
         forwards[half] += 1
 
     def B(half, split=False):
-        mb = mbs[half][backwards[half]]
+        micro = micros[half][backwards[half]]
         backwards[half] += 1
-        actions.append(Action("I" if split else "B", mb, stage[half]))
+        actions.append(Action("I" if split else "B", micro, stage[half]))
         if split:
-            owed.append(Action("W", mb, stage[half]))
+            owed.append(Action("W", micro, stage[half]))
 
     def W():
         actions.append(owed.popleft())  # an I is always owed here: a miscount would raise
@@ -102,16 +95,13 @@ def dualpipe_rank(n: int, m: int, r: int, stage: dict[int, int], mbs: dict[int, 
     return actions
 
 
-# --- the runtime: 1F1B's, with I and W, two stages a rank and the V's turn ---------------
 def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None = None,
              paired: bool = False) -> tuple[float, int, list[list[list[tuple[str, int, int]]]]]:
-    """1F1B's walk, with I (its input is a B's, and what it sends too), W (its input: its own
-    I; it sends nothing), two stages a rank (the V's turn stays on its rank, in memory) and, with
-    `paired`, a paired F and the action after it started together, once both inputs are done.
-    Returns the idle fraction; the most stages' activations a rank holds at once (from an F to
-    its B or W); and for each rank and action, the inputs (kind F or B, micro-batch, stage)
-    whose receives are posted just before it."""
-    owner = {(a.mb, a.stage): r for r, actions in enumerate(ranks) for a in actions}
+    """1F1B's walk, with I (its input a B's; it sends what a B sends), W (its input its own I; it
+    sends nothing), two stages a rank (the turn, in memory) and, if `paired`, a paired F and the
+    next action started together once both inputs are done. Returns the idle fraction, the most
+    stages' activations a rank holds, and each action's receives (F or B, micro, stage)."""
+    owner = {(a.micro, a.stage): r for r, actions in enumerate(ranks) for a in actions}
     p, last, done = len(ranks), max(s for _, s in owner), {}
     clock, at = [0.0] * p, [0] * p
     seconds = seconds or [{"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0}] * p
@@ -119,9 +109,9 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
 
     def needs(a: Action) -> list[tuple[str, int, int]]:
         if a.kind == "W":
-            return [("I", a.mb, a.stage)]
+            return [("I", a.micro, a.stage)]
         src = a.stage - 1 if a.kind == "F" else a.stage + 1
-        return [("F" if a.kind == "F" else "B", a.mb, src)] if 0 <= src <= last else []
+        return [("F" if a.kind == "F" else "B", a.micro, src)] if 0 <= src <= last else []
 
     while any(at[r] < len(ranks[r]) for r in range(p)):
         progressed = False
@@ -136,12 +126,12 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
             clock[r] = max([clock[r]] + [done[n] for n in inputs])
             for b in group:
                 clock[r] += seconds[r][b.kind]
-                done[(b.kind, b.mb, b.stage)] = clock[r]
+                done[(b.kind, b.micro, b.stage)] = clock[r]
                 if b.kind == "I":  # what the previous stage's backward waits for
-                    done[("B", b.mb, b.stage)] = clock[r]
+                    done[("B", b.micro, b.stage)] = clock[r]
                 to = b.stage + 1 if b.kind == "F" else b.stage - 1
-                if b.kind != "W" and 0 <= to <= last and (dst := owner[(b.mb, to)]) != r:
-                    posts[dst][at[dst]].append(("F" if b.kind == "F" else "B", b.mb, to))
+                if b.kind != "W" and 0 <= to <= last and (dst := owner[(b.micro, to)]) != r:
+                    posts[dst][at[dst]].append(("F" if b.kind == "F" else "B", b.micro, to))
             at[r] += len(group)
             progressed = True
         if not progressed:
@@ -153,9 +143,8 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
 
 
 class PipelineRank:
-    """1F1B's runtime for this rank's stages (two): each micro-batch's input and output kept
-    per stage until its backward, which comes whole (B) or as an I and a later W; an output
-    for a stage of this rank (the V's turn) is handed over in memory, not sent."""
+    """1F1B's runtime for this rank's two stages, a backward whole (B) or as an I and a later W;
+    an input for a stage on this rank (the V's turn) is handed over in memory, not sent."""
 
     def __init__(self, stages: dict[int, list[nn.Module]], ranks: list[list[Action]],
                  topo: common.Topology, m: int, shape: tuple[int, ...],
@@ -163,14 +152,14 @@ class PipelineRank:
         self.stages = {s: nn.ModuleList(layers) for s, layers in stages.items()}
         self.layers = nn.ModuleList(self.stages.values())  # every parameter once
         self.topo, self.m, self.shape, self.autocast_dtype = topo, m, shape, autocast_dtype
-        self.actions, self.posts = ranks[topo.rank], simulate(ranks)[2][topo.rank]
-        self.owner = {(a.mb, a.stage): r for r, actions in enumerate(ranks) for a in actions}
+        self.actions, self.receives_before = ranks[topo.rank], simulate(ranks)[2][topo.rank]
+        self.owner = {(a.micro, a.stage): r for r, actions in enumerate(ranks) for a in actions}
         self.last = max(s for _, s in self.owner)
-        self.split = {(a.mb, a.stage) for a in self.actions if a.kind == "I"}
+        self.split_backward = {(a.micro, a.stage) for a in self.actions if a.kind == "I"}
         self.inbox: dict[tuple[str, int, int], tuple[torch.Tensor, dist.Work | None]] = {}
-        self.kept: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> what its backward needs
-        self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # sends in flight
-        self.steps: list[tuple[float, list[tuple]]] = []  # (its start, its timed actions)
+        self.saved_for_backward: dict[tuple[int, int], tuple] = {}  # by (micro, stage)
+        self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # tensors kept alive until sent
+        self.timelines: list[tuple[float, list[tuple]]] = []  # a step's start, its timed actions
         self.inflight_max = 0
 
     def now(self) -> float:
@@ -178,32 +167,32 @@ class PipelineRank:
             torch.cuda.current_stream(self.topo.device).synchronize()
         return time.perf_counter()
 
-    def post_receive(self, kind: str, mb: int, stage: int) -> None:
+    def post_receive(self, kind: str, micro: int, stage: int) -> None:
         x = torch.empty(self.shape, device=self.topo.device)
-        src = self.owner[(mb, stage - 1 if kind == "F" else stage + 1)]
-        self.inbox[(kind, mb, stage)] = x, dist.irecv(x, src)
+        src = self.owner[(micro, stage - 1 if kind == "F" else stage + 1)]
+        self.inbox[(kind, micro, stage)] = x, dist.irecv(x, src)
 
-    def received(self, kind: str, mb: int, stage: int) -> torch.Tensor:
-        x, work = self.inbox.pop((kind, mb, stage))
-        if work is not None:
+    def received(self, kind: str, micro: int, stage: int) -> torch.Tensor:
+        x, work = self.inbox.pop((kind, micro, stage))
+        if work is not None:  # None: handed over in memory
             work.wait()
         return x
 
-    def send(self, tensor: torch.Tensor, kind: str, mb: int, stage: int) -> None:
+    def send(self, tensor: torch.Tensor, kind: str, micro: int, stage: int) -> None:
         """`tensor` is stage `stage`'s input for its F (kind "F") or its backward ("B")."""
-        if (dst := self.owner[(mb, stage)]) == self.topo.rank:
-            self.inbox[(kind, mb, stage)] = tensor, None
+        if (dst := self.owner[(micro, stage)]) == self.topo.rank:
+            self.inbox[(kind, micro, stage)] = tensor, None
         else:
             self.sending.append((tensor, dist.isend(tensor, dst)))
 
-    def forward(self, mb: int, stage: int, tokens: torch.Tensor, targets: torch.Tensor
+    def forward(self, micro: int, stage: int, tokens: torch.Tensor, targets: torch.Tensor
                 ) -> torch.Tensor:
-        x = tokens if stage == 0 else self.received("F", mb, stage).requires_grad_()
+        x = tokens if stage == 0 else self.received("F", micro, stage).requires_grad_()
         start = self.now()
         weighted = []  # (layer, its output) of each layer with weights, if its W comes later
         hooks = [layer.register_forward_hook(lambda mod, _, out: weighted.append((mod, out)))
-                 for layer in self.stages[stage].modules() if (mb, stage) in self.split
-                 and list(layer.parameters(recurse=False))]  # what a W differentiates
+                 for layer in self.stages[stage].modules()
+                 if (micro, stage) in self.split_backward and list(layer.parameters(recurse=False))]
         with torch.autocast(self.topo.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
             out = x
@@ -214,78 +203,68 @@ class PipelineRank:
         if stage == self.last:
             out = out / self.m  # the step's loss is the mean over micro-batches
         else:
-            self.send(out.detach(), "F", mb, stage + 1)
-        self.kept[(mb, stage)] = (x, out, weighted)
-        self.inflight_max = max(self.inflight_max, len(self.kept))
-        self.steps[-1][1].append(("F", mb, stage, start, self.now()))
+            self.send(out.detach(), "F", micro, stage + 1)
+        self.saved_for_backward[(micro, stage)] = (x, out, weighted)
+        self.inflight_max = max(self.inflight_max, len(self.saved_for_backward))
+        self.timelines[-1][1].append(("F", micro, stage, start, self.now()))
         return out.detach()
 
-    def backward(self, mb: int, stage: int, split: bool) -> None:
-        """B: the input's and the weights' gradients in one pass. I (split): the input's and the
-        gradient at each weighted layer's output; the graph is kept whole for the W (DeepSeek's
-        keeps only each Linear's input: less memory)."""
-        grad = None if stage == self.last else self.received("B", mb, stage)
+    def backward(self, micro: int, stage: int, split: bool) -> None:
+        """B: the input's and the weights' gradients in one pass. I (split): the input's and each
+        weighted layer's output's, the whole graph kept for the W (DeepSeek keeps less)."""
+        grad = None if stage == self.last else self.received("B", micro, stage)
         start = self.now()
-        x, out, weighted = self.kept.pop((mb, stage))
+        x, out, weighted = self.saved_for_backward.pop((micro, stage))
         inputs = [x] if stage > 0 else []
         if split:  # into each one's .grad; the W walks one node of the graph per layer
             torch.autograd.backward(out, grad, inputs=inputs + [o for _, o in weighted],
                                     retain_graph=True)
-            self.kept[(mb, stage)] = weighted
+            self.saved_for_backward[(micro, stage)] = weighted
         else:
             out.backward(grad)
         if inputs:
-            self.send(x.grad, "B", mb, stage - 1)
-        self.steps[-1][1].append(("I" if split else "B", mb, stage, start, self.now()))
+            self.send(x.grad, "B", micro, stage - 1)
+        self.timelines[-1][1].append(("I" if split else "B", micro, stage, start, self.now()))
 
-    def weight_backward(self, mb: int, stage: int) -> None:
+    def weight_backward(self, micro: int, stage: int) -> None:
         """W: each layer's weight gradients from the gradient at its output (a layer at a time:
         from all outputs at once, a gradient would also flow on into the earlier layers)."""
         start = self.now()
-        for layer, out in self.kept.pop((mb, stage)):
+        for layer, out in self.saved_for_backward.pop((micro, stage)):
             torch.autograd.backward(out, out.grad, inputs=list(layer.parameters(recurse=False)))
-        self.steps[-1][1].append(("W", mb, stage, start, self.now()))
+        self.timelines[-1][1].append(("W", micro, stage, start, self.now()))
 
     def run(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One step's actions; returns the loss (on the rank of the last stage, else 0)."""
-        self.steps.append((self.now(), []))
+        self.timelines.append((self.now(), []))
         loss = torch.zeros((), device=self.topo.device)
-        micro = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
-        for (kind, mb, stage, _), posts in zip(self.actions, self.posts, strict=True):
+        chunks = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
+        for (kind, micro, stage, _), posts in zip(self.actions, self.receives_before, strict=True):
             for post in posts:
                 self.post_receive(*post)
             self.sending = [(t, work) for t, work in self.sending if not work.is_completed()]
             if kind == "F":
-                out = self.forward(mb, stage, *micro[mb])
+                out = self.forward(micro, stage, *chunks[micro])
                 if stage == self.last:
                     loss += out
             elif kind == "W":
-                self.weight_backward(mb, stage)
+                self.weight_backward(micro, stage)
             else:
-                self.backward(mb, stage, split=kind == "I")
+                self.backward(micro, stage, split=kind == "I")
         for _, work in self.sending:
             work.wait()
         self.sending.clear()
         return loss
 
 
-def comm_theory_mb(shape: tuple[int, ...], m: int) -> float:
-    """What rank 0 sends a step: each micro-batch's activations to stage 1 and its gradient from
-    the last stage to stage 2p-2, both on rank 1 (the tied weight's two uses are both on rank 0:
-    nothing to sum over the network). 4 bytes a value: the residual stream stays fp32."""
-    return 2 * m * 4 * shape[0] * shape[1] * shape[2] / 2**20
-
-
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
-                        help="micro-batches m the batch is split into, at least 2p "
-                             "(default: 8, or 2p above 4 processes)")
+                        help="micro-batches m, at least 2p (default: max(8, 2p))")
     parser.set_defaults(batch_size=0)  # 0: four sequences per micro-batch, as the others
-    parser.set_defaults(steps=8, warmup=3)  # 8 runs in `make pipeline`: ~5 min
+    parser.set_defaults(steps=8, warmup=3)  # fewer than elsewhere: eight runs in `make pipeline`
     args = parser.parse_args()
     world = common.launch_world_size()
-    chosen = args.microbatches is not None
     args.microbatches = args.microbatches or max(8, 2 * world)
     args.batch_size = args.batch_size or 4 * args.microbatches
     if args.model != "gpt":
@@ -294,7 +273,7 @@ def main():
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
     common.skip_unless_pipelined(world, 2 * world, args.size)
-    if chosen and args.microbatches < 2 * world:
+    if args.microbatches < 2 * world:  # never the default, max(8, 2p)
         parser.error(f"DualPipeV needs at least as many micro-batches as its {2 * world} stages "
                      f"(2 x {world} processes): use --microbatches {2 * world} or more")
     topo = common.setup(args)
@@ -308,7 +287,7 @@ def main():
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=args.lr)
 
     def train_step(tokens, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         loss = pipe.run(tokens, targets)
         opt.step()
         return loss
@@ -316,7 +295,7 @@ def main():
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(pipe.layers, opt),
                                loss_rank=0, dp_world=1)
     steps, measured, means, inflight_max = common.gather_timelines(
-        pipe.steps[args.warmup:], pipe.inflight_max, args, topo)
+        pipe.timelines[args.warmup:], pipe.inflight_max, args, topo)
     bubble, inflight, _ = simulate(schedule(p, m), means)
     paired, _, _ = simulate(schedule(p, m), means, paired=True)
     common.record(args, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
@@ -326,7 +305,10 @@ def main():
                   timeline=[[list(a) for a in tl] for tl in steps[-1]],
                   bubble=round(measured, 4), inflight_max=inflight_max,
                   theory={"bubble": round(bubble, 4), "bubble_paired": round(paired, 4),
-                          "inflight_max": inflight, "comm_mb": comm_theory_mb(shape, m)})
+                          "inflight_max": inflight,
+                          # rank 0 sends rank 1 each micro-batch's activations (to stage 1) and
+                          # gradient (to stage 2p-2), 4 bytes a value; the tied weight's stays
+                          "comm_mb": 2 * m * 4 * shape[0] * shape[1] * shape[2] / 2**20})
 
 
 if __name__ == "__main__":

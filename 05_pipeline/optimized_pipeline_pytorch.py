@@ -6,20 +6,17 @@ rank), run by torch.distributed.pipelining: a `PipelineStage` per rank and `Sche
 (`--schedule gpipe`, the default) or `Schedule1F1B` (`--schedule 1f1b`); or two stages per rank
 in a V (rank r: stages r and 2p-1-r, the tied weight twice on rank 0, nothing to sum) and
 `ScheduleDualPipeV` (`--schedule dualpipev`). The last stage hands its logits to the schedule's
-loss function, and the schedule divides each stage's gradients by m after the step. In the V
-that would divide the tied weight's gradient twice (rank 0's two stages share it; torch 2.14
-scales per stage), so there the loss function divides each micro-batch's loss by m instead
-(`scale_grads=False`): the same gradients, once.
+loss function.
 Why it is here: a schedule written by hand is checked against the library's. The losses must
 match the hand-written one's to float rounding (the launch tests check it), and
 `make pipeline report` puts the step times side by side.
 Run:        torchrun --nproc_per_node=2 05_pipeline/optimized_pipeline_pytorch.py --size small
-            torchrun --nproc_per_node=2 05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1b
-            (and --schedule dualpipev)
+            (and with --schedule 1f1b, --schedule dualpipev)
 Look for:   the rows `optimized_pipeline_pytorch` (beside optimized_pipeline_gpipe),
             `optimized_pipeline_pytorch --schedule 1f1b` (beside optimized_pipeline_1f1b) and
             `--schedule dualpipev` (beside optimized_pipeline_dualpipev).
-Theory:     the same bubble as the hand-written schedule; torch records no timeline here.
+Theory:     the schedules' own: bubble (p-1)/(m+p-1) for GPipe and 1F1B, activations of m (GPipe)
+            or min(p, m) (1F1B) micro-batches in flight; torch records no timeline to measure them.
 """
 
 import sys
@@ -61,12 +58,11 @@ def main():
                         help="micro-batches m the batch is split into (default: 8; for "
                              "dualpipev 2p above 4 processes)")
     parser.set_defaults(batch_size=0)  # 0: four sequences per micro-batch, as the others
-    parser.set_defaults(steps=8, warmup=3)  # 8 runs in `make pipeline`: ~5 min
+    parser.set_defaults(steps=8, warmup=3)  # fewer than elsewhere: eight runs in `make pipeline`
     args = parser.parse_args()
     world = common.launch_world_size()
     v = args.schedule == "dualpipev"
     n_stages = 2 * world if v else world
-    chosen = args.microbatches is not None
     args.microbatches = args.microbatches or max(8, n_stages if v else 0)
     args.batch_size = args.batch_size or 4 * args.microbatches
     if args.model != "gpt":
@@ -75,7 +71,7 @@ def main():
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
     common.skip_unless_pipelined(world, n_stages, args.size)
-    if chosen and v and args.microbatches < n_stages:
+    if v and args.microbatches < n_stages:  # never the default, max(8, 2p)
         parser.error(f"ScheduleDualPipeV needs at least as many micro-batches as its {n_stages} "
                      f"stages: use --microbatches {n_stages} or more")
     topo = common.setup(args)
@@ -89,7 +85,8 @@ def main():
     del model, stages
     held = nn.ModuleList(modules.values())
     pipe_stages = [PipelineStage(modules[s], s, n_stages, topo.device) for s in mine]
-    if v:  # see the docstring: the loss divided by m, not the gradients
+    if v:  # torch (2.14) divides each stage's gradients by m: the tied weight's, in two of rank
+        # 0's stages, twice. Each micro-batch's loss divided by m instead: the same gradients, once.
         pipe = ScheduleDualPipeV(pipe_stages, m, scale_grads=False,
                                  loss_fn=lambda logits, targets: loss_fn(logits, targets) / m)
     else:
@@ -101,7 +98,7 @@ def main():
     opt = torch.optim.AdamW(held.parameters(), lr=args.lr)
 
     def train_step(tokens, targets):
-        opt.zero_grad(set_to_none=True)  # first, so the gradients still exist when state is counted
+        opt.zero_grad(set_to_none=True)
         losses = []
         with torch.autocast(topo.device.type, dtype=autocast_dtype,
                             enabled=autocast_dtype is not None):

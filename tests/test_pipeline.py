@@ -24,16 +24,16 @@ def check_valid(recipe, p, m):
     I and later its W; every stage of every micro-batch runs."""
     schedule = recipe.schedule(p, m)
     assert len(schedule) == p
-    runs = collections.Counter((a.mb, a.stage) for actions in schedule for a in actions
+    runs = collections.Counter((a.micro, a.stage) for actions in schedule for a in actions
                                if a.kind == "F")
     stages = max(stage for _, stage in runs) + 1
-    assert runs == {(mb, stage): 1 for mb in range(m) for stage in range(stages)}
+    assert runs == {(micro, stage): 1 for micro in range(m) for stage in range(stages)}
     for actions in schedule:
         assert len(set(actions)) == len(actions)
-        index = {(a.kind, a.mb, a.stage): i for i, a in enumerate(actions)}
-        for mb, stage in {(a.mb, a.stage) for a in actions}:
-            f, b = index[("F", mb, stage)], index.get(("B", mb, stage))
-            i, w = index.get(("I", mb, stage)), index.get(("W", mb, stage))
+        index = {(a.kind, a.micro, a.stage): i for i, a in enumerate(actions)}
+        for micro, stage in {(a.micro, a.stage) for a in actions}:
+            f, b = index[("F", micro, stage)], index.get(("B", micro, stage))
+            i, w = index.get(("I", micro, stage)), index.get(("W", micro, stage))
             assert (b is None) != (i is None) and (i is None) == (w is None)
             assert f < (b if b is not None else i) and (w is None or i < w)
 
@@ -55,7 +55,7 @@ def run_under_nccls_rule(schedule, posts, fifo):
     at the end it waits for its sends. A send and a receive complete together when each is first
     in its communicator's queue, and must then carry the same tensor, or NCCL would deliver the
     wrong one. Returns normally when every rank finishes; raises on a deadlock."""
-    owner = {(a.mb, a.stage): r for r, actions in enumerate(schedule) for a in actions}
+    owner = {(a.micro, a.stage): r for r, actions in enumerate(schedule) for a in actions}
     last = max(stage for _, stage in owner)
     p = len(schedule)
     queues = collections.defaultdict(collections.deque)  # communicator's queue -> operations
@@ -79,13 +79,13 @@ def run_under_nccls_rule(schedule, posts, fifo):
                         post("recv", r, owner[(k[1], k[2] - 1 if k[0] == "F" else k[2] + 1)], k)
                     posted[r] = progressed = True
                 src = a.stage - 1 if a.kind == "F" else a.stage + 1
-                wants = ("F" if a.kind == "F" else "B", a.mb, a.stage)
-                if a.kind != "W" and 0 <= src <= last and owner[(a.mb, src)] != r \
+                wants = ("F" if a.kind == "F" else "B", a.micro, a.stage)
+                if a.kind != "W" and 0 <= src <= last and owner[(a.micro, src)] != r \
                         and (r, wants) not in arrived:
                     break  # waits for its input
                 to = a.stage + 1 if a.kind == "F" else a.stage - 1
-                if a.kind != "W" and 0 <= to <= last and owner[(a.mb, to)] != r:
-                    post("send", r, owner[(a.mb, to)], ("F" if a.kind == "F" else "B", a.mb, to))
+                if a.kind != "W" and 0 <= to <= last and (peer := owner[(a.micro, to)]) != r:
+                    post("send", r, peer, ("F" if a.kind == "F" else "B", a.micro, to))
                 at[r], posted[r], progressed = at[r] + 1, False, True
         for ops in list(queues.values()):  # communicators
             if not ops or ops[0][0] != "send":
@@ -132,13 +132,13 @@ def test_the_model_catches_receives_posted_only_when_needed(fifo):
     sends; the same lists with `simulate`'s posts run through."""
     recipe = RECIPES["dualpipev"]
     schedule = recipe.schedule(4, 8)
-    owner = {(a.mb, a.stage): r for r, actions in enumerate(schedule) for a in actions}
+    owner = {(a.micro, a.stage): r for r, actions in enumerate(schedule) for a in actions}
 
     def networked(a, r):
         src = a.stage - 1 if a.kind == "F" else a.stage + 1
-        return a.kind != "W" and 0 <= src <= 7 and owner[(a.mb, src)] != r
+        return a.kind != "W" and 0 <= src <= 7 and owner[(a.micro, src)] != r
 
-    late = [[[("F" if a.kind == "F" else "B", a.mb, a.stage)] if networked(a, r) else []
+    late = [[[("F" if a.kind == "F" else "B", a.micro, a.stage)] if networked(a, r) else []
              for a in actions] for r, actions in enumerate(schedule)]
     assert sum(map(len, sum(late, []))) == sum(map(len, sum(recipe.simulate(schedule)[2], [])))
     with pytest.raises(AssertionError, match="deadlock"):
