@@ -173,7 +173,7 @@ EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1
 
 # One run of $$script with $$flags under torchrun: its whole output in a log named after the
 # run's setup (size, world, link, node), progress and summary lines on the terminal. A failing
-# run shows its own error line (`common.py mark-failed` finds it, and records the run when it
+# run shows its own error line (`report.py mark-failed` finds it, and records the run when it
 # could not record itself) and fails the target once the others ran. Only node 0 holds rank 0,
 # which prints and records; other nodes keep their own logs.
 WORLD = $(shell echo $$(( $(NPROC) * $(NNODES) )))
@@ -186,7 +186,7 @@ $(SHAPED) $(TORCHRUN) $$script $(SCRIPT_FLAGS) $$flags 2>&1 | tee $$log \
 	| { grep --line-buffered -E '^(step |[a-z0-9_]+: |skipped: |one step|rank +[0-9]+ \|)'; true; }; \
 code=$${PIPESTATUS[0]}; \
 if [ $$code -ne 0 ]; then status=1; \
-	echo "FAILED: $$script$$flags: $$($(PY) common.py mark-failed $$script --since $$since \
+	echo "FAILED: $$script$$flags: $$($(PY) report.py mark-failed $$script --since $$since \
 		--exit-code $$code --log $$log --world-size $(WORLD) \
 		$(if $(filter-out 0,$(NODE_RANK)),--no-record) -- $(SCRIPT_FLAGS) $$flags) (log: $$log)"; \
 fi
@@ -217,7 +217,7 @@ SMOKE_RUNS = $(foreach f,$(FOLDERS),$(sort $(wildcard $(f)/baseline_*.py)) \
 	$(sort $(wildcard $(f)/optimized_*.py)) $(EXTRA_RUNS_$(word 2,$(subst _, ,$(f)))))
 smoke: preflight
 	@rm -rf outputs/smoke
-	@$(PY) common.py smoke --nproc $(NPROC) --flags "--size tiny --steps 2 --warmup 4 --timeout 60" \
+	@$(PY) report.py smoke --nproc $(NPROC) --flags "--size tiny --steps 2 --warmup 4 --timeout 60" \
 		-- $(SMOKE_RUNS)
 
 # A host whose GPUs torch cannot use (a driver older than torch's CUDA build, say) would

@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import datetime
 import json
 import math
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +33,26 @@ import common
 
 if TYPE_CHECKING:  # matplotlib is imported when a chart is drawn, not for the table
     from matplotlib.figure import Figure
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading results back (report.py renders them; the Makefile's outcome lines check for a run's
+# own record)
+# ---------------------------------------------------------------------------------------------
+def max_loss_diff(losses: list[float] | None, baseline_losses: list[float] | None
+                  ) -> float | None:
+    """The largest per-step loss difference from the baseline's run (None: not comparable)."""
+    if not losses or not baseline_losses or len(losses) != len(baseline_losses):
+        return None
+    return max(abs(a - b) for a, b in zip(losses, baseline_losses, strict=True))
+
+
+def over_tolerance(rec: dict, base: dict | None) -> bool:
+    """Whether a run's losses strayed from its baseline's further than the tolerance its script
+    states: its status is then `over tolerance`, not `ok`."""
+    diff = max_loss_diff(rec.get("losses"), (base or {}).get("losses"))
+    tolerance = rec.get("loss_tolerance")
+    return diff is not None and tolerance is not None and diff > tolerance
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,12 +170,12 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
         noise = "~" if within_noise(rec, base) else ""
         speedup = f"{noise}{base['step_ms'] / rec['step_ms']:.2f}x"
         mem_ratio = f"{rec['peak_mem_mb'] / base['peak_mem_mb']:.2f}x"
-        diff = common.max_loss_diff(rec.get("losses"), base.get("losses"))
+        diff = max_loss_diff(rec.get("losses"), base.get("losses"))
         if diff is not None:
             tol = rec.get("loss_tolerance")
             verdict = "" if tol is None else (" (ok)" if diff <= tol else f" (> {tol:g})")
             dloss = f"{diff:.2e}{verdict}"
-        if common.over_tolerance(rec, base):
+        if over_tolerance(rec, base):
             status = "over tolerance"
     status += " (busy host)" if busy_host(rec) else ""
     status += f"; not compared: {why}" if why else ""
@@ -449,19 +476,56 @@ def comm_pattern(trace: dict) -> dict[str, dict]:
     return out
 
 
-def trace_files(traces: Path) -> list[tuple[str, int, Path]]:
-    """(folder_script, rank, path) of every per-rank trace `--trace` wrote."""
+def _trace_name(rec: dict) -> str:
+    """The name `common._export_trace` gives a run's traces, less `_rank<r>`."""
+    variant = re.sub(r"[^\w.-]", "", rec.get("variant") or "")
+    return f"{rec.get('folder')}_{rec.get('script')}{variant}"
+
+
+def _folder_and_script(name: str) -> tuple[str, str]:
+    """`05_pipeline_optimized_pipeline_pytorch--schedule1f1b` -> the folder, the script."""
+    match = re.fullmatch(r"(\d+_[^_]+)_(.+)", name)
+    folder, script = match.groups() if match else ("", name)
+    return folder, script.partition("--")[0]
+
+
+def _trace_places(names: Sequence[str], records: Sequence[dict]) -> dict[str, tuple]:
+    """Each trace's place in the results table's order: by folder, each baseline's runs
+    together after it. A run's record names its baseline; a trace with no record is placed by
+    the names: optimized_X beside the folder's baseline_Y with the longest Y that X starts
+    with (optimized_ddp_flash beside baseline_ddp_flash, optimized_zero1 beside baseline_zero)."""
+    baseline_of = {_trace_name(rec): rec.get("baseline") for rec in records}
+    scripts = {name: _folder_and_script(name) for name in names}
+    baselines = {(folder, script) for folder, script in scripts.values()
+                 if script.startswith("baseline_")}
+    places = {}
+    for name, (folder, script) in scripts.items():
+        technique = script.removeprefix("optimized_")
+        named = max((base for f, base in baselines if f == folder
+                     and script.startswith("optimized_")
+                     and technique.startswith(base.removeprefix("baseline_"))),
+                    key=len, default=None)
+        baseline = baseline_of.get(name, named)  # a record's say, None (a baseline) too, wins
+        places[name] = (folder, baseline or script, baseline is not None, name)
+    return places
+
+
+def trace_files(traces: Path, records: Sequence[dict] = ()) -> list[tuple[str, int, Path]]:
+    """(folder_script, rank, path) of every per-rank trace `--trace` wrote, each optimized
+    script's after its baseline's (`records`, the results, name the baselines), then by rank."""
     found = []
-    for path in sorted(traces.glob("*_rank*.json")):
+    for path in traces.glob("*_rank*.json"):
         name, _, rank = path.stem.rpartition("_rank")
         if rank.isdigit():
             found.append((name, int(rank), path))
-    return found
+    places = _trace_places([name for name, _, _ in found], records)
+    return sorted(found, key=lambda trace: (places[trace[0]], trace[1]))
 
 
-def render_traces(traces: Path) -> str:
-    """Markdown: the breakdown of a traced step per script and rank, then its collectives."""
-    files = trace_files(traces)
+def render_traces(traces: Path, records: Sequence[dict] = ()) -> str:
+    """Markdown: the breakdown of a traced step per script and rank, then its collectives; each
+    optimized script's rows after its baseline's (`records` name the baselines)."""
+    files = trace_files(traces, records)
     if not files:
         return ""
     breakdown, pattern, unreadable = [], [], []
@@ -546,7 +610,11 @@ def _speedup_chart(plt, records: list[dict]) -> Figure | None:
     setup, suffixes = _setups([r for r, _ in rows])
     labels = [f"{r['folder']}  {_script_label(r)}" + (f" @{r['link']}" if r.get("link") else "")
               + suffix for (r, _), suffix in zip(rows, suffixes, strict=True)]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 0.42 * len(rows) + 1.6), sharey=True)
+    # constrained layout sets the suptitle above the panels' titles at any height (tight_layout
+    # keeps it 2% of the height below the top, into the titles of a tall figure) and keeps the
+    # left panel's last tick label off the right panel's first
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.42 * len(rows) + 1.6), sharey=True,
+                             layout="constrained")
     speedups, memories = [], []
     for y, ((rec, base), paired) in enumerate(zip(rows, compared, strict=True)):
         if not paired:
@@ -554,7 +622,7 @@ def _speedup_chart(plt, records: list[dict]) -> Figure | None:
                          fontsize=8, color=GREY)
             continue
         speedup, memory = base["step_ms"] / rec["step_ms"], rec["peak_mem_mb"] / base["peak_mem_mb"]
-        over, noise = common.over_tolerance(rec, base), within_noise(rec, base)
+        over, noise = over_tolerance(rec, base), within_noise(rec, base)
         busy = " (busy host)" if busy_host(rec) or busy_host(base) else ""
         tail = " over tolerance" if over else ""
         axes[0].barh(y, speedup, color=GREY if over or noise else GREEN if speedup >= 1 else RED)
@@ -572,7 +640,7 @@ def _speedup_chart(plt, records: list[dict]) -> Figure | None:
     axes[0].set_yticks(range(len(labels)), labels, fontsize=8)
     axes[0].invert_yaxis()
     fig.suptitle(f"{setup}: green is better, red worse; grey: over tolerance, or within noise (~)")
-    return _laid_out(fig)
+    return fig
 
 
 def _compression_chart(plt, records: list[dict]) -> Figure | None:
@@ -593,34 +661,45 @@ def _compression_chart(plt, records: list[dict]) -> Figure | None:
     return _laid_out(fig)
 
 
+def _pipeline_setup(rec: dict) -> str:
+    """What a timeline ran: its schedule, micro-batches and stages, and where."""
+    micro = rec.get("microbatches")
+    return (f"{rec.get('schedule')}, {micro} micro-batch{'es' * (micro != 1)} over "
+            f"{rec.get('stages')} stages; {_setup(rec)}")
+
+
 def _pipeline_chart(plt, records: list[dict]) -> Figure | None:
+    """One step of each pipeline run, a lane per rank, every panel on one time axis so that
+    step lengths compare by eye."""
     runs = [r for r in latest_runs(records) if r.get("folder") == "05_pipeline"
             and r.get("status") == "ok" and r.get("timeline")]
     if not runs:
         return None
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.0 + 0.45 * sum(
-        len(r["timeline"]) + 1.5 for r in runs)), squeeze=False)
+        len(r["timeline"]) + 1.5 for r in runs)), squeeze=False, sharex=True,
+        layout="constrained")
     for ax, rec in zip(axes[:, 0], runs, strict=True):
         t0 = min(a[3] for lane in rec["timeline"] for a in lane)
         for rank, lane in enumerate(rec["timeline"]):
             first_stage = min(a[2] for a in lane)
-            for kind, mb, stage, start, end in lane:
+            for kind, micro, stage, start, end in lane:
                 ax.broken_barh([(1e3 * (start - t0), 1e3 * (end - start))], (rank - 0.4, 0.8),
                                facecolor=KIND_COLOURS.get(kind, "grey"), edgecolor="white",
                                hatch="//" if stage != first_stage else None)
-                ax.text(1e3 * ((start + end) / 2 - t0), rank, f"{mb}", ha="center",
+                ax.text(1e3 * ((start + end) / 2 - t0), rank, f"{micro}", ha="center",
                         va="center", fontsize=6, color="white")
         ax.set_yticks(range(len(rec["timeline"])),
                       [f"rank {r}" for r in range(len(rec["timeline"]))])
         ax.invert_yaxis()
+        ax.tick_params(axis="x", labelbottom=True)  # sharex keeps them on the last panel only
         bubble = rec.get("bubble")
-        ax.set_title(f"{_script_label(rec)}: measured bubble "
+        ax.set_title(f"{_script_label(rec)} ({_pipeline_setup(rec)}): measured bubble "
                      f"{'?' if bubble is None else f'{bubble:.3f}'}", fontsize=10)
     axes[-1, 0].set_xlabel("ms into the step (blank: idle; hatched: the rank's second stage)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLOURS.values()]
     fig.legend(handles, ["F forward", "B backward", "I input grad", "W weight grad"],
-               loc="upper center", ncol=4, fontsize=8)
-    return _laid_out(fig, top=1 - 0.35 / fig.get_figheight())
+               loc="outside upper center", ncol=4, fontsize=8)
+    return fig
 
 
 def _busbw_chart(plt, records: list[dict]) -> Figure | None:
@@ -653,8 +732,8 @@ def _busbw_chart(plt, records: list[dict]) -> Figure | None:
     return _laid_out(fig, bottom=0.1)
 
 
-def _laid_out(fig: Figure, top: float = 1.0, bottom: float = 0.0) -> Figure:
-    fig.tight_layout(rect=(0, bottom, 1, top))  # room for a legend above or below the plots
+def _laid_out(fig: Figure, bottom: float = 0.0) -> Figure:
+    fig.tight_layout(rect=(0, bottom, 1, 1))  # room for a legend below the plots
     return fig
 
 
@@ -841,7 +920,158 @@ def list_scripts(root: Path = common.ROOT) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Command line
+# Runs seen from the Makefile: a failed run's one line and record, and `make smoke`
+# ---------------------------------------------------------------------------------------------
+_SCRIPT_ERROR = re.compile(r"^(\S+\.py: error: .*|rank \d+ failed: .*)$", re.M)
+_FIRST_DEATH = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def failure_line(output: str, exit_code: int) -> str:
+    """A failed run's cause in one line, from its output: the script's own error (a refused
+    flag, or the line `run_main` prints before a traceback), else what torchrun saw of the
+    first rank to die (a crash, a kill), else the exit code."""
+    if found := _SCRIPT_ERROR.search(output):
+        return found.group(1)
+    # torchrun lists the other ranks' failures first, then the "Root Cause" (the first to die)
+    found = _FIRST_DEATH.search(output, max(0, output.find("Root Cause")))
+    who, code = (f"rank {found[1]}", int(found[2])) if found else ("a rank", exit_code)
+    if code < 0:
+        return f"{who} was killed by signal {-code}"
+    return f"{who} exited with code {code}"
+
+
+def _own_record(results: Path, script: Path, variant: str | None, since: float) -> dict | None:
+    """The record the run of `script` (with `variant`) begun at `since` wrote, if any."""
+    since_time = datetime.datetime.fromtimestamp(int(since), datetime.UTC)
+    return next((rec for rec in reversed(common.load_results(results))
+                 if (rec.get("folder"), rec.get("script"), rec.get("variant")) ==
+                 (script.resolve().parent.name, script.stem, variant)
+                 and datetime.datetime.fromisoformat(rec["time"]) >= since_time), None)
+
+
+def _flags_of(script_args: Sequence[str]) -> tuple[argparse.Namespace, str | None]:
+    """The shared flags of a run (for its results file and size) and its variant, also when
+    the script refused them (then `--results`, `--size` read leniently and no variant)."""
+    try:
+        with contextlib.redirect_stderr(None):
+            shared = common.parser(None)
+            run_args, own_flags = shared.parse_known_args(script_args)
+        return run_args, " ".join(shared.fill_shape(run_args) + own_flags) or None
+    except SystemExit:
+        lenient = argparse.ArgumentParser(add_help=False)
+        lenient.add_argument("--results", type=Path, default=common.RESULTS)
+        lenient.add_argument("--size")
+        return lenient.parse_known_args(script_args)[0], None
+
+
+def mark_failed(script: Path, script_args: Sequence[str], since: float, exit_code: int,
+                log_path: Path, world_size: int, record: bool = True) -> str:
+    """A run ended non-zero: the line to show (its output's `failure_line`), after writing a
+    `failed` record when the run wrote none (a run that recorded itself keeps its own row: a
+    failure's reason, or a result written before a crash in teardown)."""
+    run_args, variant = _flags_of(script_args)
+    own = _own_record(run_args.results, script, variant, since) if record else None
+    if own and own["status"] == "failed":
+        return own["reason"]
+    reason = failure_line(log_path.read_text(errors="replace") if log_path.exists() else "",
+                          exit_code)
+    if own:
+        return f"{reason}, after recording {own['status']}"
+    if record:
+        rec = common.base_record(run_args, None, None, "failed", reason)
+        rec.update(folder=script.resolve().parent.name, script=script.stem,
+                   world_size=world_size, variant=variant)
+        common.append_record(run_args.results, rec)
+    return reason
+
+
+def _fork_rank(script: str, argv: list[str], env: dict[str, str], log_fd: int) -> int:
+    """A process that runs `script` as one rank, as torchrun would start it, but forked from
+    this interpreter: torch is imported once, not twice a run. CUDA cannot be used in a child
+    forked after its parent initialised it, so this interpreter never touches torch.cuda."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.environ.update(env)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        sys.argv = [script, *argv]
+        import runpy
+
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def smoke(runs: Sequence[str], nproc: int, flags: Sequence[str], out: Path,
+          timeout: float) -> int:
+    """`make smoke`: every run (a script and its flags) once, `nproc` ranks on this host, one
+    line each: ok, over tolerance (its losses strayed from its baseline's, run just before, by
+    more than its script allows), skipped (why) or FAILED (its error line). Returns 1 if any
+    failed."""
+    results, logs = out / "results.jsonl", out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    failed, over, began = 0, 0, time.monotonic()
+    for run in runs:
+        script, *own = run.split()
+        log_path = logs / (Path(script).stem + "".join(own) + ".log")
+        argv = [*flags, *own, "--results", str(results)]
+        since, port = time.time(), common.free_port()
+        sys.stdout.flush()
+        with open(log_path, "w") as log_file:
+            pids = [_fork_rank(script, argv, {
+                "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port)}, log_file.fileno()) for r in range(nproc)]
+        codes, deadline = {}, time.monotonic() + timeout
+        while len(codes) < nproc and time.monotonic() < deadline:
+            for pid in set(pids) - set(codes):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        hung = set(pids) - set(codes)
+        for pid in hung:  # past the timeout: a hang is a failure, not a wait
+            os.kill(pid, signal.SIGKILL)
+            codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        code = next((codes[pid] for pid in pids if codes[pid]), 0)
+        own = _own_record(results, Path(script), _flags_of(argv)[1], since)
+        base = next((rec for rec in reversed(common.load_results(results)) if own
+                     and rec.get("script") == own.get("baseline")
+                     and common.run_key(rec) == common.run_key(own)), None)
+        if code == 0 and own and own["status"] == "ok" and over_tolerance(own, base):
+            diff = max_loss_diff(own["losses"], base["losses"])
+            line = f"over tolerance (max loss difference {diff:.2e} > {own['loss_tolerance']:g})"
+            over += 1
+        elif code == 0 and own and own["status"] == "ok":
+            line = f"ok ({own['step_ms']:.1f} ms/step, loss {own['losses'][-1]:.3f})" \
+                if "losses" in own else f"ok ({len(own['sweep'])} sizes x ops timed)"
+        elif code == 0 and own and own["status"] == "skipped":
+            line = f"skipped: {own['reason']}"
+        else:  # recorded by a Python of its own: this one must never touch CUDA (see above)
+            reason = f"timed out after {timeout:.0f} s" if hung else subprocess.run(
+                [sys.executable, __file__, "mark-failed", script, "--since", str(since),
+                 "--exit-code", str(code or 1), "--log", str(log_path), "--world-size",
+                 str(nproc), "--", *argv], capture_output=True, text=True).stdout.strip()
+            line, failed = f"FAILED: {reason} (log: {log_path})", failed + 1
+        print(f"{run:<62} {line}", flush=True)
+    print(f"smoke: {len(runs)} runs, {failed} failed, {over} over tolerance, "
+          f"{time.monotonic() - began:.0f} s ({nproc} processes each)", flush=True)
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: the results schema (`--help` prints it), the subcommands
+# ---------------------------------------------------------------------------------------------
 RESULTS_SCHEMA = """\
 results schema: each run appends one JSON object (rank 0) to outputs/results.jsonl.
 Every record:
@@ -878,7 +1108,6 @@ A script adds what its technique measures (compression, bubble, timeline, optim_
 """
 
 
-# ---------------------------------------------------------------------------------------------
 class OneLineErrors(argparse.ArgumentParser):
     """Bad flags end with one line that names what to change, as the recipes' do."""
 
@@ -913,7 +1142,31 @@ def main(argv: Sequence[str]) -> int:
     plan.add_argument("--micro-batches", type=common.int_at_least(1), default=None,
                       help="a pipeline's micro-batches per step (default 4 x gpus)")
     plan.add_argument("--dtype", choices=sorted(STATE_BYTES), default="bf16")
-    args = cli.parse_args(argv)
+    fail = sub.add_parser("mark-failed", help="(the Makefile's) a run ended non-zero: print its "
+                          "error line, and record it if the run could not", epilog="Give the "
+                          "script's own flags after --, to record its size and find its results "
+                          "file.")
+    fail.add_argument("script", type=Path)
+    fail.add_argument("--since", type=float, required=True, help="epoch seconds the run began")
+    fail.add_argument("--exit-code", type=int, required=True)
+    fail.add_argument("--log", type=Path, required=True, help="the run's output")
+    fail.add_argument("--world-size", type=int, default=1)
+    fail.add_argument("--no-record", action="store_true", help="print only (not node 0)")
+    run = sub.add_parser("smoke", help="(`make smoke`) every run once, one line each",
+                         epilog="Give the runs (a script and its flags, quoted) after --.")
+    run.add_argument("--nproc", type=int, required=True)
+    run.add_argument("--flags", default="", help="flags for every run")
+    run.add_argument("--timeout", type=float, default=300, help="seconds a run may take")
+    # after `--`: the failed run's flags, or smoke's runs (which argparse would read as flags)
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, rest = cli.parse_args(argv[:split]), argv[split + 1:]
+    if args.command == "smoke":
+        return smoke(rest, args.nproc, args.flags.split(), args.out.parent / "smoke", args.timeout)
+    if args.command == "mark-failed":
+        print(mark_failed(args.script, rest, args.since, args.exit_code, args.log,
+                          args.world_size, record=not args.no_record))
+        return 0
     if args.command == "plan":
         embedding = args.vocab * args.hidden + args.seq_len * args.hidden
         if args.params <= embedding:
@@ -925,12 +1178,12 @@ def main(argv: Sequence[str]) -> int:
     if args.command == "list":
         print(list_scripts())
         return 0
-    traces = render_traces(args.results.parent / "traces")
+    records = common.load_results(args.results)
+    traces = render_traces(args.results.parent / "traces", records)
     if args.command == "traces":
         print(traces or f"No traces in {args.results.parent / 'traces'}: run with --trace "
                         "(make all TRACE=1) first.")
         return 0
-    records = common.load_results(args.results)
     charts = write_charts(records, args.out.parent / "charts")
     links = ["## Charts", ""] + [f"![{path.stem}](charts/{path.name})" for path in charts]
     text = "\n".join(filter(None, [render_report(records), traces,

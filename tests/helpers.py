@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 
 import common
+import report
 
 TINY = ["--size", "tiny", "--steps", "6", "--warmup", "2", "--timeout", "60"]
 LAUNCH_TIMEOUT = 240  # seconds for one launch, start-up included
@@ -48,11 +49,11 @@ def only_record(results: Path) -> dict:
 def assert_within_its_tolerance(rec: dict, base: dict) -> None:
     """Every step's loss within the tolerance the run's script states, against its baseline's
     run: what the report prints as `ok` rather than `over tolerance`."""
-    diff = common.max_loss_diff(rec["losses"], base["losses"])
+    diff = report.max_loss_diff(rec["losses"], base["losses"])
     assert diff is not None and rec["loss_tolerance"] is not None, (rec["script"], diff)
     assert diff <= rec["loss_tolerance"], \
         f"{rec['script']}: max loss difference {diff:.3g} over its {rec['loss_tolerance']:g}"
-    assert not common.over_tolerance(rec, base)
+    assert not report.over_tolerance(rec, base)
 
 
 def load_recipe(path: Path) -> ModuleType:

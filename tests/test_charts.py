@@ -77,7 +77,9 @@ def test_the_other_charts_draw_what_the_real_run_recorded(records):
     timelines = [r for r in runs if r["folder"] == "05_pipeline" and r.get("timeline")]
     lanes = charts["pipeline_timelines.png"].axes
     assert [ax.get_title() for ax in lanes] == [
-        f"{report._script_label(r)}: measured bubble {r['bubble']:.3f}" for r in timelines]
+        f"{report._script_label(r)} ({r['schedule']}, {r['microbatches']} micro-batch"
+        f"{'es' * (r['microbatches'] != 1)} over {r['stages']} stages; cpu, world 2, size small):"
+        f" measured bubble {r['bubble']:.3f}" for r in timelines]
     # one box per forward, backward or weight-gradient action of every rank
     assert [len(ax.collections) for ax in lanes] == [
         sum(len(lane) for lane in r["timeline"]) for r in timelines]
@@ -87,6 +89,55 @@ def test_the_other_charts_draw_what_the_real_run_recorded(records):
         assert [list(line.get_ydata()) for line in ax.get_lines()] == [
             [row["busbw_gbps"] for row in r["sweep"] if row["op"] == ax.get_title()]
             for r in sweeps]
+
+
+def test_the_pipeline_panels_name_their_setup_and_share_one_time_axis(records):
+    lanes = report.draw_charts(records)["pipeline_timelines.png"].axes
+    assert lanes[0].get_title() == ("baseline_pipeline (naive, 1 micro-batch over 2 stages; "
+                                    "cpu, world 2, size small): measured bubble 0.501")
+    assert "dualpipev, 8 micro-batches over 4 stages; cpu, world 2" in lanes[3].get_title()
+    # one time axis, wide enough for the longest step: lengths compare by eye across panels
+    longest = max(1e3 * (max(a[4] for lane in r["timeline"] for a in lane)
+                         - min(a[3] for lane in r["timeline"] for a in lane))
+                  for r in records if r["folder"] == "05_pipeline" and r.get("timeline"))
+    assert {ax.get_xlim() for ax in lanes} == {lanes[0].get_xlim()}
+    assert lanes[0].get_xlim()[0] <= 0 and lanes[0].get_xlim()[1] >= longest
+    assert all(lanes[0].get_shared_x_axes().joined(lanes[0], ax) for ax in lanes)
+    # every panel keeps its own time labels: sharex alone would leave them on the last
+    assert all(ax.xaxis.get_tick_params()["labelbottom"] and ax.get_xticklabels() for ax in lanes)
+
+
+def _drawn_boxes(fig, texts) -> list:
+    """The boxes of the texts that are shown, in pixels."""
+    renderer = fig.canvas.get_renderer()
+    return [t.get_window_extent(renderer) for t in texts if t.get_visible() and t.get_text()]
+
+
+def _shown_ticks(ax):
+    """The x tick labels inside the view limits (matplotlib keeps others, not drawn)."""
+    low, high = sorted(ax.get_xlim())
+    return [t for t in ax.get_xticklabels() if low <= t.get_position()[0] <= high]
+
+
+@pytest.mark.parametrize("rows, setups", [(1, 1), (19, 1), (38, 2)])
+def test_nothing_on_the_speedup_chart_overlaps_at_any_number_of_rows(records, rows, setups):
+    # 1 row: the smallest figure; 19: the real run's chart; 38: its pairs on two setups, 17
+    # inches tall, where the title fell into the left panel's (tight_layout holds it 2% of the
+    # height below the top)
+    on_gpu = [dict(r, device="NVIDIA H100 80GB HBM3", world_size=1) for r in records]
+    pairs = report.compared_pairs(records + on_gpu[:len(records) * (setups - 1)])[:rows]
+    fig = report.draw_charts([run for pair in pairs for run in pair])["speedup.png"]
+    speed, memory = fig.axes
+    assert len(rows_of(speed)) == rows
+    fig.draw_without_rendering()
+    (title,) = _drawn_boxes(fig, fig.texts)  # the suptitle
+    panel_titles = _drawn_boxes(fig, [speed.title, memory.title])
+    assert len(panel_titles) == 2
+    assert not any(title.overlaps(box) for box in panel_titles)
+    assert title.y0 >= max(box.y1 for box in panel_titles)
+    # the left panel's last tick label clear of the right panel's first
+    for left in _drawn_boxes(fig, _shown_ticks(speed)):
+        assert not any(left.overlaps(right) for right in _drawn_boxes(fig, _shown_ticks(memory)))
 
 
 def test_write_charts_saves_each_drawn_chart_as_a_png(records, tmp_path):

@@ -254,9 +254,9 @@ def test_a_loss_difference_over_tolerance_is_the_rows_status():
     (row,) = [line for line in report.render_report(records).splitlines()
               if line.startswith("| optimized_ddp")]
     assert "5.00e-01 (> 0.0001)" in row and row.rstrip(" |").endswith("over tolerance")
-    assert common.over_tolerance(records[1], records[0])
-    assert not common.over_tolerance({**records[1], "loss_tolerance": 0.6}, records[0])
-    assert not common.over_tolerance(records[1], None)  # nothing to compare with
+    assert report.over_tolerance(records[1], records[0])
+    assert not report.over_tolerance({**records[1], "loss_tolerance": 0.6}, records[0])
+    assert not report.over_tolerance(records[1], None)  # nothing to compare with
 
 
 def test_report_does_not_compare_runs_with_other_settings():
@@ -397,12 +397,12 @@ def test_mark_failed_adds_a_row_only_when_the_run_left_none(tmp_path):
     log.write_text("Traceback (most recent call last):\n  ...\nValueError: bad\n"
                    "rank 1 failed: ValueError: bad\n" + TORCHRUN_SUMMARY.format(code=1))
     script = common.ROOT / "01_ddp" / "baseline_ddp.py"
-    cmd = [sys.executable, str(common.ROOT / "common.py"), "mark-failed", str(script),
+    cmd = [sys.executable, str(common.ROOT / "report.py"), "mark-failed", str(script),
            "--since", "0", "--world-size", "2", "--exit-code", "1", "--log", str(log),
            "--", "--size", "tiny", "--results", str(results)]
     first = subprocess.run(cmd, check=True, capture_output=True, text=True)
     assert first.stdout == "rank 1 failed: ValueError: bad\n"
-    assert common.mark_failed(script, ["--size", "tiny", "--results", str(results)], 0, 1, log,
+    assert report.mark_failed(script, ["--size", "tiny", "--results", str(results)], 0, 1, log,
                               2) == "rank 1 failed: ValueError: bad"
     rows = common.load_results(results)
     assert len(rows) == 1  # the first call's row now counts as this run's record
@@ -416,7 +416,7 @@ def test_mark_failed_keeps_the_row_of_a_run_that_recorded_itself_then_crashed(tm
     log.write_text(TORCHRUN_SUMMARY.format(code=-6))  # aborted in teardown, after recording
     rec = {**_row("baseline_ddp"), "time": "2100-01-01T00:00:00+00:00", "variant": None}
     results.write_text(json.dumps(rec) + "\n")
-    line = common.mark_failed(common.ROOT / "01_ddp" / "baseline_ddp.py",
+    line = report.mark_failed(common.ROOT / "01_ddp" / "baseline_ddp.py",
                               ["--results", str(results)], 0, 1, log, 2)
     assert line == "rank 1 was killed by signal 6, after recording ok"
     assert [r["status"] for r in common.load_results(results)] == ["ok"]
@@ -426,7 +426,7 @@ def test_mark_failed_records_a_run_whose_flags_its_script_refused(tmp_path):
     """`ARGS='--size huge'`: the recorder reads the flags leniently instead of failing too."""
     results, log = tmp_path / "results.jsonl", tmp_path / "run.log"
     log.write_text("baseline_ddp.py: error: argument --size: invalid choice: 'huge'\n")
-    common.mark_failed(common.ROOT / "01_ddp" / "baseline_ddp.py",
+    report.mark_failed(common.ROOT / "01_ddp" / "baseline_ddp.py",
                        ["--size", "huge", "--results", str(results)], 0, 2, log, 2)
     (row,) = common.load_results(results)
     assert (row["status"], row["size"]) == ("failed", "huge")
@@ -465,7 +465,7 @@ Root Cause (first observed failure):
     ("", 139, "a rank exited with code 139"),
 ])
 def test_a_failed_runs_line_is_its_scripts_own_error(output, code, line):
-    assert common.failure_line(output, code) == line
+    assert report.failure_line(output, code) == line
 
 
 # --- outcomes ---------------------------------------------------------------------------------
@@ -544,7 +544,7 @@ def test_a_package_that_is_not_installed_records_no_version(monkeypatch):
         return "0.29.1"
 
     monkeypatch.setattr(importlib.metadata, "version", not_torchao)
-    rec = common._base_record(None, None, None, "failed", "boom")
+    rec = common.base_record(None, None, None, "failed", "boom")
     assert (rec["torchao"], rec["torchvision"]) == (None, "0.29.1")
 
 
@@ -567,7 +567,7 @@ def test_report_compares_rows_only_on_the_same_link_and_shows_measured_beside_th
 def test_another_batch_or_sequence_length_names_the_runs_variant(flags, variant):
     assert common.parser(None).parse_args(["--size", "small", *flags]).variant == variant
     # as the Makefile's bookkeeping finds a run's record from its flags, the script's own after
-    assert common._flags_of(["--size", "small", *flags, "--replicated-optimizer"])[1] == \
+    assert report._flags_of(["--size", "small", *flags, "--replicated-optimizer"])[1] == \
         " ".join(filter(None, [variant, "--replicated-optimizer"]))
 
 

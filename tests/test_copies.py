@@ -56,7 +56,8 @@ def fix() -> int:
 
 def test_the_deliberate_copies_are_marked():
     """The ones a reader diffs: the 05 runtime in GPipe's and DualPipe's scripts, ZeRO-1's
-    partition and gradient clipping in ZeRO-2's and -3's, the DDP wrap of the baselines."""
+    partition and gradient clipping in ZeRO-2's and -3's, the DDP wrap of the baselines, FSDP's
+    sharding in the checkpointing script."""
     marked = {(path.name, name) for path, name, _ in marked_copies()}
     assert {("optimized_pipeline_gpipe.py", "PipelineRank"), ("optimized_pipeline_gpipe.py",
             "simulate"), ("optimized_pipeline_dualpipe.py", "PipelineRank"),
@@ -64,6 +65,15 @@ def test_the_deliberate_copies_are_marked():
             "partition"), ("optimized_zero3.py", "partition"),
             ("optimized_zero2.py", "clip_grad_norm_"), ("optimized_zero3.py", "clip_grad_norm_"),
             ("baseline_zero.py", "wrap_ddp")} <= marked
+    assert {("optimized_fsdp_checkpoint.py", name) for name in (
+        "build_mesh", "sharding_units", "batchnorms", "keep_batchnorm_fp32", "shard",
+        "prefetch_one_ahead", "padded_numel", "theory")} <= marked
+    # the flash pair wraps DDP alike, so that pair differs in the attention alone; PyTorch's
+    # PowerSGD hook starts from the hand-written recipe's Q and keeps its shape rule and checks
+    assert {("baseline_ddp_flash.py", "wrap_ddp"), ("baseline_ddp_flash.py", "block_gradient_mb"),
+            *(("optimized_compression_powersgd_pytorch.py", name) for name in (
+                "initial_qs", "worth_compressing", "compression_theory", "resolve_start_iter"))
+            } <= marked
 
 
 def test_every_marker_stands_right_above_its_definition_and_names_a_source():

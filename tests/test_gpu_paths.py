@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import report
 from helpers import load_recipe
 
 SCRIPTS = sorted(common.ROOT.glob("0[1-6]_*/*.py"))
@@ -132,10 +133,10 @@ def test_records_name_the_gpu_and_the_cuda_and_nccl_versions(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 30, 7))
-    rec = common._base_record(tiny_args(), fake_cuda_topology(), None, "ok", None)
+    rec = common.base_record(tiny_args(), fake_cuda_topology(), None, "ok", None)
     assert (rec["device"], rec["cuda"], rec["nccl"]) == ("NVIDIA H100 80GB HBM3", "13.0",
                                                           "2.30.7")
-    cpu = common._base_record(tiny_args(), common.Topology(0, 0, 1, 1, 1, "gloo",
+    cpu = common.base_record(tiny_args(), common.Topology(0, 0, 1, 1, 1, "gloo",
                                                            torch.device("cpu")), None, "ok", None)
     assert (cpu["device"], cpu["cuda"], cpu["nccl"]) == ("cpu", None, None)
 
@@ -208,26 +209,6 @@ def test_batchnorm_needs_no_unit_of_its_own_in_fp32(fsdp):
     assert not isinstance(model.net.bn1, FSDPModule)  # fp32 runs keep their collectives
 
 
-def test_validation_gathers_each_parameter_on_the_compute_device(fsdp, monkeypatch):
-    """With --cpu-offload the shards live on CPU and an NCCL group gathers only device tensors:
-    the shard must reach the compute device (here `meta`, a stand-in) before the gather."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.tensor import DTensor
-
-    model = resnet()
-    fsdp.shard(model, init_device_mesh("cpu", (1,)), "block", True, MixedPrecisionPolicy(),
-               offload=False)
-    p = model.net.fc.weight
-    gathered_on = []
-    monkeypatch.setattr(DTensor, "full_tensor", lambda self, **_: gathered_on.append(
-        self.to_local().device) or self.to_local())
-    fsdp.full_parameter(p, torch.device("meta"))
-    assert gathered_on == [torch.device("meta")]
-    monkeypatch.undo()
-    assert torch.equal(fsdp.full_parameter(p, torch.device("cpu")), p.full_tensor())
-
-
 def test_float8_weights_are_gathered_in_float8_only_where_their_rows_split_evenly():
     """torchao cannot gather an uneven float8 shard (pytorch/ao#3982): at 3 ranks the tiny
     GPT's 64-row weights travel in the compute dtype instead; at 2 and 4 in float8."""
@@ -291,8 +272,9 @@ def test_a_script_that_skips_before_setup_records_it_once(tmp_path):
 @pytest.mark.parametrize("script", [
     "02_compression/optimized_compression_int8.py",
     "02_compression/optimized_compression_powersgd.py", "03_fsdp/optimized_fsdp.py",
-    "03_fsdp/optimized_fsdp_fp8.py", "04_zero/optimized_zero1.py", "04_zero/optimized_zero2.py",
-    "04_zero/optimized_zero3.py", "04_zero/optimized_zero_pytorch.py",
+    "03_fsdp/optimized_fsdp_checkpoint.py", "03_fsdp/optimized_fsdp_fp8.py",
+    "04_zero/optimized_zero1.py", "04_zero/optimized_zero2.py", "04_zero/optimized_zero3.py",
+    "04_zero/optimized_zero_pytorch.py",
     "06_symmem/optimized_symmem_training.py"])
 def test_every_tolerance_table_has_a_figure_for_each_dtype(script):
     table = load_recipe(common.ROOT / script).LOSS_TOLERANCE
@@ -334,7 +316,7 @@ def test_the_smoke_never_touches_cuda_in_the_process_it_forks_from(tmp_path, mon
 
     for name in ("is_available", "get_device_name", "device_count", "init"):
         monkeypatch.setattr(torch.cuda, name, touched)
-    assert common.smoke(["09_x/optimized_raises.py"], 1, ["--size", "tiny"], tmp_path / "out",
+    assert report.smoke(["09_x/optimized_raises.py"], 1, ["--size", "tiny"], tmp_path / "out",
                         timeout=60) == 1
     (rec,) = common.load_results(tmp_path / "out" / "results.jsonl")
     assert rec["status"] == "failed" and "exited with code 1" in rec["reason"]

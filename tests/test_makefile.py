@@ -86,10 +86,10 @@ def test_failing_scripts_fail_the_target_show_their_log_and_are_reported(tmp_pat
     assert rows["optimized_dies"]["reason"] == "rank 0 exited with code 3"
     assert {r["status"] for r in records} == {"failed"}
 
-    report = subprocess.run([*make, "report"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=60)
-    assert report.returncode == 0
-    assert "failed: RuntimeError: broken on purpose" in report.stdout
+    shown = subprocess.run([*make, "report"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60)
+    assert shown.returncode == 0
+    assert "failed: RuntimeError: broken on purpose" in shown.stdout
     assert (tmp_path / "outputs" / "report.md").exists()
 
 

@@ -188,3 +188,45 @@ def test_the_traces_table_has_a_row_per_script_and_rank(tmp_path):
         assert [c.strip() for c in row.split("|")[3:-1]] == \
             ["0.1", "0.04 (40%)", "0.02 (20%)", "0.01 (10%)", "0.03 (30%)"]
     assert report.render_traces(tmp_path / "none") == ""
+
+
+def _traced(folder, names, ranks=(0, 1)):
+    for name in names:
+        for rank in ranks:
+            (folder / f"{name}_rank{rank}.json").write_text(json.dumps(CPU_TRACE))
+
+
+def _scripts_and_ranks(text):
+    """(script, rank) of each row of the breakdown, the first table."""
+    table = text.split("\n\n")[1]
+    return [(cells[1].strip(), int(cells[2])) for cells in
+            (line.split("|") for line in table.splitlines()[2:])]
+
+
+def test_the_traces_table_keeps_each_pair_together_with_no_records(tmp_path):
+    _traced(tmp_path, ["01_ddp_baseline_ddp", "01_ddp_baseline_ddp_flash", "01_ddp_optimized_ddp",
+                       "01_ddp_optimized_ddp_flash", "04_zero_optimized_zero_pytorch--stage3",
+                       "04_zero_optimized_zero1", "04_zero_baseline_zero"])
+    _traced(tmp_path, ["01_ddp_baseline_ddp"], ranks=(10, 2))
+    rows = _scripts_and_ranks(report.render_traces(tmp_path))
+    # by name: optimized_ddp_flash beside baseline_ddp_flash (the longest baseline it starts
+    # with), not baseline_ddp; ranks by number, 10 after 2
+    assert rows == [("01_ddp_baseline_ddp", r) for r in (0, 1, 2, 10)] + [
+        (name, r) for name in ["01_ddp_optimized_ddp", "01_ddp_baseline_ddp_flash",
+                               "01_ddp_optimized_ddp_flash", "04_zero_baseline_zero",
+                               "04_zero_optimized_zero1", "04_zero_optimized_zero_pytorch--stage3"]
+        for r in (0, 1)]
+
+
+def test_the_traces_table_pairs_runs_as_their_records_say(tmp_path):
+    _traced(tmp_path, ["01_ddp_baseline_ddp", "01_ddp_baseline_ddp_flash", "01_ddp_optimized_ddp",
+                       "01_ddp_optimized_ddp_flash", "04_zero_optimized_zero_pytorch--stage3"])
+    records = [  # the flash run compared with plain DDP; a run whose baseline left no trace
+        {"folder": "01_ddp", "script": "optimized_ddp_flash", "baseline": "baseline_ddp",
+         "variant": None},
+        {"folder": "04_zero", "script": "optimized_zero_pytorch", "baseline": "baseline_zero",
+         "variant": "--stage 3"}]
+    rows = [name for name, rank in _scripts_and_ranks(report.render_traces(tmp_path, records))
+            if rank == 0]
+    assert rows == ["01_ddp_baseline_ddp", "01_ddp_optimized_ddp", "01_ddp_optimized_ddp_flash",
+                    "01_ddp_baseline_ddp_flash", "04_zero_optimized_zero_pytorch--stage3"]
