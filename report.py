@@ -909,13 +909,13 @@ def render_plan(args: argparse.Namespace) -> str:
 # The recipes: every script with the first line (sentence) of its docstring, by folder
 # ---------------------------------------------------------------------------------------------
 def list_scripts(root: Path = common.ROOT) -> str:
-    lines = []
+    lines, width = [], max(len(s.name) for s in root.glob("[0-9][0-9]_*/*.py"))
     for folder in sorted(root.glob("[0-9][0-9]_*/")):
         lines += ["", f"{folder.name}/"]
         for script in sorted(folder.glob("*.py")):
             doc = ast.get_docstring(ast.parse(script.read_text())) or ""
             summary = " ".join(doc.split("\n\n")[0].split())  # its first line, wrapped or not
-            lines.append(f"  {script.name:<36} {summary}")
+            lines.append(f"  {script.name:<{width}} {summary}")
     return "\n".join(lines[1:])
 
 
