@@ -737,9 +737,9 @@ def _measured_step(step: Callable[[], torch.Tensor], memory_of: Sequence, device
                    ) -> tuple[torch.Tensor, dict]:
     """Run the last warm-up step (optimizer state exists, nothing timed or traced); return its
     loss and the Stats fields it measures: its own peak memory and the MB this rank sent (in all
-    and by kind). On CUDA the peak is
-    the allocator's, reset just before (not the process's: the model before FSDP sharded it,
-    compile workspaces); on CPU the live tensors' by kind (`peak_tensor_memory` of `memory_of`)."""
+    and by kind). On CUDA the peak is the allocator's, reset just before (not the process's: the
+    model before FSDP sharded it, compile workspaces); on CPU the live tensors' by kind
+    (`peak_tensor_memory` of `memory_of`)."""
     memory = None
     with CollectiveBytes() as sent:
         if device.type == "cuda":
