@@ -558,6 +558,50 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _SummedOnArrival:
+    """reduce_scatter's pending call on gloo, with a Work's wait() and is_completed(): done once
+    the all_to_all is and the copies that arrived are summed (on gloo's thread, as they land)."""
+
+    def __init__(self, summed: torch.futures.Future):
+        self.summed = summed
+
+    def wait(self) -> bool:
+        self.summed.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.summed.done()
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None = None,
+                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False
+                   ) -> dist.Work | _SummedOnArrival | None:
+    """`out` = the reduction over the group's ranks of chunk r of `inp` (N equal chunks, callers
+    pad), on rank r; `out` may be that chunk itself. gloo's reduce_scatter_tensor all-reduces a
+    copy of the whole input and keeps a slice: twice the bytes and the time of a reduce-scatter.
+    On gloo this is an all_to_all_single instead, each rank receiving every peer's copy of its
+    own chunk, (N-1)/N of the input sent as a ring would, and a local sum. Other backends (NCCL)
+    have a true reduce-scatter: theirs is used."""
+    if dist.get_backend(group) != "gloo":
+        return reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
+    if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        raise ValueError(f"reduce_scatter on gloo sums or averages, not {op}")
+    n = dist.get_world_size(group)
+    copies = torch.empty_like(inp)  # row k: rank k's copy of this rank's chunk
+    work = dist.all_to_all_single(copies, inp, group=group, async_op=True)
+
+    def sum_copies(_: torch.futures.Future) -> None:
+        torch.sum(copies.view(n, -1), dim=0, out=out.view(-1))
+        if op == dist.ReduceOp.AVG:
+            out.div_(n)
+
+    summed = work.get_future().then(sum_copies)
+    if not async_op:
+        summed.wait()
+        return None
+    return _SummedOnArrival(summed)
+
+
 def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
     """Skip a world a pipeline of `stages` cannot use: it is the host's (NPROC), not a bad flag."""
     layers = SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss

@@ -6,6 +6,7 @@ gradients and AdamW's state. A block's parameters are all-gathered just before i
 gradients are reduce-scattered after its backward and each rank steps the shard it owns. Each
 block prefetches the next one's all-gather to overlap its own compute. A MixedPrecisionPolicy
 follows --dtype: bf16 gathers and compute with fp32 reductions on CUDA, plain fp32 on CPU.
+On gloo, reduce-scatters go through AllToAllReduceScatter (gloo's own is an all-reduce).
   --reshard-after-forward true|false  FULL_SHARD: free a block's gathered weights after its
                    forward, gather them again for backward; or SHARD_GRAD_OP: keep them
   --hsdp R         hybrid: shard within groups of N/R ranks, replicate across the R groups
@@ -27,8 +28,9 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
@@ -70,6 +72,20 @@ def keep_batchnorm_fp32(model: torch.nn.Module, policy: dict) -> None:
         fully_shard(norms, **{**policy, "mp_policy": MixedPrecisionPolicy()})
 
 
+class AllToAllReduceScatter:
+    """FSDP2's ReduceScatter interface (`allocate`, `__call__`) on common.reduce_scatter: an
+    all_to_all and a local sum. FSDP2 calls the process group's reduce_scatter_tensor, which
+    gloo runs as an all-reduce of the whole input, twice the bytes and time a reduce-scatter
+    needs. NCCL's is a true reduce-scatter, so CUDA runs keep FSDP2's own."""
+
+    def allocate(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op, async_op: bool = False):
+        return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+
+
 def shard(model: torch.nn.Module, mesh: DeviceMesh, wrap: str, reshard_after_forward: bool,
           mp_policy: MixedPrecisionPolicy, offload: bool) -> list[torch.nn.Module]:
     """fully_shard bottom-up: BatchNorms under bf16, each unit, then the root (what is left:
@@ -84,6 +100,10 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, wrap: str, reshard_after_for
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **policy)
     fully_shard(model, **policy)
+    if dist.get_backend(mesh.get_group("shard")) == "gloo":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
     return units
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
@@ -81,6 +81,21 @@ def keep_batchnorm_fp32(model: torch.nn.Module, policy: dict) -> None:
         fully_shard(norms, **{**policy, "mp_policy": MixedPrecisionPolicy()})
 
 
+# Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
+class AllToAllReduceScatter:
+    """FSDP2's ReduceScatter interface (`allocate`, `__call__`) on common.reduce_scatter: an
+    all_to_all and a local sum. FSDP2 calls the process group's reduce_scatter_tensor, which
+    gloo runs as an all-reduce of the whole input, twice the bytes and time a reduce-scatter
+    needs. NCCL's is a true reduce-scatter, so CUDA runs keep FSDP2's own."""
+
+    def allocate(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op, async_op: bool = False):
+        return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+
+
 # Copied from 03_fsdp/optimized_fsdp.py: shard
 def shard(model: torch.nn.Module, mesh: DeviceMesh, wrap: str, reshard_after_forward: bool,
           mp_policy: MixedPrecisionPolicy, offload: bool) -> list[torch.nn.Module]:
@@ -96,6 +111,10 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, wrap: str, reshard_after_for
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **policy)
     fully_shard(model, **policy)
+    if dist.get_backend(mesh.get_group("shard")) == "gloo":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
     return units
 
 

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -80,6 +81,21 @@ def checkpoint_blocks(model: common.GPT) -> None:
         model.blocks[i] = checkpoint_wrapper(block)
 
 
+# Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
+class AllToAllReduceScatter:
+    """FSDP2's ReduceScatter interface (`allocate`, `__call__`) on common.reduce_scatter: an
+    all_to_all and a local sum. FSDP2 calls the process group's reduce_scatter_tensor, which
+    gloo runs as an all-reduce of the whole input, twice the bytes and time a reduce-scatter
+    needs. NCCL's is a true reduce-scatter, so CUDA runs keep FSDP2's own."""
+
+    def allocate(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op, async_op: bool = False):
+        return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+
+
 def shard(model: common.GPT, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
           compile_blocks: bool) -> list[torch.nn.Module]:
     """optimized_fsdp.py's layout: a FULL_SHARD unit per block, the root, prefetching."""
@@ -89,6 +105,9 @@ def shard(model: common.GPT, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
             unit.compile()
         fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if dist.get_backend(mesh.get_group()) == "gloo":
+        for unit in [*units, model]:
+            unit.set_custom_reduce_scatter(AllToAllReduceScatter())
     for earlier, later in zip(units, units[1:], strict=False):
         earlier.set_modules_to_forward_prefetch([later])
         later.set_modules_to_backward_prefetch([earlier])

@@ -5,7 +5,8 @@ transformer block, then one for the embeddings and final norm: the order in whic
 makes their gradients ready). Each bucket is padded to a multiple of the world size N, and rank
 r owns the r-th 1/N of every bucket. Gradients accumulate into a second flat buffer laid out
 the same way. After backward, each bucket's gradient is reduce-scattered: every rank receives
-the sum over ranks of exactly the slice it owns. AdamW then updates the owned slices only, so
+the sum over ranks of exactly the slice it owns (common.reduce_scatter: on gloo, whose own
+reduce-scatter all-reduces the whole input, an all_to_all and a local sum). AdamW then updates the owned slices only, so
 its two moments exist for 1/N of the model, and the updated slices are all-gathered back into
 every rank's flat parameters. --clip-grad-norm clips by the global norm: the all-reduced sum of
 each rank's squares over the values it owns, padding left out, so each value counts once.
@@ -170,7 +171,7 @@ def reduce_scatter_grads(buckets: list[Bucket], flat_grads: torch.Tensor,
     is the input's own slice, which NCCL and gloo both allow; the rest is stale after), then
     average that slice: 1/N of the work of dividing the whole gradient first, as DDP does."""
     owned = [b.owned(flat_grads, topo.rank, topo.world_size) for b in buckets]
-    works = [common.reduce_scatter_single(mine, b.whole(flat_grads), async_op=True)
+    works = [common.reduce_scatter(mine, b.whole(flat_grads), async_op=True)
              for mine, b in zip(owned, buckets, strict=True)]
     for work, mine in zip(works, owned, strict=True):
         work.wait()

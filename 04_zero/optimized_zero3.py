@@ -216,7 +216,7 @@ class GradReducer:
         if self.copied[i] == len(bucket.params):
             shard = self.shards[i]
             shard.grad = torch.empty_like(shard)
-            work = common.reduce_scatter_single(shard.grad, self.buffers[i], async_op=True)
+            work = common.reduce_scatter(shard.grad, self.buffers[i], async_op=True)
             self.in_flight.append((work, i))
             self.gatherer.free(i)
 

@@ -583,3 +583,35 @@ def test_a_variants_trace_is_named_after_it_as_its_log_is(tmp_path, monkeypatch)
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
         "04_zero_optimized_zero_pytorch--stage3_rank1.json",
         "04_zero_optimized_zero_pytorch_rank1.json"]
+
+
+def _reduce_scatter_equals_gloos_own(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    gen = torch.Generator().manual_seed(rank)
+    for numel in (1, 1000, 65_537):  # padded to whole chunks as ZeRO and FSDP pad them
+        chunk = -(-numel // world)
+        x = torch.zeros(chunk * world)
+        x[:numel] = torch.randint(-1000, 1000, (numel,), generator=gen).float()  # exact sums
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            ours, theirs = torch.empty(chunk), torch.empty(chunk)
+            common.reduce_scatter(ours, x, op=op)
+            common.reduce_scatter_single(theirs, x.clone())  # gloo's: all-reduce, keep a slice
+            if op == dist.ReduceOp.AVG:
+                theirs.div_(world)
+            assert torch.equal(ours, theirs), (numel, op)
+            pending = common.reduce_scatter(ours := torch.empty(chunk), x, op=op, async_op=True)
+            assert pending.wait() and pending.is_completed() and torch.equal(ours, theirs)
+        in_place = x.clone()  # ZeRO-1: the output is the input's own chunk
+        mine = in_place[rank * chunk:(rank + 1) * chunk]
+        common.reduce_scatter(mine, in_place)
+        common.reduce_scatter_single(theirs := torch.empty(chunk), x.clone())
+        assert torch.equal(mine, theirs), numel
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_on_gloo_equals_reduce_scatter_tensor(world):
+    torch.multiprocessing.spawn(_reduce_scatter_equals_gloos_own,
+                                args=(world, common.free_port()), nprocs=world)
