@@ -4,10 +4,11 @@ space, so a collective is plain loads and stores and a few flags, with no librar
 What it does: the same sweep as baseline_symmem_allreduce.py (sizes, checks, timing), each
 operation done through memory every rank of the host can read and write.
 - CPU: one /dev/shm file every local rank maps (SharedSegment): three flags per rank, then one
-  slot per rank. An all-reduce: each rank copies its tensor into its slot and raises `ready`;
-  once all are ready, one-shot (up to 256 KB) sums all slots into its tensor, two-shot (larger)
-  sums its 1/N of every slot into its own slot, raises `reduced`, then copies each 1/N from the
-  rank that summed it. Last it raises `done`, which the next call waits for before it
+  slot per rank. An all-reduce, one-shot (up to 256 KB): each rank copies its tensor into its
+  slot, raises `ready`, and once all are ready sums all slots into its tensor. Two-shot
+  (larger): rank r copies into its slot only the pieces its peers sum, sums piece r of its
+  tensor and of every peer's slot into its own slot, raises `reduced`, then copies each piece
+  from the rank that summed it. Last it raises `done`, which the next call waits for before it
   overwrites a slot. All-gather, reduce-scatter and send/recv: write your slot, flag, read the
   slots you need, flag. One node and x86-64 only (else the run records `skipped`).
 - CUDA: `torch.distributed._symmetric_memory`: a buffer per size (`symm_mem.empty`,
@@ -40,6 +41,22 @@ import common  # noqa: E402
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
 ONE_SHOT_MAX = 256 * 1024  # bytes: above, two-shot reads less than one-shot's N slots
 LINE = 8  # int64s per flag: one 64-byte cache line each
+SPIN_POLLS = 300  # flag reads (tens of microseconds) before a waiting rank yields its core
+
+
+class SizeViews:
+    """The slot views an all-reduce of `numel` values uses, made once per message size: a slice
+    costs microseconds of Python and torch dispatch, a good share of a small message's call.
+    Two-shot: rank k sums values bounds[k]:bounds[k + 1] (its piece) into its own slot."""
+
+    def __init__(self, slots: torch.Tensor, rank: int, numel: int):
+        n = len(slots)
+        self.bounds = b = [numel * k // n for k in range(n + 1)]
+        self.rows = list(slots[:, :numel])  # each rank's slot
+        self.pieces = [slots[k, b[k]:b[k + 1]] for k in range(n)]  # each piece, where it is summed
+        self.parts = [slots[k, b[rank]:b[rank + 1]] for k in range(n) if k != rank]  # of my piece
+        self.to_peers = [(lo, hi, self.rows[rank][lo:hi])  # what peers read from my slot
+                         for lo, hi in ((0, b[rank]), (b[rank + 1], numel)) if hi > lo]
 
 
 class SharedSegment:
@@ -51,7 +68,7 @@ class SharedSegment:
     ends, or when a rank is killed.
     Ordering: a rank writes its data, then its flag; a peer reads the flag, then the data.
     x86-64 makes stores visible in program order and does not reorder loads with older loads
-    (total store order), and torch's copy and sum kernels store normally, so a peer that sees
+    (total store order), and torch's copy, add and sum kernels store normally, so a peer that sees
     the flag sees the data. ARM (e.g. GB200's Grace CPUs) promises no such order and Python has
     no fence to call, hence the check below."""
 
@@ -85,6 +102,12 @@ class SharedSegment:
         self.slots = torch.frombuffer(self.mapping, dtype=torch.float32, offset=flag_bytes,
                                       count=n * slot_bytes // 4).view(n, slot_bytes // 4)
         self.call = 0
+        self.sized: dict[int, SizeViews] = {}
+
+    def views(self, numel: int) -> SizeViews:
+        if numel not in self.sized:
+            self.sized[numel] = SizeViews(self.slots, self.rank, numel)
+        return self.sized[numel]
 
     def begin(self) -> None:
         """A new call: wait until every peer is done reading the slots of the last one."""
@@ -95,35 +118,50 @@ class SharedSegment:
         self.flags[flags[self.rank]] = self.call
 
     def wait(self, flags: range, value: int | None = None) -> None:
-        """Until every rank's flag reaches `value` (default: this call), yielding the core
-        between polls: ranks may outnumber cores, and a spin would starve the rank it waits
-        for."""
-        value, deadline = self.call if value is None else value, time.monotonic() + self.timeout
-        while any(self.flags[i] < value for i in flags):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"a peer did not reach call {value} within {self.timeout} s")
-            os.sched_yield()
+        """Until every rank's flag reaches `value` (default: this call): a tight poll first (a
+        peer a few microseconds behind costs no system call), then yielding the core between
+        polls: ranks may outnumber cores, and a spin would starve the rank it waits for."""
+        value, polls, deadline = self.call if value is None else value, 0, None
+        for i in flags:
+            while self.flags[i] < value:
+                polls += 1
+                if polls < SPIN_POLLS:
+                    continue
+                if deadline is None:
+                    deadline = time.monotonic() + self.timeout
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(f"a peer did not reach call {value} within {self.timeout} s")
+                os.sched_yield()
 
 
 def all_reduce(seg: SharedSegment, x: torch.Tensor) -> None:
-    n, r, numel = len(seg.slots), seg.rank, x.numel()
-    slots = seg.slots[:, :numel]
+    if len(seg.slots) == 1:
+        return  # a world of one: x is the sum
+    r, views = seg.rank, seg.views(x.numel())
     seg.begin()
-    slots[r].copy_(x)
-    seg.signal(seg.ready)
-    seg.wait(seg.ready)
-    if numel * 4 <= ONE_SHOT_MAX:
-        torch.sum(slots, dim=0, out=x)
+    if x.numel() * 4 <= ONE_SHOT_MAX:
+        views.rows[r].copy_(x)
+        seg.signal(seg.ready)
+        seg.wait(seg.ready)
+        torch.add(views.rows[0], views.rows[1], out=x)
+        for row in views.rows[2:]:  # in rank order on every rank: the same sum, bit for bit
+            x.add_(row)
     else:
-        bounds = [numel * k // n for k in range(n + 1)]
-        mine = slice(bounds[r], bounds[r + 1])
-        for k in range(n):  # my 1/N of every slot, summed into my slot: nobody else reads it now
-            if k != r:
-                slots[r, mine].add_(slots[k, mine])
+        for lo, hi, slot in views.to_peers:  # not my own piece: nobody reads it from my slot
+            slot.copy_(x[lo:hi])
+        seg.signal(seg.ready)
+        seg.wait(seg.ready)
+        b = views.bounds
+        mine, x_mine = views.pieces[r], x[b[r]:b[r + 1]]
+        torch.add(x_mine, views.parts[0], out=mine)  # the part of my slot no peer reads yet
+        for part in views.parts[1:]:
+            mine.add_(part)
         seg.signal(seg.reduced)
+        x_mine.copy_(mine)  # while the peers finish their pieces
         seg.wait(seg.reduced)
-        for k in range(n):
-            x[bounds[k]:bounds[k + 1]].copy_(slots[k, bounds[k]:bounds[k + 1]])
+        for k, piece in enumerate(views.pieces):
+            if k != r:
+                x[b[k]:b[k + 1]].copy_(piece)
     seg.signal(seg.done)
 
 

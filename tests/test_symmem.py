@@ -1,8 +1,9 @@
 """06_symmem's shared-memory collectives in spawned gloo processes: equal to the process
-group's at every size (sizes that do not divide by N included), at 2 and at 3 ranks; never a
-stale read over many back-to-back calls; nothing left in /dev/shm, also after a rank killed
-before or after it mapped the segment;
-more than one node is refused as `skipped`; training equal to the baseline at 3 ranks."""
+group's at every size (sizes that do not divide by N included), at 2 and at 3 ranks, and an
+all-reduce's rounded sums the same bits on every rank; never a stale read over many
+back-to-back calls; nothing left in /dev/shm, also after a rank killed before or after it
+mapped the segment; more than one node is refused as `skipped`; training equal to the
+baseline at 3 ranks."""
 
 import argparse
 import os
@@ -60,6 +61,14 @@ def _compare_with_the_process_group(rank: int, world: int, port: int) -> None:
         recipe.sendrecv(seg, out, x)
         peer = torch.randint(-1000, 1000, (numel,), generator=peer_gen).float()
         assert torch.equal(out, peer), ("sendrecv", numel)
+    for numel in SIZES:  # sums that round: every rank still gets the same bits, near gloo's
+        x = torch.randn(numel, generator=gen)
+        ours, theirs, everyone = x.clone(), x.clone(), [torch.empty(numel) for _ in range(world)]
+        recipe.all_reduce(seg, ours)
+        dist.all_reduce(theirs)
+        dist.all_gather(everyone, ours)
+        assert all(torch.equal(ours, other) for other in everyone), ("bits differ", numel)
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5), ("rounding", numel)
     for call in range(200):  # back to back, the data changing every call, two sizes in turn
         numel = SIZES[call % 2 * 5]
         x = torch.full((numel,), float(call * (rank + 1)))
