@@ -8,12 +8,12 @@ each bucket of fp32 gradients as int8 in two collectives.
   2. Reduce-scatter as all_to_all: rank r owns chunk r and receives every peer's int8 copy of
      it, scales included. It dequantizes the N copies and sums them in fp32.
   3. All-gather: the owner quantizes its averaged chunk again and all-gathers it as int8, so
-     every rank can dequantize the whole averaged bucket.
+     every rank dequantizes the whole averaged bucket straight into the gradients.
 Not an int8 all-reduce: a SUM of N int8 tensors overflows unless every scale leaves room for
 N; here each sum happens in fp32, on the chunk's owner. Error feedback, twice: what each
-quantization drops (the sender's, and the owner's re-quantization) is added back before the
-next step's, so a gradient is delayed, never lost. Every collective is issued from the hook,
-in bucket order, the same on every rank.
+quantization drops (the sender's, the owner's) is added back before the next step's, so a
+gradient is delayed, never lost. Buffers are made once per bucket, passes run in place over
+cache-sized pieces; every collective is issued from the hook, in bucket order, on every rank.
 Why it helps: 4 times fewer bytes than fp32, where a slow link makes the bytes the step.
 Run:        torchrun --nproc_per_node=2 02_compression/optimized_compression_int8.py --size small
             make compression report LINK=1gbit     (where the bytes are the bottleneck)
@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
@@ -42,30 +41,137 @@ import common  # noqa: E402
 # seeds and sizes. Under bf16 autocast that difference also flips activations' bf16 rounding,
 # and the two runs drift apart by bf16's resolution, as exact techniques do in bf16 (5e-2).
 LOSS_TOLERANCE = {"fp32": 0.01, "bf16": 5e-2}
+# Values per piece on CPU (2 MB of fp32): each pass over a piece (add the gradient, quantize,
+# dequantize, subtract) finds it in cache, where the last pass left it, not in main memory;
+# much smaller pieces pay Python's per-call cost more often. A GPU streams whole chunks.
+CPU_PIECE = 2**19
 
 
-def quantize(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8, one fp32 scale per row of `blocks`: x ~ q * scale, |x - q * scale| <=
-    scale / 2. The largest magnitude maps to 127, so no value needs clamping."""
-    # max(max, -min) is the largest |x| without an |x| temporary the size of the bucket
-    absmax = torch.maximum(blocks.amax(dim=1, keepdim=True), -blocks.amin(dim=1, keepdim=True))
-    q = (blocks * (127 / absmax.clamp_min(1e-30))).round_().to(torch.int8)
-    return q, absmax / 127
+def quantize(blocks: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, scratch: torch.Tensor
+             ) -> torch.Tensor:
+    """Symmetric int8 into `q`, one fp32 scale per block (`blocks`' last dim) into `scales`.
+    x ~ q * scale, |x - q * scale| <= scale / 2. The largest magnitude maps to 127, so no value
+    needs clamping. Returns `scratch` (fp32, `blocks`' shape), which holds q exactly (whole
+    numbers up to 127): `scratch.mul_(scales)` dequantizes without reading `q` back."""
+    # max(max, -min) is the largest |x| without an |x| temporary the size of the blocks
+    absmax = torch.maximum(blocks.amax(dim=-1, keepdim=True), -blocks.amin(dim=-1, keepdim=True))
+    q.copy_(torch.mul(blocks, 127 / absmax.clamp_min(1e-30), out=scratch).round_())
+    torch.div(absmax, 127, out=scales)
+    return scratch
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return q.float() * scales
+def dequantize(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """q x scale into `out` (fp32, `q`'s shape)."""
+    return out.copy_(q).mul_(scales)
 
 
-def pack(q: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
-    """One int8 message per row (one per destination): its values, then its scales' raw bytes."""
-    return torch.cat([q.view(rows, -1), scales.view(rows, -1).view(torch.int8)], dim=1)
+def dequantize_prefix(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """Dequantize the blocks `q` into the flat `out` as far as it reaches: a bucket ends before
+    its padding, maybe inside a block."""
+    block = q.shape[-1]
+    full, rest = divmod(out.numel(), block)
+    dequantize(q[:full], scales[:full], out[:full * block].view(full, block))
+    if rest:
+        dequantize(q[full, :rest], scales[full], out[full * block:])
 
 
-def unpack(messages: torch.Tensor, chunk: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    q = messages[:, :chunk].reshape(-1, block)
-    scales = messages[:, chunk:].contiguous().view(torch.float32).reshape(-1, 1)
-    return q, scales
+@dataclass
+class Message:
+    """What a collective sends: one int8 row per peer, its values and then its fp32 scales' raw
+    bytes, kept apart in `scales` (a row may end at an odd byte, where no fp32 view can begin)."""
+    data: torch.Tensor  # (rows, chunk + 4 x chunk / block) int8
+    values: torch.Tensor  # (rows, chunk / block, block): a view of `data`
+    scales: torch.Tensor  # (rows, chunk / block, 1) fp32
+
+
+def message(rows: int, chunk: int, block: int, device: torch.device) -> Message:
+    data = torch.empty(rows, chunk + 4 * chunk // block, dtype=torch.int8, device=device)
+    return Message(data, data[:, :chunk].view(rows, -1, block),
+                   torch.empty(rows, chunk // block, 1, device=device))
+
+
+def pack_scales(msg: Message, rows: slice = slice(None)) -> None:
+    """`scales` into the bytes after each row's values (of all rows, or of `rows`)."""
+    nbytes = msg.scales[0].nbytes
+    msg.data[rows, -nbytes:].copy_(msg.scales[rows].view(torch.int8).flatten(1))
+
+
+def unpack_scales(msg: Message) -> None:
+    """The received bytes after each row's values into `scales`."""
+    msg.scales.view(torch.int8).flatten(1).copy_(msg.data[:, -msg.scales[0].nbytes:])
+
+
+@dataclass
+class BucketBuffers:
+    """One bucket's tensors, allocated at its first compressed step and reused every step."""
+    sender_residual: torch.Tensor  # (N, blocks, block): what our quantization dropped, padded
+    owner_residual: torch.Tensor  # (blocks, block): what re-quantizing our chunk dropped
+    send: Message  # a row per destination; then our row, re-quantized, all-gathered
+    received: Message  # a row per source; then the all-gather's output
+    scratch: torch.Tensor  # (2, values per piece) fp32
+    pieces: list[slice]  # a chunk's blocks, a piece at a time
+
+
+def bucket_buffers(world: int, chunk: int, block: int, device: torch.device) -> BucketBuffers:
+    blocks = chunk // block
+    per_piece = blocks if device.type == "cuda" else max(1, CPU_PIECE // block)
+    return BucketBuffers(
+        sender_residual=torch.zeros(world, blocks, block, device=device),
+        owner_residual=torch.zeros(blocks, block, device=device),
+        send=message(world, chunk, block, device), received=message(world, chunk, block, device),
+        scratch=torch.empty(2, min(blocks, per_piece) * block, device=device),
+        pieces=[slice(a, min(a + per_piece, blocks)) for a in range(0, blocks, per_piece)])
+
+
+def grad_piece(grad: torch.Tensor, buf: BucketBuffers, row: int, piece: slice) -> torch.Tensor:
+    """The bucket's values in `piece` of chunk `row`: fewer, or none, in the padding."""
+    chunk, block = buf.owner_residual.numel(), buf.owner_residual.shape[1]
+    return grad[row * chunk + piece.start * block:row * chunk + piece.stop * block]
+
+
+def compress_with_feedback(buf: BucketBuffers, grad: torch.Tensor) -> None:
+    """Step 1: add what the last step's quantization dropped, quantize every destination's
+    chunk into `buf.send` and keep what this quantization drops."""
+    send = buf.send
+    for row in range(len(send.data)):
+        for piece in buf.pieces:
+            x, g = buf.sender_residual[row, piece], grad_piece(grad, buf, row, piece)
+            x.view(-1)[:len(g)].add_(g)  # this step's gradient + what the last one dropped
+            scales, work = send.scales[row, piece], buf.scratch[0, :x.numel()].view_as(x)
+            rounded = quantize(x, send.values[row, piece], scales, work)
+            x.sub_(rounded.mul_(scales))  # what the int8 copy lacks: the next step's feedback
+    pack_scales(send)
+
+
+def average_owned_chunk(buf: BucketBuffers, rank: int) -> torch.Tensor:
+    """Step 2, on the owner: the N received copies of our chunk dequantized, summed in fp32
+    and averaged, what the last re-quantization dropped added back, and re-quantized into our
+    row of `buf.send`: the message to all-gather, returned."""
+    received, mine, world = buf.received, buf.send, len(buf.send.data)
+    unpack_scales(received)
+    for piece in buf.pieces:
+        residual = buf.owner_residual[piece]
+        total, copy = (t[:residual.numel()].view_as(residual) for t in buf.scratch)
+        dequantize(received.values[0, piece], received.scales[0, piece], total)
+        for source in range(1, world):
+            total.add_(dequantize(received.values[source, piece], received.scales[source, piece],
+                                  copy))
+        total.div_(world).add_(residual)  # the residual is spent: scratch from here
+        rounded = quantize(total, mine.values[rank, piece], mine.scales[rank, piece], residual)
+        torch.sub(total, rounded.mul_(mine.scales[rank, piece]), out=residual)
+    pack_scales(mine, slice(rank, rank + 1))
+    return mine.data[rank:rank + 1]
+
+
+def dequantize_all(buf: BucketBuffers, grad: torch.Tensor) -> torch.Tensor:
+    """Step 3, on every rank: the all-gathered average, dequantized straight into the bucket."""
+    gathered = buf.received
+    unpack_scales(gathered)
+    for row in range(len(gathered.data)):
+        for piece in buf.pieces:
+            dequantize_prefix(gathered.values[row, piece], gathered.scales[row, piece],
+                              grad_piece(grad, buf, row, piece))
+    return grad
 
 
 @dataclass
@@ -75,49 +181,27 @@ class Int8State:
     start_iter: int  # plain fp32 steps first, while DDP settles its buckets
     step: int = 0
     sent_bytes: float = 0  # to peers, this step: payload and scales
-    sender_residual: dict = field(default_factory=dict)  # bucket -> what our quantization dropped
-    owner_residual: dict = field(default_factory=dict)  # bucket -> what re-quantizing dropped
-
-
-def residuals(state: Int8State, bucket: int, padded: int, chunk: int, device: torch.device):
-    """This bucket's error-feedback buffers, made at its first compressed step."""
-    if bucket not in state.sender_residual:
-        state.sender_residual[bucket] = torch.zeros(padded, device=device)
-        state.owner_residual[bucket] = torch.zeros(chunk, device=device)
-    if state.sender_residual[bucket].numel() != padded:  # a rebuild must not misalign feedback
-        raise RuntimeError(f"DDP bucket {bucket} changed size after compression began: "
-                           f"raise --start-iter")
-    return state.sender_residual[bucket], state.owner_residual[bucket]
+    buffers: dict = field(default_factory=dict)  # bucket index -> BucketBuffers
 
 
 def int8_allreduce(state: Int8State, bucket: int, grad: torch.Tensor
                    ) -> torch.futures.Future[torch.Tensor]:
     """Average a flat fp32 gradient over ranks, sending int8; the future holds the average."""
-    N, B, length = state.world_size, state.block, grad.numel()
-    chunk = math.ceil(length / (N * B)) * B  # whole blocks; rank r owns values [r*chunk, ...)
-    sender_residual, owner_residual = residuals(state, bucket, N * chunk, chunk, grad.device)
-
-    compensated = F.pad(grad, (0, N * chunk - length)).add_(sender_residual)
-    q, scales = quantize(compensated.view(-1, B))
-    state.sender_residual[bucket] = compensated.sub_(dequantize(q, scales).flatten())
-    send = pack(q, scales, N)
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send)  # row j of `received`: rank j's copy of our chunk
-    state.sent_bytes += (N - 1) * send[0].numel()  # the row we keep is not sent
-
-    q_in, scales_in = unpack(received, chunk, B)
-    reduced = dequantize(q_in, scales_in).view(N, chunk).sum(0).div_(N).add_(owner_residual)
-    q_out, scales_out = quantize(reduced.view(-1, B))
-    state.owner_residual[bucket] = reduced.sub_(dequantize(q_out, scales_out).flatten())
-    mine = pack(q_out, scales_out, 1)
-    gathered = mine.new_empty(N, mine.shape[1])
-    work = common.all_gather_single(gathered, mine, async_op=True)
+    N, B = state.world_size, state.block
+    chunk = math.ceil(grad.numel() / (N * B)) * B  # whole blocks; rank r owns [r*chunk, ...)
+    if bucket not in state.buffers:  # its first compressed step
+        state.buffers[bucket] = bucket_buffers(N, chunk, B, grad.device)
+    buf = state.buffers[bucket]
+    if buf.owner_residual.numel() != chunk:  # feedback must stay aligned
+        raise RuntimeError(f"DDP bucket {bucket} changed size after compression began: "
+                           f"raise --start-iter")
+    compress_with_feedback(buf, grad)
+    dist.all_to_all_single(buf.received.data, buf.send.data)  # row j: rank j's copy of ours
+    state.sent_bytes += (N - 1) * buf.send.data[0].numel()  # the row we keep is not sent
+    mine = average_owned_chunk(buf, dist.get_rank())
+    work = common.all_gather_single(buf.received.data, mine, async_op=True)
     state.sent_bytes += (N - 1) * mine.numel()
-
-    def dequantize_all(_):
-        return grad.copy_(dequantize(*unpack(gathered, chunk, B)).flatten()[:length])
-
-    return work.get_future().then(dequantize_all)
+    return work.get_future().then(lambda _: dequantize_all(buf, grad))
 
 
 def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

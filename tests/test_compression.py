@@ -26,22 +26,49 @@ def test_quantize_error_stays_within_half_a_step_of_each_block():
     blocks = torch.randn(64, BLOCK, generator=gen) * torch.logspace(-6, 3, 64).unsqueeze(1)
     blocks[5] = 0.0  # an all-zero block: scale 0, nothing to divide by
     blocks[7, 3] = 1e4  # an outlier spends its block's resolution, no other's
-    q, scales = int8.quantize(blocks)
-    assert q.dtype == torch.int8 and scales.shape == (64, 1)
+    original = blocks.clone()
+    q, scales = torch.empty(64, BLOCK, dtype=torch.int8), torch.empty(64, 1)
+    rounded = int8.quantize(blocks, q, scales, scratch=torch.empty_like(blocks))
+    assert torch.equal(blocks, original)  # written into q and scales, the input left alone
+    assert torch.equal(rounded, q.float())  # the scratch holds q exactly, ready to dequantize
     assert q.abs().max() == 127 and q.min() >= -127
-    error = (blocks - int8.dequantize(q, scales)).abs()
+    error = (blocks - int8.dequantize(q, scales, torch.empty_like(blocks))).abs()
     assert (error <= scales / 2 * (1 + 1e-6)).all()
     assert (q.abs().amax(dim=1)[blocks.abs().amax(dim=1) > 0] == 127).all()  # full range used
     assert error[5].max() == 0 and error[6].max() < error[7].max()
 
 
-def test_pack_and_unpack_carry_values_and_fp32_scales_in_one_int8_message():
-    q = torch.randint(-127, 128, (3 * 4, BLOCK), dtype=torch.int8)  # 3 rows of 4 blocks
-    scales = torch.rand(3 * 4, 1)
-    message = int8.pack(q, scales, 3)
-    assert message.dtype == torch.int8 and message.shape == (3, 4 * BLOCK + 4 * 4)
-    q_back, scales_back = int8.unpack(message, 4 * BLOCK, BLOCK)
-    assert torch.equal(q_back, q) and torch.equal(scales_back, scales)
+def test_dequantize_prefix_fills_the_bucket_up_to_its_end_inside_a_block_and_no_further():
+    q = torch.randint(-127, 128, (3, BLOCK), dtype=torch.int8)
+    scales = torch.rand(3, 1)
+    out = torch.full((2 * BLOCK + 5 + 1,), 7.0)  # 2 blocks and 5 values, then a value to keep
+    int8.dequantize_prefix(q, scales, out[:-1])
+    assert torch.equal(out[:-1], (q.float() * scales).flatten()[:2 * BLOCK + 5])
+    assert out[-1] == 7.0
+    int8.dequantize_prefix(q, scales, out[:0])  # a piece wholly in the padding: nothing to do
+
+
+@pytest.mark.parametrize("block", [BLOCK, 9])  # 9: rows and scales at odd byte offsets
+def test_a_message_carries_values_then_fp32_scale_bytes_in_one_int8_row_per_peer(block):
+    rows, blocks = 3, 4
+    msg = int8.message(rows, blocks * block, block, torch.device("cpu"))
+    assert msg.data.dtype == torch.int8 and msg.data.shape == (rows, blocks * block + 4 * blocks)
+    q = torch.randint(-127, 128, (rows, blocks, block), dtype=torch.int8)
+    scales = torch.rand(rows, blocks, 1)
+    msg.values.copy_(q)
+    msg.scales.copy_(scales)
+    int8.pack_scales(msg)
+    assert torch.equal(msg.data[:, :blocks * block].reshape(rows, blocks, block), q)
+    assert torch.equal(msg.data[:, blocks * block:].contiguous().view(torch.float32),
+                       scales.view(rows, blocks))
+    received = int8.message(rows, blocks * block, block, torch.device("cpu"))
+    received.data.copy_(msg.data)
+    int8.unpack_scales(received)
+    assert torch.equal(received.values, q) and torch.equal(received.scales, scales)
+    msg.scales.zero_()  # packing one row leaves the others' bytes alone
+    int8.pack_scales(msg, slice(1, 2))
+    assert (msg.data[1, blocks * block:] == 0).all()
+    assert torch.equal(msg.data[[0, 2]], received.data[[0, 2]])
 
 
 # --- PowerSGD: the pure parts -----------------------------------------------------------------
@@ -117,9 +144,24 @@ def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> N
         applied = applied + int8.int8_allreduce(state, 0, grad.clone()).wait()
         true = true + gathered(grad, world).mean(0)
         one_step = int8_bound(gathered(grad, world), world)
-    sender = gathered(state.sender_residual[0], world).mean(0)[:length]
-    owner = gathered(state.owner_residual[0], world).flatten()[:length]
+    sender = gathered(state.buffers[0].sender_residual, world).mean(0).flatten()[:length]
+    owner = gathered(state.buffers[0].owner_residual, world).flatten()[:length]
     found["int8_feedback"] = (applied, true, sender + owner, one_step)
+    try:  # a bucket that grows by a block per rank would misalign the residuals
+        int8.int8_allreduce(state, 0, torch.zeros(length + world * BLOCK))
+    except RuntimeError as error:
+        found["int8_resized"] = str(error)
+
+    # Pieces change nothing: three steps with chunks cut into pieces of 2 blocks (one ends inside
+    # the bucket's last block, one lies wholly in the padding) give the bits of one piece each.
+    default, found["int8_pieces"] = int8.CPU_PIECE, []
+    for piece in (default, 2 * BLOCK):
+        int8.CPU_PIECE, state, out = piece, int8.Int8State(world, BLOCK, 0), []
+        for step in range(3):
+            grad = torch.randn(4099, generator=torch.Generator().manual_seed(step * world + rank))
+            out.append(int8.int8_allreduce(state, 0, grad).wait().clone())
+        found["int8_pieces"].append((torch.stack(out), len(state.buffers[0].pieces)))
+    int8.CPU_PIECE = default
 
     # PowerSGD: a rank-r mean (shared column space, different rows per rank) comes back exactly;
     # a bias and a full-rank matrix marked uncompressed, in the same bucket, are averaged exactly.
@@ -171,6 +213,19 @@ def test_int8_reduce_scatter_all_gather_matches_fp32_all_reduce_within_the_bound
     assert error.max() > 0  # it did quantize
     chunk = math.ceil(length / (world * BLOCK)) * BLOCK
     assert sent == 2 * (world - 1) * (chunk + 4 * chunk // BLOCK)  # payload and scales, to peers
+
+
+def test_int8_in_pieces_gives_the_bits_of_one_piece_per_chunk(collectives):
+    world, found = collectives
+    (whole, pieces_whole), (in_pieces, pieces) = found["int8_pieces"]
+    blocks = math.ceil(4099 / (world * BLOCK))  # per chunk
+    assert pieces_whole == 1 and pieces == math.ceil(blocks / 2)
+    assert torch.equal(whole, in_pieces)
+
+
+def test_int8_refuses_a_bucket_that_changed_size_and_says_what_to_raise(collectives):
+    _, found = collectives
+    assert "changed size" in found["int8_resized"] and "--start-iter" in found["int8_resized"]
 
 
 def test_int8_error_feedback_delays_gradient_and_never_loses_it(collectives):
