@@ -6,10 +6,11 @@ makes their gradients ready). Each bucket is padded to a multiple of the world s
 r owns the r-th 1/N of every bucket. Gradients accumulate into a second flat buffer laid out
 the same way. After backward, each bucket's gradient is reduce-scattered: every rank receives
 the sum over ranks of exactly the slice it owns (common.reduce_scatter: on gloo, whose own
-reduce-scatter all-reduces the whole input, an all_to_all and a local sum). AdamW then updates the owned slices only, so
-its two moments exist for 1/N of the model, and the updated slices are all-gathered back into
-every rank's flat parameters. --clip-grad-norm clips by the global norm: the all-reduced sum of
-each rank's squares over the values it owns, padding left out, so each value counts once.
+reduce-scatter all-reduces the whole input, an all_to_all and a local sum). AdamW then
+updates the owned slices only, so its two moments exist for 1/N of the model, and the updated
+slices are all-gathered back into every rank's flat parameters. --clip-grad-norm clips by
+the global norm: the all-reduced sum of each rank's squares over the values it owns, padding
+left out, so each value counts once.
 Why it helps: Adam's moments are 8 of the 16 bytes per parameter a replicated fp32 trainer
 holds; sharding them saves 8(N-1)/N bytes per parameter on each rank for no extra
 communication, since a reduce-scatter plus an all-gather move what one all-reduce moves.
