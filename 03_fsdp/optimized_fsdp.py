@@ -100,7 +100,7 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, wrap: str, reshard_after_for
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **policy)
     fully_shard(model, **policy)
-    if dist.get_backend(mesh.get_group("shard")) == "gloo":
+    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":  # the shard dim
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_custom_reduce_scatter(AllToAllReduceScatter())
