@@ -86,6 +86,15 @@ class AllToAllReduceScatter:
         return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
 
 
+def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every FSDP unit of `model` reduce-scatters through AllToAllReduceScatter, if the shard
+    group (the mesh's last dim) runs on gloo."""
+    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+
+
 def shard(model: torch.nn.Module, mesh: DeviceMesh, wrap: str, reshard_after_forward: bool,
           mp_policy: MixedPrecisionPolicy, offload: bool) -> list[torch.nn.Module]:
     """fully_shard bottom-up: BatchNorms under bf16, each unit, then the root (what is left:
@@ -100,10 +109,7 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, wrap: str, reshard_after_for
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **policy)
     fully_shard(model, **policy)
-    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":  # the shard dim
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+    reduce_scatter_by_all_to_all_on_gloo(model, mesh)
     return units
 
 

@@ -96,6 +96,16 @@ class AllToAllReduceScatter:
         return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
 
 
+# Copied from 03_fsdp/optimized_fsdp.py: reduce_scatter_by_all_to_all_on_gloo
+def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every FSDP unit of `model` reduce-scatters through AllToAllReduceScatter, if the shard
+    group (the mesh's last dim) runs on gloo."""
+    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+
+
 # Copied from 03_fsdp/optimized_fsdp.py: shard
 def shard(model: torch.nn.Module, mesh: DeviceMesh, wrap: str, reshard_after_forward: bool,
           mp_policy: MixedPrecisionPolicy, offload: bool) -> list[torch.nn.Module]:
@@ -111,10 +121,7 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, wrap: str, reshard_after_for
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **policy)
     fully_shard(model, **policy)
-    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":  # the shard dim
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+    reduce_scatter_by_all_to_all_on_gloo(model, mesh)
     return units
 
 

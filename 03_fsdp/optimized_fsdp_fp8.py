@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
@@ -96,6 +96,16 @@ class AllToAllReduceScatter:
         return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
 
 
+# Copied from 03_fsdp/optimized_fsdp.py: reduce_scatter_by_all_to_all_on_gloo
+def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every FSDP unit of `model` reduce-scatters through AllToAllReduceScatter, if the shard
+    group (the mesh's last dim) runs on gloo."""
+    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+
+
 def shard(model: common.GPT, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
           compile_blocks: bool) -> list[torch.nn.Module]:
     """optimized_fsdp.py's layout: a FULL_SHARD unit per block, the root, prefetching."""
@@ -105,9 +115,7 @@ def shard(model: common.GPT, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
             unit.compile()
         fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    if dist.get_backend(mesh.get_group()) == "gloo":
-        for unit in [*units, model]:
-            unit.set_custom_reduce_scatter(AllToAllReduceScatter())
+    reduce_scatter_by_all_to_all_on_gloo(model, mesh)
     for earlier, later in zip(units, units[1:], strict=False):
         earlier.set_modules_to_forward_prefetch([later])
         later.set_modules_to_backward_prefetch([earlier])

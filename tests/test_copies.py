@@ -67,8 +67,10 @@ def test_the_deliberate_copies_are_marked():
             ("baseline_zero.py", "wrap_ddp")} <= marked
     assert {("optimized_fsdp_checkpoint.py", name) for name in (
         "build_mesh", "sharding_units", "batchnorms", "keep_batchnorm_fp32", "shard",
-        "prefetch_one_ahead", "padded_numel", "theory", "AllToAllReduceScatter")} <= marked
-    assert ("optimized_fsdp_fp8.py", "AllToAllReduceScatter") in marked
+        "prefetch_one_ahead", "padded_numel", "theory", "AllToAllReduceScatter",
+        "reduce_scatter_by_all_to_all_on_gloo")} <= marked
+    assert {("optimized_fsdp_fp8.py", "AllToAllReduceScatter"),
+            ("optimized_fsdp_fp8.py", "reduce_scatter_by_all_to_all_on_gloo")} <= marked
     # the flash pair wraps DDP alike, so that pair differs in the attention alone; PyTorch's
     # PowerSGD hook starts from the hand-written recipe's Q and keeps its shape rule and checks
     assert {("baseline_ddp_flash.py", "wrap_ddp"), ("baseline_ddp_flash.py", "block_gradient_mb"),
