@@ -596,7 +596,10 @@ def _reduce_scatter_equals_gloos_own(rank: int, world: int, port: int) -> None:
         x[:numel] = torch.randint(-1000, 1000, (numel,), generator=gen).float()  # exact sums
         for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             ours, theirs = torch.empty(chunk), torch.empty(chunk)
-            common.reduce_scatter(ours, x, op=op)
+            with common.CollectiveBytes() as sent:
+                common.reduce_scatter(ours, x, op=op)
+            assert set(sent.by_kind) == {"alltoall float32"}  # not gloo's all-reduce of a copy
+            assert sent.bytes == (world - 1) / world * x.nbytes  # what a ring reduce-scatter sends
             common.reduce_scatter_single(theirs, x.clone())  # gloo's: all-reduce, keep a slice
             if op == dist.ReduceOp.AVG:
                 theirs.div_(world)
