@@ -24,6 +24,7 @@ Theory:     busbw as the baseline's; one-shot moves N x bytes through each rank'
             two-shot about 2 x bytes.
 """
 
+import functools
 import mmap
 import os
 import platform
@@ -102,12 +103,6 @@ class SharedSegment:
         self.slots = torch.frombuffer(self.mapping, dtype=torch.float32, offset=flag_bytes,
                                       count=n * slot_bytes // 4).view(n, slot_bytes // 4)
         self.call = 0
-        self.sized: dict[int, SizeViews] = {}
-
-    def views(self, numel: int) -> SizeViews:
-        if numel not in self.sized:
-            self.sized[numel] = SizeViews(self.slots, self.rank, numel)
-        return self.sized[numel]
 
     def begin(self) -> None:
         """A new call: wait until every peer is done reading the slots of the last one."""
@@ -134,10 +129,15 @@ class SharedSegment:
                 os.sched_yield()
 
 
+@functools.cache
+def size_views(seg: SharedSegment, numel: int) -> SizeViews:
+    return SizeViews(seg.slots, seg.rank, numel)
+
+
 def all_reduce(seg: SharedSegment, x: torch.Tensor) -> None:
     if len(seg.slots) == 1:
         return  # a world of one: x is the sum
-    r, views = seg.rank, seg.views(x.numel())
+    r, views = seg.rank, size_views(seg, x.numel())
     seg.begin()
     if x.numel() * 4 <= ONE_SHOT_MAX:
         views.rows[r].copy_(x)

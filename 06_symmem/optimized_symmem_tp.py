@@ -1,0 +1,397 @@
+"""Async tensor parallelism through symmetric memory: each all-gather+matmul and matmul+reduce-
+scatter of baseline_symmem_tp.py done chunk by chunk, the chunk already here multiplied while the
+peers' arrive.
+
+What it does: the same model, split and sequence parallelism as the baseline; only TP's two
+communicating matmuls change (the issue torchtitan's async TP solves on GPUs).
+- all-gather+matmul: I write my sequence shard into my slot and raise my flag, multiply it at
+  once, then take each peer's shard (the next rank's first) as soon as its flag is up: copy it
+  into the gathered input (kept for backward) and multiply it.
+- matmul+reduce-scatter: I multiply the rows each peer owns first, straight into my slot (no
+  copy in), raise my flag, then my own rows, and add each peer's partial of my rows as its flag
+  comes up.
+CPU: the /dev/shm segment of optimized_symmem_allreduce.py, the same class (flags, one slot a
+rank, unlinked once mapped; x86-64, one node). Each slot ends with the time it was written, one
+clock for the host, so a rank measures how long each peer's chunk took to arrive and how much of
+that it spent multiplying rather than waiting: `overlap` in the record. CUDA: PyTorch's
+`torch.ops.symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`, the kernels
+torchtitan's async TP runs (`overlap` not measured there).
+Why it helps: the blocking baseline waits for each whole collective, through gloo's sockets on
+CPU, before its matmul starts; here the local chunk's matmul hides the peers' arrival, and the
+bytes move through memory every rank maps.
+Run:        torchrun --nproc_per_node=2 06_symmem/optimized_symmem_tp.py --size small
+Look for:   `make symmem report`: speedup over baseline_symmem_tp (and over
+            optimized_symmem_tp_pytorch, DTensor's TP), same losses, `overlap`.
+Theory:     as the baseline's: comm MB/step = the bytes read out of peers' slots, 8 x (N-1)/N of
+            T x B x d x 4 per block, plus the replicated gradients' all-reduce.
+"""
+
+import mmap
+import os
+import platform
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+# Per step, against the data-parallel baseline: row-parallel outputs are summed over ranks in
+# another order than one matmul's, so fp32 rounding, compounded over the steps by AdamW.
+LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+SHARDED = ("qkv.weight", "qkv.bias", "proj.weight", "fc.weight", "fc.bias", "fc_proj.weight")
+
+
+LINE = 8  # int64s per flag: one 64-byte cache line each
+SPIN_POLLS = 300  # flag reads (tens of microseconds) before a waiting rank yields its core
+
+
+# Copied from 06_symmem/optimized_symmem_allreduce.py: SharedSegment
+class SharedSegment:
+    """Flags and one slot per rank in a /dev/shm file every rank of this host maps. The flags are
+    read and written as Python ints through a memoryview (a poll costs well under a
+    microsecond); the slots are a tensor over the same mapping. Each flag has a cache line of
+    its own. Rank 0 creates the file and unlinks it once every rank has mapped it, so the
+    memory lives exactly as long as the mappings: nothing is left in /dev/shm when the run
+    ends, or when a rank is killed.
+    Ordering: a rank writes its data, then its flag; a peer reads the flag, then the data.
+    x86-64 makes stores visible in program order and does not reorder loads with older loads
+    (total store order), and torch's copy, add and sum kernels store normally, so a peer that sees
+    the flag sees the data. ARM (e.g. GB200's Grace CPUs) promises no such order and Python has
+    no fence to call, hence the check below."""
+
+    def __init__(self, topo: common.Topology, slot_bytes: int, timeout: float):
+        if topo.nnodes > 1:
+            raise common.Skip("a /dev/shm segment is one host's: run on one node (NNODES=1)")
+        if platform.machine() not in ("x86_64", "AMD64"):
+            raise common.Skip(f"the flags rely on x86-64's store order, not {platform.machine()}'s")
+        n, self.rank, self.timeout = topo.world_size, topo.rank, timeout
+        path = [f"/dev/shm/playbook-symmem-{os.getpid()}-{time.time_ns()}"]
+        dist.broadcast_object_list(path)  # rank 0's name
+        flag_bytes = 3 * n * LINE * 8
+        if topo.rank == 0:
+            with open(path[0], "wb") as f:
+                f.truncate(flag_bytes + n * slot_bytes)  # zeros: every flag starts at call 0
+            # torchrun ends the other ranks with SIGTERM when one dies: exit through the
+            # `finally` below, which unlinks the file, not around it
+            sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        try:
+            dist.barrier()
+            with open(path[0], "r+b") as f:
+                self.mapping = mmap.mmap(f.fileno(), flag_bytes + n * slot_bytes)
+            dist.barrier()  # every rank has mapped it: the name is no longer needed
+        finally:  # unlinked then, or at once if a peer never mapped it
+            if topo.rank == 0:
+                os.unlink(path[0])
+                signal.signal(signal.SIGTERM, sigterm)
+        self.flags = memoryview(self.mapping)[:flag_bytes].cast("q")
+        self.ready, self.reduced, self.done = (range(k * n * LINE, (k + 1) * n * LINE, LINE)
+                                               for k in range(3))
+        self.slots = torch.frombuffer(self.mapping, dtype=torch.float32, offset=flag_bytes,
+                                      count=n * slot_bytes // 4).view(n, slot_bytes // 4)
+        self.call = 0
+
+    def begin(self) -> None:
+        """A new call: wait until every peer is done reading the slots of the last one."""
+        self.call += 1
+        self.wait(self.done, self.call - 1)
+
+    def signal(self, flags: range) -> None:
+        self.flags[flags[self.rank]] = self.call
+
+    def wait(self, flags: range, value: int | None = None) -> None:
+        """Until every rank's flag reaches `value` (default: this call): a tight poll first (a
+        peer a few microseconds behind costs no system call), then yielding the core between
+        polls: ranks may outnumber cores, and a spin would starve the rank it waits for."""
+        value, polls, deadline = self.call if value is None else value, 0, None
+        for i in flags:
+            while self.flags[i] < value:
+                polls += 1
+                if polls < SPIN_POLLS:
+                    continue
+                if deadline is None:
+                    deadline = time.monotonic() + self.timeout
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(f"a peer did not reach call {value} within {self.timeout} s")
+                os.sched_yield()
+
+
+class SegmentCollectives:
+    """CPU: TP's two communicating matmuls, chunk by chunk through a SharedSegment whose slots
+    hold N pieces of (T*B/N) x width values each, then the time the slot was written."""
+
+    def __init__(self, topo: common.Topology, tokens: int, width: int, timeout: float):
+        self.seg = SharedSegment(topo, tokens * width * 4 + 8, timeout)
+        self.rank, self.world = topo.rank, topo.world_size
+        self.peers = [(self.rank + k) % self.world for k in range(1, self.world)]
+        self.written = [self.seg.slots[k, -2:].view(torch.int64) for k in range(self.world)]
+        self.loaded_bytes = 0  # read out of peers' slots
+        self.waited = self.arriving = 0  # ns: waiting for peers' chunks; their time to arrive
+
+    def pieces(self, rows: int, width: int) -> torch.Tensor:
+        """Slot k, piece p: rows p*rows.. of rank k's message."""
+        return self.seg.slots[:, :self.world * rows * width].view(self.world, self.world, rows,
+                                                                  width)
+
+    def publish(self) -> None:
+        self.written[self.rank].fill_(time.perf_counter_ns())  # CLOCK_MONOTONIC: the host's
+        self.seg.signal(self.seg.ready)
+
+    def await_peer(self, k: int, start: int) -> None:
+        """Wait for peer k's chunk; count the wait, and how long after `start` it arrived."""
+        waiting = time.perf_counter_ns()
+        self.seg.wait(self.seg.ready[k:k + 1])
+        self.waited += time.perf_counter_ns() - waiting
+        self.arriving += max(0, int(self.written[k]) - start)
+
+    def all_gather_matmul(self, shard: torch.Tensor, b: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, r = shard.shape[0], self.rank
+        gathered = shard.new_empty(self.world * rows, shard.shape[1])
+        out = shard.new_empty(self.world * rows, b.shape[1])
+        start, slots = time.perf_counter_ns(), self.pieces(rows, shard.shape[1])[:, 0]
+        self.seg.begin()
+        slots[r].copy_(shard)
+        self.publish()
+        gathered[r * rows:(r + 1) * rows].copy_(shard)
+        torch.mm(shard, b, out=out[r * rows:(r + 1) * rows])  # while the peers' shards arrive
+        for i, k in enumerate(self.peers):
+            self.await_peer(k, start)
+            gathered[k * rows:(k + 1) * rows].copy_(slots[k])
+            if i == len(self.peers) - 1:
+                self.seg.signal(self.seg.done)  # all read: peers may overwrite their slots
+            torch.mm(gathered[k * rows:(k + 1) * rows], b, out=out[k * rows:(k + 1) * rows])
+        self.loaded_bytes += len(self.peers) * shard.nbytes
+        return gathered, out
+
+    def matmul_reduce_scatter(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        rows, r = a.shape[0] // self.world, self.rank
+        start, pieces = time.perf_counter_ns(), self.pieces(rows, b.shape[1])
+        self.seg.begin()
+        for p in self.peers:  # the rows peers own first, into my slot: they sum while I work
+            torch.mm(a[p * rows:(p + 1) * rows], b, out=pieces[r, p])
+        self.publish()
+        out = a[r * rows:(r + 1) * rows] @ b
+        for k in self.peers:
+            self.await_peer(k, start)
+            out.add_(pieces[k, r])
+        self.seg.signal(self.seg.done)
+        self.loaded_bytes += len(self.peers) * out.nbytes
+        return out
+
+
+class SymmetricMemoryCollectives:
+    """CUDA: PyTorch's fused kernels, which split the same way over symmetric-memory buffers
+    every GPU of the node maps (NVLink). They hand the bytes to no process group: counted here,
+    from the shapes, as the CPU segment counts what it reads."""
+
+    def __init__(self, topo: common.Topology):
+        if why := common.peer_access_problem(topo):
+            raise common.Skip(why)
+        self.world, self.group = topo.world_size, dist.group.WORLD.group_name
+        self.loaded_bytes, self.waited, self.arriving = 0, None, None
+
+    def all_gather_matmul(self, shard: torch.Tensor, b: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        gathered, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(
+            shard.contiguous(), [b], 0, self.group)
+        self.loaded_bytes += (self.world - 1) * shard.nbytes
+        return gathered, out
+
+    def matmul_reduce_scatter(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, self.group)
+        self.loaded_bytes += (self.world - 1) * out.nbytes
+        return out
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would multiply in: a custom Function's matmuls cast by hand, so that
+    backward (outside autocast) sees the same dtypes."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+class ColumnParallel(torch.autograd.Function):
+    """y = gather(x) @ W^T + b on my output rows. Backward: dW = dy^T gather(x) (the gathered
+    input is kept), and dx, a partial sum on each rank, reduce-scattered to the shards."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        dtype = compute_dtype(x)
+        weight = weight.to(dtype)
+        gathered, y = comm.all_gather_matmul(x.to(dtype), weight.t())
+        ctx.save_for_backward(gathered, weight)
+        ctx.comm = comm
+        return y + bias.to(dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gathered, weight = ctx.saved_tensors
+        dx = ctx.comm.matmul_reduce_scatter(dy, weight)
+        return dx, dy.t() @ gathered, dy.sum(0), None
+
+
+class RowParallel(torch.autograd.Function):
+    """y = reduce_scatter(x @ W^T) over my input columns (bias added by the caller, on the
+    shard). Backward: dy gathered, then dx = gather(dy) @ W and dW = gather(dy)^T x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, comm):
+        dtype = compute_dtype(x)
+        x, weight = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.comm = comm
+        return comm.matmul_reduce_scatter(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        gathered, dx = ctx.comm.all_gather_matmul(dy.contiguous(), weight)
+        return dx, gathered.t() @ x, None
+
+
+def my_share(total: int, rank: int, world: int) -> slice:
+    """Rank `rank`'s contiguous share of `total` items: sizes differ by one at most."""
+    return slice(total * rank // world, total * (rank + 1) // world)
+
+
+class TensorParallelBlock(nn.Module):
+    """common.Block with my heads and hidden units only: the same weights, sliced."""
+
+    def __init__(self, block: common.Block, n_heads: int, rank: int, world: int, comm):
+        super().__init__()
+        d, self.comm = block.ln1.normalized_shape[0], comm
+        self.head_dim, heads = d // n_heads, my_share(n_heads, rank, world)
+        cols = torch.arange(heads.start * self.head_dim, heads.stop * self.head_dim)
+        rows = torch.cat([cols + k * d for k in range(3)])  # my heads' q, k and v
+        units = my_share(4 * d, rank, world)
+        self.ln1, self.ln2, self.attn, self.fc, self.fc_proj = (
+            block.ln1, block.ln2, block.attn, block.fc, block.fc_proj)
+        for linear, kept in ((block.attn.qkv, rows), (block.fc, units)):  # column-parallel
+            linear.weight = nn.Parameter(linear.weight.detach()[kept].clone())
+            linear.bias = nn.Parameter(linear.bias.detach()[kept].clone())
+        for linear, kept in ((block.attn.proj, cols), (block.fc_proj, units)):  # row-parallel
+            linear.weight = nn.Parameter(linear.weight.detach()[:, kept].clone())
+
+    def forward(self, x: torch.Tensor, seq_len: int, batch: int) -> torch.Tensor:
+        qkv = ColumnParallel.apply(self.ln1(x), self.attn.qkv.weight, self.attn.qkv.bias,
+                                   self.comm)
+        q, k, v = qkv.view(seq_len, batch, 3, -1, self.head_dim).permute(2, 1, 3, 0, 4)
+        y = self.attn.attention(q, k, v).permute(2, 0, 1, 3).reshape(seq_len * batch, -1)
+        x = x + (RowParallel.apply(y, self.attn.proj.weight, self.comm) + self.attn.proj.bias)
+        h = F.gelu(ColumnParallel.apply(self.ln2(x), self.fc.weight, self.fc.bias, self.comm))
+        return x + (RowParallel.apply(h, self.fc_proj.weight, self.comm) + self.fc_proj.bias)
+
+
+class TensorParallelGPT(nn.Module):
+    """common.GPT split over the ranks: TP blocks, replicated embeddings, norm and tied head,
+    each rank running these on its sequence shard. `forward` returns its shard's share of the
+    mean loss (the sum over ranks is the loss)."""
+
+    def __init__(self, gpt: common.GPT, n_heads: int, rank: int, world: int, comm):
+        super().__init__()
+        self.rank, self.world, self.comm = rank, world, comm
+        self.autocast_dtype = gpt.autocast_dtype
+        self.tok_emb, self.pos_emb, self.ln_f, self.head = (gpt.tok_emb, gpt.pos_emb, gpt.ln_f,
+                                                            gpt.head)
+        self.blocks = nn.ModuleList(TensorParallelBlock(b, n_heads, rank, world, comm)
+                                    for b in gpt.blocks)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        batch, seq_len = tokens.shape
+        mine = my_share(seq_len * batch, self.rank, self.world)  # sequence-major: (T, B) rows
+        positions = torch.arange(seq_len, device=tokens.device).repeat_interleave(batch)
+        with torch.autocast(tokens.device.type, dtype=self.autocast_dtype,
+                            enabled=self.autocast_dtype is not None):
+            x = self.tok_emb(tokens.t().reshape(-1)[mine]) + self.pos_emb(positions[mine])
+            for block in self.blocks:
+                x = block(x, seq_len, batch)
+            logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float(), targets.t().reshape(-1)[mine],
+                               reduction="sum") / (seq_len * batch)
+
+
+def tensor_parallel_setup(parser, comm_of):
+    """Flags, topology, the workload (one global batch, N x --batch-size sequences, on every
+    rank) and the TP model with `comm_of(args, topo)` as its collectives (`model.comm`); the
+    replicated parameters first, so that their gradients are one slice of one flat buffer."""
+    parser.set_defaults(batch_size=0)
+    args = parser.parse_args()
+    world = common.launch_world_size()
+    heads = common.SIZES[args.size].n_heads
+    if world > heads:
+        raise common.Skip(f"--size {args.size} has {heads} heads, fewer than the {world} "
+                          f"processes to split them over: launch at most {heads}")
+    args.batch_size = world * (args.batch_size or common.SIZES[args.size].batch_size)
+    topo = common.setup(args)
+    gpt, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
+    params = sum(p.numel() for p in gpt.parameters())
+    model = TensorParallelGPT(gpt, heads, topo.rank, topo.world_size, comm_of(args, topo))
+    named = list(model.named_parameters())
+    replicated = [p for name, p in named if not name.endswith(SHARDED)]
+    ordered = replicated + [p for name, p in named if name.endswith(SHARDED)]
+    grads = torch.zeros(sum(p.numel() for p in ordered), device=topo.device)
+    offset = 0
+    for p in ordered:  # backward accumulates into views of one buffer
+        p.grad = grads[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return args, topo, model, batches, grads, sum(p.numel() for p in replicated), params
+
+
+def tp_theory(args, topo, model, replicated: int) -> dict:
+    """comm MB/step and the busiest rank's state MB from the shapes: 8 gathers or scatters of the
+    activations per block, (N-1)/N each, the replicated gradients' all-reduce; 16 bytes a kept
+    parameter, the blocks' sliced by heads and units (the most any rank gets)."""
+    n, size = topo.world_size, common.SIZES[args.size]
+    d, head_dim = size.d_model, size.d_model // size.n_heads
+    activations = args.seq_len * args.batch_size * d * 4
+    collectives = 8 * len(model.blocks) * (n - 1) / n * activations / 2**20
+    heads, units = -(-size.n_heads // n), -(-4 * d // n)
+    per_block = 3 * heads * head_dim * (d + 1) + d * heads * head_dim + units * (2 * d + 1)
+    kept = replicated + len(model.blocks) * per_block
+    return {"comm_mb": collectives + common.ring_allreduce_mb(4 * replicated, n),
+            "state_mb": 16 * kept / 2**20}
+
+
+def collectives(args, topo: common.Topology):
+    if topo.device.type == "cuda":
+        return SymmetricMemoryCollectives(topo)
+    d = common.SIZES[args.size].d_model  # every message TP moves is d wide
+    return SegmentCollectives(topo, args.seq_len * args.batch_size, d, args.timeout)
+
+
+def main():
+    args, topo, model, batches, grads, replicated, params = tensor_parallel_setup(
+        common.parser(__doc__), collectives)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+
+    comm = model.comm
+
+    def train_step(inputs, targets):
+        grads.zero_()
+        comm.loaded_bytes = 0
+        loss = model(inputs, targets)
+        loss.backward()
+        dist.all_reduce(grads[:replicated])  # each rank's tokens' share of the replicated parts
+        opt.step()
+        return loss.detach() * topo.world_size  # averaged over ranks: the whole batch's loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt),
+                               dp_world=1)
+    # of the time peers' chunks took to arrive after a call began, the share spent multiplying
+    overlap = None if comm.waited is None else 1 - comm.waited / max(comm.arriving, 1)
+    common.record(args, topo, stats, baseline="baseline_symmem_tp", model=model, optimizer=opt,
+                  comm_mb=comm.loaded_bytes / 2**20 + stats.comm_mb, dp_world=1, params=params,
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], overlap=overlap,
+                  transport="cuda symmetric memory" if topo.device.type == "cuda"
+                  else "/dev/shm segment", process_group_mb=stats.comm_mb,
+                  theory=tp_theory(args, topo, model, replicated))
+
+if __name__ == "__main__":
+    common.run_main(main)
