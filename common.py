@@ -644,6 +644,13 @@ _SENT_PER_BYTE = {
     "broadcast_": (0, 1, lambda n: (n - 1) / n),  # pipelined: the mean over ranks (n-1 of n send)
     "send": (0, 1, lambda n: 1),
 }
+# The functional collectives DTensor issues (the tensor sent is their first argument, the group's
+# name their last): bytes a rank of a group of n sends per byte of it.
+_FUNCTIONAL_SENT_PER_BYTE = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather_into_tensor": lambda n: n - 1,
+    "reduce_scatter_tensor": lambda n: (n - 1) / n,
+}
 
 
 class CollectiveBytes(TorchDispatchMode):
@@ -656,18 +663,23 @@ class CollectiveBytes(TorchDispatchMode):
         self.by_kind: dict[str, float] = {}  # "<collective> <dtype>" -> bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.removeprefix("c10d::")
+        name = func._schema.name.split("::")[-1]
         if func.namespace == "c10d" and name in _SENT_PER_BYTE:
             sent, group, per_byte = _SENT_PER_BYTE[name]
             tensors = args[sent] if isinstance(args[sent], list) else [args[sent]]
-            n = dist.ProcessGroup.unbox(args[group]).size()
-            for t in tensors:
-                sent_bytes = per_byte(n) * t.numel() * t.element_size()
-                dtype = str(t.dtype).removeprefix("torch.")
-                kind = f"{name.strip('_').removesuffix('_base')} {dtype}"  # "allgather uint8"
-                self.bytes += sent_bytes
-                self.by_kind[kind] = self.by_kind.get(kind, 0.0) + sent_bytes
+            self.count(name, tensors, per_byte(dist.ProcessGroup.unbox(args[group]).size()))
+        elif func.namespace == "_c10d_functional" and name in _FUNCTIONAL_SENT_PER_BYTE:
+            group = dist.distributed_c10d._resolve_process_group(args[-1])  # by its name
+            self.count(name, [args[0]], _FUNCTIONAL_SENT_PER_BYTE[name](group.size()))
         return func(*args, **(kwargs or {}))
+
+    def count(self, name: str, tensors: list[torch.Tensor], per_byte: float) -> None:
+        for t in tensors:
+            sent_bytes = per_byte * t.numel() * t.element_size()
+            dtype = str(t.dtype).removeprefix("torch.")
+            kind = f"{name.strip('_').removesuffix('_base')} {dtype}"  # "allgather uint8"
+            self.bytes += sent_bytes
+            self.by_kind[kind] = self.by_kind.get(kind, 0.0) + sent_bytes
 
 
 def ring_allreduce_mb(nbytes: float, world: int) -> float:

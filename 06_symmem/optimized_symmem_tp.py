@@ -192,6 +192,8 @@ class SymmetricMemoryCollectives:
     from the shapes, as the CPU segment counts what it reads."""
 
     def __init__(self, topo: common.Topology):
+        import torch.distributed._symmetric_memory  # noqa: F401 (registers torch.ops.symm_mem)
+
         if why := common.peer_access_problem(topo):
             raise common.Skip(why)
         self.world, self.group = topo.world_size, dist.group.WORLD.group_name

@@ -152,6 +152,18 @@ def test_symmetric_memory_is_skipped_without_peer_access_and_across_nodes(group,
     assert "one host" in common.peer_access_problem(fake_cuda_topology(nnodes=2))
 
 
+def test_async_tp_calls_the_fused_kernels_by_their_signatures():
+    """optimized_symmem_tp.py's CUDA path calls PyTorch's two fused ops positionally: their
+    arguments must be, in order, what it passes."""
+    import torch.distributed._symmetric_memory  # noqa: F401 (registers torch.ops.symm_mem)
+
+    schema = {name: [a.name for a in getattr(torch.ops.symm_mem, name).default._schema.arguments]
+              for name in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")}
+    assert schema["fused_all_gather_matmul"][:4] == ["A", "Bs", "gather_dim", "group_name"]
+    assert schema["fused_matmul_reduce_scatter"] == ["A", "B", "reduce_op", "scatter_dim",
+                                                     "group_name"]
+
+
 def test_peer_buffers_start_where_the_handle_says_the_tensor_does():
     training = load_recipe(common.ROOT / "06_symmem" / "optimized_symmem_training.py")
 
@@ -275,7 +287,8 @@ def test_a_script_that_skips_before_setup_records_it_once(tmp_path):
     "03_fsdp/optimized_fsdp_checkpoint.py", "03_fsdp/optimized_fsdp_fp8.py",
     "04_zero/optimized_zero1.py", "04_zero/optimized_zero2.py", "04_zero/optimized_zero3.py",
     "04_zero/optimized_zero_pytorch.py",
-    "06_symmem/optimized_symmem_training.py"])
+    "06_symmem/optimized_symmem_training.py", "06_symmem/baseline_symmem_tp.py",
+    "06_symmem/optimized_symmem_tp.py", "06_symmem/optimized_symmem_tp_pytorch.py"])
 def test_every_tolerance_table_has_a_figure_for_each_dtype(script):
     table = load_recipe(common.ROOT / script).LOSS_TOLERANCE
     for dtype in ("fp32", "bf16"):

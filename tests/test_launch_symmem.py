@@ -1,5 +1,6 @@
 """Launch tests: 06_symmem under torchrun with 2 CPU processes: the two collectives sweeps (a
-short one) and the two training runs at `tiny`, shared through one module-scoped fixture."""
+short one), the two data-parallel training runs and the three tensor-parallel ones at `tiny`,
+shared through one module-scoped fixture."""
 
 import subprocess
 import sys
@@ -22,7 +23,8 @@ SWEEP = ["--sizes", "4K,64K,1M", "--iters", "3"]
 # make all TRACE=1 passes --trace to every script; a sweep says it has nothing to trace
 RUNS = {"baseline_symmem_allreduce": [*SWEEP, "--trace", "--warmup", "3"],
         "optimized_symmem_allreduce": SWEEP,
-        "baseline_symmem_training": [], "optimized_symmem_training": []}
+        "baseline_symmem_training": [], "optimized_symmem_training": [],
+        "baseline_symmem_tp": [], "optimized_symmem_tp": [], "optimized_symmem_tp_pytorch": []}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,32 @@ def test_symmetric_memory_training_matches_the_baseline_with_half_the_optimizer_
     assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], abs=1e-3)  # MB, 3 decimals
     assert rec["comm_mb"] == pytest.approx(base["comm_mb"] / 2, abs=1e-3)  # one shot of two
     assert base["comm_mb"] == pytest.approx(base["theory"]["comm_mb"], rel=1e-3)
+
+
+def test_tensor_parallelism_trains_the_data_parallel_model_with_its_bytes_and_state(runs):
+    dp, base = runs["baseline_symmem_training"], runs["baseline_symmem_tp"]
+    by_hand, dtensor = runs["optimized_symmem_tp"], runs["optimized_symmem_tp_pytorch"]
+    assert base["batch_size"] == 2 * dp["batch_size"]  # one global batch of N x 4 sequences
+    for rec in (base, by_hand, dtensor):
+        assert rec["status"] == "ok" and rec["params"] == dp["params"]  # the unsplit model's
+        assert_within_its_tolerance(rec, dp)  # the data-parallel model, step by step
+        assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], abs=2e-3)
+        assert rec["state_mb"] == pytest.approx(rec["theory"]["state_mb"], rel=0.05)
+        assert rec["state_mb"] < 0.6 * dp["state_mb"]  # the blocks, most of it, halved
+    assert_within_its_tolerance(by_hand, base)
+    assert by_hand["baseline"] == dtensor["baseline"] == "baseline_symmem_tp"
+    assert by_hand["transport"] == "/dev/shm segment" and base["overlap"] == 0
+    assert 0 < by_hand["overlap"] <= 1  # some of the peers' arrival hidden under matmuls
+    # through the segment, counted where it is read; the process group carries the replicated
+    # parameters' gradients only (tables, norms, row-parallel biases), all-reduced in one piece
+    size = common.SIZES["tiny"]
+    d = size.d_model
+    replicated = (size.vocab_size + dp["seq_len"] + 2) * d + size.n_layers * 6 * d
+    assert by_hand["process_group_mb"] == pytest.approx(common.ring_allreduce_mb(4 * replicated, 2),
+                                                        abs=1e-3)
+    assert by_hand["comm_mb"] == pytest.approx(base["comm_mb"], abs=1e-3)
+    kinds = dtensor["comm_mb_by_kind"]  # DTensor's own collectives, counted as they are issued
+    assert kinds["all_gather_into_tensor float32"] == kinds["reduce_scatter_tensor float32"] > 0
 
 
 @pytest.mark.parametrize("script, flags, hint", [

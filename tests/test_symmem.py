@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import common
-from helpers import TINY, load_recipe
+from helpers import TINY, assert_within_its_tolerance, load_recipe
 
 FOLDER = common.ROOT / "06_symmem"
 SIZES = [1, 3, 1000, 16_385, 65_536 + 3, 200_003]  # values; the last two are two-shot
@@ -150,7 +150,9 @@ def _train_three(rank: int, world: int, port: int, results: str) -> None:
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     for k, (name, flags) in enumerate([("baseline_symmem_training", []),
                                        ("optimized_symmem_training", []),
-                                       ("optimized_symmem_training", ["--replicated-optimizer"])]):
+                                       ("optimized_symmem_training", ["--replicated-optimizer"]),
+                                       ("baseline_symmem_tp", []), ("optimized_symmem_tp", []),
+                                       ("optimized_symmem_tp_pytorch", [])]):
         os.environ["MASTER_PORT"] = str(port + k)  # a fresh store for each run's group
         path = FOLDER / f"{name}.py"
         sys.argv = [str(path), *TINY, "--results", results, *flags]
@@ -161,7 +163,7 @@ def test_training_at_an_odd_world_size_equals_the_baseline(tmp_path):
     # 3 ranks: shares of unequal length, and sums whose order differs from gloo's ring
     results = tmp_path / "results.jsonl"
     mp.spawn(_train_three, args=(3, common.free_port(), str(results)), nprocs=3)
-    base, ours, replicated = common.load_results(results)
+    base, ours, replicated, *tensor_parallel = common.load_results(results)
     assert replicated["variant"] == "--replicated-optimizer"
     for rec, state in [(ours, 1 / 3), (replicated, 1)]:
         assert rec["status"] == "ok" and rec["world_size"] == 3
@@ -176,3 +178,68 @@ def test_training_at_an_odd_world_size_equals_the_baseline(tmp_path):
     assert ours["comm_mb"] == pytest.approx(2 / 3 * 4 * params / 2**20, **recorded)
     assert replicated["comm_mb"] == pytest.approx(2 * 2 / 3 * 4 * params / 2**20, **recorded)
     assert replicated["comm_mb"] == pytest.approx(base["comm_mb"], **recorded)  # the ring's bytes
+    # tensor parallelism: tiny's 4 heads and 256 hidden units over 3 ranks split unevenly by
+    # hand (1, 1, 2 heads), and are padded for DTensor (2 heads a rank, one all zeros)
+    for rec in tensor_parallel:
+        assert rec["status"] == "ok" and rec["world_size"] == 3 and rec["params"] == params
+        assert_within_its_tolerance(rec, base)
+        assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], abs=2e-3)
+        assert rec["state_mb"] == pytest.approx(rec["theory"]["state_mb"], rel=0.05)
+
+
+def test_a_share_is_contiguous_and_within_one_of_every_other():
+    tp = load_recipe(FOLDER / "optimized_symmem_tp.py")
+    for total, world in [(8, 3), (256, 3), (4, 4), (5, 2), (7, 1)]:
+        shares = [tp.my_share(total, r, world) for r in range(world)]
+        assert [s.start for s in shares[1:]] == [s.stop for s in shares[:-1]]
+        assert shares[0].start == 0 and shares[-1].stop == total
+        sizes = [s.stop - s.start for s in shares]
+        assert max(sizes) - min(sizes) <= 1
+
+
+class _Alone:
+    """TP's two communicating matmuls in a world of one: the gather and the scatter are the
+    input itself."""
+
+    def all_gather_matmul(self, shard, b):
+        return shard, shard @ b
+
+    def matmul_reduce_scatter(self, a, b):
+        return a @ b
+
+
+def test_a_world_of_one_computes_the_model_unsplit():
+    """The slicing, the sequence-major layout and both autograd functions, against common.GPT:
+    the same loss and the same gradients."""
+    tp = load_recipe(FOLDER / "optimized_symmem_tp.py")
+    size = common.SIZES["tiny"]
+    torch.manual_seed(0)
+    gpt = common.GPT(size, size.seq_len)
+    tokens = torch.randint(size.vocab_size, (3, size.seq_len + 1))
+    loss = gpt(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    expected = {name: p.grad.clone() for name, p in gpt.named_parameters()}
+    gpt.zero_grad()
+    split = tp.TensorParallelGPT(gpt, size.n_heads, 0, 1, _Alone())
+    ours = split(tokens[:, :-1], tokens[:, 1:])
+    ours.backward()
+    assert ours.item() == pytest.approx(loss.item(), rel=1e-6)
+    for name, p in split.named_parameters():
+        assert torch.allclose(p.grad, expected[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_heads_and_units_padded_for_dtensor_compute_the_same_and_stay_zero():
+    pytorch_tp = load_recipe(FOLDER / "optimized_symmem_tp_pytorch.py")
+    size = common.SIZES["tiny"]
+    torch.manual_seed(0)
+    block = common.Block(size.d_model, size.n_heads, common.causal_sdpa)
+    x = torch.randn(2, 8, size.d_model)
+    expected = block.attn(x)
+    padded = pytorch_tp.SplitQKVAttention(block.attn, size.n_heads, world=3)  # 4 heads -> 6
+    assert padded.q.out_features == 6 * size.d_model // size.n_heads
+    got = padded(x)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    got.square().sum().backward()
+    for grad in (padded.q.weight.grad, padded.k.weight.grad, padded.v.weight.grad):
+        assert not grad[size.d_model:].any()  # the zero heads learn nothing: they stay zero
+    assert not padded.proj.weight.grad[:, size.d_model:].any()

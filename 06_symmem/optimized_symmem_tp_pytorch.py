@@ -1,0 +1,181 @@
+"""PyTorch's own tensor parallelism on the same model: DTensor's `parallelize_module` with
+ColwiseParallel, RowwiseParallel and SequenceParallel, and on CUDA async TP under torch.compile.
+
+What it does: the split of baseline_symmem_tp.py, said as a plan over a 1-D DeviceMesh of all
+ranks (gloo on CPU, NCCL on CUDA): the norms SequenceParallel (activations sharded along the
+sequence, Shard(1)), attention's input gathered to Replicate (PrepareModuleInput), q, k, v and
+fc ColwiseParallel, proj and fc_proj RowwiseParallel back to Shard(1) (a reduce-scatter). DTensor
+issues the collectives and reduces the replicated parameters' gradients itself. Two changes to
+the model, no change to its math: ColwiseParallel splits a Linear's rows evenly, which on the
+fused qkv would hand rank 0 all of q, so q, k and v become three Linears (torchtitan's models
+have them so); and where heads or hidden units do not divide by N they are padded with zero
+weights, which give zero outputs and zero gradients and so stay zero under AdamW. Embeddings,
+final norm and head stay plain and replicated, run on each rank's own tokens, their gradients
+all-reduced as in the hand-written scripts. On CUDA each block is compiled with inductor's
+micro-pipeline TP, which rewrites every all-gather+matmul and matmul+reduce-scatter into the
+symmetric-memory kernels optimized_symmem_tp.py calls (torchtitan's async TP).
+Why: it is what a user would reach for first; the hand-written scripts must beat it.
+Run:        torchrun --nproc_per_node=2 06_symmem/optimized_symmem_tp_pytorch.py --size small
+Look for:   `make symmem report`: beside optimized_symmem_tp, against the same baseline; losses
+            equal to the hand-written TP's.
+Theory:     the bytes of baseline_symmem_tp.py (padding aside), plus the replicated block
+            parameters' gradients, which DTensor all-reduces one by one.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}  # as baseline_symmem_tp.py's, for its reason
+
+
+def padded_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, cols: int
+                  ) -> nn.Linear:
+    """A Linear of `rows` x `cols` whose top-left corner is `weight`, zeros elsewhere."""
+    linear = nn.Linear(cols, rows, bias=bias is not None, device=weight.device)
+    with torch.no_grad():
+        linear.weight.zero_()[:weight.shape[0], :weight.shape[1]].copy_(weight)
+        if bias is not None:
+            linear.bias.zero_()[:bias.shape[0]].copy_(bias)
+    return linear
+
+
+class SplitQKVAttention(nn.Module):
+    """common's CausalSelfAttention with q, k, v as three Linears and the heads padded with zero
+    ones to a multiple of `world`; its head count is whatever its q's local rows hold."""
+
+    def __init__(self, attn: nn.Module, n_heads: int, world: int):
+        super().__init__()
+        d = attn.proj.in_features
+        self.head_dim, self.attention = d // n_heads, attn.attention
+        width = -(-n_heads // world) * world * self.head_dim
+        w, b = attn.qkv.weight.detach(), attn.qkv.bias.detach()
+        self.q, self.k, self.v = (padded_linear(w[i * d:(i + 1) * d], b[i * d:(i + 1) * d],
+                                                width, d) for i in range(3))
+        self.proj = padded_linear(attn.proj.weight.detach(), attn.proj.bias.detach(), d, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (lin(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+                   for lin in (self.q, self.k, self.v))
+        return self.proj(self.attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+def parallelize_block(block: common.Block, n_heads: int, mesh) -> None:
+    """The TP + SP plan of one block (torchtitan's, for this block's module names)."""
+    world, d = mesh.size(), block.fc.in_features
+    block.attn = SplitQKVAttention(block.attn, n_heads, world)
+    units = -(-4 * d // world) * world
+    block.fc = padded_linear(block.fc.weight.detach(), block.fc.bias.detach(), units, d)
+    block.fc_proj = padded_linear(block.fc_proj.weight.detach(), block.fc_proj.bias.detach(),
+                                  d, units)
+    parallelize_module(block, mesh, {
+        "ln1": SequenceParallel(),
+        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "ln2": SequenceParallel(),
+        "fc": ColwiseParallel(input_layouts=Shard(1)),
+        "fc_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+
+
+def sequence_shard(seq_len: int, rank: int, world: int) -> slice:
+    """Rank `rank`'s positions under Shard(1): torch.chunk's split, ceil(T/N) a rank."""
+    per = -(-seq_len // world)
+    return slice(min(rank * per, seq_len), min((rank + 1) * per, seq_len))
+
+
+def tp_loss(model: common.GPT, mesh, tokens: torch.Tensor, targets: torch.Tensor
+            ) -> torch.Tensor:
+    """The GPT's forward with the blocks on DTensors: my positions embedded, the blocks, then
+    norm, head and the sum of my tokens' losses over the whole batch's token count."""
+    batch, seq_len = tokens.shape
+    mine = sequence_shard(seq_len, mesh.get_local_rank(), mesh.size())
+    with torch.autocast(tokens.device.type, dtype=model.autocast_dtype,
+                        enabled=model.autocast_dtype is not None):
+        positions = torch.arange(seq_len, device=tokens.device)[mine]
+        x = model.tok_emb(tokens[:, mine]) + model.pos_emb(positions)
+        x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False,
+                               shape=(batch, seq_len, x.shape[-1]),
+                               stride=(seq_len * x.shape[-1], x.shape[-1], 1))
+        for block in model.blocks:
+            x = block(x)
+        logits = model.head(model.ln_f(x.to_local()))
+    return F.cross_entropy(logits.float().flatten(0, 1), targets[:, mine].flatten(),
+                           reduction="sum") / (batch * seq_len)
+
+
+def dtensor_theory(args, topo, model, replicated: int) -> dict:
+    """comm MB/step and state MB from the shapes, as tp_theory in optimized_symmem_tp.py, with
+    DTensor's padding: Shard(1) pads each rank's positions to ceil(T/N) in its collectives, and
+    heads and hidden units are padded to multiples of N."""
+    n, size = topo.world_size, common.SIZES[args.size]
+    d, head_dim = size.d_model, size.d_model // size.n_heads
+    shard = args.batch_size * -(-args.seq_len // n) * d * 4
+    collectives = 8 * len(model.blocks) * (n - 1) * shard / 2**20
+    width, units = -(-size.n_heads // n) * head_dim, -(-4 * d // n)
+    per_block = 3 * width * (d + 1) + d * width + units * (2 * d + 1) + 6 * d
+    kept = replicated + len(model.blocks) * per_block
+    return {"comm_mb": collectives + common.ring_allreduce_mb(4 * (replicated + len(
+        model.blocks) * 6 * d), n), "state_mb": 16 * kept / 2**20}
+
+
+def main():
+    parser = common.parser(__doc__)
+    parser.set_defaults(batch_size=0)
+    args = parser.parse_args()
+    world, heads = common.launch_world_size(), common.SIZES[args.size].n_heads
+    if world > heads:
+        raise common.Skip(f"--size {args.size} has {heads} heads, fewer than the {world} "
+                          f"processes to split them over: launch at most {heads}")
+    args.batch_size = world * (args.batch_size or common.SIZES[args.size].batch_size)
+    topo = common.setup(args)
+    model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
+    params = sum(p.numel() for p in model.parameters())
+    mesh = init_device_mesh(topo.device.type, (topo.world_size,))
+    replicated = [model.tok_emb.weight, model.pos_emb.weight, *model.ln_f.parameters()]
+    for block in model.blocks:
+        parallelize_block(block, heads, mesh)
+        if topo.device.type == "cuda":  # async TP: inductor fuses the collectives and matmuls
+            torch._inductor.config._micro_pipeline_tp = True
+            block.compile()
+    # a fused step takes one kind of tensor: DTensors and plain ones in groups of their own
+    distributed = [p for p in model.parameters() if isinstance(p, DTensor)]
+    plain = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    opt = torch.optim.AdamW([{"params": distributed}, {"params": plain}], lr=args.lr, fused=True)
+
+    def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)
+        loss = tp_loss(model, mesh, inputs, targets)
+        loss.backward()
+        for p in replicated:  # each rank's tokens' share of the replicated parts
+            dist.all_reduce(p.grad)
+        opt.step()
+        return loss.detach() * topo.world_size  # averaged over ranks: the whole batch's loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt),
+                               dp_world=1)
+    common.record(args, topo, stats, baseline="baseline_symmem_tp", model=model, optimizer=opt,
+                  comm_mb=stats.comm_mb, dp_world=1, params=params,
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype],
+                  async_tp=topo.device.type == "cuda", comm_mb_by_kind=stats.comm_mb_by_kind,
+                  theory=dtensor_theory(args, topo, model, sum(p.numel() for p in replicated)))
+
+
+if __name__ == "__main__":
+    common.run_main(main)
