@@ -784,7 +784,8 @@ def state_per_gpu(strategy: str, params: float, gpus: int, dtype: str = "fp32",
                   per_node: int = 8, embedding: float = 0.0) -> float:
     """Bytes of weights + gradients + optimizer state one GPU keeps between steps.
     `embedding`: the parameters a pipeline's end stages hold besides their share of the blocks
-    (token and position tables; the tied head repeats the token table on the last stage)."""
+    (token and position tables; the tied head repeats the token table on the last stage), and
+    that tensor parallelism replicates (it splits the blocks' heads and hidden units)."""
     w, g, o = STATE_BYTES[dtype]
     n, hybrid = gpus, min(per_node, gpus)
     return {"DDP": (w + g + o) * params,
@@ -794,20 +795,32 @@ def state_per_gpu(strategy: str, params: float, gpus: int, dtype: str = "fp32",
             "FSDP full": (w + g + o) * params / n,
             "FSDP grad-op": (w + g + o) * params / n,
             "FSDP hybrid": (w + g + o) * params / hybrid,
-            "pipeline": (w + g + o) * ((params - embedding) / n + embedding)}[strategy]
+            "pipeline": (w + g + o) * ((params - embedding) / n + embedding),
+            "TP": (w + g + o) * ((params - embedding) / n + embedding),
+            "TP x DP": (w + g + o) * ((params - embedding) / hybrid + embedding)}[strategy]
 
 
 def sent_per_gpu(strategy: str, params: float, gpus: int, dtype: str = "fp32",
                  per_node: int = 8, stage_output_bytes: float = 0.0,
-                 tied_params: float = 0.0) -> float:
+                 tied_params: float = 0.0, stream: float = 0.0, replicated: float = 0.0
+                 ) -> float:
     """Bytes the busiest GPU sends per optimizer step, ring collectives: an all-reduce sends
     2(n-1)/n of the message, an all-gather or reduce-scatter (n-1)/n. A pipeline: a middle
     stage sends the activations it hands on in a step (`stage_output_bytes`, every
     micro-batch's) and as many gradients back; an end stage one of the two, and the gradient of
-    the token table tied to the head (`tied_params`), all-reduced with the other end."""
+    the token table tied to the head (`tied_params`), all-reduced with the other end.
+    Tensor parallelism over t GPUs (all of them, or a node's with data parallelism across
+    nodes): per layer 4 all-gathers and 4 reduce-scatters of the t GPUs' batch, t x `stream`
+    (s x b x h, one GPU's micro-batch, summed over the layers) in the weights' dtype, and an
+    all-reduce of the gradients of the `replicated` parameters (embedding tables); across
+    nodes, each GPU's gradients all-reduced with its peers in the other replicas."""
     w, g, _ = STATE_BYTES[dtype]
     n, hybrid = gpus, min(per_node, gpus)
     share, replicas = (n - 1) / n, max(1, n // hybrid)
+
+    def tensor_parallel(t: int) -> float:
+        return (t - 1) / t * (8 * t * stream * w + 2 * g * replicated)
+
     return {"DDP": 2 * share * g * params,  # all-reduce the gradients
             "ZeRO-1": share * (g + w) * params,  # reduce-scatter grads, all-gather weights
             "ZeRO-2": share * (g + w) * params,
@@ -817,8 +830,10 @@ def sent_per_gpu(strategy: str, params: float, gpus: int, dtype: str = "fp32",
             "FSDP hybrid": (hybrid - 1) / hybrid * (2 * w + g) * params
             + 2 * (replicas - 1) / replicas * g * params / hybrid,
             "pipeline": 0.0 if n == 1 else max(stage_output_bytes + g * tied_params,
-                                               2 * stage_output_bytes if n > 2 else 0.0)
-            }[strategy]
+                                               2 * stage_output_bytes if n > 2 else 0.0),
+            "TP": tensor_parallel(n),
+            "TP x DP": tensor_parallel(hybrid) + 2 * (replicas - 1) / replicas * g
+            * ((params - replicated) / hybrid + replicated)}[strategy]
 
 
 def activations_per_gpu(layers: int, seq: int, batch: int, hidden: int, vocab: int, dtype: str,
@@ -845,8 +860,9 @@ def plan_strategies(args: argparse.Namespace) -> list[dict]:
         (2 if args.dtype == "bf16" else 4)
     w = STATE_BYTES[args.dtype][0]
     rows = []
+    stream = args.layers * args.seq_len * args.micro_batch * args.hidden
     for strategy in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP full", "FSDP grad-op",
-                     "FSDP hybrid", "pipeline"):
+                     "FSDP hybrid", "pipeline", "TP", "TP x DP"):
         # weights gathered during the step: a block and the next one's prefetch, or all of them
         block = w * (args.params - embedding) / args.layers
         gathered = {"ZeRO-3": 2 * block, "FSDP full": 2 * block, "FSDP hybrid": 2 * block,
@@ -865,7 +881,7 @@ def plan_strategies(args: argparse.Namespace) -> list[dict]:
                          "fits": total <= args.gpu_mem * GB,
                          "sent": sent_per_gpu(strategy, args.params, args.gpus, args.dtype,
                                               args.gpus_per_node, stage_output,
-                                              args.vocab * args.hidden),
+                                              args.vocab * args.hidden, stream, embedding),
                          "bubble": (args.gpus - 1) / (micro_batches + args.gpus - 1)
                          if pipeline else 0.0,
                          # a step's batch: one micro-batch a GPU, or m through the pipeline

@@ -25,7 +25,8 @@ STRATEGY_OF = {
     "optimized_pipeline_1f1b": "pipeline", "optimized_pipeline_dualpipev": "pipeline",
     "optimized_pipeline_pytorch": "pipeline",
     "optimized_pipeline_pytorch --schedule 1f1b": "pipeline",
-    "optimized_pipeline_pytorch --schedule dualpipev": "pipeline"}
+    "optimized_pipeline_pytorch --schedule dualpipev": "pipeline",
+    "baseline_symmem_tp": "TP", "optimized_symmem_tp": "TP", "optimized_symmem_tp_pytorch": "TP"}
 
 
 def plan(*flags):
@@ -62,7 +63,8 @@ BYTES_OF = {
     "optimized_zero_pytorch --stage 3": "FSDP full", "baseline_symmem_training": "DDP",
     "baseline_pipeline": "pipeline", "optimized_pipeline_gpipe": "pipeline",
     "optimized_pipeline_1f1b": "pipeline", "optimized_pipeline_pytorch": "pipeline",
-    "optimized_pipeline_pytorch --schedule 1f1b": "pipeline"}
+    "optimized_pipeline_pytorch --schedule 1f1b": "pipeline",
+    "baseline_symmem_tp": "TP", "optimized_symmem_tp": "TP", "optimized_symmem_tp_pytorch": "TP"}
 
 
 def test_the_planned_bytes_are_what_each_folder_counted():
@@ -71,12 +73,16 @@ def test_the_planned_bytes_are_what_each_folder_counted():
         label = " ".join(filter(None, [rec["script"], rec.get("variant")]))
         if rec.get("status") != "ok" or label not in BYTES_OF:
             continue
-        # a pipeline stage's output a step: the whole batch's residual stream, fp32
+        # a pipeline stage's output a step: the whole batch's residual stream, fp32; tensor
+        # parallelism: every layer's, for one GPU's share of the batch
         size = common.SIZES[rec["size"]]
+        tokens = rec["batch_size"] * rec["seq_len"]
         planned = report.sent_per_gpu(
             BYTES_OF[label], rec["params"], rec["world_size"], "fp32",
-            stage_output_bytes=rec["batch_size"] * rec["seq_len"] * size.d_model * 4,
-            tied_params=size.vocab_size * size.d_model)
+            stage_output_bytes=tokens * size.d_model * 4,
+            tied_params=size.vocab_size * size.d_model,
+            stream=size.n_layers * tokens // rec["world_size"] * size.d_model,
+            replicated=(size.vocab_size + rec["seq_len"]) * size.d_model)
         # ZeRO-3 and FSDP keep the root gathered from forward to backward: 2% under the formula
         assert planned / 2**20 == pytest.approx(rec["comm_mb"], rel=0.05), label
         checked.add(label)
@@ -109,6 +115,26 @@ def test_bytes_sent_follow_the_ring_formulas():
     assert report.sent_per_gpu("pipeline", p, 1, "fp32", stage_output_bytes=10) == 0
 
 
+def test_tensor_parallelism_moves_activations_not_parameters():
+    p, stream, tables = 1e9, 1e6, 1e7
+    tp = report.sent_per_gpu("TP", p, 4, "fp32", stream=stream, replicated=tables)
+    # 4 all-gathers and 4 reduce-scatters of the 4 GPUs' batch a layer, 3/4 of each, and the
+    # tables' gradients all-reduced
+    assert tp == pytest.approx(3 / 4 * (8 * 4 * stream * 4 + 2 * 4 * tables))
+    assert report.sent_per_gpu("TP", 2 * p, 4, "fp32", stream=stream, replicated=tables) == tp
+    assert report.sent_per_gpu("TP", p, 1, "fp32", stream=stream, replicated=tables) == 0
+    # inside one node TP x DP is TP; across two, each GPU's gradients cross to its other replica
+    assert report.sent_per_gpu("TP x DP", p, 8, "fp32", stream=stream, replicated=tables) == \
+        report.sent_per_gpu("TP", p, 8, "fp32", stream=stream, replicated=tables)
+    across = report.sent_per_gpu("TP x DP", p, 16, "fp32", stream=stream, replicated=tables)
+    assert across == pytest.approx(report.sent_per_gpu("TP", p, 8, "fp32", stream=stream,
+                                                       replicated=tables)
+                                   + 2 * 1 / 2 * 4 * ((p - tables) / 8 + tables))
+    assert report.state_per_gpu("TP", p, 8, embedding=tables) == 16 * ((p - tables) / 8 + tables)
+    assert report.state_per_gpu("TP x DP", p, 16, embedding=tables) == \
+        report.state_per_gpu("TP", p, 8, embedding=tables)
+
+
 def test_checkpointing_shrinks_activations():
     kw = {"layers": 32, "seq": 4096, "batch": 1, "hidden": 4096, "vocab": 32000, "dtype": "bf16"}
     full = report.activations_per_gpu(checkpointing=False, **kw)
@@ -123,6 +149,7 @@ def test_a_7b_model_on_8_gpus_of_80_gb():
             for line in run.stdout.splitlines() if line.startswith("| ")}
     assert rows[("DDP", "yes")] == "no"  # 16 bytes x 7e9 = 112 GB of state alone
     assert rows[("ZeRO-3", "no")] == rows[("FSDP full", "yes")] == "yes"
+    assert rows[("TP", "no")] == rows[("TP x DP", "yes")] == "yes"  # the blocks split 8 ways
     assert "Cheapest in communication that fits: pipeline" in run.stdout
 
 
