@@ -161,12 +161,11 @@ class SegmentCollectives:
         self.publish()
         gathered[r * rows:(r + 1) * rows].copy_(shard)
         torch.mm(shard, b, out=out[r * rows:(r + 1) * rows])  # while the peers' shards arrive
-        for i, k in enumerate(self.peers):
+        for k in self.peers:
             self.await_peer(k, start)
             gathered[k * rows:(k + 1) * rows].copy_(slots[k])
-            if i == len(self.peers) - 1:
-                self.seg.signal(self.seg.done)  # all read: peers may overwrite their slots
             torch.mm(gathered[k * rows:(k + 1) * rows], b, out=out[k * rows:(k + 1) * rows])
+        self.seg.signal(self.seg.done)  # all read: peers may overwrite their slots
         self.loaded_bytes += len(self.peers) * shard.nbytes
         return gathered, out
 

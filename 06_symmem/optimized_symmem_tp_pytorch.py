@@ -149,10 +149,15 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     mesh = init_device_mesh(topo.device.type, (topo.world_size,))
     replicated = [model.tok_emb.weight, model.pos_emb.weight, *model.ln_f.parameters()]
+    if topo.device.type == "cuda":
+        # async TP: inductor rewrites a compiled block's gather+matmul and matmul+scatter into
+        # the symm_mem kernels
+        import torch._inductor.config as inductor
+
+        inductor._micro_pipeline_tp = True
     for block in model.blocks:
         parallelize_block(block, heads, mesh)
-        if topo.device.type == "cuda":  # async TP: inductor fuses the collectives and matmuls
-            torch._inductor.config._micro_pipeline_tp = True
+        if topo.device.type == "cuda":
             block.compile()
     # a fused step takes one kind of tensor: DTensors and plain ones in groups of their own
     distributed = [p for p in model.parameters() if isinstance(p, DTensor)]
