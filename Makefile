@@ -211,7 +211,7 @@ fsdp-ablation: fsdp
 # The first command on a new host: every script of every folder and the extra runs, 6 steps at
 # `tiny` on what the host has (all its GPUs, or 2 CPU processes), one line each (ok, skipped:
 # why, FAILED: its error line), non-zero if any failed. The ranks are forked from one Python
-# that imported torch once (34 runs x 2 fresh interpreters would take minutes on 2 cores);
+# that imported torch once (37 runs x 2 fresh interpreters would take minutes on 2 cores);
 # records and logs go to outputs/smoke/, not into the report.
 SMOKE_RUNS = $(foreach f,$(FOLDERS),$(sort $(wildcard $(f)/baseline_*.py)) \
 	$(sort $(wildcard $(f)/optimized_*.py)) $(EXTRA_RUNS_$(word 2,$(subst _, ,$(f)))))
