@@ -371,7 +371,6 @@ def main():
     args, topo, model, batches, grads, replicated, params = tensor_parallel_setup(
         common.parser(__doc__), collectives)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
-
     comm = model.comm
 
     def train_step(inputs, targets):
@@ -393,6 +392,7 @@ def main():
                   transport="cuda symmetric memory" if topo.device.type == "cuda"
                   else "/dev/shm segment", process_group_mb=stats.comm_mb,
                   theory=tp_theory(args, topo, model, replicated))
+
 
 if __name__ == "__main__":
     common.run_main(main)
