@@ -18,9 +18,10 @@ spreads over the GPUs of a node; the cost is 8 collectives of the activations pe
 Run:        torchrun --nproc_per_node=2 06_symmem/baseline_symmem_tp.py --size small
 Look for:   `make symmem report`: the step time optimized_symmem_tp.py beats; losses equal to
             baseline_symmem_training's at the same global batch (N x 4 sequences).
-Theory:     comm MB/step: per block 4 all-gathers and 4 reduce-scatters of T x B x d x 4 bytes,
-            (N-1)/N each, plus an all-reduce of the replicated gradients. state: 16 bytes a
-            parameter, of the blocks' 1/N (by heads and units) plus the replicated parts.
+Theory:     comm MB/step: per block 4 all-gathers and 4 reduce-scatters of T x B x d values
+            (4 bytes, 2 in bf16), (N-1)/N each, plus an all-reduce of the replicated gradients.
+            state: 16 bytes a parameter, of the blocks' 1/N (by heads and units) plus the
+            replicated parts.
 """
 
 import sys
@@ -35,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 # Per step, against the data-parallel baseline: row-parallel outputs are summed over ranks in
-# another order than one matmul's, so fp32 rounding, compounded over the steps by AdamW.
+# another order than one matmul's, so fp32 rounding, compounded over the steps by AdamW. Under
+# bf16 autocast each rank's partial sum is rounded to bf16 (8 bits) before the sum, where one
+# matmul rounds once: the losses drift by bf16's resolution, as other exact techniques' do.
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 SHARDED = ("qkv.weight", "qkv.bias", "proj.weight", "fc.weight", "fc.bias", "fc_proj.weight")
 
@@ -204,11 +207,12 @@ def tensor_parallel_setup(parser, comm_of):
 # Copied from 06_symmem/optimized_symmem_tp.py: tp_theory
 def tp_theory(args, topo, model, replicated: int) -> dict:
     """comm MB/step and the busiest rank's state MB from the shapes: 8 gathers or scatters of the
-    activations per block, (N-1)/N each, the replicated gradients' all-reduce; 16 bytes a kept
-    parameter, the blocks' sliced by heads and units (the most any rank gets)."""
+    activations (in the compute dtype) per block, (N-1)/N each, the replicated gradients' fp32
+    all-reduce; 16 bytes a kept parameter, the blocks' sliced by heads and units (the most any
+    rank gets)."""
     n, size = topo.world_size, common.SIZES[args.size]
     d, head_dim = size.d_model, size.d_model // size.n_heads
-    activations = args.seq_len * args.batch_size * d * 4
+    activations = args.seq_len * args.batch_size * d * (2 if args.dtype == "bf16" else 4)
     collectives = 8 * len(model.blocks) * (n - 1) / n * activations / 2**20
     heads, units = -(-size.n_heads // n), -(-4 * d // n)
     per_block = 3 * heads * head_dim * (d + 1) + d * heads * head_dim + units * (2 * d + 1)

@@ -4,25 +4,29 @@ ColwiseParallel, RowwiseParallel and SequenceParallel, and on CUDA async TP unde
 What it does: the split of baseline_symmem_tp.py, said as a plan over a 1-D DeviceMesh of all
 ranks (gloo on CPU, NCCL on CUDA): the norms SequenceParallel (activations sharded along the
 sequence, Shard(1)), attention's input gathered to Replicate (PrepareModuleInput), q, k, v and
-fc ColwiseParallel, proj and fc_proj RowwiseParallel back to Shard(1) (a reduce-scatter). DTensor
-issues the collectives and reduces the replicated parameters' gradients itself. Two changes to
-the model, no change to its math: ColwiseParallel splits a Linear's rows evenly, which on the
-fused qkv would hand rank 0 all of q, so q, k and v become three Linears (torchtitan's models
-have them so); and where heads or hidden units do not divide by N they are padded with zero
-weights, which give zero outputs and zero gradients and so stay zero under AdamW. Embeddings,
-final norm and head stay plain and replicated, run on each rank's own tokens, their gradients
-all-reduced as in the hand-written scripts. On CUDA each block is compiled with inductor's
-micro-pipeline TP, which rewrites every all-gather+matmul and matmul+reduce-scatter into the
-symmetric-memory kernels optimized_symmem_tp.py calls (torchtitan's async TP).
+fc ColwiseParallel, proj and fc_proj RowwiseParallel back to Shard(1) (a reduce-scatter).
+DTensor issues the collectives and reduces the replicated parameters' gradients itself. Two
+changes to the model, no change to its math: ColwiseParallel splits a Linear's rows evenly,
+which on the fused qkv would hand rank 0 all of q, so q, k and v become three Linears
+(torchtitan's models have them so); and where heads or hidden units do not divide by N they are
+padded with zero weights, which give zero outputs and zero gradients and so stay zero under
+AdamW. Embeddings, final norm and head stay plain and replicated, run on each rank's own tokens,
+their gradients all-reduced as in the hand-written scripts. On CUDA each block is compiled with
+inductor's micro-pipeline TP (the mesh's group enabled for symmetric memory, as torchtitan
+does), which rewrites every all-gather+matmul and matmul+reduce-scatter into the symmetric-
+memory kernels optimized_symmem_tp.py calls (torchtitan's async TP). Under bf16 autocast DTensor
+gathers the norms' fp32 outputs before the Linears cast them: twice the bytes of the hand-
+written gathers (torchtitan's norms output bf16, under FSDP's bf16 parameters).
 Why: it is what a user would reach for first; the hand-written scripts must beat it.
 Run:        torchrun --nproc_per_node=2 06_symmem/optimized_symmem_tp_pytorch.py --size small
 Look for:   `make symmem report`: beside optimized_symmem_tp, against the same baseline; losses
             equal to the hand-written TP's.
-Theory:     the bytes of baseline_symmem_tp.py (padding aside), plus the replicated block
-            parameters' gradients, which DTensor all-reduces one by one.
+Theory:     the bytes of baseline_symmem_tp.py (padding and fp32 gathers aside), plus the
+            norms' gradients, which DTensor all-reduces one by one.
 """
 
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -120,19 +124,37 @@ def tp_loss(model: common.GPT, mesh, tokens: torch.Tensor, targets: torch.Tensor
                            reduction="sum") / (batch * seq_len)
 
 
+def enable_async_tp(mesh) -> None:
+    """torchtitan's async-TP switch: inductor's micro-pipeline pass rewrites a compiled block's
+    gather+matmul and matmul+scatter into the symm_mem kernels, for groups that
+    is_symm_mem_enabled_for_group says yes to, and only enable_symm_mem_for_group (deprecated
+    since the kernels no longer need it) makes it say yes."""
+    import torch._inductor.config as inductor
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor._micro_pipeline_tp = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(mesh.get_group().group_name)
+
+
 def dtensor_theory(args, topo, model, replicated: int) -> dict:
     """comm MB/step and state MB from the shapes, as tp_theory in optimized_symmem_tp.py, with
     DTensor's padding: Shard(1) pads each rank's positions to ceil(T/N) in its collectives, and
-    heads and hidden units are padded to multiples of N."""
+    heads and hidden units are padded to multiples of N. Under bf16 autocast the gathers (and
+    their gradients' reduce-scatters) move the norms' fp32 outputs, 4 bytes a value; the
+    row-parallel outputs and their gradients 2. The norms' 4d parameters a block are DTensors
+    replicated over the mesh, their gradients all-reduced by DTensor."""
     n, size = topo.world_size, common.SIZES[args.size]
     d, head_dim = size.d_model, size.d_model // size.n_heads
-    shard = args.batch_size * -(-args.seq_len // n) * d * 4
-    collectives = 8 * len(model.blocks) * (n - 1) * shard / 2**20
+    shard = args.batch_size * -(-args.seq_len // n) * d
+    scattered_bytes = 2 if args.dtype == "bf16" else 4
+    collectives = 4 * len(model.blocks) * (n - 1) * shard * (4 + scattered_bytes) / 2**20
     width, units = -(-size.n_heads // n) * head_dim, -(-4 * d // n)
     per_block = 3 * width * (d + 1) + d * width + units * (2 * d + 1) + 6 * d
     kept = replicated + len(model.blocks) * per_block
     return {"comm_mb": collectives + common.ring_allreduce_mb(4 * (replicated + len(
-        model.blocks) * 6 * d), n), "state_mb": 16 * kept / 2**20}
+        model.blocks) * 4 * d), n), "state_mb": 16 * kept / 2**20}
 
 
 def main():
@@ -150,11 +172,7 @@ def main():
     mesh = init_device_mesh(topo.device.type, (topo.world_size,))
     replicated = [model.tok_emb.weight, model.pos_emb.weight, *model.ln_f.parameters()]
     if topo.device.type == "cuda":
-        # async TP: inductor rewrites a compiled block's gather+matmul and matmul+scatter into
-        # the symm_mem kernels
-        import torch._inductor.config as inductor
-
-        inductor._micro_pipeline_tp = True
+        enable_async_tp(mesh)
     for block in model.blocks:
         parallelize_block(block, heads, mesh)
         if topo.device.type == "cuda":

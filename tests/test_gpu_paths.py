@@ -5,7 +5,9 @@ Also every script's argument checks at the world sizes a GPU host gives by defau
 with the Makefile's defaults: each reaches `setup` or skips with its reason, never exits 2."""
 
 import datetime
+import inspect
 import sys
+import warnings
 
 import pytest
 import torch
@@ -162,6 +164,27 @@ def test_async_tp_calls_the_fused_kernels_by_their_signatures():
     assert schema["fused_all_gather_matmul"][:4] == ["A", "Bs", "gather_dim", "group_name"]
     assert schema["fused_matmul_reduce_scatter"] == ["A", "B", "reduce_op", "scatter_dim",
                                                      "group_name"]
+
+
+def test_dtensor_async_tp_enables_symmetric_memory_where_inductor_looks(group, monkeypatch):
+    """inductor's micro-pipeline pass leaves a group's collectives alone unless
+    is_symm_mem_enabled_for_group says yes: the DTensor script's switch must make it."""
+    import torch._inductor.config as inductor
+    from torch._inductor.fx_passes import micro_pipeline_tp
+    from torch.distributed import _symmetric_memory as symm
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert "is_symm_mem_enabled_for_group(group_name)" in inspect.getsource(micro_pipeline_tp)
+    monkeypatch.setattr(inductor, "_micro_pipeline_tp", False)
+    monkeypatch.setattr(symm, "_group_name_to_store", {})
+    mesh = init_device_mesh("cpu", (1,))
+    name = mesh.get_group().group_name
+    assert not symm.is_symm_mem_enabled_for_group(name)
+    dtensor_tp = load_recipe(common.ROOT / "06_symmem" / "optimized_symmem_tp_pytorch.py")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the deprecation is expected, and silenced
+        dtensor_tp.enable_async_tp(mesh)
+    assert inductor._micro_pipeline_tp and symm.is_symm_mem_enabled_for_group(name)
 
 
 def test_peer_buffers_start_where_the_handle_says_the_tensor_does():

@@ -152,7 +152,8 @@ def _train_three(rank: int, world: int, port: int, results: str) -> None:
                                        ("optimized_symmem_training", []),
                                        ("optimized_symmem_training", ["--replicated-optimizer"]),
                                        ("baseline_symmem_tp", []), ("optimized_symmem_tp", []),
-                                       ("optimized_symmem_tp_pytorch", [])]):
+                                       ("optimized_symmem_tp_pytorch", []),
+                                       ("optimized_symmem_tp", ["--dtype", "bf16"])]):
         os.environ["MASTER_PORT"] = str(port + k)  # a fresh store for each run's group
         path = FOLDER / f"{name}.py"
         sys.argv = [str(path), *TINY, "--results", results, *flags]
@@ -179,12 +180,15 @@ def test_training_at_an_odd_world_size_equals_the_baseline(tmp_path):
     assert replicated["comm_mb"] == pytest.approx(2 * 2 / 3 * 4 * params / 2**20, **recorded)
     assert replicated["comm_mb"] == pytest.approx(base["comm_mb"], **recorded)  # the ring's bytes
     # tensor parallelism: tiny's 4 heads and 256 hidden units over 3 ranks split unevenly by
-    # hand (1, 1, 2 heads), and are padded for DTensor (2 heads a rank, one all zeros)
+    # hand (1, 1, 2 heads), and are padded for DTensor (2 heads a rank, one all zeros); bf16
+    # pieces move through the fp32 slots at 2 bytes a value
     for rec in tensor_parallel:
         assert rec["status"] == "ok" and rec["world_size"] == 3 and rec["params"] == params
         assert_within_its_tolerance(rec, base)
         assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], abs=2e-3)
         assert rec["state_mb"] == pytest.approx(rec["theory"]["state_mb"], rel=0.05)
+    fp32, bf16 = tensor_parallel[1], tensor_parallel[3]
+    assert bf16["dtype"] == "bf16" and bf16["comm_mb"] < 0.6 * fp32["comm_mb"]
 
 
 def test_a_share_is_contiguous_and_within_one_of_every_other():
