@@ -29,6 +29,7 @@ Theory:     as the baseline's: comm MB/step = the bytes read out of peers' slots
             all-reduce.
 """
 
+import itertools
 import mmap
 import os
 import platform
@@ -156,15 +157,17 @@ class SegmentCollectives:
         self.seg.signal(self.seg.ready)
 
     def await_peer(self, k: int) -> None:
+        """Wait for peer k's chunk; count the wait up to when it was written (noticing it later,
+        after a yield, is the poll's latency, not the chunk's)."""
         waiting = time.perf_counter_ns()
         self.seg.wait(self.seg.ready[k:k + 1])
-        self.waited += time.perf_counter_ns() - waiting
+        self.waited += max(0, min(time.perf_counter_ns(), int(self.written[k])) - waiting)
 
     def end(self, start: int) -> None:
-        """All read: peers may overwrite their slots. Count the last chunk's arrival."""
-        self.seg.signal(self.seg.done)
+        """Count the last chunk's arrival, then let peers overwrite their slots (and times)."""
         self.arriving += max(0, max((int(self.written[k]) - start for k in self.peers),
                                     default=0))
+        self.seg.signal(self.seg.done)
 
     def all_gather_matmul(self, shard: torch.Tensor, b: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -378,10 +381,10 @@ def tp_theory(args, topo, model, replicated: int) -> dict:
             "state_mb": 16 * kept / 2**20}
 
 
-def measured_overlap(comm) -> float | None:
+def measured_overlap(comm, device: torch.device) -> float | None:
     """Over all ranks, the share of the peers' chunks' time to arrive not spent waiting for them
     (spent multiplying and copying): None where nothing was timed (CUDA, or no peers)."""
-    totals = torch.tensor([comm.waited, comm.arriving], dtype=torch.float64)
+    totals = torch.tensor([comm.waited, comm.arriving], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     return None if totals[1] == 0 else 1 - (totals[0] / totals[1]).item()
 
@@ -398,8 +401,7 @@ def main():
         common.parser(__doc__), collectives)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     comm = model.comm
-
-    steps = iter(range(len(batches)))
+    steps = itertools.count()
 
     def train_step(inputs, targets):
         if next(steps) == args.warmup:  # overlap counts the timed steps only
@@ -414,9 +416,10 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt),
                                dp_world=1)
+    overlap = measured_overlap(comm, topo.device)
     common.record(args, topo, stats, baseline="baseline_symmem_tp", model=model, optimizer=opt,
                   comm_mb=comm.loaded_bytes / 2**20 + stats.comm_mb, dp_world=1, params=params,
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype], overlap=measured_overlap(comm),
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], overlap=overlap,
                   transport="cuda symmetric memory" if topo.device.type == "cuda"
                   else "/dev/shm segment", process_group_mb=stats.comm_mb,
                   theory=tp_theory(args, topo, model, replicated))

@@ -168,7 +168,8 @@ def test_async_tp_calls_the_fused_kernels_by_their_signatures():
 
 def test_dtensor_async_tp_enables_symmetric_memory_where_inductor_looks(group, monkeypatch):
     """inductor's micro-pipeline pass leaves a group's collectives alone unless
-    is_symm_mem_enabled_for_group says yes: the DTensor script's switch must make it."""
+    is_symm_mem_enabled_for_group says yes: the DTensor script's switch must make it. (The
+    group's entry in torch's C++ registry, `set_group_info`, outlives the test: harmless.)"""
     import torch._inductor.config as inductor
     from torch._inductor.fx_passes import micro_pipeline_tp
     from torch.distributed import _symmetric_memory as symm
