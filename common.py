@@ -3,7 +3,8 @@ order, the same clock, the same memory count. Techniques never live here; one re
 file is enough to run it. What reads results back (report, charts, planner) is report.py.
 
 Sections, in reading order:
-    Sizes and the workload   presets, the GPT decoder and a ResNet, synthetic data split by rank
+    Sizes and the workload   presets, the GPT and Llama decoders, a ResNet, the parts a technique
+                             is given (blocks, embedding, head), synthetic data split by rank
     CLI                      the shared flags, one-line errors, a run's variant
     Topology                 torchrun, srun or a world of one: device, backend, process group
     Bytes sent               the bytes handed to collectives, counted or from the ring formula
@@ -54,12 +55,14 @@ _IMPORTED_AT = time.perf_counter()  # a record's startup_s counts from here
 @dataclass(frozen=True)
 class Size:
     """A preset: `tiny` for tests, `small` the CPU default, `medium`/`large` the GPU defaults.
-    The long_* fields are the attention recipes' shape, where the T x T scores dominate."""
+    The long_* fields are the attention recipes' shape, where the T x T scores dominate;
+    n_kv_heads is the Llama's (grouped-query attention: n_heads / n_kv_heads queries a head)."""
 
     vocab_size: int
     d_model: int
     n_layers: int
     n_heads: int
+    n_kv_heads: int
     seq_len: int
     batch_size: int  # per rank
     long_seq_len: int
@@ -68,12 +71,21 @@ class Size:
     image_size: int
 
 
-SIZES = {  # vocab, d_model, layers, heads, seq, batch, long seq, long batch, resnet, image px
-    "tiny": Size(128, 64, 2, 4, 32, 4, 128, 2, "resnet18", 16),
-    "small": Size(1024, 256, 6, 8, 128, 4, 768, 1, "resnet18", 32),
-    "medium": Size(32768, 768, 12, 12, 1024, 8, 4096, 2, "resnet50", 128),
-    "large": Size(32768, 2048, 18, 16, 1024, 4, 4096, 1, "resnet101", 224),
+SIZES = {
+    "tiny": Size(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=32,
+                 batch_size=4, long_seq_len=128, long_batch_size=2, resnet="resnet18",
+                 image_size=16),
+    "small": Size(vocab_size=1024, d_model=256, n_layers=6, n_heads=8, n_kv_heads=4, seq_len=128,
+                  batch_size=4, long_seq_len=768, long_batch_size=1, resnet="resnet18",
+                  image_size=32),
+    "medium": Size(vocab_size=32768, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4,
+                   seq_len=1024, batch_size=8, long_seq_len=4096, long_batch_size=2,
+                   resnet="resnet50", image_size=128),
+    "large": Size(vocab_size=32768, d_model=2048, n_layers=18, n_heads=16, n_kv_heads=8,
+                  seq_len=1024, batch_size=4, long_seq_len=4096, long_batch_size=1,
+                  resnet="resnet101", image_size=224),
 }
+MODELS = ("gpt", "llama", "resnet")  # the decoders, then the CNN
 
 
 def gpt_param_count(size: Size, seq_len: int) -> int:
@@ -130,9 +142,10 @@ class Embeddings(nn.Module):
 
 
 class LossHead(nn.Module):
-    """Final norm, head and mean cross-entropy: a pipeline's last layer (the GPT's own modules)."""
+    """Final norm, head and mean cross-entropy: a pipeline's last layer (the model's own modules:
+    the GPT's LayerNorm and tied head, the Llama's RMSNorm and lm_head)."""
 
-    def __init__(self, ln_f: nn.LayerNorm, head: nn.Linear):
+    def __init__(self, ln_f: nn.Module, head: nn.Linear):
         super().__init__()
         self.ln_f, self.head = ln_f, head
 
@@ -141,7 +154,23 @@ class LossHead(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-class GPT(nn.Module):
+class Decoder(nn.Module):
+    """What the two decoder families share: `forward(tokens, targets)` returns the mean loss, and
+    `pipeline_layers()` lists the model's own modules in order, for a pipeline to cut."""
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def pipeline_stages(self, n: int) -> list[list[nn.Module]]:
+        """`pipeline_layers` cut into n stages of about equal compute: a layer costs the weights of
+        its matrix multiplies (lookups, norms and the attention's own product are small)."""
+        layers = self.pipeline_layers()
+        costs = [sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear))
+                 for layer in layers]
+        return [[layers[i] for i in stage] for stage in cut_into_stages(costs, n)]
+
+
+class GPT(Decoder):
     """Pre-norm decoder with a tied head. `forward(tokens, targets)` returns the mean loss."""
 
     def __init__(self, size: Size, seq_len: int, attention: Callable = causal_sdpa,
@@ -181,13 +210,130 @@ class GPT(nn.Module):
         return [Embeddings(self.tok_emb, self.pos_emb), *self.blocks,
                 LossHead(self.ln_f, self.head)]
 
-    def pipeline_stages(self, n: int) -> list[list[nn.Module]]:
-        """`pipeline_layers` cut into n stages of about equal compute: a layer costs the weights of
-        its matrix multiplies (lookups, norms and the attention's own product are small)."""
-        layers = self.pipeline_layers()
-        costs = [sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear))
-                 for layer in layers]
-        return [[layers[i] for i in stage] for stage in cut_into_stages(costs, n)]
+
+def llama_ffn_dim(d_model: int) -> int:
+    """SwiGLU's hidden width: 8/3 of d_model (the same weights as a 4x GELU MLP, in three
+    matrices), rounded up to a multiple of 64 as Llama rounds to its own multiple."""
+    return -(-8 * d_model // 3 // 64) * 64
+
+
+def llama_param_count(size: Size) -> int:
+    """Parameters of `Llama(size)` without building it (no biases; the head is untied)."""
+    d, head_dim = size.d_model, size.d_model // size.n_heads
+    attention = 2 * d * d + 2 * d * size.n_kv_heads * head_dim  # q, o; k, v for the KV heads
+    per_layer = attention + 3 * d * llama_ffn_dim(d) + 2 * d  # gate, up, down; two RMSNorms
+    return 2 * size.vocab_size * d + size.n_layers * per_layer + d
+
+
+def apply_rotary(x: torch.Tensor, base: float = 10_000.0) -> torch.Tensor:
+    """Rotary position embedding of x (batch, heads, seq, head_dim), HuggingFace Llama's layout:
+    the first and second halves of each head are the pairs rotated by position x frequency.
+    Computed from the shape, so a layer needs no table and a pipeline stage no positions."""
+    seq, head_dim = x.shape[-2], x.shape[-1]
+    freq = base ** (-torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32)
+                    / head_dim)
+    angle = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), freq)
+    angle = torch.cat([angle, angle], dim=-1)
+    first, second = x.chunk(2, dim=-1)
+    return x * angle.cos().to(x.dtype) + torch.cat([-second, first], dim=-1) * \
+        angle.sin().to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention with rotary positions and no biases. Head counts are read from the
+    projections' widths, so a tensor-parallel shard (some of the heads) runs the same code."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, attention: Callable):
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+        self.attention = attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = apply_rotary(q), apply_rotary(k)
+        # each KV head serves n_heads / n_kv_heads query heads, next to each other (HF's repeat_kv)
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        y = self.attention(q, k, v)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, d_model: int, ffn_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, ffn_dim, bias=False)
+        self.up_proj = nn.Linear(d_model, ffn_dim, bias=False)
+        self.down_proj = nn.Linear(ffn_dim, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, size: Size, attention: Callable):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(size.d_model, eps=1e-6)
+        self.self_attn = LlamaAttention(size.d_model, size.n_heads, size.n_kv_heads, attention)
+        self.post_attention_layernorm = nn.RMSNorm(size.d_model, eps=1e-6)
+        self.mlp = LlamaMLP(size.d_model, llama_ffn_dim(size.d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The decoder without its head, as HuggingFace's `LlamaModel`: tokens in, normed states out."""
+
+    def __init__(self, size: Size, attention: Callable):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(size.vocab_size, size.d_model)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(size, attention)
+                                    for _ in range(size.n_layers))
+        self.norm = nn.RMSNorm(size.d_model, eps=1e-6)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class Llama(Decoder):
+    """The shape users bring: RMSNorm, rotary positions, SwiGLU, grouped-query attention, no
+    biases, an untied `lm_head`, with HuggingFace's module names (`model.layers[i].self_attn
+    .q_proj`, `mlp.gate_proj`, `model.embed_tokens`, `model.norm`, `lm_head`). The same
+    `forward(tokens, targets)` contract as the GPT; any sequence length (no position table)."""
+
+    def __init__(self, size: Size, attention: Callable = causal_sdpa,
+                 autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        if size.d_model % size.n_heads or size.n_heads % size.n_kv_heads:
+            raise ValueError(f"{size.n_heads} heads of d_model {size.d_model} in "
+                             f"{size.n_kv_heads} KV groups do not divide evenly")
+        self.autocast_dtype = autocast_dtype
+        self.model = LlamaModel(size, attention)
+        self.lm_head = nn.Linear(size.d_model, size.vocab_size, bias=False)
+        for p in self.parameters():
+            if p.dim() == 2:  # HuggingFace's initializer_range; RMSNorm weights stay 1
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(tokens.device.type, dtype=self.autocast_dtype,
+                            enabled=self.autocast_dtype is not None):
+            logits = self.lm_head(self.model(tokens))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The embedding, each decoder layer, then norm, head and loss (`layers[-1](x, targets)`),
+        as `GPT.pipeline_layers`; the head is untied, so no weight lives on two stages."""
+        return [self.model.embed_tokens, *self.model.layers,
+                LossHead(self.model.norm, self.lm_head)]
 
 
 def cut_into_stages(costs: list[int], stages: int) -> list[range]:
@@ -273,7 +419,7 @@ def workload(args: argparse.Namespace, topo: Topology, attention: Callable = cau
     global_batch = dp_world * args.batch_size
     batches = []
     for step in range(args.warmup + args.steps):
-        if args.model == "gpt":
+        if args.model != "resnet":
             tokens = global_token_batch(size, args.seq_len, global_batch, step, args.seed)
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
         else:
@@ -282,14 +428,63 @@ def workload(args: argparse.Namespace, topo: Topology, attention: Callable = cau
                         rank_slice(targets, dp_rank, dp_world).to(topo.device)))
     if args.model == "gpt":
         model = GPT(size, args.seq_len, attention, autocast_dtype)
+    elif args.model == "llama":
+        model = Llama(size, attention, autocast_dtype)
     else:
         model = Classifier(size.resnet, NUM_CLASSES, autocast_dtype)
     return model.to(topo.device), batches
 
 
+# The parts a technique is given. A technique takes the model's parts, never its attribute names:
+# these find them in the project's models (and HuggingFace-style ones); a user's own model passes
+# its own list instead.
+_BLOCK_PATHS = ("blocks", "model.layers", "layers", "transformer.h")
+_EMBEDDING_PATHS = ("tok_emb", "model.embed_tokens", "embed_tokens", "transformer.wte")
+_HEAD_PATHS = ("head", "lm_head", "net.fc", "fc")
+
+
+def _find(model: nn.Module, paths: Sequence[str]) -> nn.Module | None:
+    for path in paths:
+        try:
+            return model.get_submodule(path)
+        except AttributeError:
+            continue
+    return None
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated units a technique shards, checkpoints, buckets or cuts, in forward order: the
+    GPT's `blocks`, the Llama's `model.layers` (HuggingFace's names), GPT-2's `transformer.h`, a
+    torchvision ResNet's four stages. A model with none of these gets one line naming what to
+    pass; a trainer with its own model passes its own list to the technique."""
+    if isinstance(model, Classifier):
+        return [getattr(model.net, f"layer{i}") for i in range(1, 5)]
+    found = _find(model, _BLOCK_PATHS)
+    if not isinstance(found, nn.ModuleList):
+        raise ValueError(f"no transformer blocks found in {type(model).__name__} (looked for "
+                         f"{', '.join(_BLOCK_PATHS)}): pass the list of its repeated blocks "
+                         f"yourself, e.g. blocks=list(model.my_layers)")
+    return list(found)
+
+
+def input_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The token embedding (the GPT's `tok_emb`, the Llama's `model.embed_tokens`); None for a
+    model without one (the ResNet)."""
+    found = _find(model, _EMBEDDING_PATHS)
+    return found if isinstance(found, nn.Embedding) else None
+
+
+def output_head(model: nn.Module) -> nn.Linear | None:
+    """The last linear layer, which low-precision and compression recipes leave whole: the GPT's
+    tied `head`, the Llama's `lm_head`, the ResNet's `fc`. Compare its weight by identity with
+    `input_embedding(model).weight` to know whether the two are tied."""
+    found = _find(model, _HEAD_PATHS)
+    return found if isinstance(found, nn.Linear) else None
+
+
 def items_per_step(args: argparse.Namespace, dp_world: int) -> int:
-    """Global tokens (GPT) or images (ResNet) consumed by one optimizer step."""
-    per_sample = args.seq_len if args.model == "gpt" else 1
+    """Global tokens (a decoder) or images (ResNet) consumed by one optimizer step."""
+    per_sample = 1 if args.model == "resnet" else args.seq_len
     return dp_world * args.batch_size * per_sample
 
 
@@ -300,8 +495,9 @@ def parser(doc: str | None, long_context: bool = False) -> RecipeParser:
     p = RecipeParser(doc, long_context)
     p.add_argument("--size", default="small", choices=list(SIZES),
                    help="model/data preset (default: small)")
-    p.add_argument("--model", default="gpt", choices=["gpt", "resnet"],
-                   help="workload: the GPT decoder or a torchvision ResNet classifier")
+    p.add_argument("--model", default="gpt", choices=list(MODELS),
+                   help="workload: the GPT decoder, a Llama-style decoder (RMSNorm, rotary, "
+                        "SwiGLU, grouped-query attention, untied head) or a torchvision ResNet")
     p.add_argument("--steps", type=int_at_least(1), default=20, help="timed steps")
     p.add_argument("--warmup", type=int_at_least(0), default=5, help="untimed steps first")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
@@ -521,8 +717,11 @@ def _restarted_group_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"restart-{restart}", agent_store)
 
 
-def setup(args: argparse.Namespace) -> Topology:
-    """Join the process group; `--timeout` bounds every collective (a dead peer is an error)."""
+def setup(args: argparse.Namespace | None = None, timeout_s: float = 300) -> Topology:
+    """Join the process group from the launcher's environment (torchrun, srun, or none: a world
+    of one) and pick the device. A recipe passes its parsed flags, whose `--timeout` bounds every
+    collective; a trainer of one's own calls `setup()` alone (`timeout_s`). A dead peer is an
+    error, never a hang."""
     _RUN["args"] = args
     from_srun = "RANK" not in os.environ and "SLURM_PROCID" in os.environ
     per_task = from_srun and "SLURM_GPUS_PER_TASK" in os.environ  # each task its own GPUs
@@ -542,7 +741,7 @@ def setup(args: argparse.Namespace) -> Topology:
         device, backend = torch.device("cpu"), "gloo"
         # Processes sharing a host split its cores; oversubscription would distort every timing.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
-    timeout = datetime.timedelta(seconds=args.timeout)
+    timeout = datetime.timedelta(seconds=args.timeout if args is not None else timeout_s)
     dist.init_process_group(backend, timeout=timeout, store=_restarted_group_store(timeout),
                             rank=rank, world_size=world,
                             device_id=device if backend == "nccl" else None)
@@ -768,7 +967,7 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
             print(f"step {i + 1:4d}/{n} | rank-{topo.rank} loss {loss.item():.4f} | "
                   f"{1e3 * elapsed:8.1f} ms | "
                   f"{items_per_step(args, dp_world or topo.world_size) / elapsed:10,.0f} "
-                  f"{'tok' if args.model == 'gpt' else 'img'}/s | "
+                  f"{'img' if args.model == 'resnet' else 'tok'}/s | "
                   f"mem {peak_memory_mb(topo.device):,.0f} MB", flush=True)
     load_end = os.getloadavg()[0]
     for hook in phase_hooks:
@@ -1223,7 +1422,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         # the host's: the load average counts every runnable task on it, as cpu_count counts
         # every core (a container's affinity may list fewer)
         "load_avg": [round(load, 2) for load in stats.load_avg], "cpus": os.cpu_count(),
-        ("tokens_per_s" if args.model == "gpt" else "samples_per_s"):
+        ("samples_per_s" if args.model == "resnet" else "tokens_per_s"):
             round(items / (stats.step_ms / 1e3), 1),
         "peak_mem_mb": round(memory["total"] if memory else allocator_peak, 1),
         "state_mb": round(max(state for _, _, state in ranks), 2),
@@ -1233,7 +1432,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         "theory": {k: round(v, 3) if isinstance(v, float) else v for k, v in theory.items()},
         "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size,
         "seed": args.seed, "lr": args.lr,
-        "seq_len": args.seq_len if args.model == "gpt" else None, "dtype": args.dtype,
+        "seq_len": None if args.model == "resnet" else args.seq_len, "dtype": args.dtype,
         "startup_s": round(stats.startup_s, 2), "warmup_s": round(stats.warmup_s, 2),
     })
     if topo.device.type == "cuda":
@@ -1245,7 +1444,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     rec.update(extra)
     if topo.is_main:
         append_record(args.results, rec)
-        unit = "tok/s" if args.model == "gpt" else "img/s"
+        unit = "img/s" if args.model == "resnet" else "tok/s"
         comm = "" if comm_mb is None else f", comm {comm_mb:.2f} MB/step"
         variant = f"{rec['variant']}, " if rec["variant"] else ""  # which of a script's runs
         print(f"{rec['script']}: {variant}{stats.step_ms:.1f} ms/step "

@@ -113,6 +113,93 @@ def test_the_gpts_pipeline_layers_are_its_own_modules_in_forward_order():
     assert torch.equal(layers[-1](x, tokens[:, 1:]), model(tokens[:, :-1], tokens[:, 1:]))
 
 
+def test_the_llama_has_huggingfaces_names_grouped_query_attention_and_an_untied_head():
+    size = common.SIZES["tiny"]
+    model = common.Llama(size)
+    names = {name for name, _ in model.named_parameters()}
+    head_dim = size.d_model // size.n_heads
+    layer = model.model.layers[0]
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+            "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight", "model.layers.0.input_layernorm.weight",
+            "model.layers.0.post_attention_layernorm.weight"} <= names
+    assert not any(name.endswith("bias") for name in names)
+    assert size.n_kv_heads < size.n_heads  # grouped: fewer KV heads than query heads
+    assert layer.self_attn.k_proj.weight.shape == (size.n_kv_heads * head_dim, size.d_model)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+
+
+def test_the_llamas_grouped_attention_equals_attention_over_repeated_kv_heads():
+    torch.manual_seed(0)
+    attn = common.LlamaAttention(32, n_heads=4, n_kv_heads=2, attention=common.causal_sdpa)
+    x = torch.randn(2, 5, 32)
+    full = common.LlamaAttention(32, n_heads=4, n_kv_heads=4, attention=common.causal_sdpa)
+    with torch.no_grad():
+        full.q_proj.weight.copy_(attn.q_proj.weight)
+        full.o_proj.weight.copy_(attn.o_proj.weight)
+        for mine, theirs in [(full.k_proj, attn.k_proj), (full.v_proj, attn.v_proj)]:
+            # KV head h serves query heads 2h and 2h + 1
+            mine.weight.copy_(theirs.weight.view(2, 1, 8, 32).expand(2, 2, 8, 32).reshape(32, 32))
+    assert torch.allclose(attn(x), full(x), atol=1e-6)
+
+
+def test_rotary_positions_rotate_pairs_and_keep_norms():
+    x = torch.randn(1, 2, 6, 8)
+    rotated = common.apply_rotary(x)
+    assert torch.equal(rotated[:, :, 0], x[:, :, 0])  # position 0 is not rotated
+    assert torch.allclose(rotated.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
+    # relative: the product of two rotated vectors depends on their distance only
+    q, k = torch.randn(8), torch.randn(8)
+    rq, rk = (common.apply_rotary(v.expand(1, 1, 6, 8))[0, 0] for v in (q, k))
+    assert torch.allclose(rq[3] @ rk[1], rq[4] @ rk[2], atol=1e-5)
+
+
+def test_the_llamas_pipeline_layers_compute_its_forward():
+    torch.manual_seed(0)
+    model = common.Llama(common.SIZES["tiny"])
+    layers = model.pipeline_layers()
+    assert layers[0] is model.model.embed_tokens and layers[1] is model.model.layers[0]
+    assert layers[-1].head is model.lm_head
+    tokens = torch.randint(common.SIZES["tiny"].vocab_size, (2, 17))
+    x = tokens[:, :-1]
+    for layer in layers[:-1]:
+        x = layer(x)
+    assert torch.equal(layers[-1](x, tokens[:, 1:]), model(tokens[:, :-1], tokens[:, 1:]))
+    assert sum(len(stage) for stage in model.pipeline_stages(3)) == len(layers)
+
+
+def test_the_adapter_finds_the_parts_of_each_model_by_identity():
+    size = common.SIZES["tiny"]
+    gpt, llama = common.GPT(size, 16), common.Llama(size)
+    resnet = common.Classifier("resnet18", common.NUM_CLASSES)
+    assert common.transformer_blocks(gpt) == list(gpt.blocks)
+    assert common.transformer_blocks(llama) == list(llama.model.layers)
+    assert common.transformer_blocks(resnet) == [resnet.net.layer1, resnet.net.layer2,
+                                                 resnet.net.layer3, resnet.net.layer4]
+    assert common.input_embedding(gpt) is gpt.tok_emb
+    assert common.output_head(gpt).weight is common.input_embedding(gpt).weight  # tied
+    assert common.input_embedding(llama) is llama.model.embed_tokens
+    assert common.output_head(llama) is llama.lm_head
+    assert common.input_embedding(resnet) is None and common.output_head(resnet) is resnet.net.fc
+
+
+def test_a_model_without_known_blocks_gets_one_line_naming_what_to_pass():
+    with pytest.raises(ValueError, match="pass the list of its repeated blocks") as err:
+        common.transformer_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert "\n" not in str(err.value)
+
+
+def test_a_trainer_of_ones_own_gets_its_topology_from_the_environment_alone(monkeypatch):
+    for name in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(common.os, "environ", dict(common.os.environ))  # setup writes to it
+    topo = common.setup(timeout_s=30)
+    try:
+        assert (topo.rank, topo.world_size, topo.backend) == (0, 1, "gloo")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 # --- parameter and memory counting ------------------------------------------------------------
 @pytest.mark.parametrize("size", ["tiny", "small"])
 def test_gpt_param_count_matches_the_built_model(size):
@@ -121,8 +208,15 @@ def test_gpt_param_count_matches_the_built_model(size):
     assert built == common.gpt_param_count(common.SIZES[size], 64)
 
 
+@pytest.mark.parametrize("size", ["tiny", "small", "medium"])
+def test_llama_param_count_matches_the_built_model(size):
+    built = sum(p.numel() for p in common.Llama(common.SIZES[size]).parameters())
+    assert built == common.llama_param_count(common.SIZES[size])
+
+
 def test_large_preset_is_near_one_billion_parameters():
     assert 0.9e9 < common.gpt_param_count(common.SIZES["large"], 1024) < 1.1e9
+    assert 0.9e9 < common.llama_param_count(common.SIZES["large"]) < 1.1e9
 
 
 def test_state_mb_counts_params_grads_and_adam_state():
