@@ -22,6 +22,9 @@ NODE_RANK ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
 SIZE ?= small
+# MODEL=llama: every script on the Llama-style decoder (resnet: the CNN where it applies); unset,
+# each script's default (the GPT).
+MODEL ?=
 STEPS ?=
 ARGS ?=
 LINK ?=
@@ -38,6 +41,9 @@ positive = $(shell [ "$(1)" -ge 1 ] 2>/dev/null && echo yes)
 ifneq ($(filter $(RUN_GOALS),$(MAKECMDGOALS)),)
 ifeq ($(filter $(SIZE),tiny small medium large),)
 $(error SIZE=$(SIZE) is not a size: use tiny, small, medium or large)
+endif
+ifneq ($(filter-out gpt llama resnet,$(MODEL)),)
+$(error MODEL=$(MODEL) is not a model: use gpt, llama or resnet, or leave it unset)
 endif
 ifneq ($(call positive,$(NPROC)),yes)
 $(error NPROC=$(NPROC) is not a number of processes: use 1 or more)
@@ -93,7 +99,7 @@ PY := .venv/bin/python
 INSTALLED := .venv/.installed
 endif
 
-SCRIPT_FLAGS := --size $(SIZE) $(if $(STEPS),--steps $(STEPS)) $(if $(TRACE),--trace) $(ARGS)
+SCRIPT_FLAGS := --size $(SIZE) $(if $(MODEL),--model $(MODEL)) $(if $(STEPS),--steps $(STEPS)) $(if $(TRACE),--trace) $(ARGS)
 # RESTARTS=1: torchrun restarts the whole group (same flags) when a process dies; a script run
 # with --resume then continues from its last checkpoint. RDZV=c10d: elastic c10d rendezvous at
 # MASTER_ADDR:MASTER_PORT (ranks assigned at rendezvous, NODE_RANK unused) instead of static.
@@ -141,7 +147,8 @@ help:
 	@echo
 	@echo "Variables: NPROC=$(NPROC) NNODES=$(NNODES) NODE_RANK=$(NODE_RANK)" \
 		"MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT)"
-	@echo "           SIZE=$(SIZE) (tiny|small|medium|large) STEPS=$(STEPS) ARGS='$(ARGS)'" \
+	@echo "           SIZE=$(SIZE) (tiny|small|medium|large) MODEL=$(MODEL) (gpt|llama|resnet)" \
+		"STEPS=$(STEPS) ARGS='$(ARGS)'" \
 		"PYTHON=$(PY) LINK=$(LINK) (e.g. 1gbit: a rate-limited loopback) TRACE=$(TRACE)"
 	@echo "           RESTARTS=$(RESTARTS) (torchrun --max-restarts) RDZV=$(RDZV) (c10d: elastic" \
 		"rendezvous) CPU=$(CPU) (1: hide the GPUs, run on CPU)"
@@ -177,11 +184,11 @@ EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1
 # could not record itself) and fails the target once the others ran. Only node 0 holds rank 0,
 # which prints and records; other nodes keep their own logs.
 WORLD = $(shell echo $$(( $(NPROC) * $(NNODES) )))
-LOG_SETUP = .$(SIZE).w$(WORLD)$(if $(LINK),.$(LINK))$(if $(filter-out 1,$(NNODES)),.node$(NODE_RANK))
+LOG_SETUP = .$(SIZE)$(if $(MODEL),.$(MODEL)).w$(WORLD)$(if $(LINK),.$(LINK))$(if $(filter-out 1,$(NNODES)),.node$(NODE_RANK))
 define launch
 log=outputs/logs/$$(basename $$script .py)$$(echo $$flags | tr -d ' ')$(LOG_SETUP).log; \
 since=$$(date +%s); \
-echo "== $$script$$flags: $(NNODES) node(s) x $(NPROC) process(es), size $(SIZE)$(if $(LINK),$(comma) link $(LINK)) -> $$log"; \
+echo "== $$script$$flags: $(NNODES) node(s) x $(NPROC) process(es), size $(SIZE)$(if $(MODEL), $(MODEL))$(if $(LINK),$(comma) link $(LINK)) -> $$log"; \
 $(SHAPED) $(TORCHRUN) $$script $(SCRIPT_FLAGS) $$flags 2>&1 | tee $$log \
 	| { grep --line-buffered -E '^(step |[a-z0-9_]+: |skipped: |one step|rank +[0-9]+ \|)'; true; }; \
 code=$${PIPESTATUS[0]}; \
@@ -217,7 +224,7 @@ SMOKE_RUNS = $(foreach f,$(FOLDERS),$(sort $(wildcard $(f)/baseline_*.py)) \
 	$(sort $(wildcard $(f)/optimized_*.py)) $(EXTRA_RUNS_$(word 2,$(subst _, ,$(f)))))
 smoke: preflight
 	@rm -rf outputs/smoke
-	@$(PY) report.py smoke --nproc $(NPROC) --flags "--size tiny --steps 2 --warmup 4 --timeout 60" \
+	@$(PY) report.py smoke --nproc $(NPROC) --flags "--size tiny $(if $(MODEL),--model $(MODEL)) --steps 2 --warmup 4 --timeout 60" \
 		-- $(SMOKE_RUNS)
 
 # A host whose GPUs torch cannot use (a driver older than torch's CUDA build, say) would

@@ -196,6 +196,18 @@ def test_restarts_and_c10d_rendezvous_pass_through_to_torchrun(tmp_path):
     assert "--max-restarts=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:" in dry.stdout
 
 
+def test_model_passes_to_every_script_and_names_its_logs(tmp_path):
+    project_copy(tmp_path, "01_ddp",
+                 {"baseline_ddp.py": (common.ROOT / "01_ddp" / "baseline_ddp.py").read_text()})
+    dry = subprocess.run(["make", "-n", "ddp", f"PYTHON={sys.executable}", "MODEL=llama"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert "--size small --model llama" in dry.stdout
+    assert ".small.llama.w2.log" in dry.stdout  # beside the GPT run's logs, not over them
+    default = subprocess.run(["make", "-n", "ddp", f"PYTHON={sys.executable}"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60)
+    assert "--model" not in default.stdout  # each script's own default: the GPT
+
+
 def test_a_run_its_script_refuses_shows_and_records_the_scripts_own_line(tmp_path):
     project_copy(tmp_path, "01_ddp",
                  {"optimized_ddp.py": (common.ROOT / "01_ddp" / "optimized_ddp.py").read_text()})
@@ -218,6 +230,7 @@ def test_a_run_its_script_refuses_shows_and_records_the_scripts_own_line(tmp_pat
     ("NNODES=two", "NNODES=two is not a number of nodes"),
     ("NODE_RANK=1", "NODE_RANK=1 must be 0 to NNODES-1"),
     ("STEPS=ten", "STEPS=ten is not a number of steps"),
+    ("MODEL=gpt2", "MODEL=gpt2 is not a model: use gpt, llama or resnet"),
 ])
 def test_a_bad_variable_is_one_line_before_anything_starts(setting, hint, tmp_path):
     project_copy(tmp_path, "01_ddp",
