@@ -1111,6 +1111,7 @@ def peak_tensor_memory(step: Callable[[], object], tracked: Sequence, device: to
     # some deprecated torch objects answer with a warning); tracking `tracked` after relabels
     # theirs by kind, and an optimizer's parameters and gradients count as params and grads even
     # when they are no module's (ZeRO's shards).
+    gc.collect()  # garbage not yet collected (a reference cycle's tensors) is not live
     tracker.track_external(*[o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)])
     tracker.track_external(*tracked)
     tracker.track_external(*[nn.ParameterList(g["params"]) for opt in tracked

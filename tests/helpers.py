@@ -4,6 +4,7 @@ import contextlib
 import importlib.util
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,22 @@ def assert_bad_input_is_one_line(script: Path, flags: list[str], hint: str, tmp_
     lines = err.getvalue().strip().splitlines()
     assert len(lines) == 1 and hint in lines[0], err.getvalue()
     assert not results.exists()
+
+
+def readme_python_block(readme: Path, heading: str = "## Use it in your trainer") -> str:
+    """The one ```python block of the README's section under `heading` (up to the next heading
+    of its level or above), as it stands: what a "Use it in your trainer" test runs."""
+    level = len(heading.split(" ", 1)[0])
+    lines = readme.read_text().split(f"\n{heading}\n", 1)[1].splitlines()
+    blocks, block, fence = [], [], None  # fence: the open fence's language, None outside one
+    for line in lines:
+        if line.startswith("```"):
+            if fence == "python":
+                blocks.append("\n".join(block) + "\n")
+            fence, block = (line[3:].strip() if fence is None else None), []
+        elif fence is not None:
+            block.append(line)
+        elif re.match(rf"#{{1,{level}}} ", line):
+            break
+    (only,) = blocks
+    return only
