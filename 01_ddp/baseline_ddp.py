@@ -26,22 +26,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 
-def broadcast_parameters(model: torch.nn.Module) -> None:
-    """Make every rank start from rank 0's weights and buffers (a tied weight is sent once)."""
+def broadcast_parameters(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Make every rank of `group` (None: the world) start from the group's first rank's weights
+    and buffers (a tied weight is sent once)."""
+    first = dist.get_global_rank(group or dist.group.WORLD, 0)
     for tensor in itertools.chain(model.parameters(), model.buffers()):
-        dist.broadcast(tensor.detach(), src=0)
+        dist.broadcast(tensor.detach(), src=first, group=group)
 
 
-def allreduce_gradients(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
-    """Average each gradient across ranks, one blocking all-reduce per tensor.
+def allreduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup | None = None
+                        ) -> tuple[int, int]:
+    """Average each gradient across the ranks of `group` (None: the world), one blocking
+    all-reduce per tensor.
 
     Returns (bytes all-reduced, number of collectives) so the record counts what was sent.
     """
     nbytes = calls = 0
+    world_size = dist.get_world_size(group)
     for p in model.parameters():  # parameters() visits the tied embedding/head weight once
         if p.grad is None:
             continue
-        dist.all_reduce(p.grad)  # SUM: gloo has no AVG, so divide afterwards
+        dist.all_reduce(p.grad, group=group)  # SUM: gloo has no AVG, so divide afterwards
         p.grad.div_(world_size)
         nbytes += p.grad.numel() * p.grad.element_size()
         calls += 1
@@ -60,7 +65,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
-        sent["bytes"], sent["calls"] = allreduce_gradients(model, topo.world_size)
+        sent["bytes"], sent["calls"] = allreduce_gradients(model)
         opt.step()
         return loss
 

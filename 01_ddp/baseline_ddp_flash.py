@@ -7,7 +7,7 @@ full (batch, heads, T, T) score matrix, keeps the softmax output for backward, a
 several T x T temporaries on the way.
 Why it is the baseline: it is the attention most people write first and it is exact; at long
 context its memory grows with T^2 and its time is spent streaming those matrices through memory.
-Run:        torchrun --nproc_per_node=2 01_ddp/baseline_ddp_flash.py --size small
+Run:        torchrun --nproc_per_node=2 01_ddp/baseline_ddp_flash.py --size small [--model llama]
 Look for:   peak MB and step ms against optimized_ddp_flash in `make ddp report`; the record's
             `theory.attn_saved_mb` is the score memory this script holds for backward.
 Theory:     attention keeps n_layers x batch x heads x T^2 x 4 bytes of fp32 softmax output for
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
@@ -43,19 +44,21 @@ def attention_saved_mb(args) -> float:
 
 
 # Copied from 01_ddp/optimized_ddp_flash.py: block_gradient_mb
-def block_gradient_mb(model: common.GPT) -> float:
+def block_gradient_mb(block: torch.nn.Module) -> float:
     """One transformer block's gradient bytes: the bucket size that aligns buckets with blocks."""
-    return sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
+    return sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
 
 
 # Copied from 01_ddp/optimized_ddp_flash.py: wrap_ddp
-def wrap_ddp(model: common.GPT, topo: common.Topology, bucket_mb: float) -> DDP:
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
+             group: dist.ProcessGroup | None = None) -> DDP:
     """DDP for long context. With O(T) attention activations the gradients are a large share of
     the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
     one block's gradients let a block's all-reduce start as soon as its backward ends and run
-    under the next block's."""
+    under the next block's. Over the ranks of `group` (None: the world), from its first rank's
+    weights."""
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
 
 
 def main():
@@ -63,11 +66,12 @@ def main():
     parser.add_argument("--bucket-mb", type=common.positive_float, default=None,
                         help="gradient bucket size in MiB (default: one block's gradients)")
     args = parser.parse_args()
-    if args.model != "gpt":
-        parser.error("the attention recipes need --model gpt")
+    if args.model == "resnet":
+        parser.error("the attention recipes need a decoder (--model gpt or llama): a ResNet has "
+                     "no attention")
     topo = common.setup(args)
     model, batches = common.workload(args, topo, attention=materialized_attention)
-    bucket_mb = args.bucket_mb or block_gradient_mb(model)
+    bucket_mb = args.bucket_mb or block_gradient_mb(common.transformer_blocks(model)[0])
     model = wrap_ddp(model, topo, bucket_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 

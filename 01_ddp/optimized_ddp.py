@@ -30,16 +30,19 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
 
-def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float, accum: int) -> DDP:
-    """The technique in one call: bucketed, overlapped, no gradient copy into the buckets."""
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float, accum: int,
+             group: dist.ProcessGroup | None = None) -> DDP:
+    """The technique in one call: bucketed, overlapped, no gradient copy into the buckets; over
+    the ranks of `group` (None: the world), from its first rank's weights and buffers."""
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
                # static_graph with no_sync() crashes in the reducer and, patched past that, stops
                # all-reducing after the first step (pytorch/pytorch#143580, fix pending in
                # #187732): keep it for the plain step only.

@@ -9,7 +9,7 @@ DDP wrapping included (buckets of one block's gradients, gradients as views into
 two scripts differ in the attention alone and the report's speedup is the attention's.
 Why it helps: no T^2 memory traffic (faster) and no T^2 activations (less memory, so longer
 context or a bigger batch fits), while the communication volume is unchanged.
-Run:        torchrun --nproc_per_node=2 01_ddp/optimized_ddp_flash.py --size small
+Run:        torchrun --nproc_per_node=2 01_ddp/optimized_ddp_flash.py --size small [--model llama]
 Look for:   speedup and a lower peak MB than baseline_ddp_flash in `make ddp report`; losses
             within the stated tolerance (the two attentions round differently).
 Theory:     attention memory drops from n_layers x batch x heads x T^2 x 4 bytes (the baseline's
@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -40,18 +41,20 @@ def attention_saved_mb(args) -> float:
     return rows * 4 / 2**20
 
 
-def block_gradient_mb(model: common.GPT) -> float:
+def block_gradient_mb(block: torch.nn.Module) -> float:
     """One transformer block's gradient bytes: the bucket size that aligns buckets with blocks."""
-    return sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
+    return sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
 
 
-def wrap_ddp(model: common.GPT, topo: common.Topology, bucket_mb: float) -> DDP:
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
+             group: dist.ProcessGroup | None = None) -> DDP:
     """DDP for long context. With O(T) attention activations the gradients are a large share of
     the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
     one block's gradients let a block's all-reduce start as soon as its backward ends and run
-    under the next block's."""
+    under the next block's. Over the ranks of `group` (None: the world), from its first rank's
+    weights."""
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
 
 
 def main():
@@ -59,11 +62,12 @@ def main():
     parser.add_argument("--bucket-mb", type=common.positive_float, default=None,
                         help="gradient bucket size in MiB (default: one block's gradients)")
     args = parser.parse_args()
-    if args.model != "gpt":
-        parser.error("the attention recipes need --model gpt")
+    if args.model == "resnet":
+        parser.error("the attention recipes need a decoder (--model gpt or llama): a ResNet has "
+                     "no attention")
     topo = common.setup(args)
     model, batches = common.workload(args, topo, attention=flash_attention)
-    bucket_mb = args.bucket_mb or block_gradient_mb(model)
+    bucket_mb = args.bucket_mb or block_gradient_mb(common.transformer_blocks(model)[0])
     model = wrap_ddp(model, topo, bucket_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 

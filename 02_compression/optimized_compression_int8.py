@@ -176,12 +176,17 @@ def dequantize_all(buf: BucketBuffers, grad: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Int8State:
-    world_size: int
     block: int
     start_iter: int  # plain fp32 steps first, while DDP settles its buckets
+    group: dist.ProcessGroup | None = None  # the data-parallel ranks (DDP's); None: the world
     step: int = 0
     sent_bytes: float = 0  # to peers, this step: payload and scales
     buffers: dict = field(default_factory=dict)  # bucket index -> BucketBuffers
+    world_size: int = field(init=False)  # of `group`
+    rank: int = field(init=False)  # in `group`: the chunk this process owns
+
+    def __post_init__(self):
+        self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
 
 
 def int8_allreduce(state: Int8State, bucket: int, grad: torch.Tensor
@@ -196,10 +201,11 @@ def int8_allreduce(state: Int8State, bucket: int, grad: torch.Tensor
         raise RuntimeError(f"DDP bucket {bucket} changed size after compression began: "
                            f"raise --start-iter")
     compress_with_feedback(buf, grad)
-    dist.all_to_all_single(buf.received.data, buf.send.data)  # row j: rank j's copy of ours
+    # row j: group rank j's copy of ours
+    dist.all_to_all_single(buf.received.data, buf.send.data, group=state.group)
     state.sent_bytes += (N - 1) * buf.send.data[0].numel()  # the row we keep is not sent
-    mine = average_owned_chunk(buf, dist.get_rank())
-    work = common.all_gather_single(buf.received.data, mine, async_op=True)
+    mine = average_owned_chunk(buf, state.rank)
+    work = common.all_gather_single(buf.received.data, mine, group=state.group, async_op=True)
     state.sent_bytes += (N - 1) * mine.numel()
     return work.get_future().then(lambda _: dequantize_all(buf, grad))
 
@@ -212,7 +218,8 @@ def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future
     if state.step < state.start_iter:
         state.sent_bytes += 2 * (state.world_size - 1) / state.world_size * grad.nbytes
         grad.div_(state.world_size)
-        fut = dist.all_reduce(grad, async_op=True).get_future().then(lambda f: f.value()[0])
+        fut = dist.all_reduce(grad, group=state.group, async_op=True).get_future().then(
+            lambda f: f.value()[0])
     else:
         fut = int8_allreduce(state, bucket.index(), grad)
     if bucket.is_last():
@@ -221,10 +228,13 @@ def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future
 
 
 # Copied from 02_compression/baseline_compression.py: wrap_ddp
-def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) -> DDP:
-    """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph."""
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
+             group: dist.ProcessGroup | None = None) -> DDP:
+    """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph; over
+    the ranks of `group` (None: the world), from its first rank's weights and buffers."""
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, static_graph=True)
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+               static_graph=True)
 
 
 def main():
@@ -244,7 +254,7 @@ def main():
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     model = wrap_ddp(model, topo, args.bucket_mb)
-    state = Int8State(topo.world_size, args.block, args.start_iter)
+    state = Int8State(args.block, args.start_iter)
     model.register_comm_hook(state, int8_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 

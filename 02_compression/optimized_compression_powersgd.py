@@ -2,13 +2,13 @@
 
 What it does: the same DDP as baseline_compression.py, with a communication hook that, for
 every gradient matrix M (n x m) in a bucket, all-reduces two thin factors instead of M:
-    P = M Q            all-reduce P, then orthogonalize its columns
+    P = M Q            all-reduce P, then orthogonalize its columns (in fp32)
     Q = M^T P          all-reduce Q, average
     M ~ P Q^T          the rank-r projection of the averaged M onto P's columns
 One power-iteration step per training step, Q warm-started from the previous one. Error
 feedback: each rank keeps M - P Q^T and adds it to its next gradient, so what the approximation
-dropped is delayed, never lost. 1-D tensors, matrices too small to gain and the ones named by
-`--uncompressed` (default: the tied embedding/head) ride along uncompressed with P; the first
+dropped is delayed, never lost. 1-D tensors, matrices too small to gain and the weights kept whole
+(default: the input embedding and the output head, tied or not) ride along with P; the first
 `--start-iter` steps are plain fp32. Every collective is issued from the hook, in bucket order,
 so all ranks agree on it (PyTorch's own hook: optimized_compression_powersgd_pytorch.py).
 Why it helps: r(n + m) values sent instead of n*m per matrix; across nodes the gradient bytes
@@ -26,6 +26,7 @@ Theory:     theory.compression = (sum of n*m + uncompressed) / (sum of r(n+m) + 
 import argparse
 import math
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,24 +60,39 @@ def worth_compressing(matrix: torch.Tensor, rank: int) -> bool:
 
 
 def initial_qs(matrices: list[torch.Tensor], rank: int, seed: int) -> list[torch.Tensor]:
-    """Random m x r starting factors, the same on every rank (drawn from a seeded generator)."""
+    """Random m x r starting factors, the same on every rank (drawn from a seeded generator),
+    in each matrix's dtype."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(m.shape[1], min(*m.shape, rank), generator=gen).to(m.device)
+    return [torch.randn(m.shape[1], min(*m.shape, rank), generator=gen).to(m.device, m.dtype)
             for m in matrices]
+
+
+def orthonormal_basis(p: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis of P's columns, computed in fp32 (bf16 loses orthogonality, and
+    QR has no bf16 kernel), returned in P's dtype."""
+    return torch.linalg.qr(p.float()).Q.to(p.dtype)
 
 
 @dataclass
 class PowerSGDState:
-    world_size: int
     rank: int  # of the approximation
     start_iter: int
     seed: int
-    uncompressed: set[int] = field(default_factory=set)  # ids of parameters sent as they are
+    # weights sent whole, found by identity (a tied embedding/head is one tensor): e.g. the
+    # input embedding's and the output head's, whose gradients are far from low rank
+    uncompressed: Collection[torch.Tensor] = ()
+    group: dist.ProcessGroup | None = None  # the data-parallel ranks (DDP's); None: the world
     step: int = 0
     sent_bytes: float = 0  # to peers, this step
     collectives: int = 0  # issued this step
     residual: dict = field(default_factory=dict)  # bucket -> what the approximation dropped
     qs: dict = field(default_factory=dict)  # bucket -> this step's Q factors, the next one's start
+    world_size: int = field(init=False)  # of `group`
+    kept_whole: set[int] = field(init=False)  # ids of `uncompressed`
+
+    def __post_init__(self):
+        self.world_size = dist.get_world_size(self.group)
+        self.kept_whole = {id(p) for p in self.uncompressed}
 
 
 def powersgd_allreduce(state: PowerSGDState, bucket: int, grad: torch.Tensor,
@@ -107,7 +123,7 @@ def powersgd_allreduce(state: PowerSGDState, bucket: int, grad: torch.Tensor,
 
     ps = [m @ q for m, q in zip(matrices, qs, strict=True)]
     first = torch.cat([t.flatten() for t in plain + ps])  # uncompressed tensors ride along
-    dist.all_reduce(first)
+    dist.all_reduce(first, group=state.group)
     state.sent_bytes += 2 * (N - 1) / N * first.nbytes
     state.collectives += 1
     plain_numel = sum(t.numel() for t in plain)
@@ -118,13 +134,16 @@ def powersgd_allreduce(state: PowerSGDState, bucket: int, grad: torch.Tensor,
         done = torch.futures.Future()
         done.set_result(grad)
         return done
-    ps = [torch.linalg.qr(total.view_as(p)).Q  # an orthonormal basis of the summed P
+    ps = [orthonormal_basis(total.view_as(p))  # of the summed P
           for total, p in zip(p_sums.split([p.numel() for p in ps]), ps, strict=True)]
 
     second = torch.cat([(m.T @ p).flatten() for m, p in zip(matrices, ps, strict=True)])
-    work = dist.all_reduce(second, async_op=True)
+    work = dist.all_reduce(second, group=state.group, async_op=True)
     state.sent_bytes += 2 * (N - 1) / N * second.nbytes
     state.collectives += 1
+    # the callback keeps the factors' dict, not the state: through it, the group, whose last
+    # reference must not be dropped on the group's own worker thread, where callbacks run
+    factors = state.qs
 
     def decompress(_):
         q_means = [q.view(q0.shape) for q, q0 in
@@ -133,7 +152,7 @@ def powersgd_allreduce(state: PowerSGDState, bucket: int, grad: torch.Tensor,
             approx = p @ q.T
             torch.sub(m, approx, out=e)  # what this rank's compensated gradient lost
             m.copy_(approx)
-        state.qs[bucket] = q_means
+        factors[bucket] = q_means
         return grad
 
     return work.get_future().then(decompress)
@@ -149,12 +168,13 @@ def powersgd_hook(state: PowerSGDState,
         state.sent_bytes += 2 * (state.world_size - 1) / state.world_size * grad.nbytes
         state.collectives += 1
         grad.div_(state.world_size)
-        fut = dist.all_reduce(grad, async_op=True).get_future().then(lambda f: f.value()[0])
+        fut = dist.all_reduce(grad, group=state.group, async_op=True).get_future().then(
+            lambda f: f.value()[0])
     else:
         params = bucket.parameters()
         fut = powersgd_allreduce(
             state, bucket.index(), grad, [p.shape for p in params],
-            [id(p) not in state.uncompressed and worth_compressing(as_matrix(p), state.rank)
+            [id(p) not in state.kept_whole and worth_compressing(as_matrix(p), state.rank)
              for p in params])
     if bucket.is_last():
         state.step += 1
@@ -162,20 +182,26 @@ def powersgd_hook(state: PowerSGDState,
 
 
 # Copied from 02_compression/baseline_compression.py: wrap_ddp
-def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) -> DDP:
-    """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph."""
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
+             group: dist.ProcessGroup | None = None) -> DDP:
+    """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph; over
+    the ranks of `group` (None: the world), from its first rank's weights and buffers."""
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, static_graph=True)
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+               static_graph=True)
 
 
-def compression_theory(model: torch.nn.Module, rank: int, uncompressed: list[str]) -> float:
-    """Values sent uncompressed over values sent by PowerSGD, from the parameter shapes."""
+def compression_theory(model: torch.nn.Module, rank: int,
+                       uncompressed: Collection[torch.Tensor]) -> float:
+    """Values sent uncompressed over values sent by PowerSGD, from the parameter shapes; the
+    `uncompressed` weights (found by identity) are sent whole."""
     full = sent = 0
-    for name, p in model.named_parameters():
+    kept_whole = {id(p) for p in uncompressed}
+    for p in model.parameters():  # a tied weight once, as DDP sends it
         matrix = as_matrix(p)
         full += p.numel()
         sent += (min(*matrix.shape, rank) * sum(matrix.shape)
-                 if name not in uncompressed and worth_compressing(matrix, rank) else p.numel())
+                 if id(p) not in kept_whole and worth_compressing(matrix, rank) else p.numel())
     return full / sent
 
 
@@ -209,23 +235,26 @@ def main():
                              "step, which measures bytes and memory, is a compressed step like "
                              "the timed ones, not the first (default: --warmup - 2, 4 of 25)")
     parser.add_argument("--uncompressed", nargs="*", metavar="NAME", default=None,
-                        help="parameters sent in fp32, never compressed (default: the GPT's "
-                             "tied embedding/head, tok_emb.weight; none named: every matrix "
-                             "worth it is compressed)")
+                        help="parameters sent whole, never compressed, named as "
+                             "named_parameters() names them (default: the input embedding's and "
+                             "the output head's weights, one tensor when tied; none named: every "
+                             "matrix worth it is compressed)")
     args = parser.parse_args()
-    if args.uncompressed is None:
-        args.uncompressed = ["tok_emb.weight"] if args.model == "gpt" else []
     resolve_start_iter(parser, args)
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     named = dict(model.named_parameters())
-    if unknown := [name for name in args.uncompressed if name not in named]:
+    if args.uncompressed is None:
+        parts = [common.input_embedding(model), common.output_head(model)]
+        kept_whole = [part.weight for part in parts if part is not None]
+    elif unknown := [name for name in args.uncompressed if name not in named]:
         raise common.SetupError(f"--uncompressed {' '.join(unknown)}: not a parameter of the "
                                 f"model; name them as named_parameters() does, e.g. "
                                 f"{', '.join(list(named)[::len(named) // 3])}")
+    else:
+        kept_whole = [named[name] for name in args.uncompressed]
     model = wrap_ddp(model, topo, args.bucket_mb)
-    state = PowerSGDState(topo.world_size, args.rank, args.start_iter, args.seed,
-                          {id(named[name]) for name in args.uncompressed})
+    state = PowerSGDState(args.rank, args.start_iter, args.seed, uncompressed=kept_whole)
     model.register_comm_hook(state, powersgd_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
@@ -239,12 +268,13 @@ def main():
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     buckets = common.ddp_bucket_bytes(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    compression = compression_theory(model.module, args.rank, args.uncompressed)
+    compression = compression_theory(model.module, args.rank, kept_whole)
     fp32_mb = common.ring_allreduce_mb(sum(buckets), topo.world_size)
     comm_mb = state.sent_bytes / 2**20
     common.record(args, topo, stats, baseline="baseline_compression", model=model.module,
                   optimizer=opt, comm_mb=comm_mb, impl="hand",
-                  uncompressed=args.uncompressed, start_iter=args.start_iter,
+                  uncompressed=[name for name, p in named.items() if id(p) in state.kept_whole],
+                  start_iter=args.start_iter,
                   collectives_per_step=state.collectives,
                   compression=fp32_mb / comm_mb if comm_mb else None,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype],

@@ -26,6 +26,7 @@ Theory:     theory.compression = (sum of n*m + uncompressed) / (sum of r(n+m) + 
 import argparse
 import sys
 from collections import defaultdict
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -56,9 +57,10 @@ def worth_compressing(matrix: torch.Tensor, rank: int) -> bool:
 
 # Copied from 02_compression/optimized_compression_powersgd.py: initial_qs
 def initial_qs(matrices: list[torch.Tensor], rank: int, seed: int) -> list[torch.Tensor]:
-    """Random m x r starting factors, the same on every rank (drawn from a seeded generator)."""
+    """Random m x r starting factors, the same on every rank (drawn from a seeded generator),
+    in each matrix's dtype."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(m.shape[1], min(*m.shape, rank), generator=gen).to(m.device)
+    return [torch.randn(m.shape[1], min(*m.shape, rank), generator=gen).to(m.device, m.dtype)
             for m in matrices]
 
 
@@ -105,21 +107,27 @@ def sent_bytes(state: torch_powersgd.PowerSGDState, model: torch.nn.Module,
 
 
 # Copied from 02_compression/baseline_compression.py: wrap_ddp
-def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) -> DDP:
-    """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph."""
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
+             group: dist.ProcessGroup | None = None) -> DDP:
+    """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph; over
+    the ranks of `group` (None: the world), from its first rank's weights and buffers."""
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, static_graph=True)
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+               static_graph=True)
 
 
 # Copied from 02_compression/optimized_compression_powersgd.py: compression_theory
-def compression_theory(model: torch.nn.Module, rank: int, uncompressed: list[str]) -> float:
-    """Values sent uncompressed over values sent by PowerSGD, from the parameter shapes."""
+def compression_theory(model: torch.nn.Module, rank: int,
+                       uncompressed: Collection[torch.Tensor]) -> float:
+    """Values sent uncompressed over values sent by PowerSGD, from the parameter shapes; the
+    `uncompressed` weights (found by identity) are sent whole."""
     full = sent = 0
-    for name, p in model.named_parameters():
+    kept_whole = {id(p) for p in uncompressed}
+    for p in model.parameters():  # a tied weight once, as DDP sends it
         matrix = as_matrix(p)
         full += p.numel()
         sent += (min(*matrix.shape, rank) * sum(matrix.shape)
-                 if name not in uncompressed and worth_compressing(matrix, rank) else p.numel())
+                 if id(p) not in kept_whole and worth_compressing(matrix, rank) else p.numel())
     return full / sent
 
 

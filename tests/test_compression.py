@@ -1,18 +1,24 @@
 """Unit tests for 02_compression's pure parts, and its hooks' collectives on 2 and 3 CPU ranks.
 
 The collective checks run once per world size in spawned gloo processes (a module-scoped
-fixture); each rank-0 process saves its measurements and the tests assert on them here.
+fixture); each rank-0 process saves its measurements and the tests assert on them here. The
+README's "Use it in your trainer" lines run as they are in 2 more spawned processes.
 """
 
+import copy
+import dataclasses
 import math
+import os
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-from helpers import load_recipe
+from helpers import load_recipe, readme_python_block
 
 FOLDER = common.ROOT / "02_compression"
 int8 = load_recipe(FOLDER / "optimized_compression_int8.py")
@@ -93,8 +99,28 @@ def test_compression_theory_counts_matrices_and_uncompressed_tensors_from_the_sh
     # the embedding/head sent whole: its r(n + m) replaced by its n * m
     embedding = size.vocab_size * d
     sent_without = sent - r * (size.vocab_size + d) + embedding
-    assert powersgd.compression_theory(model, r, ["tok_emb.weight"]) == \
+    assert powersgd.compression_theory(model, r, [model.tok_emb.weight]) == \
         pytest.approx((full + uncompressed) / sent_without)
+    # the head is the same tensor: naming both keeps the one weight whole, counted once
+    assert powersgd.compression_theory(model, r, [model.tok_emb.weight, model.head.weight]) == \
+        pytest.approx((full + uncompressed) / sent_without)
+
+
+def test_compression_theory_of_the_llama_keeps_its_untied_embedding_and_head_whole():
+    size = common.SIZES["small"]
+    model = common.Llama(size)
+    d, r, kv, ffn = size.d_model, 4, size.n_kv_heads * size.d_model // size.n_heads, \
+        common.llama_ffn_dim(size.d_model)
+    embedding = head = (size.vocab_size, d)
+    layer = [(d, d), (kv, d), (kv, d), (d, d), (ffn, d), (ffn, d), (d, ffn)]
+    full = common.llama_param_count(size)
+    vectors = full - sum(n * m for n, m in [embedding, head, *size.n_layers * layer])
+    sent = vectors + sum(r * (n + m) for n, m in size.n_layers * layer)
+    whole = [model.model.embed_tokens.weight, model.lm_head.weight]
+    assert powersgd.compression_theory(model, r, whole) == \
+        pytest.approx(full / (sent + 2 * size.vocab_size * d))
+    assert powersgd.compression_theory(model, r, []) == \
+        pytest.approx(full / (sent + 2 * r * (size.vocab_size + d)))
 
 
 # --- Both hooks on real process groups ------------------------------------------------------------
@@ -119,6 +145,41 @@ def gathered(t: torch.Tensor, world: int) -> torch.Tensor:
     return out.view(world, *t.shape)
 
 
+def units_on(group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Three INT8 and three PowerSGD steps on `group`, each rank's gradients seeded by its rank
+    in the group: what the units return, and the bytes they count."""
+    found, me = {}, dist.get_rank(group)
+    state, out = int8.Int8State(BLOCK, 0, group=group), []
+    for step in range(3):
+        grad = torch.randn(4099, generator=torch.Generator().manual_seed(10 * step + me))
+        out.append(int8.int8_allreduce(state, 0, grad).wait().clone())
+    found["int8"], found["int8_sent"] = torch.stack(out), torch.tensor(state.sent_bytes)
+    state, out = powersgd.PowerSGDState(2, 0, seed=0, group=group), []
+    for step in range(3):
+        grad = torch.randn(96 * 80 + 80, generator=torch.Generator().manual_seed(10 * step + me))
+        out.append(powersgd.powersgd_allreduce(state, 0, grad, [torch.Size([96, 80]),
+                                                               torch.Size([80])],
+                                               [True, False]).wait().clone())
+    found["powersgd"], found["powersgd_sent"] = torch.stack(out), torch.tensor(state.sent_bytes)
+    return found
+
+
+def gradients_with_the_embedding_and_head_whole(model: torch.nn.Module, rank: int) -> dict:
+    """One step of `model` under DDP with PowerSGD (rank 4, from the first step) given its
+    input embedding's and output head's weights to keep whole, beside plain DDP from the same
+    weights: name -> (PowerSGD's gradient, plain DDP's)."""
+    plain = DDP(copy.deepcopy(model))
+    whole = [common.input_embedding(model).weight, common.output_head(model).weight]
+    compressed = DDP(model)
+    compressed.register_comm_hook(powersgd.PowerSGDState(4, 0, seed=0, uncompressed=whole),
+                                  powersgd.powersgd_hook)
+    tokens = torch.randint(128, (2, 33), generator=torch.Generator().manual_seed(rank))
+    for ddp in (plain, compressed):
+        ddp(tokens[:, :-1], tokens[:, 1:]).backward()
+    return {name: (p.grad, q.grad) for (name, p), q in
+            zip(compressed.module.named_parameters(), plain.module.parameters(), strict=True)}
+
+
 def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> None:
     """Run on every rank of a spawned gloo group; rank 0 saves what the tests assert."""
     torch.set_num_threads(1)
@@ -128,14 +189,14 @@ def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> N
     for length in LENGTHS:  # one int8 step against the exact average
         gen = torch.Generator().manual_seed(1000 * length + rank)
         grad = torch.randn(length, generator=gen) * torch.logspace(-3, 1, length)
-        state = int8.Int8State(world, BLOCK, start_iter=0)
+        state = int8.Int8State(BLOCK, start_iter=0)
         approx = int8.int8_allreduce(state, 0, grad.clone()).wait()
         grads = gathered(grad, world)
         found[f"int8_{length}"] = ((approx - grads.mean(0)).abs(), int8_bound(grads, world),
                                    state.sent_bytes)
 
     # Error feedback over k steps: what was applied + the residuals left = what was true.
-    state, length, applied, true = int8.Int8State(world, BLOCK, 0), 4099, 0, 0
+    state, length, applied, true = int8.Int8State(BLOCK, 0), 4099, 0, 0
     for step in range(8):
         gen = torch.Generator().manual_seed(step * world + rank)
         grad = torch.randn(length, generator=gen)
@@ -156,7 +217,7 @@ def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> N
     # the bucket's last block, one lies wholly in the padding) give the bits of one piece each.
     default, found["int8_pieces"] = int8.CPU_PIECE, []
     for piece in (default, 2 * BLOCK):
-        int8.CPU_PIECE, state, out = piece, int8.Int8State(world, BLOCK, 0), []
+        int8.CPU_PIECE, state, out = piece, int8.Int8State(BLOCK, 0), []
         for step in range(3):
             grad = torch.randn(4099, generator=torch.Generator().manual_seed(step * world + rank))
             out.append(int8.int8_allreduce(state, 0, grad).wait().clone())
@@ -170,19 +231,19 @@ def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> N
     rows = torch.randn(80, 4, generator=torch.Generator().manual_seed(100 + rank))
     bias = torch.randn(80, generator=torch.Generator().manual_seed(200 + rank))
     embedding = torch.randn(64, 48, generator=torch.Generator().manual_seed(300 + rank))
-    state = powersgd.PowerSGDState(world, 4, start_iter=0, seed=0)
+    state = powersgd.PowerSGDState(4, start_iter=0, seed=0)
     flat = torch.cat([(columns @ rows.T).flatten(), bias, embedding.flatten()])
     shapes = [torch.Size([96, 80]), bias.shape, embedding.shape]
     out = powersgd.powersgd_allreduce(state, 0, flat.clone(), shapes, [True, False, False]).wait()
     found["powersgd_exact"] = (out, gathered(flat, world).mean(0), state.sent_bytes)
     # a bucket with nothing to compress is one plain all-reduce
-    state = powersgd.PowerSGDState(world, 4, start_iter=0, seed=0)
+    state = powersgd.PowerSGDState(4, start_iter=0, seed=0)
     found["powersgd_plain"] = (powersgd.powersgd_allreduce(state, 0, bias.clone(), [bias.shape],
                                                            [False]).wait(),
                                gathered(bias, world).mean(0), state.sent_bytes)
 
     # PowerSGD error feedback on full-rank gradients, warm-started across steps.
-    state, applied, true = powersgd.PowerSGDState(world, 2, start_iter=0, seed=0), 0, 0
+    state, applied, true = powersgd.PowerSGDState(2, start_iter=0, seed=0), 0, 0
     shapes = shapes[:2]
     for step in range(6):
         grad = torch.randn(96 * 80 + 80, generator=torch.Generator().manual_seed(step + 10 * rank))
@@ -191,17 +252,52 @@ def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> N
         true = true + gathered(grad, world).mean(0)
     found["powersgd_feedback"] = (applied, true, gathered(state.residual[0], world).mean(0),
                                   state.sent_bytes)
+
+    # PowerSGD on bf16 gradients: P, Q and the residual in bf16, the orthogonalization in fp32.
+    state = powersgd.PowerSGDState(4, start_iter=0, seed=0)
+    grad = torch.cat([(columns @ rows.T).flatten(), bias]).bfloat16()
+    out = powersgd.powersgd_allreduce(state, 0, grad.clone(), shapes, [True, False]).wait()
+    found["powersgd_bf16"] = (out, gathered(grad.float(), world).mean(0), state.sent_bytes,
+                              [str(t.dtype) for t in (out, state.qs[0][0], state.residual[0])])
+
+    # The weights kept whole are found by identity: the GPT's tied embedding/head (one tensor),
+    # the Llama's untied embed_tokens and lm_head.
+    size = common.SIZES["tiny"]
+    torch.manual_seed(0)
+    found["whole_gpt"] = gradients_with_the_embedding_and_head_whole(common.GPT(size, 32), rank)
+    found["whole_llama"] = gradients_with_the_embedding_and_head_whole(common.Llama(size), rank)
+
+    # The units on a sub-group, ranks {0, 1} of a world of 3 (rank 2 idle), as on a world of 2.
+    if world == 2:
+        found["pair"] = units_on(None)
+    elif world == 3:
+        pair = dist.new_group([0, 1])  # every rank takes part in making it
+        if rank < 2:
+            found["pair"] = units_on(pair)
     if rank == 0:
         torch.save(found, out_file)
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """world size -> what collective_checks' rank 0 found, spawned once per world size."""
+    found = {}
+
+    def at(world: int) -> dict:
+        if world not in found:
+            folder = tmp_path_factory.mktemp(f"world{world}")
+            mp.spawn(collective_checks, args=(world, str(folder / "init"),
+                                              str(folder / "found.pt")), nprocs=world)
+            found[world] = torch.load(folder / "found.pt")
+        return found[world]
+
+    return at
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
-def collectives(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(f"world{request.param}")
-    mp.spawn(collective_checks, args=(request.param, str(folder / "init"),
-                                      str(folder / "found.pt")), nprocs=request.param)
-    return request.param, torch.load(folder / "found.pt")
+def collectives(request, spawned):
+    return request.param, spawned(request.param)
 
 
 @pytest.mark.parametrize("length", LENGTHS)
@@ -259,3 +355,89 @@ def test_powersgd_error_feedback_keeps_what_the_approximation_dropped(collective
     # per step, one all-reduce of P (96 x 2) with the bias (80), one of Q (80 x 2); the count
     # runs over the 6 steps (the hook, not called here, resets it every step)
     assert sent == pytest.approx(6 * 2 * (world - 1) / world * 4 * (96 * 2 + 80 + 80 * 2))
+
+
+def test_powersgd_runs_on_bf16_gradients_in_bf16(collectives):
+    world, found = collectives
+    out, exact, sent, dtypes = found["powersgd_bf16"]
+    assert dtypes == ["torch.bfloat16"] * 3  # the result, Q, the error-feedback residual
+    # a rank-4 mean, exact in fp32 (above), here to bf16's 8 bits, through two all-reduces
+    # whose bf16 sums cancel (each rank's rows differ): a few % of the mean, not a rank-4
+    # approximation's error (tens of %, the feedback test)
+    error = out.float() - exact
+    assert error.norm() <= 5e-2 * exact.norm() and error.abs().max() <= 5e-2 * exact.abs().max()
+    assert sent == pytest.approx(2 * (world - 1) / world * 2 * (96 * 4 + 80 + 80 * 4))
+
+
+@pytest.mark.parametrize("model, whole", [
+    ("gpt", {"tok_emb.weight"}),  # tied: the head is the same tensor, listed once
+    ("llama", {"model.embed_tokens.weight", "lm_head.weight"})])
+def test_powersgd_keeps_the_embedding_and_head_whole_by_identity_tied_or_not(collectives, model,
+                                                                             whole):
+    _, found = collectives
+    grads = found[f"whole_{model}"]
+    assert whole <= set(grads)
+    for name, (got, plain) in grads.items():
+        matrix = powersgd.as_matrix(got)
+        if name in whole or not powersgd.worth_compressing(matrix, 4):
+            assert torch.allclose(got, plain, atol=1e-6), name  # averaged exactly
+        else:  # a rank-4 approximation of one step's gradient
+            assert (got - plain).abs().max() > 1e-4, name
+
+
+def test_the_units_on_ranks_0_and_1_of_three_give_what_they_give_on_a_world_of_two(spawned):
+    two, three = spawned(2)["pair"], spawned(3)["pair"]
+    assert set(two) == set(three) == {"int8", "int8_sent", "powersgd", "powersgd_sent"}
+    for name in two:
+        assert torch.equal(two[name], three[name]), name
+
+
+# --- The README's "Use it in your trainer" ------------------------------------------------------
+# A Llama with matrices wide enough for the README's rank 32 to compress them (tiny's 64 is not)
+TRAINER_SIZE = dataclasses.replace(common.SIZES["tiny"], d_model=256, n_layers=1)
+TRAINER_STEPS = 6  # the snippet's 2 plain steps, then 4 compressed
+
+
+
+
+def train_with_the_readme_lines(rank: int, world: int, port: int, out_file: str) -> None:
+    """A trainer of one's own: its ranks seed the model differently, run the README's lines, then
+    train beside plain DDP from the same weights."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, str(FOLDER))  # where the trainer copied the recipe
+    torch.manual_seed(rank)
+    model = common.Llama(TRAINER_SIZE)
+    reference = copy.deepcopy(model)
+    lines = {"model": model}
+    exec(readme_python_block(FOLDER / "README.md"), lines)
+    model, state, plain = lines["model"], lines["state"], DDP(reference)
+    losses = {"readme": [], "plain": []}
+    for name, ddp in (("readme", model), ("plain", plain)):
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        for step in range(TRAINER_STEPS):
+            tokens = common.global_token_batch(TRAINER_SIZE, 32, 2 * world, step, 0)
+            tokens = common.rank_slice(tokens, rank, world)
+            opt.zero_grad(set_to_none=True)
+            loss = ddp(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    if rank == 0:
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        whole = {id(model.module.model.embed_tokens.weight), id(model.module.lm_head.weight)}
+        torch.save({**losses, "sent": state.sent_bytes, "grad_bytes": grad_bytes,
+                    "whole": state.kept_whole == whole, "steps": state.step}, out_file)
+    dist.destroy_process_group()
+
+
+def test_the_readme_lines_train_a_llama_like_ddp_within_the_tolerance(tmp_path):
+    out = tmp_path / "found.pt"
+    mp.spawn(train_with_the_readme_lines, args=(2, common.free_port(), str(out)), nprocs=2)
+    found = torch.load(out)
+    assert found["whole"] and found["steps"] == TRAINER_STEPS
+    diffs = [abs(a - b) for a, b in zip(found["readme"], found["plain"], strict=True)]
+    assert max(diffs[:2]) <= 1e-5  # the plain steps, then compressed ones within the tolerance
+    assert 0 < max(diffs) <= powersgd.LOSS_TOLERANCE["fp32"]
+    assert found["readme"][-1] < found["readme"][0]
+    assert found["sent"] < found["grad_bytes"] / 2  # the last step's bytes: compressed

@@ -1,9 +1,10 @@
 """Launch tests: the 02_compression scripts under torchrun with CPU processes at `tiny`.
 
-Eight launches (10-20 s of start-up each), shared through one module-scoped fixture: each
-script at 2 processes, the hand-written PowerSGD compressing every matrix beside PyTorch's hook
-(optimized_compression_powersgd_pytorch), both hand-written hooks with several buckets at an odd
-world size, and PyTorch's hook where it cannot run. PowerSGD runs at rank 8, the hand-written
+Eight launches (10-20 s of start-up each), shared through one module-scoped fixture: the
+baseline, INT8 and the hand-written PowerSGD on the Llama at 2 processes (held to the Llama's
+baseline), and on the GPT the hand-written PowerSGD compressing every matrix beside PyTorch's
+hook (optimized_compression_powersgd_pytorch), both hand-written hooks with several buckets at
+an odd world size, and PyTorch's hook where it cannot run. PowerSGD runs at rank 8, the hand-written
 default's share of the model width (32 of `small`'s 256, 8 of `tiny`'s 64): the defaults (32,
 and PyTorch's script's 64) would compress nothing at `tiny`.
 """
@@ -23,20 +24,23 @@ from helpers import (
     assert_bad_input_is_one_line,
     assert_within_its_tolerance,
     finish,
+    load_recipe,
     only_record,
     torchrun,
 )
 
 FOLDER = common.ROOT / "02_compression"
+POWERSGD = load_recipe(FOLDER / "optimized_compression_powersgd.py")
 SEVERAL_BUCKETS = ["--bucket-mb", "0.05"]  # tiny's 0.4 MB of gradients in 7 buckets
 # PowerSGD: 2 plain steps, then 2 compressed before the timed ones: the same 8 steps, 4 untimed
 WARMUP = ["--warmup", "4", "--steps", "4"]
 RANK = [*WARMUP, "--rank", "8"]
 EVERY_MATRIX = [*RANK, "--uncompressed"]  # as PyTorch's hook, which has no per-tensor choice
+LLAMA = ["--model", "llama"]
 RUNS = {  # name: (script, processes, flags)
-    "baseline": ("baseline_compression", 2, WARMUP),
-    "int8": ("optimized_compression_int8", 2, WARMUP),
-    "powersgd": ("optimized_compression_powersgd", 2, RANK),
+    "baseline": ("baseline_compression", 2, [*WARMUP, *LLAMA]),
+    "int8": ("optimized_compression_int8", 2, [*WARMUP, *LLAMA]),
+    "powersgd": ("optimized_compression_powersgd", 2, [*RANK, *LLAMA]),
     "powersgd_every_matrix": ("optimized_compression_powersgd", 2, EVERY_MATRIX),
     "powersgd_torch": ("optimized_compression_powersgd_pytorch", 2, RANK),
     "int8_3ranks_buckets": ("optimized_compression_int8", 3, SEVERAL_BUCKETS),
@@ -64,7 +68,9 @@ def test_each_run_records_sane_figures_and_the_bytes_its_theory_predicts(runs, n
     assert (rec["world_size"], rec["backend"], rec["link"]) == (nproc, "gloo", None)
     assert len(rec["losses"]) == 8 and all(math.isfinite(x) for x in rec["losses"])
     assert rec["losses"][-1] < rec["losses"][0]
-    assert rec["params"] == common.gpt_param_count(common.SIZES["tiny"], 32)
+    assert rec["model"] == ("llama" if "--model" in RUNS[name][2] else "gpt")
+    assert rec["params"] == (common.llama_param_count(common.SIZES["tiny"]) if rec["model"] ==
+                             "llama" else common.gpt_param_count(common.SIZES["tiny"], 32))
     # int8 pads every bucket to whole blocks per rank; PowerSGD and fp32 send exact shapes
     assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"],
                                            rel=0.05 if "int8" in name else 1e-3)
@@ -78,12 +84,13 @@ def test_int8_sends_a_quarter_and_trains_like_fp32(runs):
     assert_within_its_tolerance(rec, base)
 
 
-def test_powersgd_with_the_embedding_sent_whole_holds_its_tolerance(runs):
+def test_powersgd_with_the_llamas_embedding_and_head_sent_whole_holds_its_tolerance(runs):
     base, rec = runs["baseline"], runs["powersgd"]
-    assert rec["uncompressed"] == ["tok_emb.weight"] and rec["start_iter"] == 2  # --warmup 4
+    assert rec["uncompressed"] == ["model.embed_tokens.weight", "lm_head.weight"]  # untied
+    assert rec["start_iter"] == 2  # --warmup 4
     assert_within_its_tolerance(rec, base)
-    assert rec["compression"] > 2 and rec["theory"]["compression"] < \
-        runs["powersgd_every_matrix"]["theory"]["compression"]  # the embedding's bytes
+    every_matrix = POWERSGD.compression_theory(common.Llama(common.SIZES["tiny"]), 8, [])
+    assert rec["compression"] > 2 and rec["theory"]["compression"] < every_matrix
 
 
 def test_hand_written_powersgd_gives_pytorchs_losses_and_bytes(runs):
@@ -117,7 +124,7 @@ def test_srun_without_torchrun_builds_the_same_two_rank_world(runs, tmp_path):
                SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(common.free_port()),
                OMP_NUM_THREADS="1")
     tasks = [subprocess.Popen([sys.executable, str(FOLDER / "baseline_compression.py"), *TINY,
-                               "--results", str(results)], cwd=common.ROOT,
+                               *WARMUP, *LLAMA, "--results", str(results)], cwd=common.ROOT,
                               env={**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]

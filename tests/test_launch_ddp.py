@@ -1,15 +1,21 @@
 """Launch tests: every 01_ddp script under torchrun with 2 CPU processes at `tiny`.
 
 Each launch costs 10-20 s of start-up on a 2-core machine, so every script runs once (a
-module-scoped fixture) and the assertions share those runs.
+module-scoped fixture) and the assertions share those runs; the attention pair runs the Llama.
+The README's "Use it in your trainer" lines run as they are in 2 spawned gloo processes.
 """
 
+import copy
 import json
 import math
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import common
 import report
@@ -18,12 +24,16 @@ from helpers import (
     assert_bad_input_is_one_line,
     assert_within_its_tolerance,
     finish,
+    load_recipe,
     only_record,
+    readme_python_block,
 )
 from helpers import TINY as STEPS
 from helpers import torchrun as torchrun_script
 
 DDP = common.ROOT / "01_ddp"
+LLAMA = ["--model", "llama"]
+FLAGS = {"baseline_ddp_flash": LLAMA, "optimized_ddp_flash": LLAMA}  # the others: the GPT
 
 
 def torchrun(script, results, *flags, **kwargs):
@@ -36,7 +46,7 @@ def runs(tmp_path_factory):
     out = {}
     for script in ["baseline_ddp", "optimized_ddp", "baseline_ddp_flash", "optimized_ddp_flash"]:
         results = tmp_path_factory.mktemp(script) / "results.jsonl"
-        console = finish(torchrun(f"{script}.py", results))
+        console = finish(torchrun(f"{script}.py", results, *FLAGS.get(script, [])))
         out[script] = (only_record(results), console)
     return out
 
@@ -55,8 +65,12 @@ def test_each_script_records_a_sane_two_rank_run(runs, script):
     assert rec["memory"]["params"] == pytest.approx(rec["params"] * 4 / 2**20, rel=0.01)
     assert rec["peak_mem_mb"] == pytest.approx(sum(rec["memory"].values()), abs=0.1)
     assert rec["peak_rss_mb"] > rec["peak_mem_mb"]
-    seq_len = common.SIZES["tiny"].long_seq_len if "flash" in script else 32
-    assert rec["params"] == common.gpt_param_count(common.SIZES["tiny"], seq_len)
+    if script in FLAGS:
+        assert rec["model"] == "llama"
+        assert rec["params"] == common.llama_param_count(common.SIZES["tiny"])
+    else:
+        assert rec["model"] == "gpt"
+        assert rec["params"] == common.gpt_param_count(common.SIZES["tiny"], 32)
     # AdamW after a step: params, grads and two moments, all fp32
     assert rec["state_mb"] == pytest.approx(4 * rec["params"] * 4 / 2**20, rel=0.01)
     # what was counted on the wire matches the ring all-reduce formula
@@ -88,7 +102,9 @@ def test_attention_pair_losses_match_within_stated_tolerance(runs):
 def test_attention_pair_wraps_ddp_alike_so_it_differs_in_the_attention_alone(runs):
     base, optimized = runs["baseline_ddp_flash"][0], runs["optimized_ddp_flash"][0]
     size = common.SIZES["tiny"]
-    block_mb = (12 * size.d_model**2 + 13 * size.d_model) * 4 / 2**20  # one block's gradients
+    d, kv = size.d_model, size.n_kv_heads * size.d_model // size.n_heads
+    # one Llama decoder layer's gradients: q, o; k, v for the KV heads; gate, up, down; 2 norms
+    block_mb = (2 * d * d + 2 * d * kv + 3 * d * common.llama_ffn_dim(d) + 2 * d) * 4 / 2**20
     assert base["bucket_mb"] == optimized["bucket_mb"] == round(block_mb, 2)
     assert base["collectives_per_step"] == optimized["collectives_per_step"] > 1
 
@@ -137,7 +153,7 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
 
 
 @pytest.mark.parametrize("flags, model, dtype", [(["--model", "resnet"], "resnet", "fp32"),
-                                                 (["--dtype", "bf16"], "gpt", "bf16")])
+                                                 ([*LLAMA, "--dtype", "bf16"], "llama", "bf16")])
 def test_resnet_and_bf16_as_a_world_of_one(flags, model, dtype, tmp_path):
     results = tmp_path / "results.jsonl"
     run = subprocess.run([sys.executable, str(DDP / "optimized_ddp.py"), *STEPS, *flags,
@@ -156,7 +172,7 @@ def test_two_nodes_on_localhost(tmp_path):
     """Two torchrun invocations, node ranks 0 and 1, rendezvous on 127.0.0.1."""
     results = tmp_path / "results.jsonl"
     port = common.free_port()
-    nodes = [torchrun("baseline_ddp.py", results, nproc=1,
+    nodes = [torchrun("baseline_ddp.py", results, *LLAMA, nproc=1,
                       extra_torchrun=("--nnodes=2", f"--node_rank={rank}",
                                       "--master_addr=127.0.0.1", f"--master_port={port}"))
              for rank in (0, 1)]
@@ -164,6 +180,7 @@ def test_two_nodes_on_localhost(tmp_path):
         finish(node)
     rec = only_record(results)
     assert rec["status"] == "ok" and rec["world_size"] == 2 and rec["nnodes"] == 2
+    assert rec["params"] == common.llama_param_count(common.SIZES["tiny"])
 
 
 @pytest.mark.parametrize("script, flags, hint", [
@@ -171,6 +188,56 @@ def test_two_nodes_on_localhost(tmp_path):
     ("baseline_ddp.py", ["--steps", "-1"], "--steps"),
     ("optimized_ddp.py", ["--size", "tiny", "--accum", "3"], "--accum"),
     ("optimized_ddp.py", ["--bucket-mb", "0"], "--bucket-mb"),
+    ("baseline_ddp_flash.py", ["--model", "resnet"], "--model"),  # a CNN has no attention
+    ("optimized_ddp_flash.py", ["--model", "resnet"], "--model"),
 ])
 def test_bad_input_exits_nonzero_with_one_line(script, flags, hint, tmp_path):
     assert_bad_input_is_one_line(DDP / script, flags, hint, tmp_path)
+
+
+# --- The README's "Use it in your trainer" ------------------------------------------------------
+TRAINER_STEPS = 4
+
+
+
+
+def train_with_the_readme_lines(rank: int, world: int, port: int, out_file: str) -> None:
+    """A trainer of one's own: its ranks seed the model differently, run the README's lines, then
+    train beside baseline_ddp's hand-written broadcast and all-reduce from the same weights."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, str(DDP))  # where the trainer copied the recipe
+    size = common.SIZES["tiny"]
+    torch.manual_seed(rank)
+    model = common.Llama(size)
+    reference = copy.deepcopy(model)
+    lines = {"model": model}
+    exec(readme_python_block(DDP / "README.md"), lines)
+    baseline = load_recipe(DDP / "baseline_ddp.py")
+    baseline.broadcast_parameters(reference)
+    losses = {"readme": [], "by_hand": []}
+    for name, trained in (("readme", lines["model"]), ("by_hand", reference)):
+        opt = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+        for step in range(TRAINER_STEPS):
+            tokens = common.global_token_batch(size, 32, 2 * world, step, 0)
+            tokens = common.rank_slice(tokens, rank, world)
+            opt.zero_grad(set_to_none=True)
+            loss = trained(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            if trained is reference:
+                baseline.allreduce_gradients(reference)
+            opt.step()
+            losses[name].append(loss.item())
+    if rank == 0:
+        buckets = common.ddp_bucket_bytes(lines["model"])
+        torch.save({**losses, "buckets": len(buckets)}, out_file)
+    dist.destroy_process_group()
+
+
+def test_the_readme_lines_train_a_llama_like_the_hand_written_all_reduce(tmp_path):
+    out = tmp_path / "found.pt"
+    mp.spawn(train_with_the_readme_lines, args=(2, common.free_port(), str(out)), nprocs=2)
+    found = torch.load(out)
+    assert report.max_loss_diff(found["readme"], found["by_hand"]) <= 1e-5
+    assert found["readme"][-1] < found["readme"][0]
+    assert found["buckets"] > 1  # buckets of one decoder layer's gradients
