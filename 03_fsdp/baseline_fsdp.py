@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
@@ -26,10 +27,13 @@ import common  # noqa: E402
 
 
 # Copied from 02_compression/baseline_compression.py: wrap_ddp
-def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) -> DDP:
-    """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph."""
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
+             group: dist.ProcessGroup | None = None) -> DDP:
+    """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph; over
+    the ranks of `group` (None: the world), from its first rank's weights and buffers."""
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, static_graph=True)
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+               static_graph=True)
 
 
 def main():

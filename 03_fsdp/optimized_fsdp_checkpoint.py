@@ -58,11 +58,10 @@ def build_mesh(topo: common.Topology, hsdp: int) -> DeviceMesh:
 
 
 # Copied from 03_fsdp/optimized_fsdp.py: sharding_units
-def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules that get their own all-gather: transformer blocks, or ResNet stages."""
-    if isinstance(model, common.GPT):
-        return list(model.blocks)
-    return [model.net.layer1, model.net.layer2, model.net.layer3, model.net.layer4]
+def sharding_units(blocks: list[torch.nn.Module], wrap: str) -> list[torch.nn.Module]:
+    """The modules that get their own all-gather: each of the model's blocks (transformer
+    blocks, ResNet stages), or none (`--wrap root`: the root is the one unit)."""
+    return list(blocks) if wrap == "block" else []
 
 
 # Copied from 03_fsdp/optimized_fsdp.py: batchnorms
@@ -106,23 +105,51 @@ def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMes
                 module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
+# Copied from 03_fsdp/optimized_fsdp.py: shard_mesh
+def shard_mesh(mesh: DeviceMesh | dist.ProcessGroup | None, device_type: str) -> DeviceMesh:
+    """The mesh FSDP shards over: a DeviceMesh as given, or a process group (None: the world) as
+    a 1-D mesh of its ranks."""
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    return DeviceMesh.from_group(mesh or dist.group.WORLD, device_type)
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: same_weights_on_every_rank
+def same_weights_on_every_rank(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every rank of the mesh starts from the mesh's first rank's parameters and buffers, as DDP
+    does: fully_shard keeps each rank's slice of that rank's own copy, so ranks seeded apart
+    would train a patchwork of initializations. Dim by dim: after dim 0 each rank holds its
+    dim-0 group's first rank's tensors, after the last every rank holds the mesh's first's."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        for t in tensors:
+            dist.broadcast(t.detach(), dist.get_global_rank(group, 0), group=group)
+
+
 # Copied from 03_fsdp/optimized_fsdp.py: shard
-def shard(model: torch.nn.Module, mesh: DeviceMesh, wrap: str, reshard_after_forward: bool,
-          mp_policy: MixedPrecisionPolicy, offload: bool) -> list[torch.nn.Module]:
-    """fully_shard bottom-up: BatchNorms under bf16, each unit, then the root (what is left:
-    embeddings, final norm, head). The root keeps FSDP2's default of not resharding after
-    forward: its weights are the first backward needs."""
+def shard(model: torch.nn.Module, blocks: list[torch.nn.Module],
+          mesh: DeviceMesh | dist.ProcessGroup | None = None, *,
+          reshard_after_forward: bool = True, mp_policy: MixedPrecisionPolicy | None = None,
+          offload: bool = False) -> DeviceMesh:
+    """fully_shard bottom-up over `mesh` (a DeviceMesh, or a process group; None: the world):
+    BatchNorms under a bf16 policy, each of `blocks` (transformer blocks, ResNet stages; none
+    for one unit), then the root (what is left: embeddings, final norm, head). The root keeps
+    FSDP2's default of not resharding after forward: its weights are the first backward needs.
+    Sharded weights keep the dtype they have (bf16 stays bf16); mp_policy casts for compute."""
+    mesh = shard_mesh(mesh, next(model.parameters()).device.type)
+    same_weights_on_every_rank(model, mesh)
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     policy = {"mesh": mesh, "mp_policy": mp_policy,
               "offload_policy": CPUOffloadPolicy() if offload else None}
     policy = {k: v for k, v in policy.items() if v is not None}
     if mp_policy.param_dtype is not None:
         keep_batchnorm_fp32(model, policy)
-    units = sharding_units(model) if wrap == "block" else []
-    for unit in units:
-        fully_shard(unit, reshard_after_forward=reshard_after_forward, **policy)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **policy)
     fully_shard(model, **policy)
     reduce_scatter_by_all_to_all_on_gloo(model, mesh)
-    return units
+    return mesh
 
 
 # Copied from 03_fsdp/optimized_fsdp.py: prefetch_one_ahead
@@ -230,11 +257,12 @@ def main():
     reshard = args.reshard_after_forward == "true"
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
-    mesh = build_mesh(topo, args.hsdp)
     bf16 = args.dtype == "bf16"
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                      reduce_dtype=torch.float32 if bf16 else None)
-    units = shard(model, mesh, args.wrap, reshard, mp_policy, args.cpu_offload)
+    units = sharding_units(common.transformer_blocks(model), args.wrap)
+    mesh = shard(model, units, build_mesh(topo, args.hsdp), reshard_after_forward=reshard,
+                 mp_policy=mp_policy, offload=args.cpu_offload)
     if not args.no_prefetch:
         prefetch_one_ahead(units)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -4,10 +4,10 @@ What it does: optimized_fsdp.py's FSDP2 (a FULL_SHARD unit per block plus the ro
 block's all-gather prefetched, a MixedPrecisionPolicy following --dtype), with two additions,
 each one flag away so that the four rows of an ablation differ in one thing:
   FP8 (torchao, tensorwise scaling; --no-fp8 drops it): every nn.Linear whose in and out
-    features are multiples of 16, except the tied output head, becomes a Float8Linear: E4M3
-    operands in forward, E5M2 gradients in backward, each tensor scaled by its largest
-    magnitude. Sharded weights are cast to float8 before FSDP gathers them, so they travel as
-    1 byte a value (in --dtype where a weight's rows do not split evenly over the ranks).
+    features are multiples of 16, except the output head (by identity, tied or not), becomes a
+    Float8Linear: E4M3 operands in forward, E5M2 gradients in backward, each tensor scaled by
+    its largest magnitude. Sharded weights are cast to float8 before FSDP gathers them, so
+    they travel as 1 byte a value (in --dtype where rows do not split evenly over the ranks).
   Activation checkpointing per block (--no-checkpointing drops it): a block keeps only its
     input for backward and runs its forward again there.
   torch.compile of each block (--compile; on by default on CUDA), where float8 pays off.
@@ -19,14 +19,16 @@ Run:        torchrun --nproc_per_node=2 03_fsdp/optimized_fsdp_fp8.py --size sma
             make fsdp-ablation     (the four rows: FSDP, +checkpointing, +FP8, both)
 Look for:   the activations share of the peak (record `memory`) against theory.activation_mb,
             bytes gathered per dtype (`gathered_mb`), tokens/s, losses within the tolerance.
-Theory:     a block saves 17 x d_model values a token (input, LayerNorm outputs, q/k/v, the
-            attention output and its copy, residual, MLP hidden and GELU output) plus a
+Theory:     a GPT block saves 17 x d_model values a token (input, LayerNorm outputs, q/k/v,
+            the attention output and its copy, residual, MLP hidden and GELU output), a Llama
+            layer 9 x d_model (k, v repeated to every head) and 4 x the SwiGLU width; both a
             log-sum-exp per head; checkpointed, its input plus, while it recomputes, one block's.
 """
 
 import argparse
 import importlib.util
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -55,30 +57,52 @@ def build_mesh(topo: common.Topology) -> DeviceMesh:
     return init_device_mesh(topo.device.type, (topo.world_size,), mesh_dim_names=("shard",))
 
 
-def fp8_eligible(module: torch.nn.Module, fqn: str) -> bool:
-    """Linears whose shapes float8 matmuls take (multiples of 16), not the tied output head."""
-    return isinstance(module, torch.nn.Linear) and fqn != "head" and \
+def fp8_eligible(module: torch.nn.Module, kept_whole: set[int]) -> bool:
+    """A Linear whose shapes float8 matmuls take (multiples of 16), unless its weight is one of
+    `kept_whole` (ids of weights: compared by identity, whatever the module's name)."""
+    return isinstance(module, torch.nn.Linear) and id(module.weight) not in kept_whole and \
         module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def convert_to_fp8(model: torch.nn.Module, world: int) -> tuple[list[str], bool]:
-    """Swap the eligible linears for torchao's Float8Linear; return their names, and whether
-    FSDP gathers their weights in float8. It does when every weight's rows split evenly over
-    the ranks: torchao does not pad a float8 shard (pytorch/ao#3982), so an uneven split would
-    gather mismatched sizes; then the weights are gathered in --dtype and cast after."""
+def shared_weights(model: torch.nn.Module) -> set[int]:
+    """Ids of the parameters more than one module holds, such as a head tied to the embedding."""
+    held = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return {weight for weight, holders in held.items() if holders > 1}
+
+
+def convert_to_fp8(model: torch.nn.Module, keep: list[torch.nn.Module], shard_ranks: int
+                   ) -> tuple[list[str], bool]:
+    """Swap the eligible linears for torchao's Float8Linear, except the modules in `keep` (the
+    output head) and any linear whose weight another module also holds (torchao's new Parameter
+    would untie a tied head); return their names, and whether FSDP gathers their weights in
+    float8. It does when every weight's rows split evenly over the `shard_ranks`: torchao does
+    not pad a float8 shard (pytorch/ao#3982), so an uneven split would gather mismatched
+    sizes; then the weights are gathered in --dtype and cast after."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    converted = [name for name, m in model.named_modules() if fp8_eligible(m, name)]
-    gather_fp8 = all(model.get_submodule(name).out_features % world == 0 for name in converted)
-    convert_to_float8_training(model, module_filter_fn=fp8_eligible, config=Float8LinearConfig(
-        enable_fsdp_float8_all_gather=gather_fp8))
+    kept_whole = {id(m.weight) for m in keep} | shared_weights(model)
+    converted = [name for name, m in model.named_modules() if fp8_eligible(m, kept_whole)]
+    gather_fp8 = all(model.get_submodule(name).out_features % shard_ranks == 0
+                     for name in converted)
+    convert_to_float8_training(
+        model, module_filter_fn=lambda module, _: fp8_eligible(module, kept_whole),
+        config=Float8LinearConfig(enable_fsdp_float8_all_gather=gather_fp8))
     return converted, gather_fp8
 
 
-def checkpoint_blocks(model: common.GPT) -> None:
-    """Each block keeps only its input for backward and recomputes the rest there."""
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = checkpoint_wrapper(block)
+def checkpoint_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module]
+                      ) -> list[torch.nn.Module]:
+    """Each block keeps only its input for backward and recomputes the rest there: wrapped, the
+    wrapper put in the block's place in `model` (its parent found by identity). Returns the
+    wrappers, the units to shard."""
+    parent_of = {id(child): (parent, name) for parent in model.modules()
+                 for name, child in parent.named_children()}
+    wrappers = []
+    for block in blocks:
+        parent, name = parent_of[id(block)]
+        wrappers.append(checkpoint_wrapper(block))
+        parent.register_module(name, wrappers[-1])
+    return wrappers
 
 
 # Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
@@ -106,27 +130,55 @@ def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMes
                 module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
-def shard(model: common.GPT, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
-          compile_blocks: bool) -> list[torch.nn.Module]:
-    """optimized_fsdp.py's layout: a FULL_SHARD unit per block, the root, prefetching."""
-    units = list(model.blocks)
-    for unit in units:
+# Copied from 03_fsdp/optimized_fsdp.py: shard_mesh
+def shard_mesh(mesh: DeviceMesh | dist.ProcessGroup | None, device_type: str) -> DeviceMesh:
+    """The mesh FSDP shards over: a DeviceMesh as given, or a process group (None: the world) as
+    a 1-D mesh of its ranks."""
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    return DeviceMesh.from_group(mesh or dist.group.WORLD, device_type)
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: same_weights_on_every_rank
+def same_weights_on_every_rank(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every rank of the mesh starts from the mesh's first rank's parameters and buffers, as DDP
+    does: fully_shard keeps each rank's slice of that rank's own copy, so ranks seeded apart
+    would train a patchwork of initializations. Dim by dim: after dim 0 each rank holds its
+    dim-0 group's first rank's tensors, after the last every rank holds the mesh's first's."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        for t in tensors:
+            dist.broadcast(t.detach(), dist.get_global_rank(group, 0), group=group)
+
+
+def shard(model: torch.nn.Module, blocks: list[torch.nn.Module],
+          mesh: DeviceMesh | dist.ProcessGroup | None, mp_policy: MixedPrecisionPolicy,
+          compile_blocks: bool) -> None:
+    """optimized_fsdp.py's layout over `mesh` (or a process group; None: the world): a
+    FULL_SHARD unit per block, the root, prefetching."""
+    mesh = shard_mesh(mesh, next(model.parameters()).device.type)
+    same_weights_on_every_rank(model, mesh)
+    for block in blocks:
         if compile_blocks:
-            unit.compile()
-        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
+            block.compile()
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     reduce_scatter_by_all_to_all_on_gloo(model, mesh)
-    for earlier, later in zip(units, units[1:], strict=False):
+    for earlier, later in zip(blocks, blocks[1:], strict=False):
         earlier.set_modules_to_forward_prefetch([later])
         later.set_modules_to_backward_prefetch([earlier])
-    return units
 
 
 def activation_theory(args, checkpointing: bool) -> float:
     """MB of activations the blocks save for backward on one rank (see Theory above)."""
     size = common.SIZES[args.size]
     tokens, d = args.batch_size * args.seq_len, size.d_model
-    per_block = tokens * (17 * d + size.n_heads)
+    if args.model == "llama":  # 9 x d_model, 4 x the SwiGLU width, a norm scale a RMSNorm
+        per_token = 9 * d + 4 * common.llama_ffn_dim(d) + 2 + size.n_heads
+    else:
+        per_token = 17 * d + size.n_heads
+    per_block = tokens * per_token
     saved = size.n_layers * tokens * d + per_block if checkpointing else size.n_layers * per_block
     return saved * (2 if args.dtype == "bf16" else 4) / 2**20
 
@@ -142,8 +194,8 @@ def main():
                         metavar="MAX", help="clip the gradient to this global 2-norm before "
                         "each step, as optimized_fsdp.py does (default: no clipping)")
     args = parser.parse_args()
-    if args.model != "gpt":
-        parser.error("--model resnet has no float8 linears to speak of: use --model gpt")
+    if args.model == "resnet":
+        parser.error("--model resnet has no float8 linears to speak of: use --model gpt or llama")
     compile_blocks = torch.cuda.is_available() if args.compile is None else args.compile
     fp8, checkpointing = not args.no_fp8, not args.no_checkpointing
     topo = common.setup(args)
@@ -153,13 +205,15 @@ def main():
         raise common.Skip("float8 matmuls need a GPU of compute capability 8.9 or more: "
                           "run with --no-fp8 for checkpointing alone")
     model, batches = common.workload(args, topo)
-    converted, gather_fp8 = convert_to_fp8(model, topo.world_size) if fp8 else ([], False)
+    blocks = common.transformer_blocks(model)
+    converted, gather_fp8 = convert_to_fp8(model, [common.output_head(model)], topo.world_size) \
+        if fp8 else ([], False)
     if checkpointing:
-        checkpoint_blocks(model)
+        blocks = checkpoint_blocks(model, blocks)
     bf16 = args.dtype == "bf16"
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                      reduce_dtype=torch.float32 if bf16 else None)
-    shard(model, build_mesh(topo), mp_policy, compile_blocks)
+    shard(model, blocks, build_mesh(topo), mp_policy, compile_blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     def train_step(inputs, targets):

@@ -220,7 +220,8 @@ def test_batchnorm_stays_fp32_under_a_bf16_policy(fsdp):
 
     model = resnet()
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fsdp.shard(model, init_device_mesh("cpu", (1,)), "block", True, bf16, offload=False)
+    fsdp.shard(model, common.transformer_blocks(model), init_device_mesh("cpu", (1,)),
+               mp_policy=bf16)
     seen = {}
     for name in ["net.conv1", "net.bn1", "net.layer2.0.bn2", "net.layer2.0.conv2"]:
         module = model.get_submodule(name)
@@ -240,8 +241,8 @@ def test_batchnorm_needs_no_unit_of_its_own_in_fp32(fsdp):
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
     model = resnet()
-    fsdp.shard(model, init_device_mesh("cpu", (1,)), "block", True, MixedPrecisionPolicy(),
-               offload=False)
+    fsdp.shard(model, common.transformer_blocks(model), init_device_mesh("cpu", (1,)),
+               mp_policy=MixedPrecisionPolicy())
     assert not isinstance(model.net.bn1, FSDPModule)  # fp32 runs keep their collectives
 
 
@@ -252,7 +253,7 @@ def test_float8_weights_are_gathered_in_float8_only_where_their_rows_split_evenl
     fp8 = load_recipe(common.ROOT / "03_fsdp" / "optimized_fsdp_fp8.py")
     for world, in_float8 in [(2, True), (3, False), (4, True)]:
         model = common.GPT(common.SIZES["tiny"], 32)
-        converted, gathered = fp8.convert_to_fp8(model, world)
+        converted, gathered = fp8.convert_to_fp8(model, [common.output_head(model)], world)
         assert gathered is in_float8 and "blocks.0.fc" in converted
 
 
