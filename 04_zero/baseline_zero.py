@@ -8,18 +8,20 @@ Why it is the baseline: it is the fastest way to train a model that fits on ever
 memory is what the ZeRO stages take apart. In fp32 every rank holds 16 bytes per parameter,
 whatever the world size: 4 for the weight, 4 for its gradient, 8 for Adam's two moments.
 (The ZeRO paper's 16 bytes are a mixed-precision count: 2 + 2 + 12 with fp32 master weights.)
-Run:        torchrun --nproc_per_node=2 04_zero/baseline_zero.py --size small [--summary]
+Run:        torchrun --nproc_per_node=2 04_zero/baseline_zero.py --size small [--model llama]
 Look for:   state MB = theory.state_mb (16P); `--summary` prints each rank's parameter,
             gradient and optimizer MB beside the formula. The ZeRO stages in `make zero report`
             are compared with this row's step time and peak memory.
-Theory:     per rank 4P + 4P + 8P = 16P bytes (params, grads, optimizer), P = parameter count;
-            each rank sends 2(N-1)/N x 4P bytes a step (ring all-reduce).
+Theory:     per rank 4P + 4P + 8P = 16P bytes (params, grads, optimizer), P = parameter count
+            counted from the model (b bytes a value in place of 4 for another dtype); each rank
+            sends 2(N-1)/N x 4P bytes a step (ring all-reduce).
 """
 
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
@@ -27,10 +29,13 @@ import common  # noqa: E402
 
 
 # Copied from 02_compression/baseline_compression.py: wrap_ddp
-def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float) -> DDP:
-    """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph."""
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
+             group: dist.ProcessGroup | None = None) -> DDP:
+    """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph; over
+    the ranks of `group` (None: the world), from its first rank's weights and buffers."""
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, static_graph=True)
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+               static_graph=True)
 
 
 def main():
@@ -42,8 +47,6 @@ def main():
                         "each step, with torch.nn.utils.clip_grad_norm_ (default: no clipping)")
     parser.add_summary_flag()
     args = parser.parse_args()
-    if args.model != "gpt":
-        parser.error("04_zero buckets the GPT's blocks: use --model gpt")
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     model = wrap_ddp(model, topo, args.bucket_mb)
@@ -59,10 +62,13 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    param_count = sum(p.numel() for p in model.parameters())
-    mb = 4 * param_count / 2**20
+    param_count, n = sum(p.numel() for p in model.parameters()), topo.world_size
+    nbytes = next(model.parameters()).element_size() * param_count  # in the weights' dtype
+    mb = nbytes / 2**20
     theory = {"params_mb": mb, "grads_mb": mb, "optim_mb": 2 * mb, "state_mb": 4 * mb,
-              "comm_mb": common.ring_allreduce_mb(4 * param_count, topo.world_size)}
+              # and before each forward DDP broadcasts the buffers (BatchNorm's), if any
+              "comm_mb": common.ring_allreduce_mb(nbytes, topo.world_size) + (n - 1) / n * sum(
+                  b.numel() * b.element_size() for b in model.buffers()) / 2**20}
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=0,

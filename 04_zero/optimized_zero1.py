@@ -1,26 +1,28 @@
 """ZeRO-1 by hand: each rank keeps AdamW's state for 1/N of the parameters and updates only those.
 
-What it does: the parameters are moved into one flat buffer, cut into buckets (one per
-transformer block, then one for the embeddings and final norm: the order in which backward
-makes their gradients ready). Each bucket is padded to a multiple of the world size N, and rank
-r owns the r-th 1/N of every bucket. Gradients accumulate into a second flat buffer laid out
-the same way. After backward, each bucket's gradient is reduce-scattered: every rank receives
-the sum over ranks of exactly the slice it owns (common.reduce_scatter: on gloo, whose own
-reduce-scatter all-reduces the whole input, an all_to_all and a local sum). AdamW then
-updates the owned slices only, so its two moments exist for 1/N of the model, and the updated
-slices are all-gathered back into every rank's flat parameters. --clip-grad-norm clips by
-the global norm: the all-reduced sum of each rank's squares over the values it owns, padding
-left out, so each value counts once.
-Why it helps: Adam's moments are 8 of the 16 bytes per parameter a replicated fp32 trainer
+What it does: `ZeRO1(model, blocks, lr=...)` is an AdamW with the optimizer's contract
+(`zero_grad()`, backward once or several times, `step()`). It moves the parameters into one flat
+buffer in their own dtype, cut into buckets (one per block, last block first, then one for the
+rest: the order in which backward makes their gradients ready), each padded to a multiple of
+the group's size N; rank r owns the r-th 1/N of every bucket. Gradients accumulate into a
+second flat buffer laid out the same way. `step()` reduce-scatters each bucket's gradient (every
+rank receives the sum over ranks of the slice it owns; common.reduce_scatter: on gloo an
+all_to_all and a local sum), runs AdamW on the owned slices only (no fp32 master copy: the
+moments are in the parameters' dtype, as in the baseline) and all-gathers them back into every
+rank's parameters, overlapped with the next forward. Every collective runs on `group`; the
+weights and buffers start as the group's first rank's, and buffers (BatchNorm's) are broadcast
+before each forward, as DDP does. --clip-grad-norm clips by the global norm: the all-reduced
+sum of each rank's squares over the values it owns, padding left out, so each counts once.
+Why it helps: Adam's moments are 8 of the 16 bytes per fp32 parameter a replicated trainer
 holds; sharding them saves 8(N-1)/N bytes per parameter on each rank for no extra
 communication, since a reduce-scatter plus an all-gather move what one all-reduce moves.
-Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero1.py --size small [--summary]
+Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero1.py --size small [--model llama]
 Look for:   `make zero report`: state MB = theory.state_mb, losses equal to baseline_zero's to
             float rounding, tokens/s close to it; optim_mb falls by N, params and grads do not.
-            optimized_zero_pytorch.py runs PyTorch's ZeroRedundancyOptimizer beside it.
-Theory:     per rank 4P + 4P + 8P/N bytes (params, grads, optimizer), P = parameter count,
-            plus each bucket's padding (under N values); sent per step (N-1)/N x 4P
-            reduce-scattered plus the same all-gathered: 2(N-1)/N x 4P, as DDP's all-reduce.
+Theory:     per rank bP + bP + 2bP/N bytes (params, grads, optimizer), P = parameter count,
+            b = bytes per value of their dtype (4 in fp32), plus each bucket's padding (under N
+            values); sent per step (N-1)/N x bP reduce-scattered plus the same all-gathered:
+            2(N-1)/N x bP, as DDP's all-reduce (plus the buffers' broadcast, if any).
 """
 
 import sys
@@ -39,13 +41,21 @@ import common  # noqa: E402
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
 
 
-def units_in_gradient_order(model: common.GPT) -> list[list[nn.Parameter]]:
+def units_in_gradient_order(model: nn.Module, blocks: list[nn.Module]
+                            ) -> list[list[nn.Parameter]]:
     """The parameters grouped by block, in the order backward completes their gradients: the
-    last block first, the embeddings and final norm last (the tied embedding's gradient is only
-    complete when backward reaches the input)."""
-    blocks = [list(block.parameters()) for block in reversed(model.blocks)]
-    in_blocks = {p for unit in blocks for p in unit}
-    return blocks + [[p for p in model.parameters() if p not in in_blocks]]
+    last block first, then the root unit, every parameter of the model in no block (embeddings,
+    final norm, head: a tied embedding's gradient is only complete when backward reaches the
+    input). Each parameter once, by identity."""
+    units, seen = [], set()
+    for block in reversed(blocks):
+        unit = list(block.parameters())
+        if seen & set(unit):
+            raise ValueError(f"a parameter of {type(block).__name__} is in another block too: "
+                             "pass blocks that share no weights")
+        seen.update(unit)
+        units.append(unit)
+    return units + [[p for p in model.parameters() if p not in seen]]
 
 
 @dataclass
@@ -75,13 +85,23 @@ def partition(units: list[list[nn.Parameter]], world: int) -> list[Bucket]:
     return buckets
 
 
-def flatten(buckets: list[Bucket], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Move the parameters into one flat buffer and their gradients into another: each `p` and
-    `p.grad` becomes a view, so backward accumulates straight into the flat gradients and an
-    update of a flat slice is an update of the parameters."""
+def flat_dtype(buckets: list[Bucket]) -> torch.dtype:
+    """The one dtype of the parameters, which the flat buffers keep (a bf16 model stays bf16)."""
+    dtypes = {p.dtype for bucket in buckets for p in bucket.params}
+    if len(dtypes) != 1:
+        raise ValueError(f"parameters of several dtypes ({sorted(map(str, dtypes))}): cast the "
+                         "model to one dtype before sharding it")
+    return dtypes.pop()
+
+
+def flatten(buckets: list[Bucket]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move the parameters into one flat buffer and their gradients into another, in the
+    parameters' dtype and device: each `p` and `p.grad` becomes a view, so backward accumulates
+    straight into the flat gradients and an update of a flat slice updates the parameters."""
     total = buckets[-1].offset + buckets[-1].numel
-    flat_params = torch.zeros(total, device=device)
-    flat_grads = torch.zeros(total, device=device)
+    device = buckets[0].params[0].device
+    flat_params = torch.zeros(total, dtype=flat_dtype(buckets), device=device)
+    flat_grads = torch.zeros_like(flat_params)
     for bucket in buckets:
         offset = bucket.offset
         for p in bucket.params:
@@ -93,15 +113,34 @@ def flatten(buckets: list[Bucket], device: torch.device) -> tuple[torch.Tensor, 
     return flat_params, flat_grads
 
 
+def first_rank(group: dist.ProcessGroup | None) -> int:
+    """The global rank of the group's first member: the source of every broadcast."""
+    return dist.get_global_rank(group or dist.group.WORLD, 0)
+
+
+def broadcast_buffers(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Every rank's buffers (BatchNorm's running statistics) set to the group's first rank's,
+    one broadcast per dtype, as DDP does before each forward (broadcast_buffers=True)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in model.buffers():
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for buffers in by_dtype.values():
+        flat = torch.cat([b.detach().flatten() for b in buffers])
+        dist.broadcast(flat, first_rank(group), group=group)
+        for b, value in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
+            b.detach().copy_(value.view_as(b))
+
+
 def owned_shards(buckets: list[Bucket], flat_params: torch.Tensor, flat_grads: torch.Tensor,
-                 topo: common.Topology) -> list[nn.Parameter]:
-    """The slices this rank owns, one per bucket, as the parameters AdamW updates: views, so an
-    update lands in the flat parameters, and AdamW's moments exist for 1/N of the model. Their
-    gradients: the same slices of the flat gradients, where the reduce-scatter leaves them."""
+                 rank: int, world: int) -> list[nn.Parameter]:
+    """The slices rank `rank` owns, one per bucket, as the parameters AdamW updates: views, so
+    an update lands in the flat parameters, and AdamW's moments exist for 1/N of the model.
+    Their gradients: the same slices of the flat gradients, where the reduce-scatter leaves
+    them."""
     shards = []
     for bucket in buckets:
-        shard = nn.Parameter(bucket.owned(flat_params, topo.rank, topo.world_size))
-        shard.grad = bucket.owned(flat_grads, topo.rank, topo.world_size)
+        shard = nn.Parameter(bucket.owned(flat_params, rank, world))
+        shard.grad = bucket.owned(flat_grads, rank, world)
         shards.append(shard)
     return shards
 
@@ -117,13 +156,14 @@ def owned_grads(buckets: list[Bucket], shards: list[nn.Parameter], rank: int
     return grads
 
 
-def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over every rank's `grads` together: the global 2-norm is
     the square root of the ranks' sums of squares (one fp32 all-reduce), which counts each value
     of the gradient exactly once when each rank passes only the values it owns; every rank then
     scales its values by min(1, max_norm / (norm + 1e-6)), torch's formula. Returns the norm."""
     squares = torch.stack([g.float().square().sum() for g in grads]).sum()
-    dist.all_reduce(squares)
+    dist.all_reduce(squares, group=group)
     norm = squares.sqrt()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
@@ -135,26 +175,26 @@ class ParamGatherer:
     """All-gathers every rank's updated slices into every rank's parameters, overlapped with the
     next forward (Megatron-LM's distributed optimizer does the same: --overlap-param-gather).
     `start`, after the step, launches every bucket's all-gather in the order forward uses them;
-    a hook before each block (before the model, for the embeddings) waits for that block's
+    a hook before each block (before the model, for the root unit) waits for that block's
     bucket only. In place: each rank's input is its own slice of the output. (On GPU, timed
     with the device synchronised after each step, the all-gathers finish inside the step.)"""
 
-    def __init__(self, model: common.GPT, buckets: list[Bucket], flat_params: torch.Tensor,
-                 topo: common.Topology):
-        self.buckets, self.flat_params, self.topo = buckets, flat_params, topo
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], buckets: list[Bucket],
+                 flat_params: torch.Tensor, group: dist.ProcessGroup | None):
+        self.buckets, self.flat_params, self.group = buckets, flat_params, group
         self.pending: dict[int, dist.Work] = {}  # bucket index -> its all-gather in flight
-        root, last = len(buckets) - 1, len(model.blocks) - 1
+        root, last = len(buckets) - 1, len(blocks) - 1
         model.register_forward_pre_hook(lambda *_: self.wait(root))
-        for j, block in enumerate(model.blocks):
+        for j, block in enumerate(blocks):
             block.register_forward_pre_hook(lambda *_, i=last - j: self.wait(i))
 
     def start(self) -> None:
-        rank, world = self.topo.rank, self.topo.world_size
-        for i in reversed(range(len(self.buckets))):  # the embeddings' first: forward's order
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        for i in reversed(range(len(self.buckets))):  # the root's first: forward's order
             bucket = self.buckets[i]
             self.pending[i] = common.all_gather_single(
                 bucket.whole(self.flat_params), bucket.owned(self.flat_params, rank, world),
-                async_op=True)
+                group=self.group, async_op=True)
 
     def wait(self, i: int) -> None:
         """Bucket i's parameters are up to date when this returns."""
@@ -167,16 +207,82 @@ class ParamGatherer:
 
 
 def reduce_scatter_grads(buckets: list[Bucket], flat_grads: torch.Tensor,
-                         topo: common.Topology) -> None:
+                         group: dist.ProcessGroup | None) -> None:
     """Sum each bucket's gradient over ranks into the slice this rank owns, in place (the output
     is the input's own slice, which NCCL and gloo both allow; the rest is stale after), then
     average that slice: 1/N of the work of dividing the whole gradient first, as DDP does."""
-    owned = [b.owned(flat_grads, topo.rank, topo.world_size) for b in buckets]
-    works = [common.reduce_scatter(mine, b.whole(flat_grads), async_op=True)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    owned = [b.owned(flat_grads, rank, world) for b in buckets]
+    works = [common.reduce_scatter(mine, b.whole(flat_grads), group, async_op=True)
              for mine, b in zip(owned, buckets, strict=True)]
     for work, mine in zip(works, owned, strict=True):
         work.wait()
-        mine.div_(topo.world_size)
+        mine.div_(world)
+
+
+class ZeRO1(torch.optim.AdamW):
+    """AdamW over the slices this rank owns, with the optimizer's contract: `zero_grad()`, one
+    or more `loss.backward()` (the gradients accumulate), `step()`. `blocks`: the model's
+    repeated modules in forward order (e.g. common.transformer_blocks(model)); every other
+    parameter forms the root unit. Every collective runs on `group` (default: the world). The
+    parameters keep their dtype; no fp32 master copy is kept.
+
+    The model's gradients are views into one flat buffer: `zero_grad()` zeroes it in place (so
+    `set_to_none` is ignored), and a gradient the user dropped or replaced (`model.zero_grad()`
+    sets them to None) is moved back into the buffer after backward, so it still counts. A
+    backward after `step()` without this object's `zero_grad()` raises: step() leaves the flat
+    gradients reduce-scattered, not fit to add to. After the last `step()`, call
+    `wait_for_params()` before reading the weights outside forward."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], lr: float = 1e-3,
+                 group: dist.ProcessGroup | None = None, max_grad_norm: float | None = None,
+                 **adamw):
+        self.group, self.max_grad_norm = group, max_grad_norm
+        self.rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.needs_zero_grad = False  # step() ran since zero_grad()
+        self.buckets = partition(units_in_gradient_order(model, blocks), world)
+        self.flat_params, self.flat_grads = flatten(self.buckets)
+        self.grad_views = {p: p.grad for bucket in self.buckets for p in bucket.params}
+        dist.broadcast(self.flat_params, first_rank(group), group=group)  # start alike, as DDP
+        if list(model.buffers()):
+            broadcast_buffers(model, group)
+            model.register_forward_pre_hook(lambda *_: broadcast_buffers(model, group))
+        self.shards = owned_shards(self.buckets, self.flat_params, self.flat_grads, self.rank,
+                                   world)
+        super().__init__(self.shards, lr=lr, **adamw)
+        self.gatherer = ParamGatherer(model, blocks, self.buckets, self.flat_params, group)
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(self.keep_grad_in_flat_buffer)
+
+    def keep_grad_in_flat_buffer(self, p: nn.Parameter) -> None:
+        """Backward made a new .grad (the old one was set to None or replaced): copy it into its
+        place in the flat gradients, which step() reduces, and point .grad there again."""
+        if self.needs_zero_grad:
+            raise RuntimeError(f"backward after {type(self).__name__}.step() without its "
+                               "zero_grad(): call it before each step's first backward")
+        view = self.grad_views[p]
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.flat_grads.zero_()
+        self.needs_zero_grad = False
+
+    @torch.no_grad()
+    def step(self) -> None:
+        reduce_scatter_grads(self.buckets, self.flat_grads, self.group)
+        if self.max_grad_norm:
+            clip_grad_norm_(owned_grads(self.buckets, self.shards, self.rank),
+                            self.max_grad_norm, self.group)
+        super().step()
+        self.gatherer.start()
+        self.needs_zero_grad = True
+
+    def wait_for_params(self) -> None:
+        """Every parameter up to date (the last step's all-gathers done)."""
+        self.gatherer.wait_all()
 
 
 def main():
@@ -186,37 +292,31 @@ def main():
                         "each step (default: no clipping)")
     parser.add_summary_flag()
     args = parser.parse_args()
-    if args.model != "gpt":
-        parser.error("04_zero buckets the GPT's blocks: use --model gpt")
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     n = topo.world_size
-    buckets = partition(units_in_gradient_order(model), n)
-    flat_params, flat_grads = flatten(buckets, topo.device)
-    shards = owned_shards(buckets, flat_params, flat_grads, topo)
-    opt = torch.optim.AdamW(shards, lr=args.lr)
-    gatherer = ParamGatherer(model, buckets, flat_params, topo)
+    # State from the model's shapes and dtype, not from the buckets: they add padding, under N
+    # values a bucket (`padding_mb_max`). Every value of every bucket is sent, padding included.
+    bytes_per = next(model.parameters()).element_size()
+    mb = bytes_per * sum(p.numel() for p in model.parameters()) / 2**20
+    buffers_mb = sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20
+    opt = ZeRO1(model, common.transformer_blocks(model), lr=args.lr,
+                max_grad_norm=args.clip_grad_norm)
 
     def train_step(inputs, targets):
-        flat_grads.zero_()
+        opt.zero_grad()
         loss = model(inputs, targets)
         loss.backward()
-        reduce_scatter_grads(buckets, flat_grads, topo)
-        if args.clip_grad_norm:
-            clip_grad_norm_(owned_grads(buckets, shards, topo.rank), args.clip_grad_norm)
         opt.step()
-        gatherer.start()
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    gatherer.wait_all()  # the last step's parameters, before anything reads them
-    # State from the model's shape, not from the buckets: they add padding, under N values a
-    # bucket (`padding_mb_max`). Every value of every bucket is sent, padding included.
-    param_count = common.gpt_param_count(common.SIZES[args.size], args.seq_len)
-    mb, sent_mb = 4 * param_count / 2**20, 4 * sum(b.numel for b in buckets) / 2**20
+    opt.wait_for_params()  # the last step's parameters, before anything reads them
+    sent_mb = bytes_per * sum(b.numel for b in opt.buckets) / 2**20
     theory = {"params_mb": mb, "grads_mb": mb, "optim_mb": 2 * mb / n,
-              "state_mb": 2 * mb + 2 * mb / n, "comm_mb": 2 * (n - 1) / n * sent_mb,
-              "padding_mb_max": 4 * (n - 1) * len(buckets) / 2**20}
+              "state_mb": 2 * mb + 2 * mb / n,
+              "comm_mb": 2 * (n - 1) / n * sent_mb + (n - 1) / n * buffers_mb,
+              "padding_mb_max": bytes_per * (n - 1) * len(opt.buckets) / 2**20}
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=1,

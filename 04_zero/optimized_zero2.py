@@ -1,24 +1,28 @@
 """ZeRO-2 by hand: ZeRO-1, and each rank keeps the gradient of its 1/N only.
 
-What it does: the same flat parameters, buckets and ownership as optimized_zero1.py (rank r owns
-the r-th 1/N of every bucket, buckets in the order backward completes their gradients). The
-gradients change: a hook on each parameter copies its gradient into its bucket's buffer as soon
-as backward has produced it, and frees it; when a bucket's last gradient is in, the bucket is
+What it does: `ZeRO2(model, blocks, lr=...)`, an AdamW with the optimizer's contract, lays out
+the flat parameters, buckets and ownership as optimized_zero1.py does (rank r owns the r-th 1/N
+of every bucket, buckets in the order backward completes their gradients, in the parameters'
+dtype). The gradients change: a hook on each parameter copies its gradient into its bucket's
+buffer as soon as backward has produced it; when a bucket's last gradient is in, the bucket is
 reduce-scattered at once, while backward computes the buckets before it, and only this rank's
-summed slice is kept. The bucket's buffer is dropped when its reduce-scatter is done. AdamW
-updates the owned slices, and they are all-gathered into every rank's parameters, as in ZeRO-1.
---clip-grad-norm clips by the global norm as ZeRO-1 does: from the owned values, once each.
-Why it helps: after ZeRO-1 the full gradient (4 bytes per parameter) is the largest thing a
-rank holds besides the weights; now a rank holds a full gradient only for the buckets being
+summed slice is kept (added to what earlier backward passes left there: gradient
+accumulation). The bucket's buffer and the parameters' .grad are dropped by the end of
+backward. `step()` runs AdamW on the owned slices, which are all-gathered into every rank's
+parameters, as in ZeRO-1. --clip-grad-norm clips as ZeRO-1 does: from the owned values.
+Why it helps: after ZeRO-1 the full gradient (4 bytes per fp32 parameter) is the largest thing
+a rank holds besides the weights; now a rank holds a full gradient only for the buckets being
 filled or reduced, and 1/N of it at rest, for the same communication as ZeRO-1 and DDP.
-Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero2.py --size small [--summary]
+Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero2.py --size small [--model llama]
 Look for:   `make zero report`: state MB = theory.state_mb, losses equal to baseline_zero's to
             float rounding, tokens/s close to it; grads_mb falls by N too, and the peak's
             `grads` share (memory.grads in the record) is far below a full gradient.
-Theory:     per rank 4P + 4P/N + 8P/N bytes (params, grads, optimizer), P = parameter count,
-            plus padding and the buckets in flight during backward; sent per step
-            (N-1)/N x 4P reduce-scattered plus the same all-gathered: 2(N-1)/N x 4P.
+Theory:     per rank bP + bP/N + 2bP/N bytes (params, grads, optimizer), P = parameter count,
+            b = bytes per value (4 in fp32), plus padding and the buckets in flight during
+            backward; sent per step (N-1)/N x bP reduce-scattered per backward plus the same
+            all-gathered: 2(N-1)/N x bP (plus the buffers' broadcast, if any).
 """
+
 
 import functools
 import sys
@@ -38,13 +42,21 @@ LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
 
 
 # Copied from 04_zero/optimized_zero1.py: units_in_gradient_order
-def units_in_gradient_order(model: common.GPT) -> list[list[nn.Parameter]]:
+def units_in_gradient_order(model: nn.Module, blocks: list[nn.Module]
+                            ) -> list[list[nn.Parameter]]:
     """The parameters grouped by block, in the order backward completes their gradients: the
-    last block first, the embeddings and final norm last (the tied embedding's gradient is only
-    complete when backward reaches the input)."""
-    blocks = [list(block.parameters()) for block in reversed(model.blocks)]
-    in_blocks = {p for unit in blocks for p in unit}
-    return blocks + [[p for p in model.parameters() if p not in in_blocks]]
+    last block first, then the root unit, every parameter of the model in no block (embeddings,
+    final norm, head: a tied embedding's gradient is only complete when backward reaches the
+    input). Each parameter once, by identity."""
+    units, seen = [], set()
+    for block in reversed(blocks):
+        unit = list(block.parameters())
+        if seen & set(unit):
+            raise ValueError(f"a parameter of {type(block).__name__} is in another block too: "
+                             "pass blocks that share no weights")
+        seen.update(unit)
+        units.append(unit)
+    return units + [[p for p in model.parameters() if p not in seen]]
 
 
 # Copied from 04_zero/optimized_zero1.py: Bucket
@@ -76,11 +88,22 @@ def partition(units: list[list[nn.Parameter]], world: int) -> list[Bucket]:
     return buckets
 
 
-def flatten(buckets: list[Bucket], device: torch.device) -> torch.Tensor:
-    """Move the parameters into one flat buffer: each `p` becomes a view, so an update of a flat
-    slice is an update of the parameters."""
+# Copied from 04_zero/optimized_zero1.py: flat_dtype
+def flat_dtype(buckets: list[Bucket]) -> torch.dtype:
+    """The one dtype of the parameters, which the flat buffers keep (a bf16 model stays bf16)."""
+    dtypes = {p.dtype for bucket in buckets for p in bucket.params}
+    if len(dtypes) != 1:
+        raise ValueError(f"parameters of several dtypes ({sorted(map(str, dtypes))}): cast the "
+                         "model to one dtype before sharding it")
+    return dtypes.pop()
+
+
+def flatten(buckets: list[Bucket]) -> torch.Tensor:
+    """Move the parameters into one flat buffer, in their dtype and device: each `p` becomes a
+    view, so an update of a flat slice is an update of the parameters."""
     total = buckets[-1].offset + buckets[-1].numel
-    flat_params = torch.zeros(total, device=device)
+    device = buckets[0].params[0].device
+    flat_params = torch.zeros(total, dtype=flat_dtype(buckets), device=device)
     for bucket in buckets:
         offset = bucket.offset
         for p in bucket.params:
@@ -91,12 +114,32 @@ def flatten(buckets: list[Bucket], device: torch.device) -> torch.Tensor:
     return flat_params
 
 
-def owned_shards(buckets: list[Bucket], flat_params: torch.Tensor,
-                 topo: common.Topology) -> list[nn.Parameter]:
-    """The slices this rank owns, one per bucket, as the parameters AdamW updates: views, so an
-    update lands in the flat parameters, and AdamW's moments exist for 1/N of the model. Their
-    gradients come from GradReducer."""
-    return [nn.Parameter(b.owned(flat_params, topo.rank, topo.world_size)) for b in buckets]
+# Copied from 04_zero/optimized_zero1.py: first_rank
+def first_rank(group: dist.ProcessGroup | None) -> int:
+    """The global rank of the group's first member: the source of every broadcast."""
+    return dist.get_global_rank(group or dist.group.WORLD, 0)
+
+
+# Copied from 04_zero/optimized_zero1.py: broadcast_buffers
+def broadcast_buffers(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Every rank's buffers (BatchNorm's running statistics) set to the group's first rank's,
+    one broadcast per dtype, as DDP does before each forward (broadcast_buffers=True)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in model.buffers():
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for buffers in by_dtype.values():
+        flat = torch.cat([b.detach().flatten() for b in buffers])
+        dist.broadcast(flat, first_rank(group), group=group)
+        for b, value in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
+            b.detach().copy_(value.view_as(b))
+
+
+def owned_shards(buckets: list[Bucket], flat_params: torch.Tensor, rank: int, world: int
+                 ) -> list[nn.Parameter]:
+    """The slices rank `rank` owns, one per bucket, as the parameters AdamW updates: views, so
+    an update lands in the flat parameters, and AdamW's moments exist for 1/N of the model.
+    Their gradients come from GradReducer."""
+    return [nn.Parameter(b.owned(flat_params, rank, world)) for b in buckets]
 
 
 # Copied from 04_zero/optimized_zero1.py: owned_grads
@@ -112,13 +155,14 @@ def owned_grads(buckets: list[Bucket], shards: list[nn.Parameter], rank: int
 
 
 # Copied from 04_zero/optimized_zero1.py: clip_grad_norm_
-def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over every rank's `grads` together: the global 2-norm is
     the square root of the ranks' sums of squares (one fp32 all-reduce), which counts each value
     of the gradient exactly once when each rank passes only the values it owns; every rank then
     scales its values by min(1, max_norm / (norm + 1e-6)), torch's formula. Returns the norm."""
     squares = torch.stack([g.float().square().sum() for g in grads]).sum()
-    dist.all_reduce(squares)
+    dist.all_reduce(squares, group=group)
     norm = squares.sqrt()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
@@ -131,26 +175,26 @@ class ParamGatherer:
     """All-gathers every rank's updated slices into every rank's parameters, overlapped with the
     next forward (Megatron-LM's distributed optimizer does the same: --overlap-param-gather).
     `start`, after the step, launches every bucket's all-gather in the order forward uses them;
-    a hook before each block (before the model, for the embeddings) waits for that block's
+    a hook before each block (before the model, for the root unit) waits for that block's
     bucket only. In place: each rank's input is its own slice of the output. (On GPU, timed
     with the device synchronised after each step, the all-gathers finish inside the step.)"""
 
-    def __init__(self, model: common.GPT, buckets: list[Bucket], flat_params: torch.Tensor,
-                 topo: common.Topology):
-        self.buckets, self.flat_params, self.topo = buckets, flat_params, topo
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], buckets: list[Bucket],
+                 flat_params: torch.Tensor, group: dist.ProcessGroup | None):
+        self.buckets, self.flat_params, self.group = buckets, flat_params, group
         self.pending: dict[int, dist.Work] = {}  # bucket index -> its all-gather in flight
-        root, last = len(buckets) - 1, len(model.blocks) - 1
+        root, last = len(buckets) - 1, len(blocks) - 1
         model.register_forward_pre_hook(lambda *_: self.wait(root))
-        for j, block in enumerate(model.blocks):
+        for j, block in enumerate(blocks):
             block.register_forward_pre_hook(lambda *_, i=last - j: self.wait(i))
 
     def start(self) -> None:
-        rank, world = self.topo.rank, self.topo.world_size
-        for i in reversed(range(len(self.buckets))):  # the embeddings' first: forward's order
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        for i in reversed(range(len(self.buckets))):  # the root's first: forward's order
             bucket = self.buckets[i]
             self.pending[i] = common.all_gather_single(
                 bucket.whole(self.flat_params), bucket.owned(self.flat_params, rank, world),
-                async_op=True)
+                group=self.group, async_op=True)
 
     def wait(self, i: int) -> None:
         """Bucket i's parameters are up to date when this returns."""
@@ -161,21 +205,26 @@ class ParamGatherer:
         for i in list(self.pending):
             self.wait(i)
 
-
 class GradReducer:
     """Backward hooks that keep only this rank's slice of the gradient. As soon as backward has
     produced a parameter's gradient it is copied into its bucket's buffer, and the parameter's
     .grad becomes a view there (the tensor autograd made is freed). When a bucket's last
     gradient is in, the bucket is reduce-scattered at once, while backward goes on with the
-    buckets before it, into the gradient of this rank's shard; once that is done the bucket, the
-    full gradient of its parameters, is dropped. Summed over ranks, then averaged on the shard:
+    buckets before it, into the gradient of this rank's shard, or, if an earlier backward since
+    zero_grad left one there, into a fresh slice added to it on arrival (accumulation). Once
+    done, the bucket, the full gradient of its parameters, is dropped; by the end of each
+    backward all are. Summed over ranks; `average` then divides the shards' by N at the step:
     1/N of the work of dividing the whole gradient first."""
 
-    def __init__(self, buckets: list[Bucket], shards: list[nn.Parameter], topo: common.Topology):
-        self.buckets, self.shards, self.topo = buckets, shards, topo
+    def __init__(self, buckets: list[Bucket], shards: list[nn.Parameter],
+                 group: dist.ProcessGroup | None):
+        self.buckets, self.shards, self.group = buckets, shards, group
         self.buffers: dict[int, torch.Tensor] = {}  # bucket index -> its full gradient
         self.copied: dict[int, int] = {}  # bucket index -> gradients copied into it so far
-        self.in_flight: list[tuple[dist.Work, int]] = []  # reduce-scatters and their buckets
+        # reduce-scatters in flight: the work, its bucket, the slice to add to the shard's grad
+        self.in_flight: list[tuple[dist.Work, int, torch.Tensor | None]] = []
+        self.end_queued = False  # end_of_backward is queued for the backward under way
+        self.needs_zero_grad = False  # the optimizer stepped since its zero_grad()
         for i, bucket in enumerate(buckets):
             offset = 0
             for p in bucket.params:
@@ -183,10 +232,16 @@ class GradReducer:
                 offset += p.numel()
 
     def add_grad(self, i: int, offset: int, p: nn.Parameter) -> None:
+        if not self.end_queued:
+            if self.needs_zero_grad:  # else this backward would add to the last step's gradient
+                raise RuntimeError("backward after the ZeRO optimizer's step() without its "
+                                   "zero_grad(): call it before each step's first backward")
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+            self.end_queued = True
         self.drop_reduced()
         bucket = self.buckets[i]
         if i not in self.buffers:
-            self.buffers[i] = torch.empty(bucket.numel, device=p.device)
+            self.buffers[i] = torch.empty(bucket.numel, dtype=p.dtype, device=p.device)
             self.buffers[i][sum(q.numel() for q in bucket.params):].zero_()  # the padding
             self.copied[i] = 0
         grad = self.buffers[i][offset:offset + p.numel()].view_as(p)
@@ -195,32 +250,93 @@ class GradReducer:
         self.copied[i] += 1
         if self.copied[i] == len(bucket.params):
             shard = self.shards[i]
-            shard.grad = torch.empty_like(shard)
-            work = common.reduce_scatter(shard.grad, self.buffers[i], async_op=True)
-            self.in_flight.append((work, i))
+            summed = torch.empty_like(shard)
+            accumulated = shard.grad is not None
+            if not accumulated:
+                shard.grad = summed
+            work = common.reduce_scatter(summed, self.buffers[i], self.group, async_op=True)
+            self.in_flight.append((work, i, summed if accumulated else None))
 
     def drop_reduced(self, wait: bool = False) -> None:
         """Drop the buckets whose reduce-scatter is done; with `wait`, all of them."""
         pending = []
-        for work, i in self.in_flight:
+        for work, i, addend in self.in_flight:
             if wait:
                 work.wait()
             elif not work.is_completed():
-                pending.append((work, i))
+                pending.append((work, i, addend))
                 continue
+            if addend is not None:
+                self.shards[i].grad += addend
             del self.buffers[i], self.copied[i]
             for p in self.buckets[i].params:
                 p.grad = None
         self.in_flight = pending
 
-    def wait(self) -> None:
-        """After backward: every bucket reduced and dropped, every shard's gradient averaged."""
+    def end_of_backward(self) -> None:
+        """Queued by the first hook of each backward, run when it ends: every bucket reduced."""
+        self.end_queued = False
         self.drop_reduced(wait=True)
+        if self.buffers:
+            raise RuntimeError(f"bucket {min(self.buffers)} got only some of its gradients: "
+                               "these hooks need every parameter to take part in every backward")
+
+    def average(self) -> None:
+        """Before the step: every shard's gradient, summed over ranks, divided by N."""
         for i, shard in enumerate(self.shards):
             if shard.grad is None:
-                raise RuntimeError(f"bucket {i} got no gradient: these hooks need every "
-                                   "parameter to take part in every step")
-            shard.grad.div_(self.topo.world_size)
+                raise RuntimeError(f"bucket {i} got no gradient since zero_grad(): call "
+                                   "backward before step, with every parameter taking part")
+            shard.grad.div_(dist.get_world_size(self.group))
+
+
+class ZeRO2(torch.optim.AdamW):
+    """AdamW over the slices this rank owns, with the optimizer's contract: `zero_grad()`, one
+    or more `loss.backward()` (each reduce-scatters its gradients; the owned slices accumulate),
+    `step()`. `blocks`: the model's repeated modules in forward order (e.g.
+    common.transformer_blocks(model)); every other parameter forms the root unit. Every
+    collective runs on `group` (default: the world). The parameters keep their dtype; no fp32
+    master copy is kept.
+
+    The model's .grad are None between backward passes (the gradient lives in the shards'),
+    so `model.zero_grad()` changes nothing: call this object's `zero_grad()` (a backward after
+    `step()` without it raises, where it would add to the last step's gradient). After the
+    last `step()`, call `wait_for_params()` before reading the weights outside forward."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], lr: float = 1e-3,
+                 group: dist.ProcessGroup | None = None, max_grad_norm: float | None = None,
+                 **adamw):
+        self.group, self.max_grad_norm = group, max_grad_norm
+        self.rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.buckets = partition(units_in_gradient_order(model, blocks), world)
+        self.flat_params = flatten(self.buckets)
+        dist.broadcast(self.flat_params, first_rank(group), group=group)  # start alike, as DDP
+        if list(model.buffers()):
+            broadcast_buffers(model, group)
+            model.register_forward_pre_hook(lambda *_: broadcast_buffers(model, group))
+        self.shards = owned_shards(self.buckets, self.flat_params, self.rank, world)
+        super().__init__(self.shards, lr=lr, **adamw)
+        self.gatherer = ParamGatherer(model, blocks, self.buckets, self.flat_params, group)
+        self.reducer = GradReducer(self.buckets, self.shards, group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.reducer.needs_zero_grad = False
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.reducer.average()
+        if self.max_grad_norm:
+            clip_grad_norm_(owned_grads(self.buckets, self.shards, self.rank),
+                            self.max_grad_norm, self.group)
+        super().step()
+        self.gatherer.start()
+        self.reducer.needs_zero_grad = True
+
+    def wait_for_params(self) -> None:
+        """Every parameter up to date (the last step's all-gathers done)."""
+        self.gatherer.wait_all()
+
 
 
 def main():
@@ -230,38 +346,31 @@ def main():
                         "each step (default: no clipping)")
     parser.add_summary_flag()
     args = parser.parse_args()
-    if args.model != "gpt":
-        parser.error("04_zero buckets the GPT's blocks: use --model gpt")
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     n = topo.world_size
-    buckets = partition(units_in_gradient_order(model), n)
-    flat_params = flatten(buckets, topo.device)
-    shards = owned_shards(buckets, flat_params, topo)
-    gatherer = ParamGatherer(model, buckets, flat_params, topo)
-    reducer = GradReducer(buckets, shards, topo)
-    opt = torch.optim.AdamW(shards, lr=args.lr)
+    # State from the model's shapes and dtype, not from the buckets: they add padding, under N
+    # values a bucket (`padding_mb_max`). Every value of every bucket is sent, padding included.
+    bytes_per = next(model.parameters()).element_size()
+    mb = bytes_per * sum(p.numel() for p in model.parameters()) / 2**20
+    buffers_mb = sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20
+    opt = ZeRO2(model, common.transformer_blocks(model), lr=args.lr,
+                max_grad_norm=args.clip_grad_norm)
 
     def train_step(inputs, targets):
         opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
-        reducer.wait()
-        if args.clip_grad_norm:
-            clip_grad_norm_(owned_grads(buckets, shards, topo.rank), args.clip_grad_norm)
         opt.step()
-        gatherer.start()
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    gatherer.wait_all()  # the last step's parameters, before anything reads them
-    # State from the model's shape, not from the buckets: they add padding, under N values a
-    # bucket (`padding_mb_max`). Every value of every bucket is sent, padding included.
-    param_count = common.gpt_param_count(common.SIZES[args.size], args.seq_len)
-    mb, sent_mb = 4 * param_count / 2**20, 4 * sum(b.numel for b in buckets) / 2**20
+    opt.wait_for_params()  # the last step's parameters, before anything reads them
+    sent_mb = bytes_per * sum(b.numel for b in opt.buckets) / 2**20
     theory = {"params_mb": mb, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
-              "state_mb": mb + 3 * mb / n, "comm_mb": 2 * (n - 1) / n * sent_mb,
-              "padding_mb_max": 4 * (n - 1) * len(buckets) / 2**20}
+              "state_mb": mb + 3 * mb / n,
+              "comm_mb": 2 * (n - 1) / n * sent_mb + (n - 1) / n * buffers_mb,
+              "padding_mb_max": bytes_per * (n - 1) * len(opt.buckets) / 2**20}
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=2,

@@ -1,27 +1,30 @@
 """ZeRO-3 by hand: ZeRO-2, and each rank keeps only its 1/N of the parameters too.
 
-What it does: the buckets and ownership of optimized_zero1.py (one bucket per transformer block,
-one for the embeddings and final norm). At rest a rank holds only its 1/N slices of the
-parameters, gradients and AdamW state; a bucket's full parameters are views into a buffer whose
+What it does: `ZeRO3(model, blocks, lr=...)`, an AdamW with the optimizer's contract, takes the
+buckets and ownership of optimized_zero1.py (one bucket per block, one for the root unit: every
+other parameter). At rest a rank holds only its 1/N slices of the parameters, gradients and
+AdamW state, in the parameters' dtype; a bucket's full parameters are views into a buffer whose
 storage exists only while it is needed. Hooks all-gather a block's parameters just before its
 forward and free them right after, gather them again just before its backward (each gather
 starting the next block's), and, as in ZeRO-2, reduce-scatter its gradients as soon as backward
-has produced them, freeing the parameters then. The embeddings and final norm, used at both
-ends of the step, stay gathered from forward's start to backward's end, as FSDP2's root does.
-AdamW updates the owned slices in place: nothing to all-gather after the step.
---clip-grad-norm as in ZeRO-1: from the owned values, each counted once.
-Why it helps: memory per rank falls to 16 bytes per parameter / N, plus about two blocks and
-the embeddings in full, so a model N times larger than one rank's memory trains; the price, one
+has produced them (accumulating over backward passes until the step), freeing the parameters
+then. The root unit (embeddings, final norm, head), used at both ends of the step, stays
+gathered from forward's start to backward's end, as FSDP2's root does. `step()` updates the
+owned slices in place: nothing to all-gather after it. --clip-grad-norm as in ZeRO-1.
+Why it helps: memory per rank falls to 16 bytes per fp32 parameter / N, plus about two blocks
+and the root in full, so a model N times larger than one rank's memory trains; the price, one
 more all-gather of the parameters a step (1.5x ZeRO-2's traffic), prefetching hides where it can.
-Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero3.py --size small [--summary]
+Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero3.py --size small [--model llama]
 Look for:   `make zero report`: state MB = theory.state_mb, losses equal to baseline_zero's to
             float rounding, the lowest peak of the three; optimized_zero_pytorch.py --stage 3
             runs FSDP2's fully_shard on the same blocks beside it.
-Theory:     per rank 4P/N + 4P/N + 8P/N = 16P/N bytes (params, grads, optimizer), P = parameter
-            count, plus padding and the blocks gathered at a time; sent per step (N-1)/N x 4
-            bytes x (3 x the blocks' parameters + 2 x the embeddings' and final norm's): two
-            all-gathers and a reduce-scatter, against ZeRO-2's 2(N-1)/N x 4P.
+Theory:     per rank bP/N + bP/N + 2bP/N = 4bP/N bytes (params, grads, optimizer), b = bytes
+            per value (4 in fp32), plus padding and the blocks gathered at a time; sent per step
+            (N-1)/N x b x (3 x the blocks' parameters + 2 x the root's): two all-gathers and a
+            reduce-scatter, against ZeRO-2's 2(N-1)/N x bP (plus the buffers' broadcast).
 """
+
+
 
 import functools
 import sys
@@ -39,15 +42,22 @@ import common  # noqa: E402
 # last-bit differences grow through the low-precision steps, as for FSDP in 03_fsdp.
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
 
-
 # Copied from 04_zero/optimized_zero1.py: units_in_gradient_order
-def units_in_gradient_order(model: common.GPT) -> list[list[nn.Parameter]]:
+def units_in_gradient_order(model: nn.Module, blocks: list[nn.Module]
+                            ) -> list[list[nn.Parameter]]:
     """The parameters grouped by block, in the order backward completes their gradients: the
-    last block first, the embeddings and final norm last (the tied embedding's gradient is only
-    complete when backward reaches the input)."""
-    blocks = [list(block.parameters()) for block in reversed(model.blocks)]
-    in_blocks = {p for unit in blocks for p in unit}
-    return blocks + [[p for p in model.parameters() if p not in in_blocks]]
+    last block first, then the root unit, every parameter of the model in no block (embeddings,
+    final norm, head: a tied embedding's gradient is only complete when backward reaches the
+    input). Each parameter once, by identity."""
+    units, seen = [], set()
+    for block in reversed(blocks):
+        unit = list(block.parameters())
+        if seen & set(unit):
+            raise ValueError(f"a parameter of {type(block).__name__} is in another block too: "
+                             "pass blocks that share no weights")
+        seen.update(unit)
+        units.append(unit)
+    return units + [[p for p in model.parameters() if p not in seen]]
 
 
 @dataclass
@@ -74,38 +84,71 @@ def partition(units: list[list[nn.Parameter]], world: int) -> list[Bucket]:
     return buckets
 
 
-def shard_params(buckets: list[Bucket], topo: common.Topology
+# Copied from 04_zero/optimized_zero1.py: flat_dtype
+def flat_dtype(buckets: list[Bucket]) -> torch.dtype:
+    """The one dtype of the parameters, which the flat buffers keep (a bf16 model stays bf16)."""
+    dtypes = {p.dtype for bucket in buckets for p in bucket.params}
+    if len(dtypes) != 1:
+        raise ValueError(f"parameters of several dtypes ({sorted(map(str, dtypes))}): cast the "
+                         "model to one dtype before sharding it")
+    return dtypes.pop()
+
+
+# Copied from 04_zero/optimized_zero1.py: first_rank
+def first_rank(group: dist.ProcessGroup | None) -> int:
+    """The global rank of the group's first member: the source of every broadcast."""
+    return dist.get_global_rank(group or dist.group.WORLD, 0)
+
+
+# Copied from 04_zero/optimized_zero1.py: broadcast_buffers
+def broadcast_buffers(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Every rank's buffers (BatchNorm's running statistics) set to the group's first rank's,
+    one broadcast per dtype, as DDP does before each forward (broadcast_buffers=True)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in model.buffers():
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for buffers in by_dtype.values():
+        flat = torch.cat([b.detach().flatten() for b in buffers])
+        dist.broadcast(flat, first_rank(group), group=group)
+        for b, value in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
+            b.detach().copy_(value.view_as(b))
+
+
+def shard_params(buckets: list[Bucket], group: dist.ProcessGroup | None
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Keep this rank's slice of every bucket in one buffer of 1/N of the model; each parameter
-    becomes a view into its bucket's unsharded buffer, whose storage is freed until gathered.
-    Made with `p.data = ...`, the views keep their own autograd version counters, so refilling
-    the storage does not trip the check on the weights autograd saved for backward (a plain
-    slice shares the buffer's counter; FSDP2 refills under
+    """Keep this rank's slice of every bucket in one buffer of 1/N of the model, in the
+    parameters' dtype, the values the group's first rank holds (ranks start alike, as in DDP);
+    each parameter becomes a view into its bucket's unsharded buffer, whose storage is freed
+    until gathered. Made with `p.data = ...`, the views keep their own autograd version
+    counters, so refilling the storage does not trip the check on the weights autograd saved
+    for backward (a plain slice shares the buffer's counter; FSDP2 refills under
     torch.autograd._unsafe_preserve_version_counter instead)."""
-    n = topo.world_size
-    param_shards = torch.zeros(sum(b.numel for b in buckets) // n, device=topo.device)
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    dtype, device = flat_dtype(buckets), buckets[0].params[0].device
+    param_shards = torch.zeros(sum(b.numel for b in buckets) // n, dtype=dtype, device=device)
     unsharded = []
     for bucket in buckets:
-        flat = torch.zeros(bucket.numel, device=topo.device)
+        flat = torch.zeros(bucket.numel, dtype=dtype, device=device)
         offset = 0
         for p in bucket.params:
             view = slice(offset, offset + p.numel())
             flat[view].copy_(p.detach().flatten())
             p.data = flat[view].view_as(p)
             offset += p.numel()
+        dist.broadcast(flat, first_rank(group), group=group)
         k = bucket.numel // n
-        bucket.shard(param_shards, n).copy_(flat[topo.rank * k:(topo.rank + 1) * k])
+        bucket.shard(param_shards, n).copy_(flat[rank * k:(rank + 1) * k])
         flat.untyped_storage().resize_(0)
         unsharded.append(flat)
     return param_shards, unsharded
 
 
-def owned_shards(buckets: list[Bucket], param_shards: torch.Tensor,
-                 topo: common.Topology) -> list[nn.Parameter]:
+def owned_shards(buckets: list[Bucket], param_shards: torch.Tensor, world: int
+                 ) -> list[nn.Parameter]:
     """The slices this rank owns, one per bucket, as the parameters AdamW updates: views, so an
     update lands in the parameter shards, and AdamW's moments exist for 1/N of the model. Their
     gradients come from GradReducer."""
-    return [nn.Parameter(b.shard(param_shards, topo.world_size)) for b in buckets]
+    return [nn.Parameter(b.shard(param_shards, world)) for b in buckets]
 
 
 # Copied from 04_zero/optimized_zero1.py: owned_grads
@@ -121,13 +164,14 @@ def owned_grads(buckets: list[Bucket], shards: list[nn.Parameter], rank: int
 
 
 # Copied from 04_zero/optimized_zero1.py: clip_grad_norm_
-def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over every rank's `grads` together: the global 2-norm is
     the square root of the ranks' sums of squares (one fp32 all-reduce), which counts each value
     of the gradient exactly once when each rank passes only the values it owns; every rank then
     scales its values by min(1, max_norm / (norm + 1e-6)), torch's formula. Returns the norm."""
     squares = torch.stack([g.float().square().sum() for g in grads]).sum()
-    dist.all_reduce(squares)
+    dist.all_reduce(squares, group=group)
     norm = squares.sqrt()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
@@ -139,16 +183,16 @@ class ParamGatherer:
     """Hooks that hold a bucket's parameters in full only around its compute. Before a block's
     forward: gather it (if its prefetch has not) and start the next block's all-gather; after:
     free it, and hook its output's gradient, which arrives just before backward enters the
-    block, to gather it again and start the previous block's. The embeddings and final norm are
-    gathered before the model's forward and freed by GradReducer after their backward."""
+    block, to gather it again and start the previous block's. The root unit is gathered
+    before the model's forward and freed by GradReducer after its backward."""
 
-    def __init__(self, model: common.GPT, shards: list[nn.Parameter],
-                 unsharded: list[torch.Tensor]):
-        self.shards, self.unsharded = shards, unsharded
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], shards: list[nn.Parameter],
+                 unsharded: list[torch.Tensor], group: dist.ProcessGroup | None):
+        self.shards, self.unsharded, self.group = shards, unsharded, group
         self.pending: dict[int, dist.Work] = {}  # bucket index -> its all-gather in flight
-        root, last = len(shards) - 1, len(model.blocks) - 1
+        root, last = len(shards) - 1, len(blocks) - 1
         model.register_forward_pre_hook(lambda *_: self.gather(root, prefetch=last))
-        for j, block in enumerate(model.blocks):
+        for j, block in enumerate(blocks):
             i = last - j  # block j's bucket; block j + 1's is i - 1
             block.register_forward_pre_hook(
                 lambda *_, i=i, j=j: self.gather(i, prefetch=i - 1 if j < last else None))
@@ -160,7 +204,8 @@ class ParamGatherer:
         if i in self.pending or buffer.untyped_storage().nbytes():
             return
         buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        self.pending[i] = common.all_gather_single(buffer, self.shards[i].detach(), async_op=True)
+        self.pending[i] = common.all_gather_single(buffer, self.shards[i].detach(),
+                                                   group=self.group, async_op=True)
 
     def gather(self, i: int, prefetch: int | None = None) -> None:
         """Bucket i's parameters in full when this returns; the next one's on their way."""
@@ -170,10 +215,13 @@ class ParamGatherer:
         if i in self.pending:
             self.pending.pop(i).wait()
 
-    def after_forward(self, i: int, has_previous: bool, out: torch.Tensor) -> None:
+    def after_forward(self, i: int, has_previous: bool, out) -> None:
         self.free(i)
-        # The gradient of a block's output arrives just before backward enters the block.
-        out.register_hook(lambda _: self.gather(i, prefetch=i + 1 if has_previous else None))
+        # The gradient of a block's output arrives just before backward enters the block (a
+        # block that returns a tuple, as HuggingFace's do, has its hidden states first).
+        out = out if torch.is_tensor(out) else out[0]
+        if out.requires_grad:
+            out.register_hook(lambda _: self.gather(i, prefetch=i + 1 if has_previous else None))
 
     def free(self, i: int) -> None:
         self.unsharded[i].untyped_storage().resize_(0)
@@ -184,18 +232,23 @@ class GradReducer:
     produced a parameter's gradient it is copied into its bucket's buffer, and the parameter's
     .grad becomes a view there (the tensor autograd made is freed). When a bucket's last
     gradient is in, the bucket is reduce-scattered at once, while backward goes on with the
-    buckets before it, into the gradient of this rank's shard; once that is done the bucket, the
-    full gradient of its parameters, is dropped. Summed over ranks, then averaged on the shard:
+    buckets before it, into the gradient of this rank's shard, or, if an earlier backward since
+    zero_grad left one there, into a fresh slice added to it on arrival (accumulation). Once
+    done, the bucket, the full gradient of its parameters, is dropped; by the end of each
+    backward all are. Summed over ranks; `average` then divides the shards' by N at the step:
     1/N of the work of dividing the whole gradient first. Backward is then done with the
     bucket's parameters, so they are freed as soon as its reduce-scatter starts."""
 
-    def __init__(self, buckets: list[Bucket], shards: list[nn.Parameter], topo: common.Topology,
-                 gatherer: ParamGatherer):
-        self.buckets, self.shards, self.topo = buckets, shards, topo
+    def __init__(self, buckets: list[Bucket], shards: list[nn.Parameter],
+                 group: dist.ProcessGroup | None, gatherer: ParamGatherer):
+        self.buckets, self.shards, self.group = buckets, shards, group
         self.gatherer = gatherer
         self.buffers: dict[int, torch.Tensor] = {}  # bucket index -> its full gradient
         self.copied: dict[int, int] = {}  # bucket index -> gradients copied into it so far
-        self.in_flight: list[tuple[dist.Work, int]] = []  # reduce-scatters and their buckets
+        # reduce-scatters in flight: the work, its bucket, the slice to add to the shard's grad
+        self.in_flight: list[tuple[dist.Work, int, torch.Tensor | None]] = []
+        self.end_queued = False  # end_of_backward is queued for the backward under way
+        self.needs_zero_grad = False  # the optimizer stepped since its zero_grad()
         for i, bucket in enumerate(buckets):
             offset = 0
             for p in bucket.params:
@@ -203,10 +256,16 @@ class GradReducer:
                 offset += p.numel()
 
     def add_grad(self, i: int, offset: int, p: nn.Parameter) -> None:
+        if not self.end_queued:
+            if self.needs_zero_grad:  # else this backward would add to the last step's gradient
+                raise RuntimeError("backward after the ZeRO optimizer's step() without its "
+                                   "zero_grad(): call it before each step's first backward")
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+            self.end_queued = True
         self.drop_reduced()
         bucket = self.buckets[i]
         if i not in self.buffers:
-            self.buffers[i] = torch.empty(bucket.numel, device=p.device)
+            self.buffers[i] = torch.empty(bucket.numel, dtype=p.dtype, device=p.device)
             self.buffers[i][sum(q.numel() for q in bucket.params):].zero_()  # the padding
             self.copied[i] = 0
         grad = self.buffers[i][offset:offset + p.numel()].view_as(p)
@@ -215,33 +274,88 @@ class GradReducer:
         self.copied[i] += 1
         if self.copied[i] == len(bucket.params):
             shard = self.shards[i]
-            shard.grad = torch.empty_like(shard)
-            work = common.reduce_scatter(shard.grad, self.buffers[i], async_op=True)
-            self.in_flight.append((work, i))
+            summed = torch.empty_like(shard)
+            accumulated = shard.grad is not None
+            if not accumulated:
+                shard.grad = summed
+            work = common.reduce_scatter(summed, self.buffers[i], self.group, async_op=True)
+            self.in_flight.append((work, i, summed if accumulated else None))
             self.gatherer.free(i)
 
     def drop_reduced(self, wait: bool = False) -> None:
         """Drop the buckets whose reduce-scatter is done; with `wait`, all of them."""
         pending = []
-        for work, i in self.in_flight:
+        for work, i, addend in self.in_flight:
             if wait:
                 work.wait()
             elif not work.is_completed():
-                pending.append((work, i))
+                pending.append((work, i, addend))
                 continue
+            if addend is not None:
+                self.shards[i].grad += addend
             del self.buffers[i], self.copied[i]
             for p in self.buckets[i].params:
                 p.grad = None
         self.in_flight = pending
 
-    def wait(self) -> None:
-        """After backward: every bucket reduced and dropped, every shard's gradient averaged."""
+    def end_of_backward(self) -> None:
+        """Queued by the first hook of each backward, run when it ends: every bucket reduced."""
+        self.end_queued = False
         self.drop_reduced(wait=True)
+        if self.buffers:
+            raise RuntimeError(f"bucket {min(self.buffers)} got only some of its gradients: "
+                               "these hooks need every parameter to take part in every backward")
+
+    def average(self) -> None:
+        """Before the step: every shard's gradient, summed over ranks, divided by N."""
         for i, shard in enumerate(self.shards):
             if shard.grad is None:
-                raise RuntimeError(f"bucket {i} got no gradient: these hooks need every "
-                                   "parameter to take part in every step")
-            shard.grad.div_(self.topo.world_size)
+                raise RuntimeError(f"bucket {i} got no gradient since zero_grad(): call "
+                                   "backward before step, with every parameter taking part")
+            shard.grad.div_(dist.get_world_size(self.group))
+
+
+class ZeRO3(torch.optim.AdamW):
+    """AdamW over the slices this rank owns, with the optimizer's contract: `zero_grad()`, one
+    or more `loss.backward()` (each reduce-scatters its gradients; the owned slices accumulate),
+    `step()`. `blocks`: the model's repeated modules in forward order (e.g.
+    common.transformer_blocks(model)); every other parameter forms the root unit. Every
+    collective runs on `group` (default: the world). The parameters keep their dtype; no fp32
+    master copy is kept.
+
+    The model's .grad are None between backward passes (the gradient lives in the shards'),
+    so `model.zero_grad()` changes nothing: call this object's `zero_grad()` (a backward after
+    `step()` without it raises, where it would add to the last step's gradient). Outside
+    forward and backward the model's parameters have no storage: this rank's values are the
+    shards (`self.shards`, one slice per bucket of `self.buckets`)."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], lr: float = 1e-3,
+                 group: dist.ProcessGroup | None = None, max_grad_norm: float | None = None,
+                 **adamw):
+        self.group, self.max_grad_norm = group, max_grad_norm
+        self.rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.buckets = partition(units_in_gradient_order(model, blocks), world)
+        self.param_shards, self.unsharded = shard_params(self.buckets, group)
+        if list(model.buffers()):
+            broadcast_buffers(model, group)
+            model.register_forward_pre_hook(lambda *_: broadcast_buffers(model, group))
+        self.shards = owned_shards(self.buckets, self.param_shards, world)
+        super().__init__(self.shards, lr=lr, **adamw)
+        self.gatherer = ParamGatherer(model, blocks, self.shards, self.unsharded, group)
+        self.reducer = GradReducer(self.buckets, self.shards, group, self.gatherer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.reducer.needs_zero_grad = False
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.reducer.average()
+        if self.max_grad_norm:
+            clip_grad_norm_(owned_grads(self.buckets, self.shards, self.rank),
+                            self.max_grad_norm, self.group)
+        super().step()
+        self.reducer.needs_zero_grad = True
 
 
 def main():
@@ -251,39 +365,32 @@ def main():
                         "each step (default: no clipping)")
     parser.add_summary_flag()
     args = parser.parse_args()
-    if args.model != "gpt":
-        parser.error("04_zero buckets the GPT's blocks: use --model gpt")
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     n = topo.world_size
-    buckets = partition(units_in_gradient_order(model), n)
-    param_shards, unsharded = shard_params(buckets, topo)
-    shards = owned_shards(buckets, param_shards, topo)
-    gatherer = ParamGatherer(model, shards, unsharded)
-    reducer = GradReducer(buckets, shards, topo, gatherer)
-    opt = torch.optim.AdamW(shards, lr=args.lr)
+    # State from the model's shapes and dtype, not from the buckets: they add padding, under N
+    # values a bucket (`padding_mb_max`). Every value of every bucket is sent, padding included.
+    bytes_per = next(model.parameters()).element_size()
+    mb = bytes_per * sum(p.numel() for p in model.parameters()) / 2**20
+    buffers_mb = sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20
+    opt = ZeRO3(model, common.transformer_blocks(model), lr=args.lr,
+                max_grad_norm=args.clip_grad_norm)
 
     def train_step(inputs, targets):
         opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
-        reducer.wait()
-        if args.clip_grad_norm:
-            clip_grad_norm_(owned_grads(buckets, shards, topo.rank), args.clip_grad_norm)
         opt.step()
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    # State from the model's shape, not from the buckets: they add padding, under N values a
-    # bucket (`padding_mb_max`). Every value of every bucket is sent, padding included.
-    param_count = common.gpt_param_count(common.SIZES[args.size], args.seq_len)
-    mb = 4 * param_count / 2**20
-    gathers = [2] * len(model.blocks) + [1]  # per bucket and step; the root's stay gathered
+    gathers = [2] * len(opt.buckets[:-1]) + [1]  # per bucket and step; the root's stay gathered
     theory = {"params_mb": mb / n, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
               "state_mb": 4 * mb / n,
-              "comm_mb": sum((g + 1) * (n - 1) / n * 4 * b.numel / 2**20
-                             for g, b in zip(gathers, buckets, strict=True)),
-              "padding_mb_max": 4 * (n - 1) * len(buckets) / 2**20}
+              "comm_mb": sum((g + 1) * (n - 1) / n * bytes_per * b.numel / 2**20
+                             for g, b in zip(gathers, opt.buckets, strict=True))
+              + (n - 1) / n * buffers_mb,
+              "padding_mb_max": bytes_per * (n - 1) * len(opt.buckets) / 2**20}
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=3,

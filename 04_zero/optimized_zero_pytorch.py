@@ -10,22 +10,23 @@ Why it is here: a technique written by hand is checked against the library's. Th
 match the hand-written stage's to float rounding (tests/test_zero.py checks it), and
 `make zero report` puts the step time, peak memory and bytes sent side by side.
 Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero_pytorch.py --size small
-            torchrun --nproc_per_node=2 04_zero/optimized_zero_pytorch.py --size small --stage 3
+            torchrun --nproc_per_node=2 04_zero/optimized_zero_pytorch.py --stage 3 --model llama
 Look for:   the rows `optimized_zero_pytorch` (beside optimized_zero1) and
             `optimized_zero_pytorch --stage 3` (beside optimized_zero3): step time, peak MB,
             state MB and comm MB/step.
-Theory:     P = parameter count. Stage 1: per rank 4P + 4P + 8P/N bytes (its share of whole
-            tensors is only close to 1/N); sent 2(N-1)/N x 4P all-reduced plus (N-1)/N x 4P
-            broadcast (counted as a pipelined broadcast), 1.5x the hand-written ZeRO-1's
-            reduce-scatter + all-gather. Stage 3: per rank 16P/N bytes; sent (N-1)/N x 4 bytes
-            x (3 x the blocks' parameters + 2 x the root's, which FSDP2 keeps gathered from
-            forward to backward).
+Theory:     P = parameter count (4 bytes a value in fp32). Stage 1: per rank 4P + 4P + 8P/N
+            bytes (its share of whole tensors is only close to 1/N); sent 2(N-1)/N x 4P
+            all-reduced plus (N-1)/N x 4P broadcast (counted as a pipelined broadcast), 1.5x
+            the hand-written ZeRO-1's reduce-scatter + all-gather, and DDP's broadcast of the
+            buffers, if any. Stage 3: per rank 16P/N bytes; sent (N-1)/N x 4 bytes x (3 x the
+            blocks' parameters + 2 x the root's, which FSDP2 keeps gathered to backward's end).
 """
 
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -39,18 +40,22 @@ import common  # noqa: E402
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
 
 
-def pytorch_zero1(model: nn.Module, topo: common.Topology, lr: float):
-    """DDP + ZeroRedundancyOptimizer. Returns the model to train, the optimizer to step and the
-    one whose state this rank holds (ZeroRedundancyOptimizer's AdamW over its share)."""
+def pytorch_zero1(model: nn.Module, topo: common.Topology, lr: float,
+                  group: dist.ProcessGroup | None = None):
+    """DDP + ZeroRedundancyOptimizer, both over `group` (None: the world). Returns the model to
+    train, the optimizer to step and the one whose state this rank holds
+    (ZeroRedundancyOptimizer's AdamW over its share)."""
     ddp = DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-              gradient_as_bucket_view=True, static_graph=True)
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+              process_group=group, gradient_as_bucket_view=True, static_graph=True)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
+                                  process_group=group, lr=lr)
     return ddp, opt, opt.optim
 
 
-def pytorch_zero3(model: common.GPT, lr: float):
-    """FSDP2 on each block, then on the model for what is left (embeddings, final norm)."""
-    for block in model.blocks:
+def pytorch_zero3(model: nn.Module, blocks: list[nn.Module], lr: float):
+    """FSDP2 on each block, then on the model for what is left (embeddings, final norm, head:
+    the root unit of the hand-written stages)."""
+    for block in blocks:
         fully_shard(block)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -68,17 +73,18 @@ def main():
                         "all-reduced) (default: no clipping)")
     parser.add_summary_flag()
     args = parser.parse_args()
-    if args.model != "gpt":
-        parser.error("04_zero shards the GPT's blocks: use --model gpt")
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     n = topo.world_size
+    blocks = common.transformer_blocks(model)
     param_count = sum(p.numel() for p in model.parameters())
-    in_blocks = sum(p.numel() for p in model.blocks.parameters())
+    in_blocks = sum(p.numel() for block in blocks for p in block.parameters())
+    bytes_per = next(model.parameters()).element_size()  # the weights' dtype: 4 in fp32
+    buffers_mb = sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20
     if args.stage == 1:
         model, opt, counted_opt = pytorch_zero1(model, topo, args.lr)
     else:
-        model, opt, counted_opt = pytorch_zero3(model, args.lr)
+        model, opt, counted_opt = pytorch_zero3(model, blocks, args.lr)
 
     def train_step(inputs, targets):
         opt.zero_grad(set_to_none=True)
@@ -90,15 +96,16 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, counted_opt))
-    mb = 4 * param_count / 2**20
-    if args.stage == 1:
+    mb = bytes_per * param_count / 2**20
+    if args.stage == 1:  # DDP broadcasts the buffers (BatchNorm's) before each forward
         theory = {"params_mb": mb, "grads_mb": mb, "optim_mb": 2 * mb / n,
-                  "state_mb": 2 * mb + 2 * mb / n, "comm_mb": 3 * (n - 1) / n * mb}
+                  "state_mb": 2 * mb + 2 * mb / n,
+                  "comm_mb": 3 * (n - 1) / n * mb + (n - 1) / n * buffers_mb}
     else:
         # Each value is all-gathered twice and reduce-scattered once; the root's stay gathered.
         moved = 3 * in_blocks + 2 * (param_count - in_blocks)
         theory = {"params_mb": mb / n, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
-                  "state_mb": 4 * mb / n, "comm_mb": (n - 1) / n * 4 * moved / 2**20}
+                  "state_mb": 4 * mb / n, "comm_mb": (n - 1) / n * bytes_per * moved / 2**20}
     measured = common.state_split_mb(model, counted_opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=counted_opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=args.stage,

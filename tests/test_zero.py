@@ -4,6 +4,11 @@ norm (--clip-grad-norm) at 2 and 3 ranks.
 
 Those run each script's own `main()` in spawned gloo processes (cheaper than torchrun
 launches), one spawn per world size; rank 0 writes the records and the tests compare them here.
+Then the ZeRO1/2/3 objects as a user's trainer calls them, in-process on the tiny Llama (one
+spawn of 2 ranks, one of 3): a plain zero_grad/backward/step loop and 2-micro-batch
+accumulation against DDP (with no_sync), ranks seeded apart, a bf16 model staying bf16, ranks
+{0, 1} of 3 as a sub-group against a world of 2, the model's own zero_grad(), the ResNet's
+BatchNorm buffers, and the README's "Use it in your trainer" lines as written.
 """
 
 import os
@@ -15,7 +20,7 @@ import torch.multiprocessing as mp
 
 import common
 import report
-from helpers import TINY, assert_within_its_tolerance, load_recipe
+from helpers import TINY, assert_within_its_tolerance, load_recipe, readme_python_block
 
 FOLDER = common.ROOT / "04_zero"
 STAGES = {stage: load_recipe(FOLDER / f"optimized_zero{stage}.py") for stage in (1, 2, 3)}
@@ -27,27 +32,45 @@ def tiny_gpt() -> common.GPT:
     return common.GPT(SIZE, SIZE.seq_len)
 
 
-def topology(rank: int, world: int) -> common.Topology:
-    return common.Topology(rank, rank, world, world, 1, "gloo", torch.device("cpu"))
+def tiny_llama(seed: int = 0, dtype: torch.dtype | None = None) -> common.Llama:
+    torch.manual_seed(seed)
+    model = common.Llama(SIZE)
+    return model if dtype is None else model.to(dtype)
 
 
 # --- units and the partitioner (each stage has its own copy: all are checked) ----------------
+def units(stage: int, model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+    return STAGES[stage].units_in_gradient_order(model, common.transformer_blocks(model))
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_units_hold_every_parameter_once_blocks_in_gradient_order(stage):
-    model = tiny_gpt()
-    units = STAGES[stage].units_in_gradient_order(model)
-    flat = [p for unit in units for p in unit]
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_units_hold_every_parameter_once_blocks_in_gradient_order(stage, family):
+    model = tiny_gpt() if family == "gpt" else tiny_llama()
+    found = units(stage, model)
+    flat = [p for unit in found for p in unit]
     assert len(flat) == len({id(p) for p in flat}) == len(list(model.parameters()))
-    ids = [[id(p) for p in unit] for unit in units]
-    assert ids[0] == [id(p) for p in model.blocks[-1].parameters()]  # backward reaches it first
-    assert id(model.tok_emb.weight) in ids[-1] and id(model.ln_f.weight) in ids[-1]
+    ids = [[id(p) for p in unit] for unit in found]
+    blocks = common.transformer_blocks(model)
+    assert ids[0] == [id(p) for p in blocks[-1].parameters()]  # backward reaches it first
+    embedding, head = common.input_embedding(model), common.output_head(model)
+    assert id(embedding.weight) in ids[-1] and id(head.weight) in ids[-1]  # the root unit
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_blocks_that_share_a_weight_are_refused_in_one_line(stage):
+    model = tiny_llama()
+    blocks = common.transformer_blocks(model)
+    blocks[1].mlp.up_proj.weight = blocks[0].mlp.up_proj.weight
+    with pytest.raises(ValueError, match="in another block too"):
+        STAGES[stage].units_in_gradient_order(model, blocks)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_buckets_are_contiguous_and_padded_to_a_multiple_of_n_by_less_than_n(stage, world):
     recipe = STAGES[stage]
-    buckets = recipe.partition(recipe.units_in_gradient_order(tiny_gpt()), world)
+    buckets = recipe.partition(units(stage, tiny_gpt()), world)
     offset = 0
     for bucket in buckets:
         assert bucket.offset == offset and bucket.numel % world == 0
@@ -59,7 +82,7 @@ def test_buckets_are_contiguous_and_padded_to_a_multiple_of_n_by_less_than_n(sta
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_element_is_owned_by_exactly_one_rank(stage, world):
     recipe = STAGES[stage]
-    buckets = recipe.partition(recipe.units_in_gradient_order(tiny_gpt()), world)
+    buckets = recipe.partition(units(stage, tiny_gpt()), world)
     index = torch.arange(sum(b.numel for b in buckets))
     covered = torch.zeros_like(index)
     for rank in range(world):
@@ -75,7 +98,7 @@ def test_every_element_is_owned_by_exactly_one_rank(stage, world):
 def test_the_ranks_owned_gradients_hold_every_value_once_and_no_padding(stage, world):
     """What clip_grad_norm_ sums: each value of the gradient, counted by exactly one rank."""
     recipe = STAGES[stage]
-    buckets = recipe.partition(recipe.units_in_gradient_order(tiny_gpt()), world)
+    buckets = recipe.partition(units(stage, tiny_gpt()), world)
     values = sum(p.numel() for b in buckets for p in b.params)
     index = torch.full((sum(b.numel for b in buckets),), -1.0)  # -1: padding
     for b in buckets:
@@ -98,7 +121,7 @@ def test_the_ranks_owned_gradients_hold_every_value_once_and_no_padding(stage, w
 
 def test_the_shard_buffer_holds_each_bucket_slice_in_bucket_order():
     recipe = STAGES[3]
-    buckets = recipe.partition(recipe.units_in_gradient_order(tiny_gpt()), 3)
+    buckets = recipe.partition(units(3, tiny_gpt()), 3)
     shards = torch.arange(sum(b.numel for b in buckets) // 3)
     pieces = [b.shard(shards, 3) for b in buckets]
     assert torch.equal(torch.cat(pieces), shards)  # contiguous, in order, no overlap
@@ -109,8 +132,8 @@ def test_the_shard_buffer_holds_each_bucket_slice_in_bucket_order():
 def test_flatten_makes_parameters_and_gradients_views_of_the_flat_buffers(stage):
     recipe, model = STAGES[stage], tiny_gpt()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    buckets = recipe.partition(recipe.units_in_gradient_order(model), 3)
-    flat = recipe.flatten(buckets, torch.device("cpu"))
+    buckets = recipe.partition(units(stage, model), 3)
+    flat = recipe.flatten(buckets)
     flat_params = flat[0] if stage == 1 else flat
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name])
@@ -120,29 +143,23 @@ def test_flatten_makes_parameters_and_gradients_views_of_the_flat_buffers(stage)
     flat_params.add_(1.0)  # an update of the flat buffer is an update of the model
     assert torch.equal(model.tok_emb.weight, before["tok_emb.weight"] + 1)
     assert model.head.weight is model.tok_emb.weight  # still tied
-    shards = recipe.owned_shards(buckets, *flat, topology(1, 3)) if stage == 1 else \
-        recipe.owned_shards(buckets, flat, topology(1, 3))
+    shards = recipe.owned_shards(buckets, *flat, 1, 3) if stage == 1 else \
+        recipe.owned_shards(buckets, flat, 1, 3)
     assert sum(s.numel() for s in shards) == flat_params.numel() // 3
     assert all(s.untyped_storage().data_ptr() == flat_params.untyped_storage().data_ptr()
                for s in shards)
 
 
-def test_zero3_keeps_one_slice_per_rank_and_frees_the_full_parameters():
-    recipe, world = STAGES[3], 2
-    full = {}
-    for rank in range(world):
-        model = tiny_gpt()
-        buckets = recipe.partition(recipe.units_in_gradient_order(model), world)
-        values = [torch.cat([p.detach().flatten() for p in b.params]) for b in buckets]
-        param_shards, unsharded = recipe.shard_params(buckets, topology(rank, world))
-        assert param_shards.numel() == sum(b.numel for b in buckets) // world
-        assert all(u.untyped_storage().nbytes() == 0 for u in unsharded)  # freed until gathered
-        assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
-        full[rank] = (param_shards, values, buckets)
-    for i in range(len(full[0][2])):  # the ranks' slices, put back together, are the bucket
-        joined = torch.cat([full[r][2][i].shard(full[r][0], world) for r in range(world)])
-        used = full[0][1][i].numel()
-        assert torch.equal(joined[:used], full[0][1][i]) and not joined[used:].any()
+@pytest.mark.parametrize("stage", [1, 2])
+def test_flat_buffers_keep_the_parameters_dtype_and_refuse_a_mix(stage):
+    recipe, model = STAGES[stage], tiny_llama(dtype=torch.bfloat16)
+    flat = recipe.flatten(recipe.partition(units(stage, model), 2))
+    assert all(t.dtype == torch.bfloat16 for t in (flat if stage == 1 else [flat]))
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    model = tiny_llama()
+    common.transformer_blocks(model)[0].to(torch.bfloat16)
+    with pytest.raises(ValueError, match="several dtypes"):
+        recipe.flatten(recipe.partition(units(stage, model), 2))
 
 
 # --- every stage at an odd world size, and clipped, in spawned processes --------------------
@@ -224,3 +241,247 @@ def test_each_stage_clips_by_the_global_norm_like_ddp(spawned, world, script, st
     # clipping did change the training: the unclipped baseline's losses are elsewhere
     unclipped = runs[("baseline_zero", 0, None)]["losses"]
     assert report.max_loss_diff(base["losses"], unclipped) > 10 * rec["loss_tolerance"]
+
+
+# --- the ZeRO objects in a trainer's loop, in spawned processes ----------------------------
+# Each scenario trains the tiny Llama for a few steps through one object and returns its losses
+# and the loss after training (which the final weights make); one spawn per world size runs
+# them all, on the world or on a sub-group, and rank 0 of each group writes what it saw.
+LR, STEPS = 3e-3, 3
+ZERO = {stage: getattr(STAGES[stage], f"ZeRO{stage}") for stage in (1, 2, 3)}
+README = FOLDER / "README.md"
+
+
+def group_batches(group, images: bool = False, steps: int = STEPS
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of each step's global batch, split among the ranks of `group`: token
+    sequences, or with `images` the ResNet's images and labels."""
+    rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    out = []
+    for step in range(steps + 1):  # the last one: the evaluation batch
+        if images:
+            inputs, targets = common.global_image_batch(SIZE, world * 4, step, seed=0)
+        else:
+            tokens = common.global_token_batch(SIZE, SIZE.seq_len, world * 4, step, seed=0)
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        out.append((common.rank_slice(inputs, rank, world),
+                    common.rank_slice(targets, rank, world)))
+    return out
+
+
+def tiny_resnet(seed: int = 0) -> common.Classifier:
+    torch.manual_seed(seed)
+    return common.Classifier(SIZE.resnet, common.NUM_CLASSES)
+
+
+def train(kind, group=None, accum: int = 1, seed: int = 0, dtype=None,
+          model_zero_grad: str | None = None, resnet: bool = False) -> dict:
+    """kind: "ddp" or a ZeRO stage, on the tiny Llama (`resnet`: the ResNet, whose BatchNorm
+    buffers are returned too). model_zero_grad: "also" calls model.zero_grad() after the
+    optimizer's, "only" instead of it."""
+    from contextlib import nullcontext
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = tiny_resnet(seed) if resnet else tiny_llama(seed, dtype)
+    if kind == "ddp":
+        net = DDP(model, process_group=group)
+        opt = torch.optim.AdamW(net.parameters(), lr=LR)
+    else:
+        net, opt = model, ZERO[kind](model, common.transformer_blocks(model), lr=LR, group=group)
+    *batches, (eval_x, eval_y) = group_batches(group, images=resnet)
+    losses = []
+    for inputs, targets in batches:
+        if model_zero_grad != "only":
+            opt.zero_grad()
+        if model_zero_grad:
+            model.zero_grad()
+        total = 0.0
+        micro = list(zip(inputs.chunk(accum), targets.chunk(accum), strict=True))
+        for m, (x, y) in enumerate(micro):
+            last = m == accum - 1
+            with nullcontext() if kind != "ddp" or last else net.no_sync():
+                loss = net(x, y) / accum
+                loss.backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total)
+    with torch.no_grad():
+        final = net(eval_x, eval_y).item()
+    state = [v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"]
+    dtypes = {p.dtype for p in model.parameters()} | set(state)
+    if kind != "ddp":
+        dtypes |= {p.dtype for p in opt.shards}
+    return {"losses": losses, "final": final, "dtypes": sorted(map(str, dtypes)),
+            "buffers": [b.detach().double().sum().item() for b in model.buffers()]}
+
+
+def zero3_shards(group=None) -> dict:
+    """ZeRO-3's sharding of the tiny GPT: this rank's slices, the buckets' values before, and
+    whether the full parameters' storage is freed."""
+    model, world = tiny_gpt(), torch.distributed.get_world_size(group)
+    buckets = STAGES[3].partition(units(3, model), world)
+    values = [torch.cat([p.detach().flatten() for p in b.params]) for b in buckets]
+    param_shards, unsharded = STAGES[3].shard_params(buckets, group)
+    freed = all(u.untyped_storage().nbytes() == 0 for u in unsharded) and \
+        all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    return {"shards": [b.shard(param_shards, world).clone() for b in buckets],
+            "values": values, "freed": freed,
+            "per_rank": param_shards.numel() == sum(b.numel for b in buckets) // world}
+
+
+
+
+def run_readme_snippet() -> dict:
+    """The README's lines, as written, on a differently seeded tiny Llama per rank."""
+    sys.path.insert(0, str(FOLDER))
+    rank = torch.distributed.get_rank()
+    *batches, (eval_x, eval_y) = group_batches(None)
+    model = tiny_llama(seed=rank)
+    scope = {"model": model, "batches": batches}
+    exec(readme_python_block(README), scope)
+    assert isinstance(scope["opt"], torch.optim.Optimizer)  # the block ran
+    with torch.no_grad():
+        return {"final": model(eval_x, eval_y).item()}
+
+
+def scenarios(world: int, rank: int) -> dict:
+    """name -> a call returning this rank's result; every rank calls them in the same order."""
+    calls = {"ddp": lambda: train("ddp"), "ddp accum": lambda: train("ddp", accum=2)}
+    for k in (1, 2, 3):
+        calls[f"zero{k}"] = lambda k=k: train(k)
+        calls[f"zero{k} accum"] = lambda k=k: train(k, accum=2)
+        calls[f"zero{k} seeded by rank"] = lambda k=k: train(k, seed=rank)
+    if world == 2:
+        calls["ddp bf16"] = lambda: train("ddp", dtype=torch.bfloat16)
+        calls["ddp resnet"] = lambda: train("ddp", resnet=True)
+        for k in (1, 2, 3):
+            calls[f"zero{k} bf16"] = lambda k=k: train(k, dtype=torch.bfloat16)
+            calls[f"zero{k} resnet"] = lambda k=k: train(k, seed=rank, resnet=True)
+            calls[f"zero{k} model.zero_grad also"] = lambda k=k: train(k, model_zero_grad="also")
+            calls[f"zero{k} model.zero_grad only"] = lambda k=k: train(k, model_zero_grad="only")
+        calls["zero3 shards"] = zero3_shards
+        calls["readme"] = run_readme_snippet
+    return calls
+
+
+def _run_units(rank: int, world: int, port: int, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                         rank=rank, world_size=world,
+                                         timeout=__import__("datetime").timedelta(seconds=60))
+    torch.set_num_threads(1)
+    results = {}
+
+    def attempt(name, call):
+        try:
+            results[name] = call()
+        except Exception as error:  # recorded: the test that asked for it fails with it
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+
+    for name, call in scenarios(world, rank).items():
+        attempt(name, call)
+    if world == 3:  # ranks {0, 1} as a group of their own, rank 2 alone in another
+        pair, alone = torch.distributed.new_group([0, 1]), torch.distributed.new_group([2])
+        for k in (1, 2, 3):
+            attempt(f"zero{k} on a sub-group", lambda k=k: train(k, group=pair if rank < 2
+                                                                 else alone))
+    torch.save(results, f"{out}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def units_run(tmp_path_factory):
+    """world size -> [each rank's {scenario: result}], each world spawned once when asked."""
+    done = {}
+
+    def at(world: int) -> list[dict]:
+        if world not in done:
+            out = tmp_path_factory.mktemp(f"units{world}")
+            mp.spawn(_run_units, args=(world, common.free_port(), str(out)), nprocs=world)
+            done[world] = [torch.load(out / f"rank{r}.pt") for r in range(world)]
+        return done[world]
+
+    return at
+
+
+def result(runs: list[dict], name: str, rank: int = 0) -> dict:
+    got = runs[rank][name]
+    assert "error" not in got, f"{name}: {got['error']}"
+    return got
+
+
+def assert_trains_like(got: dict, want: dict, rel: float = 1e-5) -> None:
+    assert relative_diff(got["losses"], want["losses"]) <= rel
+    assert relative_diff([got["final"]], [want["final"]]) <= rel
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("loop", ["", " accum", " seeded by rank"])
+def test_each_zero_object_trains_like_ddp_in_a_plain_loop(units_run, world, stage, loop):
+    """opt.zero_grad(); loss.backward(); opt.step() (" accum": two backward passes a step,
+    against DDP under no_sync; " seeded by rank": every rank's model initialised apart)."""
+    runs = units_run(world)
+    want = result(runs, "ddp accum" if loop == " accum" else "ddp")
+    assert_trains_like(result(runs, f"zero{stage}{loop}"), want)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_bf16_model_stays_bf16_and_trains_like_ddp_in_bf16(units_run, stage):
+    runs = units_run(2)
+    got, want = result(runs, f"zero{stage} bf16"), result(runs, "ddp bf16")
+    assert got["dtypes"] == want["dtypes"] == ["torch.bfloat16"]  # weights, shards, moments
+    assert_trains_like(got, want, rel=2e-2)  # bf16 sums in another order
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_resnet_trains_like_ddp_its_batchnorm_buffers_kept_in_step(units_run, stage):
+    """The ResNet's four stages as the blocks, its ranks seeded apart; the buffers broadcast
+    from the first rank before each forward, as DDP does, so every rank's running statistics
+    end as DDP's."""
+    runs = units_run(2)
+    for rank in (0, 1):
+        got, want = result(runs, f"zero{stage} resnet", rank), result(runs, "ddp resnet", rank)
+        assert_trains_like(got, want)
+        assert len(got["buffers"]) == len(want["buffers"]) > 0
+        assert torch.allclose(torch.tensor(got["buffers"]), torch.tensor(want["buffers"]),
+                              rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_on_a_sub_group_each_object_trains_like_on_a_world_of_two(units_run, stage):
+    sub, pair = units_run(3), units_run(2)
+    for rank in (0, 1):
+        got = result(sub, f"zero{stage} on a sub-group", rank)
+        want = result(pair, f"zero{stage}", rank)
+        assert got["losses"] == want["losses"] and got["final"] == want["final"]
+    alone = result(sub, f"zero{stage} on a sub-group", rank=2)  # a group of one beside them
+    assert len(alone["losses"]) == STEPS
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_models_own_zero_grad_works_or_raises(units_run, stage):
+    """Called beside the optimizer's, model.zero_grad() changes nothing; called instead of it,
+    the next backward raises rather than train on the last step's gradient."""
+    runs = units_run(2)
+    assert_trains_like(result(runs, f"zero{stage} model.zero_grad also"), result(runs, "ddp"))
+    for rank in (0, 1):
+        error = runs[rank][f"zero{stage} model.zero_grad only"].get("error", "")
+        assert error.startswith("RuntimeError") and "zero_grad()" in error
+
+
+def test_zero3_keeps_one_slice_per_rank_and_frees_the_full_parameters(units_run):
+    ranks = [result(units_run(2), "zero3 shards", r) for r in (0, 1)]
+    assert all(r["freed"] and r["per_rank"] for r in ranks)
+    for i, values in enumerate(ranks[0]["values"]):  # the slices, put together, are the bucket
+        joined = torch.cat([r["shards"][i] for r in ranks])
+        assert torch.equal(joined[:values.numel()], values) and not joined[values.numel():].any()
+
+
+def test_the_readmes_lines_train_like_ddp(units_run):
+    """The README's "Use it in your trainer" block, run as written on 2 ranks whose models were
+    seeded apart: the same weights after training as DDP's."""
+    runs = units_run(2)
+    for rank in (0, 1):
+        got = result(runs, "readme", rank)["final"]
+        assert relative_diff([got], [result(runs, "ddp", rank)["final"]]) <= 1e-5
