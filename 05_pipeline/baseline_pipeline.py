@@ -1,10 +1,11 @@
 """Naive model parallelism: the layers cut across ranks, the whole batch through them at once.
 
-What it does: the GPT's layers are cut into p stages of about equal cost, one per rank. The
-whole batch goes forward from rank 0 to rank p-1 and then backward from rank p-1 to rank 0: a
-rank receives its input, runs its layers and sends the output on (blocking send/recv). The tied
-embedding/head weight lives on the first and last ranks; its two gradients are summed between
-them each step (as Megatron-LM does), so it trains the unsplit model, exactly.
+What it does: the decoder's layers (GPT or Llama) are cut into p stages of about equal cost, one
+per rank. The whole batch goes forward from rank 0 to rank p-1 and then backward from rank p-1 to
+rank 0: a rank receives its input, runs its layers and sends the output on (blocking send/recv;
+`ModelParallelRank`: a stage's layers, a loss function, the boundary's shape). A weight tied
+across stages (the GPT's embedding and head, found by identity; the Llama's is untied) has its
+two gradients summed each step (as Megatron-LM does): it trains the unsplit model, exactly.
 Why it is the baseline: it is what splitting a model too large for one device gives first, and
 at any moment all ranks but one wait: each is idle (p-1)/p of the step. The pipelines
 (optimized_pipeline_gpipe.py first) cut the batch into micro-batches to fill that time.
@@ -14,66 +15,157 @@ Theory:     bubble (p-1)/p: the ranks' forwards and backwards run one after anot
             is their sum, whatever each costs. Activations: the whole batch's, on every rank.
 """
 
+import contextlib
+import math
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
 
-def forward_backward(layers: nn.ModuleList, tokens: torch.Tensor, targets: torch.Tensor,
-                     topo: common.Topology, shape: tuple[int, ...],
-                     autocast_dtype: torch.dtype | None
-                     ) -> tuple[torch.Tensor, tuple[float, list[tuple]]]:
-    """The whole batch through this rank's stage, forward and then backward, each waiting for
-    its input from the neighbouring rank. Returns the loss (on the last rank, else 0) and the
-    step on this rank's clock: its start, and the forward and the backward, each timed from its
-    input's arrival to its end."""
-    rank, last = topo.rank, topo.world_size - 1
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: TiedGradients
+class TiedGradients:
+    """Sums the gradients of `weights`, the weights of this rank's stage that other ranks of
+    `group` hold too (a tied embedding and head, on the first and last stages), with theirs, as
+    Megatron-LM sums its embedding's and head's. Only what one step adds is summed: what earlier
+    steps left in `.grad` (gradient accumulation) stays counted once. Building it is collective
+    over `group` (each rank says whether it holds any); the holders then swap their gradients
+    by send/recv, a new process group being collective over the whole world."""
 
-    def now() -> float:
-        if topo.device.type == "cuda":
-            torch.cuda.current_stream(topo.device).synchronize()
+    def __init__(self, weights: list[nn.Parameter], group: dist.ProcessGroup):
+        holds = [False] * dist.get_world_size(group)
+        dist.all_gather_object(holds, bool(weights), group=group)
+        self.group, self.rank = group, dist.get_rank(group)
+        self.holders = [r for r, held in enumerate(holds) if held]
+        self.weights = weights if len(self.holders) > 1 else []  # alone: autograd summed them
+
+    @contextlib.contextmanager
+    def summed(self):
+        """Around one step's backwards: every holder ends with the same sum, in rank order."""
+        earlier = [w.grad for w in self.weights]
+        for w in self.weights:
+            w.grad = None
+        yield
+        for w, grad in zip(self.weights, earlier, strict=True):
+            parts = {r: w.grad if r == self.rank else torch.empty_like(w.grad)
+                     for r in self.holders}
+            works = [op(parts[r] if op is dist.irecv else w.grad,
+                        dist.get_global_rank(self.group, r), group=self.group)
+                     for r in self.holders if r != self.rank for op in (dist.isend, dist.irecv)]
+            for work in works:
+                work.wait()
+            total = parts[self.holders[0]]
+            for r in self.holders[1:]:
+                total = total + parts[r]
+            w.grad = total if grad is None else grad.add_(total)
+
+
+class ModelParallelRank:
+    """This rank's stage of the layers cut across the ranks of `group` (default: the world),
+    with 1F1B's `PipelineRank`'s arguments less the schedule: the whole batch through the stage,
+    forward and then backward, each waiting for its input from the neighbouring rank. With
+    `record_timeline`, each step's start and its forward and backward, each timed from its
+    input's arrival to its end, on this rank's clock (on CUDA after synchronising)."""
+
+    def __init__(self, layers: list[nn.Module],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 shape: Sequence[int], dtype: torch.dtype | None = None,
+                 group: dist.ProcessGroup | None = None, tied: Sequence[nn.Parameter] = (),
+                 autocast_dtype: torch.dtype | None = None, record_timeline: bool = False):
+        self.layers, self.loss_fn = nn.ModuleList(layers), loss_fn
+        weight = next(self.layers.parameters())
+        self.device, self.shape, self.dtype = weight.device, tuple(shape), dtype or weight.dtype
+        self.autocast_dtype, self.record_timeline = autocast_dtype, record_timeline
+        self.group = dist.group.WORLD if group is None else group
+        self.stage, self.last = dist.get_rank(self.group), dist.get_world_size(self.group) - 1
+        held = list(self.layers.parameters())
+        self.tied = TiedGradients([w for w in tied if any(w is q for q in held)], self.group)
+        self.timelines: list[tuple[float, list[tuple]]] = []  # a step's start, its timed actions
+
+    def now(self) -> float | None:
+        """This rank's clock if the timeline is recorded, else None (and no synchronisation)."""
+        if not self.record_timeline:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
 
-    step_start = now()
+    def timed(self, kind: str, start: float | None) -> None:
+        if start is not None:
+            self.timelines[-1][1].append((kind, 0, self.stage, start, self.now()))
 
-    x = tokens
-    if rank > 0:
-        x = torch.empty(shape, device=topo.device)
-        dist.recv(x, rank - 1)
-        x.requires_grad_()
-    start = now()
-    with torch.autocast(topo.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        out = x
-        for layer in layers:
-            out = layer(out, targets) if isinstance(layer, common.LossHead) else layer(out)
-    timeline = [("F", 0, rank, start, now())]
-    grad = None
-    if rank < last:
-        dist.send(out.detach(), rank + 1)
-        grad = torch.empty(shape, device=topo.device)
-        dist.recv(grad, rank + 1)
-    start = now()
-    out.backward(grad)
-    timeline.append(("B", 0, rank, start, now()))
-    if rank > 0:
-        dist.send(x.grad, rank - 1)
-    return (out.detach() if rank == last else torch.zeros((), device=topo.device)), \
-        (step_start, timeline)
+    def peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.group, stage)
+
+    def received(self, stage: int) -> torch.Tensor:
+        x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        dist.recv(x, self.peer(stage), group=self.group)
+        return x
+
+    def run(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One step on the whole batch (every rank is given it); returns the loss (on the last
+        stage, else 0). The gradients accumulate in the layers' `.grad`."""
+        if self.record_timeline:
+            self.timelines.append((self.now(), []))
+        with self.tied.summed():
+            x = tokens if self.stage == 0 else self.received(self.stage - 1).requires_grad_()
+            start = self.now()
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                                enabled=self.autocast_dtype is not None):
+                out = x
+                for layer in self.layers:
+                    out = layer(out)
+                if self.stage == self.last:
+                    out = self.loss_fn(out, targets)
+            self.timed("F", start)
+            grad = None
+            if self.stage < self.last:
+                dist.send(out.detach(), self.peer(self.stage + 1), group=self.group)
+                grad = self.received(self.stage + 1)
+            start = self.now()
+            out.backward(grad)
+            self.timed("B", start)
+            if self.stage > 0:
+                dist.send(x.grad, self.peer(self.stage - 1), group=self.group)
+        return out.detach() if self.stage == self.last else torch.zeros((), device=self.device)
+
+
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cross_entropy
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss a pipeline's last stage is given: what the project's decoders compute."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: plain_layers
+def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
+    """A stage of the project's `pipeline_stages` as a runtime takes it: the last one ends in
+    the loss head (norm, head and loss), whose norm and head become its last two layers."""
+    return [*stage[:-1], stage[-1].ln_f, stage[-1].head] if last else stage
 
 
 # Copied from 05_pipeline/optimized_pipeline_1f1b.py: comm_theory_mb
-def comm_theory_mb(shape: tuple[int, ...], m: int, tied: int) -> float:
-    """What rank 0 sends a step: each micro-batch's activations to rank 1, and its share of the
-    tied weight's gradient all-reduce with the last rank (a group of two: the tensor once).
-    4 bytes a value: the residual stream between blocks stays fp32, under autocast too."""
-    return (m * 4 * shape[0] * shape[1] * shape[2] + 4 * tied) / 2**20
+def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int, tied: int) -> float:
+    """What rank 0 sends a step: each micro-batch's activations to rank 1, in the boundary's
+    dtype (the residual stream: fp32 under autocast too), and its share of the tied weight's
+    gradient all-reduce with the last rank (a group of two: the tensor once; `tied` its bytes,
+    0 for an untied head)."""
+    return (m * dtype.itemsize * math.prod(shape) + tied) / 2**20
+
+
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: tied_weights
+def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
+    """The weights on two stages: the input embedding's if the output head is the same
+    Parameter (the GPT's), none if untied (the Llama's). Found by identity, not by name."""
+    embedding, head = common.input_embedding(model), common.output_head(model)
+    return [embedding.weight] if embedding.weight is head.weight else []
 
 
 def main():
@@ -85,42 +177,39 @@ def main():
     parser.set_defaults(steps=8, warmup=3)  # as the pipelines'
     args = parser.parse_args()
     args.batch_size = args.batch_size or 4 * args.microbatches
-    if args.model != "gpt":
-        parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
+    if args.model == "resnet":
+        parser.error("05_pipeline cuts a decoder's list of layers into stages, and a ResNet's "
+                     "is no such list: use --model gpt or --model llama")
     world = common.launch_world_size()
     common.skip_unless_pipelined(world, world, args.size)
     topo = common.setup(args)
     p = topo.world_size
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
-    params, params_tied = sum(q.numel() for q in model.parameters()), model.tok_emb.weight.numel()
-    mine = nn.ModuleList(model.pipeline_stages(p)[topo.rank])
-    shape = (args.batch_size, args.seq_len, model.tok_emb.embedding_dim)
-    autocast_dtype = model.autocast_dtype
-    del model  # the other ranks' layers are freed: a rank holds its stage only
-    tied = dist.new_group([0, p - 1])
-    tied_weight = mine[0].tok_emb.weight if topo.rank == 0 else \
-        mine[-1].head.weight if topo.rank == p - 1 else None
-    opt = torch.optim.AdamW(mine.parameters(), lr=args.lr)
-    timelines = []
+    params, tied = sum(q.numel() for q in model.parameters()), tied_weights(model)
+    tied_bytes = sum(w.numel() * w.element_size() for w in tied)  # 0: an untied head
+    shape = (args.batch_size, args.seq_len, common.input_embedding(model).embedding_dim)
+    # the timeline of every step: the timed ones give the bubble (on CUDA, each action synced)
+    stage = ModelParallelRank(plain_layers(model.pipeline_stages(p)[topo.rank], topo.rank == p - 1),
+                              cross_entropy, shape, tied=tied,
+                              autocast_dtype=model.autocast_dtype, record_timeline=True)
+    del model, tied  # the other ranks' layers are freed: a rank holds its stage only
+    opt = torch.optim.AdamW(stage.layers.parameters(), lr=args.lr)
 
     def train_step(tokens, targets):
         opt.zero_grad(set_to_none=True)
-        loss, timeline = forward_backward(mine, tokens, targets, topo, shape, autocast_dtype)
-        timelines.append(timeline)
-        if tied_weight is not None:
-            dist.all_reduce(tied_weight.grad, group=tied)  # embedding's + head's gradient
+        loss = stage.run(tokens, targets)
         opt.step()
         return loss
 
-    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(mine, opt),
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(stage.layers, opt),
                                loss_rank=p - 1, dp_world=1)
-    steps, measured, _, _ = common.gather_timelines(timelines[args.warmup:], 1, args, topo)
-    common.record(args, topo, stats, baseline=None, model=mine, optimizer=opt,
+    steps, measured, _, _ = common.gather_timelines(stage.timelines[args.warmup:], 1, args, topo)
+    common.record(args, topo, stats, baseline=None, model=stage.layers, optimizer=opt,
                   comm_mb=stats.comm_mb, dp_world=1, params=params, schedule="naive",
                   microbatches=1, stages=p, timeline=[[list(a) for a in tl] for tl in steps[-1]],
                   bubble=round(measured, 4),
                   theory={"bubble": round((p - 1) / p, 4),
-                          "comm_mb": comm_theory_mb(shape, 1, params_tied)})
+                          "comm_mb": comm_theory_mb(shape, stage.dtype, 1, tied_bytes)})
 
 
 if __name__ == "__main__":

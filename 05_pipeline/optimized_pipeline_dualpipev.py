@@ -1,10 +1,11 @@
 """DualPipeV by hand: 2p stages folded into a V on p ranks, the backward split in two.
 
-What it does: the GPT's layers are cut into 2p stages; rank r holds stage r on the way down the V
-and 2p-1-r on the way up (rank 0 the first and last: the tied weight once, nothing to sum). A
-backward runs whole (B) or split as in zero-bubble pipelines: I, the input's gradient, which the
-previous stage waits for, then W, the weights', which fills a gap. The schedule is DeepSeek's
-(`dualpipe_rank`, github.com/deepseek-ai/DualPipe); the runtime is 1F1B's with the split.
+What it does: the decoder's layers (GPT or Llama) are cut into 2p stages; rank r holds stage r
+on the way down the V and 2p-1-r on the way up (rank 0 the first and last: a tied embedding and
+head once, nothing to sum). A backward runs whole (B) or split as in zero-bubble pipelines: I,
+the input's gradient, which the previous stage waits for, then W, the weights', which fills a
+gap. The schedule is DeepSeek's (`dualpipe_rank`, github.com/deepseek-ai/DualPipe); the runtime
+(`PipelineRank`: two stages' layers, a loss function, the boundary's shape) is 1F1B's, split.
 Why it helps: the V is fed from both ends and the W's fill the gaps: the bubble falls from
 1F1B's (p-1)(F+B) to (p-1)(F+2B-3W)/2 (F, B, W a whole rank's). It needs m >= 2p micro-batches.
 Run:        torchrun --nproc_per_node=2 05_pipeline/optimized_pipeline_dualpipev.py --size small
@@ -16,14 +17,17 @@ Theory:     bubble: these lists run with the measured mean F, B, I, W times (`si
 
 import collections
 import itertools
+import math
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
@@ -143,16 +147,27 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
 
 
 class PipelineRank:
-    """1F1B's runtime for this rank's two stages, a backward whole (B) or as an I and a later W;
-    an input for a stage on this rank (the V's turn) is handed over in memory, not sent."""
+    """1F1B's runtime for this rank's two stages (`stages`: index -> layers), a backward whole
+    (B) or as an I and a later W; an input for a stage on this rank (the V's turn) is handed
+    over in memory, not sent. Its arguments are 1F1B's less `tied`: a weight on the first and
+    the last stage (a tied embedding and head) is on one rank, and autograd sums its gradients.
+    The W's walk the layers with weights of their own (`parameters(recurse=False)`), so the
+    loss function has none (the head is a layer)."""
 
-    def __init__(self, stages: dict[int, list[nn.Module]], ranks: list[list[Action]],
-                 topo: common.Topology, m: int, shape: tuple[int, ...],
-                 autocast_dtype: torch.dtype | None):
+    def __init__(self, stages: dict[int, list[nn.Module]],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 ranks: list[list[Action]], shape: Sequence[int], dtype: torch.dtype | None = None,
+                 group: dist.ProcessGroup | None = None,
+                 autocast_dtype: torch.dtype | None = None, record_timeline: bool = False):
         self.stages = {s: nn.ModuleList(layers) for s, layers in stages.items()}
-        self.layers = nn.ModuleList(self.stages.values())  # every parameter once
-        self.topo, self.m, self.shape, self.autocast_dtype = topo, m, shape, autocast_dtype
-        self.actions, self.receives_before = ranks[topo.rank], simulate(ranks)[2][topo.rank]
+        self.layers, self.loss_fn = nn.ModuleList(self.stages.values()), loss_fn  # each once
+        weight = next(self.layers.parameters())
+        self.device, self.shape, self.dtype = weight.device, tuple(shape), dtype or weight.dtype
+        self.autocast_dtype, self.record_timeline = autocast_dtype, record_timeline
+        self.group = dist.group.WORLD if group is None else group
+        self.rank = dist.get_rank(self.group)
+        self.m = len({a.micro for actions in ranks for a in actions})
+        self.actions, self.receives_before = ranks[self.rank], simulate(ranks)[2][self.rank]
         self.owner = {(a.micro, a.stage): r for r, actions in enumerate(ranks) for a in actions}
         self.last = max(s for _, s in self.owner)
         self.split_backward = {(a.micro, a.stage) for a in self.actions if a.kind == "I"}
@@ -162,15 +177,23 @@ class PipelineRank:
         self.timelines: list[tuple[float, list[tuple]]] = []  # a step's start, its timed actions
         self.inflight_max = 0
 
-    def now(self) -> float:
-        if self.topo.device.type == "cuda":  # this stream's kernels, not the receives posted
-            torch.cuda.current_stream(self.topo.device).synchronize()
+    def now(self) -> float | None:
+        """This rank's clock if the timeline is recorded, else None (and no synchronisation)."""
+        if not self.record_timeline:
+            return None
+        if self.device.type == "cuda":  # this stream's kernels, not the receives posted
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
 
+    def timed(self, kind: str, micro: int, stage: int, start: float | None) -> None:
+        if start is not None:
+            self.timelines[-1][1].append((kind, micro, stage, start, self.now()))
+
     def post_receive(self, kind: str, micro: int, stage: int) -> None:
-        x = torch.empty(self.shape, device=self.topo.device)
+        x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         src = self.owner[(micro, stage - 1 if kind == "F" else stage + 1)]
-        self.inbox[(kind, micro, stage)] = x, dist.irecv(x, src)
+        self.inbox[(kind, micro, stage)] = x, dist.irecv(x, dist.get_global_rank(self.group, src),
+                                                         group=self.group)
 
     def received(self, kind: str, micro: int, stage: int) -> torch.Tensor:
         x, work = self.inbox.pop((kind, micro, stage))
@@ -180,10 +203,15 @@ class PipelineRank:
 
     def send(self, tensor: torch.Tensor, kind: str, micro: int, stage: int) -> None:
         """`tensor` is stage `stage`'s input for its F (kind "F") or its backward ("B")."""
-        if (dst := self.owner[(micro, stage)]) == self.topo.rank:
+        if (tensor.shape, tensor.dtype) != (self.shape, self.dtype):  # the peer's buffer's
+            raise ValueError(f"stage {stage - 1 if kind == 'F' else stage + 1} sends "
+                             f"{tuple(tensor.shape)} {tensor.dtype}, not the boundary's "
+                             f"{self.shape} {self.dtype}: pass shape, dtype")
+        if (dst := self.owner[(micro, stage)]) == self.rank:
             self.inbox[(kind, micro, stage)] = tensor, None
         else:
-            self.sending.append((tensor, dist.isend(tensor, dst)))
+            dst = dist.get_global_rank(self.group, dst)
+            self.sending.append((tensor, dist.isend(tensor, dst, group=self.group)))
 
     def forward(self, micro: int, stage: int, tokens: torch.Tensor, targets: torch.Tensor
                 ) -> torch.Tensor:
@@ -193,11 +221,13 @@ class PipelineRank:
         hooks = [layer.register_forward_hook(lambda mod, _, out: weighted.append((mod, out)))
                  for layer in self.stages[stage].modules()
                  if (micro, stage) in self.split_backward and list(layer.parameters(recurse=False))]
-        with torch.autocast(self.topo.device.type, dtype=self.autocast_dtype,
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
             out = x
             for layer in self.stages[stage]:
-                out = layer(out, targets) if isinstance(layer, common.LossHead) else layer(out)
+                out = layer(out)
+            if stage == self.last:
+                out = self.loss_fn(out, targets)
         for hook in hooks:
             hook.remove()
         if stage == self.last:
@@ -206,7 +236,7 @@ class PipelineRank:
             self.send(out.detach(), "F", micro, stage + 1)
         self.saved_for_backward[(micro, stage)] = (x, out, weighted)
         self.inflight_max = max(self.inflight_max, len(self.saved_for_backward))
-        self.timelines[-1][1].append(("F", micro, stage, start, self.now()))
+        self.timed("F", micro, stage, start)
         return out.detach()
 
     def backward(self, micro: int, stage: int, split: bool) -> None:
@@ -224,7 +254,7 @@ class PipelineRank:
             out.backward(grad)
         if inputs:
             self.send(x.grad, "B", micro, stage - 1)
-        self.timelines[-1][1].append(("I" if split else "B", micro, stage, start, self.now()))
+        self.timed("I" if split else "B", micro, stage, start)
 
     def weight_backward(self, micro: int, stage: int) -> None:
         """W: each layer's weight gradients from the gradient at its output (a layer at a time:
@@ -232,12 +262,14 @@ class PipelineRank:
         start = self.now()
         for layer, out in self.saved_for_backward.pop((micro, stage)):
             torch.autograd.backward(out, out.grad, inputs=list(layer.parameters(recurse=False)))
-        self.timelines[-1][1].append(("W", micro, stage, start, self.now()))
+        self.timed("W", micro, stage, start)
 
     def run(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One step's actions; returns the loss (on the rank of the last stage, else 0)."""
-        self.timelines.append((self.now(), []))
-        loss = torch.zeros((), device=self.topo.device)
+        """One step's actions on the whole batch (every rank is given it); returns the loss (on
+        the rank of the last stage, else 0). The gradients accumulate in the layers' `.grad`."""
+        if self.record_timeline:
+            self.timelines.append((self.now(), []))
+        loss = torch.zeros((), device=self.device)
         chunks = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
         for (kind, micro, stage, _), posts in zip(self.actions, self.receives_before, strict=True):
             for post in posts:
@@ -257,6 +289,25 @@ class PipelineRank:
         return loss
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cross_entropy
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss a pipeline's last stage is given: what the project's decoders compute."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: plain_layers
+def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
+    """A stage of the project's `pipeline_stages` as a runtime takes it: the last one ends in
+    the loss head (norm, head and loss), whose norm and head become its last two layers."""
+    return [*stage[:-1], stage[-1].ln_f, stage[-1].head] if last else stage
+
+
+def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int) -> float:
+    """What rank 0 sends rank 1 a step: each micro-batch's activations (to stage 1) and their
+    gradient (to stage 2p-2), in the boundary's dtype; the tied weight's gradients stay."""
+    return 2 * m * dtype.itemsize * math.prod(shape) / 2**20
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
@@ -267,8 +318,9 @@ def main():
     world = common.launch_world_size()
     args.microbatches = args.microbatches or max(8, 2 * world)
     args.batch_size = args.batch_size or 4 * args.microbatches
-    if args.model != "gpt":
-        parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
+    if args.model == "resnet":
+        parser.error("05_pipeline cuts a decoder's list of layers into stages, and a ResNet's "
+                     "is no such list: use --model gpt or --model llama")
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
@@ -280,9 +332,11 @@ def main():
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
     params, stages = sum(q.numel() for q in model.parameters()), model.pipeline_stages(2 * p)
-    mine = {s: stages[s] for s in (topo.rank, 2 * p - 1 - topo.rank)}
-    shape = (args.batch_size // m, args.seq_len, model.tok_emb.embedding_dim)
-    pipe = PipelineRank(mine, schedule(p, m), topo, m, shape, model.autocast_dtype)
+    mine = {s: plain_layers(stages[s], s == 2 * p - 1) for s in (topo.rank, 2 * p - 1 - topo.rank)}
+    shape = (args.batch_size // m, args.seq_len, common.input_embedding(model).embedding_dim)
+    # the timeline of every step: the timed ones give the bubble (on CUDA, each action synced)
+    pipe = PipelineRank(mine, cross_entropy, schedule(p, m), shape,
+                        autocast_dtype=model.autocast_dtype, record_timeline=True)
     del model, stages  # the other ranks' layers are freed: a rank holds its stages only
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=args.lr)
 
@@ -306,9 +360,7 @@ def main():
                   bubble=round(measured, 4), inflight_max=inflight_max,
                   theory={"bubble": round(bubble, 4), "bubble_paired": round(paired, 4),
                           "inflight_max": inflight,
-                          # rank 0 sends rank 1 each micro-batch's activations (to stage 1) and
-                          # gradient (to stage 2p-2), 4 bytes a value; the tied weight's stays
-                          "comm_mb": 2 * m * 4 * shape[0] * shape[1] * shape[2] / 2**20})
+                          "comm_mb": comm_theory_mb(shape, pipe.dtype, m)})
 
 
 if __name__ == "__main__":

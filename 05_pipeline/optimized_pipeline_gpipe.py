@@ -1,12 +1,13 @@
 """GPipe by hand: all m micro-batches forward, then all m backward, over send/recv.
 
-What it does: the GPT's layers are cut into p stages of about equal cost, one per rank, and the
-batch into m micro-batches. Every rank runs the forwards of all m micro-batches as they arrive,
-then their backwards, last rank first. The schedule is data (`schedule(p, m)`: each rank's
-ordered actions) and a small runtime runs it: a rank posts the receive for an input as soon as
-the peer's action that sends it is scheduled, so the message crosses while the rank computes.
-The tied embedding/head weight lives on the first and last ranks; its two gradients are summed
-between them each step (as Megatron-LM does): the unsplit model, exactly.
+What it does: the decoder's layers (GPT or Llama) are cut into p stages of about equal cost, one
+per rank, and the batch into m micro-batches. Every rank runs the forwards of all m micro-batches
+as they arrive, then their backwards, last rank first. The schedule is data (`schedule(p, m)`:
+each rank's ordered actions) and a small runtime runs it (`PipelineRank`, 1F1B's: a stage's
+layers, a loss function, the boundary's shape): a rank posts the receive for an input as soon as
+the peer's action that sends it is scheduled, so the message crosses while it computes. A weight
+tied across stages (the GPT's embedding and head, found by identity; the Llama's is untied) has
+its two gradients summed each step (as Megatron-LM does): the unsplit model, exactly.
 Why it helps: with the whole batch as one piece (baseline_pipeline.py) one rank computes at a
 time, each idle (p-1)/p of the step. With m micro-batches, rank r+1 works on micro-batch i while
 rank r works on i+1, and the idle fraction, the bubble, falls to (p-1)/(m+p-1). The price: every
@@ -19,15 +20,19 @@ Theory:     bubble = the idle fraction of these action lists run with each rank'
             micro-batches' in flight on every rank (1F1B: at most p).
 """
 
+import contextlib
 import itertools
+import math
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
@@ -84,21 +89,74 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
     return 1 - busy / (p * max(clock)), max(max(counts) for counts in held), posts
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: TiedGradients
+class TiedGradients:
+    """Sums the gradients of `weights`, the weights of this rank's stage that other ranks of
+    `group` hold too (a tied embedding and head, on the first and last stages), with theirs, as
+    Megatron-LM sums its embedding's and head's. Only what one step adds is summed: what earlier
+    steps left in `.grad` (gradient accumulation) stays counted once. Building it is collective
+    over `group` (each rank says whether it holds any); the holders then swap their gradients
+    by send/recv, a new process group being collective over the whole world."""
+
+    def __init__(self, weights: list[nn.Parameter], group: dist.ProcessGroup):
+        holds = [False] * dist.get_world_size(group)
+        dist.all_gather_object(holds, bool(weights), group=group)
+        self.group, self.rank = group, dist.get_rank(group)
+        self.holders = [r for r, held in enumerate(holds) if held]
+        self.weights = weights if len(self.holders) > 1 else []  # alone: autograd summed them
+
+    @contextlib.contextmanager
+    def summed(self):
+        """Around one step's backwards: every holder ends with the same sum, in rank order."""
+        earlier = [w.grad for w in self.weights]
+        for w in self.weights:
+            w.grad = None
+        yield
+        for w, grad in zip(self.weights, earlier, strict=True):
+            parts = {r: w.grad if r == self.rank else torch.empty_like(w.grad)
+                     for r in self.holders}
+            works = [op(parts[r] if op is dist.irecv else w.grad,
+                        dist.get_global_rank(self.group, r), group=self.group)
+                     for r in self.holders if r != self.rank for op in (dist.isend, dist.irecv)]
+            for work in works:
+                work.wait()
+            total = parts[self.holders[0]]
+            for r in self.holders[1:]:
+                total = total + parts[r]
+            w.grad = total if grad is None else grad.add_(total)
+
+
 # Copied from 05_pipeline/optimized_pipeline_1f1b.py: PipelineRank
 class PipelineRank:
-    """This rank's stage: runs its actions, keeping each micro-batch's input and output until its
-    backward. A receive is posted where `simulate` places it, into a buffer of its own, and
-    waited for when the action that needs it starts; a send goes out as soon as its tensor is
-    ready and is waited for at the end of the step. An action is timed from the moment its input
-    is here, on this rank's clock (on CUDA after synchronising the compute stream: its kernels'
-    time, not their launch)."""
+    """This rank's stage of a pipeline of the ranks of `group` (default: the world), running
+    its actions of `ranks` (each group rank's, from `schedule`). Given: the stage's `layers`,
+    run in order; `loss_fn(output, targets)` after them on the last stage (the step's loss: its
+    mean over the micro-batches); the `shape` of one micro-batch's activations between stages
+    and their `dtype` (default: the layers' weights'); `tied`, weights that may be on another
+    stage too (a tied embedding and head: pass the same list on every rank), whose gradients
+    `TiedGradients` sums where this stage holds them; `autocast_dtype` for the forwards.
+    Keeps each micro-batch's input and output until its backward. A receive is posted where
+    `simulate` places it, into a buffer of its own, and waited for when the action that needs
+    it starts; a send goes out as soon as its tensor is ready and is waited for at the end of
+    the step. With `record_timeline` each action is timed from the moment its input is here,
+    on this rank's clock (on CUDA after synchronising the compute stream: its kernels' time,
+    not their launch); without it nothing synchronises."""
 
-    def __init__(self, layers: list[nn.Module], ranks: list[list[Action]], topo: common.Topology,
-                 m: int, shape: tuple[int, ...], autocast_dtype: torch.dtype | None):
-        self.layers = nn.ModuleList(layers)
-        self.topo, self.m, self.shape, self.autocast_dtype = topo, m, shape, autocast_dtype
-        self.stage, self.last = topo.rank, topo.world_size - 1
-        self.actions, self.receives_before = ranks[topo.rank], simulate(ranks)[2][topo.rank]
+    def __init__(self, layers: list[nn.Module],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 ranks: list[list[Action]], shape: Sequence[int], dtype: torch.dtype | None = None,
+                 group: dist.ProcessGroup | None = None, tied: Sequence[nn.Parameter] = (),
+                 autocast_dtype: torch.dtype | None = None, record_timeline: bool = False):
+        self.layers, self.loss_fn = nn.ModuleList(layers), loss_fn
+        weight = next(self.layers.parameters())
+        self.device, self.shape, self.dtype = weight.device, tuple(shape), dtype or weight.dtype
+        self.autocast_dtype, self.record_timeline = autocast_dtype, record_timeline
+        self.group = dist.group.WORLD if group is None else group
+        self.stage, self.last = dist.get_rank(self.group), dist.get_world_size(self.group) - 1
+        self.m = len({a.micro for actions in ranks for a in actions})
+        self.actions, self.receives_before = ranks[self.stage], simulate(ranks)[2][self.stage]
+        held = list(self.layers.parameters())
+        self.tied = TiedGradients([w for w in tied if any(w is q for q in held)], self.group)
         # (kind, micro) -> the buffer and its receive, posted ahead of the action that needs it
         self.inbox: dict[tuple[str, int], tuple[torch.Tensor, dist.Work]] = {}
         # micro -> its input and output: what its backward differentiates, until it runs
@@ -107,39 +165,52 @@ class PipelineRank:
         self.timelines: list[tuple[float, list[tuple]]] = []  # a step's start, its timed actions
         self.inflight_max = 0
 
-    def now(self) -> float:
-        if self.topo.device.type == "cuda":  # this stream's kernels, not the receives posted
-            torch.cuda.current_stream(self.topo.device).synchronize()
+    def now(self) -> float | None:
+        """This rank's clock if the timeline is recorded, else None (and no synchronisation)."""
+        if not self.record_timeline:
+            return None
+        if self.device.type == "cuda":  # this stream's kernels, not the receives posted
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
 
+    def timed(self, kind: str, micro: int, start: float | None) -> None:
+        if start is not None:
+            self.timelines[-1][1].append((kind, micro, self.stage, start, self.now()))
+
     def post_receive(self, kind: str, micro: int) -> None:
-        x = torch.empty(self.shape, device=self.topo.device)
-        src = self.stage - 1 if kind == "F" else self.stage + 1
-        self.inbox[(kind, micro)] = x, dist.irecv(x, src)
+        x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        src = dist.get_global_rank(self.group, self.stage - 1 if kind == "F" else self.stage + 1)
+        self.inbox[(kind, micro)] = x, dist.irecv(x, src, group=self.group)
 
     def received(self, kind: str, micro: int) -> torch.Tensor:
         x, work = self.inbox.pop((kind, micro))
         work.wait()
         return x
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self.sending.append((tensor, dist.isend(tensor, dst)))
+    def send(self, tensor: torch.Tensor, stage: int) -> None:
+        if (tensor.shape, tensor.dtype) != (self.shape, self.dtype):  # the peer's buffer's
+            raise ValueError(f"stage {self.stage} sends {tuple(tensor.shape)} {tensor.dtype}, "
+                             f"not the boundary's {self.shape} {self.dtype}: pass shape, dtype")
+        dst = dist.get_global_rank(self.group, stage)
+        self.sending.append((tensor, dist.isend(tensor, dst, group=self.group)))
 
     def forward(self, micro: int, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = tokens if self.stage == 0 else self.received("F", micro).requires_grad_()
         start = self.now()
-        with torch.autocast(self.topo.device.type, dtype=self.autocast_dtype,
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
             out = x
             for layer in self.layers:
-                out = layer(out, targets) if isinstance(layer, common.LossHead) else layer(out)
+                out = layer(out)
+            if self.stage == self.last:
+                out = self.loss_fn(out, targets)
         if self.stage == self.last:
             out = out / self.m  # the step's loss is the mean over micro-batches
         else:
             self.send(out.detach(), self.stage + 1)
         self.saved_for_backward[micro] = (x, out)
         self.inflight_max = max(self.inflight_max, len(self.saved_for_backward))
-        self.timelines[-1][1].append(("F", micro, self.stage, start, self.now()))
+        self.timed("F", micro, start)
         return out.detach()
 
     def backward(self, micro: int) -> None:
@@ -149,35 +220,60 @@ class PipelineRank:
         out.backward(grad)
         if self.stage > 0:
             self.send(x.grad, self.stage - 1)
-        self.timelines[-1][1].append(("B", micro, self.stage, start, self.now()))
+        self.timed("B", micro, start)
 
     def run(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One step's actions; returns the loss (on the last stage, else 0)."""
-        self.timelines.append((self.now(), []))
-        loss = torch.zeros((), device=self.topo.device)
+        """One step's actions on the whole batch (every rank is given it); returns the loss (on
+        the last stage, else 0). The gradients accumulate in the layers' `.grad`."""
+        if self.record_timeline:
+            self.timelines.append((self.now(), []))
+        loss = torch.zeros((), device=self.device)
         chunks = list(zip(tokens.chunk(self.m), targets.chunk(self.m), strict=True))
-        for (kind, micro, _), posts in zip(self.actions, self.receives_before, strict=True):
-            for post in posts:
-                self.post_receive(*post)
-            self.sending = [(t, work) for t, work in self.sending if not work.is_completed()]
-            if kind == "F":
-                out = self.forward(micro, *chunks[micro])
-                if self.stage == self.last:
-                    loss += out
-            else:
-                self.backward(micro)
-        for _, work in self.sending:
-            work.wait()
-        self.sending.clear()
+        with self.tied.summed():
+            for (kind, micro, _), posts in zip(self.actions, self.receives_before, strict=True):
+                for post in posts:
+                    self.post_receive(*post)
+                self.sending = [(t, work) for t, work in self.sending if not work.is_completed()]
+                if kind == "F":
+                    out = self.forward(micro, *chunks[micro])
+                    if self.stage == self.last:
+                        loss += out
+                else:
+                    self.backward(micro)
+            for _, work in self.sending:
+                work.wait()
+            self.sending.clear()
         return loss
 
 
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cross_entropy
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss a pipeline's last stage is given: what the project's decoders compute."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: plain_layers
+def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
+    """A stage of the project's `pipeline_stages` as a runtime takes it: the last one ends in
+    the loss head (norm, head and loss), whose norm and head become its last two layers."""
+    return [*stage[:-1], stage[-1].ln_f, stage[-1].head] if last else stage
+
+
 # Copied from 05_pipeline/optimized_pipeline_1f1b.py: comm_theory_mb
-def comm_theory_mb(shape: tuple[int, ...], m: int, tied: int) -> float:
-    """What rank 0 sends a step: each micro-batch's activations to rank 1, and its share of the
-    tied weight's gradient all-reduce with the last rank (a group of two: the tensor once).
-    4 bytes a value: the residual stream between blocks stays fp32, under autocast too."""
-    return (m * 4 * shape[0] * shape[1] * shape[2] + 4 * tied) / 2**20
+def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int, tied: int) -> float:
+    """What rank 0 sends a step: each micro-batch's activations to rank 1, in the boundary's
+    dtype (the residual stream: fp32 under autocast too), and its share of the tied weight's
+    gradient all-reduce with the last rank (a group of two: the tensor once; `tied` its bytes,
+    0 for an untied head)."""
+    return (m * dtype.itemsize * math.prod(shape) + tied) / 2**20
+
+
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: tied_weights
+def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
+    """The weights on two stages: the input embedding's if the output head is the same
+    Parameter (the GPT's), none if untied (the Llama's). Found by identity, not by name."""
+    embedding, head = common.input_embedding(model), common.output_head(model)
+    return [embedding.weight] if embedding.weight is head.weight else []
 
 
 def main():
@@ -190,8 +286,9 @@ def main():
     parser.set_defaults(steps=8, warmup=3)  # fewer than elsewhere: eight runs in `make pipeline`
     args = parser.parse_args()
     args.batch_size = args.batch_size or 4 * args.microbatches
-    if args.model != "gpt":
-        parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
+    if args.model == "resnet":
+        parser.error("05_pipeline cuts a decoder's list of layers into stages, and a ResNet's "
+                     "is no such list: use --model gpt or --model llama")
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
@@ -200,21 +297,19 @@ def main():
     topo = common.setup(args)
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
-    params, params_tied = sum(q.numel() for q in model.parameters()), model.tok_emb.weight.numel()
-    mine = model.pipeline_stages(p)[topo.rank]
-    shape = (args.batch_size // m, args.seq_len, model.tok_emb.embedding_dim)
-    pipe = PipelineRank(mine, schedule(p, m), topo, m, shape, model.autocast_dtype)
-    del model  # the other ranks' layers are freed: a rank holds its stage only
-    tied = dist.new_group([0, p - 1])
-    tied_weight = mine[0].tok_emb.weight if topo.rank == 0 else \
-        mine[-1].head.weight if topo.rank == p - 1 else None
+    params, tied = sum(q.numel() for q in model.parameters()), tied_weights(model)
+    tied_bytes = sum(w.numel() * w.element_size() for w in tied)  # 0: an untied head
+    shape = (args.batch_size // m, args.seq_len, common.input_embedding(model).embedding_dim)
+    # the timeline of every step: the timed ones give the bubble (on CUDA, each action synced)
+    pipe = PipelineRank(plain_layers(model.pipeline_stages(p)[topo.rank], topo.rank == p - 1),
+                        cross_entropy, schedule(p, m), shape, tied=tied,
+                        autocast_dtype=model.autocast_dtype, record_timeline=True)
+    del model, tied  # the other ranks' layers are freed: a rank holds its stage only
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=args.lr)
 
     def train_step(tokens, targets):
         opt.zero_grad(set_to_none=True)
         loss = pipe.run(tokens, targets)
-        if tied_weight is not None:
-            dist.all_reduce(tied_weight.grad, group=tied)  # embedding's + head's gradient
         opt.step()
         return loss
 
@@ -231,7 +326,7 @@ def main():
                   bubble=round(measured, 4), inflight_max=inflight_max,
                   theory={"bubble": round(bubble, 4), "inflight_max": inflight,
                           "bubble_uniform": round((p - 1) / (m + p - 1), 4),
-                          "comm_mb": comm_theory_mb(shape, m, params_tied)})
+                          "comm_mb": comm_theory_mb(shape, pipe.dtype, m, tied_bytes)})
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """PyTorch's own pipeline schedules on the same model, cut and batches: the side-by-side check.
 
-What it does: the same stages as the hand-written scripts (the GPT's layers cut into p
-contiguous stages, the tied embedding/head weight's gradients summed between the first and last
-rank), run by torch.distributed.pipelining: a `PipelineStage` per rank and `ScheduleGPipe`
-(`--schedule gpipe`, the default) or `Schedule1F1B` (`--schedule 1f1b`); or two stages per rank
-in a V (rank r: stages r and 2p-1-r, the tied weight twice on rank 0, nothing to sum) and
-`ScheduleDualPipeV` (`--schedule dualpipev`). The last stage hands its logits to the schedule's
-loss function.
+What it does: the same stages as the hand-written scripts (the decoder's layers, GPT or Llama,
+cut into p contiguous stages; a tied embedding and head, found by identity, has its gradients
+summed between the first and last rank), run by torch.distributed.pipelining: a `PipelineStage`
+per rank and `ScheduleGPipe` (`--schedule gpipe`, the default) or `Schedule1F1B` (`--schedule
+1f1b`); or two stages per rank in a V (rank r: stages r and 2p-1-r, a tied weight twice on rank
+0, nothing to sum) and `ScheduleDualPipeV` (`--schedule dualpipev`). The last stage hands its
+logits to the schedule's loss function.
 Why it is here: a schedule written by hand is checked against the library's. The losses must
 match the hand-written one's to float rounding (the launch tests check it), and
 `make pipeline report` puts the step times side by side.
@@ -39,15 +39,25 @@ import common  # noqa: E402
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "dualpipev": ScheduleDualPipeV}
 
 
-def stage_module(layers: list[nn.Module]) -> nn.Sequential:
-    """The layers as one module; the loss head becomes norm + head: torch computes the loss."""
-    if isinstance(layers[-1], common.LossHead):
-        layers = [*layers[:-1], layers[-1].ln_f, layers[-1].head]
-    return nn.Sequential(*layers)
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cross_entropy
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss a pipeline's last stage is given: what the project's decoders compute."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: plain_layers
+def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
+    """A stage of the project's `pipeline_stages` as a runtime takes it: the last one ends in
+    the loss head (norm, head and loss), whose norm and head become its last two layers."""
+    return [*stage[:-1], stage[-1].ln_f, stage[-1].head] if last else stage
+
+
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: tied_weights
+def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
+    """The weights on two stages: the input embedding's if the output head is the same
+    Parameter (the GPT's), none if untied (the Llama's). Found by identity, not by name."""
+    embedding, head = common.input_embedding(model), common.output_head(model)
+    return [embedding.weight] if embedding.weight is head.weight else []
 
 
 def main():
@@ -65,8 +75,9 @@ def main():
     n_stages = 2 * world if v else world
     args.microbatches = args.microbatches or max(8, n_stages if v else 0)
     args.batch_size = args.batch_size or 4 * args.microbatches
-    if args.model != "gpt":
-        parser.error("05_pipeline cuts the GPT's layers into stages: use --model gpt")
+    if args.model == "resnet":
+        parser.error("05_pipeline cuts a decoder's list of layers into stages, and a ResNet's "
+                     "is no such list: use --model gpt or --model llama")
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
@@ -77,10 +88,10 @@ def main():
     topo = common.setup(args)
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
-    params = sum(q.numel() for q in model.parameters())
+    params, tied = sum(q.numel() for q in model.parameters()), tied_weights(model)
     stages = model.pipeline_stages(n_stages)
     mine = [topo.rank, 2 * p - 1 - topo.rank] if v else [topo.rank]  # stage indices
-    modules = {s: stage_module(stages[s]) for s in mine}
+    modules = {s: nn.Sequential(*plain_layers(stages[s], s == n_stages - 1)) for s in mine}
     autocast_dtype = model.autocast_dtype
     del model, stages
     held = nn.ModuleList(modules.values())
@@ -88,13 +99,13 @@ def main():
     if v:  # torch (2.14) divides each stage's gradients by m: the tied weight's, in two of rank
         # 0's stages, twice. Each micro-batch's loss divided by m instead: the same gradients, once.
         pipe = ScheduleDualPipeV(pipe_stages, m, scale_grads=False,
-                                 loss_fn=lambda logits, targets: loss_fn(logits, targets) / m)
+                                 loss_fn=lambda logits, targets: cross_entropy(logits, targets) / m)
     else:
-        pipe = SCHEDULES[args.schedule](pipe_stages[0], m, loss_fn=loss_fn)
+        pipe = SCHEDULES[args.schedule](pipe_stages[0], m, loss_fn=cross_entropy)
     first, last = 0 in mine, n_stages - 1 in mine  # this rank feeds the tokens, the targets
-    tied = dist.new_group([0, p - 1]) if p > 1 and not v else None  # the V: both on rank 0
-    tied_weight = None if tied is None else modules[0][0].tok_emb.weight if topo.rank == 0 \
-        else modules[p - 1][-1].weight if topo.rank == p - 1 else None
+    # a weight tied across stages is on the first and last rank (the V's: both on rank 0)
+    tied_group = dist.new_group([0, p - 1]) if tied and not v else None  # by every rank
+    tied = [w for w in tied if not v and any(w is q for q in held.parameters())]
     opt = torch.optim.AdamW(held.parameters(), lr=args.lr)
 
     def train_step(tokens, targets):
@@ -104,8 +115,8 @@ def main():
                             enabled=autocast_dtype is not None):
             pipe.step(*([tokens] if first else []),
                       **({"target": targets, "losses": losses} if last else {}))
-        if tied_weight is not None and tied is not None:
-            dist.all_reduce(tied_weight.grad, group=tied)
+        for w in tied:  # the embedding's + the head's gradient
+            dist.all_reduce(w.grad, group=tied_group)
         opt.step()
         if not losses:
             return torch.zeros((), device=topo.device)

@@ -1,16 +1,23 @@
 """Unit tests for 05_pipeline's pure parts: the schedules as data, the simulator that turns them
-into an ideal bubble, the cut into stages, and the timeline drawing."""
+into an ideal bubble, the cut into stages, and the timeline drawing; and the runtimes as a user
+lifts them (a plain loss function, a process group, tied or untied heads, a timeline only when
+asked, the README's lines), in spawned gloo processes."""
 
 import collections
 import json
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import common
-from helpers import load_recipe
+from helpers import load_recipe, readme_python_block
 
 FOLDER = common.ROOT / "05_pipeline"
+README = FOLDER / "README.md"
 RECIPES = {name: load_recipe(FOLDER / f"{script}.py") for name, script in [
     ("gpipe", "optimized_pipeline_gpipe"),
     ("1f1b", "optimized_pipeline_1f1b"), ("dualpipev", "optimized_pipeline_dualpipev"),
@@ -260,3 +267,208 @@ def test_gathered_timelines_count_from_the_steps_first_start(tmp_path):
                      [[("F", 0, 0, 0.0, 1.0), ("B", 0, 0, 2.0, 4.0)]]]
     assert bubble == pytest.approx((0.25 + 0.25) / 2)  # 1.5 of 2 s busy, then 3 of 4
     assert means == [{"F": 0.75, "B": 1.5}] and held == 3
+
+
+# --- the runtimes as a user lifts them, in spawned gloo processes ------------------------------
+RUNTIMES = {"baseline": load_recipe(FOLDER / "baseline_pipeline.py"), "1f1b": RECIPES["1f1b"],
+            "dualpipev": RECIPES["dualpipev"], "dualpipe": RECIPES["dualpipe"]}
+LOSS_RANK = {"baseline": -1, "1f1b": -1, "dualpipev": 0, "dualpipe": 0}  # in the group
+TINY_SIZE, BATCH, MICRO, STEPS, LR = common.SIZES["tiny"], 8, 4, 3, 1e-3
+
+
+def tiny_decoder(name: str) -> common.Decoder:
+    torch.manual_seed(0)
+    size = TINY_SIZE
+    return common.Llama(size) if name == "llama" else common.GPT(size, size.seq_len)
+
+
+def token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    batches = [common.global_token_batch(TINY_SIZE, TINY_SIZE.seq_len, BATCH, step, seed=0)
+               for step in range(STEPS)]
+    return [(tokens[:, :-1], tokens[:, 1:]) for tokens in batches]
+
+
+def plain_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A loss function as a user writes one: no `common` in it."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def build_runtime(kind: str, model: common.Decoder, group, record_timeline: bool = False):
+    """`kind`'s runtime for this rank of `group`, as its script's main builds it."""
+    recipe, p, r = RUNTIMES[kind], dist.get_world_size(group), dist.get_rank(group)
+    width = common.input_embedding(model).embedding_dim
+    shape = (BATCH // MICRO, TINY_SIZE.seq_len, width)
+    if kind in ("baseline", "1f1b"):
+        stage = recipe.plain_layers(model.pipeline_stages(p)[r], r == p - 1)
+        options = dict(group=group, tied=recipe.tied_weights(model),
+                       record_timeline=record_timeline)
+        if kind == "baseline":
+            return recipe.ModelParallelRank(stage, plain_loss, (BATCH, *shape[1:]), **options)
+        return recipe.PipelineRank(stage, plain_loss, recipe.schedule(p, MICRO), shape, **options)
+    n = 2 * p if kind == "dualpipev" else p
+    stages = model.pipeline_stages(n)
+    mine = {s: recipe.plain_layers(stages[s], s == n - 1) for s in sorted({r, n - 1 - r})}
+    return recipe.PipelineRank(mine, plain_loss, recipe.schedule(p, MICRO), shape, group=group,
+                               record_timeline=record_timeline)
+
+
+class NoClock:
+    """A runtime's `time` while no timeline is asked for: reading the clock fails."""
+
+    @staticmethod
+    def perf_counter() -> float:
+        raise AssertionError("the runtime read its clock with no timeline asked for")
+
+
+def train(kind: str, model_name: str, group, record_timeline: bool = False) -> dict:
+    """STEPS steps of `kind` on the tiny decoder: the losses, the stage's final weights (in
+    `layers`' order) and which weights its `TiedGradients` sums."""
+    model = tiny_decoder(model_name)
+    pipe = build_runtime(kind, model, group, record_timeline)
+    del model
+    opt = torch.optim.AdamW(pipe.layers.parameters(), lr=LR)
+    held = list(pipe.layers.parameters())
+    losses = []
+    for tokens, targets in token_batches():
+        opt.zero_grad(set_to_none=True)
+        loss = pipe.run(tokens, targets)
+        if kind == "dualpipe":
+            loss = RUNTIMES["dualpipe"].sum_with_twin(held, loss, group)
+        opt.step()
+        losses.append(loss.item())
+    tied = getattr(pipe, "tied", None)
+    return {"losses": losses, "weights": [q.detach().clone() for q in held],
+            "tied": None if tied is None else len(tied.weights), "timelines": pipe.timelines}
+
+
+def _train_every_runtime(rank: int, world: int, port: int, out: str) -> None:
+    """World 2: every runtime on both decoders on the world (group None), its clock removed;
+    then 1F1B with its timeline asked for. World 3: the same on the sub-group {0, 1} (rank 2
+    idle), then on {1, 2} (rank 0 idle): group and global ranks differ there. Each rank saves
+    what it trained, by (group, kind, model, group rank)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    common.setup(common.parser(None).parse_args(["--timeout", "60"]))
+    torch.set_num_threads(1)
+    groups = {"world": ([0, 1], None)} if world == 2 else {
+        f"ranks {a} {b}": ([a, b], dist.new_group([a, b])) for a, b in [(0, 1), (1, 2)]}
+    results, clocks = {}, {kind: recipe.time for kind, recipe in RUNTIMES.items()}
+    try:
+        for name, (members, group) in groups.items():
+            if rank not in members:
+                continue
+            for kind, recipe in RUNTIMES.items():
+                recipe.time = NoClock
+                for model_name in ("gpt", "llama"):
+                    results[(name, kind, model_name, dist.get_rank(group))] = \
+                        train(kind, model_name, group)
+                recipe.time = clocks[kind]
+        if world == 2:
+            results[("timeline", "1f1b", "llama", rank)] = train("1f1b", "llama", None, True)
+        torch.save(results, Path(out) / f"world{world}-rank{rank}.pt")
+        dist.barrier()  # rank 0's store serves the others' groups until they are done
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("runtimes")
+    for world in (2, 3):
+        mp.spawn(_train_every_runtime, args=(world, common.free_port(), str(out)), nprocs=world)
+    results = {}
+    for path in out.glob("world*.pt"):
+        results.update(torch.load(path, weights_only=False))
+    return results
+
+
+def unsplit(model_name: str) -> tuple[list[float], common.Decoder]:
+    model = tiny_decoder(model_name)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for tokens, targets in token_batches():
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", list(RUNTIMES))
+def test_a_runtime_on_a_sub_group_trains_as_on_a_world_of_two(trained, kind, model_name):
+    """Ranks {0, 1} and {1, 2} of a world of 3, the third idle: the same losses and weights, to
+    the bit, as on a world of 2; and those are the unsplit model's, to float rounding (the GPT's
+    tied embedding and head summed across the first and last stage, the Llama's left alone)."""
+    world = [trained[("world", kind, model_name, r)] for r in (0, 1)]
+    for name in ("ranks 0 1", "ranks 1 2"):
+        sub = [trained[(name, kind, model_name, r)] for r in (0, 1)]
+        for ours, theirs in zip(sub, world, strict=True):
+            assert ours["losses"] == theirs["losses"]
+            assert all(torch.equal(a, b) for a, b in zip(ours["weights"], theirs["weights"],
+                                                         strict=True))
+    reference, _ = unsplit(model_name)
+    losses = world[LOSS_RANK[kind]]["losses"]
+    assert max(abs(a - b) / b for a, b in zip(losses, reference, strict=True)) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["baseline", "1f1b"])
+def test_a_tied_head_is_summed_on_its_two_stages_an_untied_one_nowhere(trained, kind):
+    """By identity: the GPT's embedding is its head (both ends hold it and sum its gradients,
+    so its two copies stay one weight, the unsplit model's), the Llama's is not."""
+    assert [trained[("world", kind, "gpt", r)]["tied"] for r in (0, 1)] == [1, 1]
+    assert [trained[("world", kind, "llama", r)]["tied"] for r in (0, 1)] == [0, 0]
+    _, gpt = unsplit("gpt")
+    embedding = common.input_embedding(gpt).weight
+    assert embedding is common.output_head(gpt).weight
+    first, last = (trained[("world", kind, "gpt", r)]["weights"] for r in (0, 1))
+    assert torch.equal(first[0], last[-1])  # the embedding's copy, the head's
+    assert torch.allclose(first[0], embedding.detach(), rtol=0, atol=1e-6)
+
+
+def test_no_timeline_is_recorded_unless_asked(trained):
+    """Asked for none, a runtime never read its clock (it had none: `NoClock`), so on CUDA it
+    never synchronised; asked, it records every step's actions, as scheduled, and trains the
+    same."""
+    for key, result in trained.items():
+        assert (result["timelines"] == []) == (key[0] != "timeline"), key
+    schedule = RUNTIMES["1f1b"].schedule(2, MICRO)
+    for r in (0, 1):
+        timed, untimed = trained[("timeline", "1f1b", "llama", r)], \
+            trained[("world", "1f1b", "llama", r)]
+        assert timed["losses"] == untimed["losses"] and len(timed["timelines"]) == STEPS
+        for _, actions in timed["timelines"]:
+            assert [tuple(a[:3]) for a in actions] == [tuple(a) for a in schedule[r]]
+
+
+
+
+def _run_the_readme(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    sys.path.insert(0, str(FOLDER))  # the script next to the trainer, as the README says
+    namespace = {"__name__": "trainer"}
+    try:
+        exec(compile(readme_python_block(README), "05_pipeline/README.md", "exec"), namespace)
+        torch.save(namespace["losses"], Path(out) / f"rank{rank}.pt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_the_readmes_lines_train_a_llama_as_the_unsplit_model(tmp_path):
+    """Exactly the README's lines, on 2 spawned gloo processes: the last rank's losses are the
+    unsplit Llama's on the same batches, to float rounding."""
+    import torch.multiprocessing as mp
+
+    lines = readme_python_block(README)
+    assert "common.Llama(" in lines and "PipelineRank(" in lines
+    mp.spawn(_run_the_readme, args=(2, common.free_port(), str(tmp_path)), nprocs=2)
+    losses, (reference, _) = torch.load(tmp_path / "rank1.pt"), unsplit("llama")
+    assert torch.load(tmp_path / "rank0.pt") == [0.0] * STEPS
+    assert max(abs(a - b) / b for a, b in zip(losses, reference, strict=True)) <= 1e-5
