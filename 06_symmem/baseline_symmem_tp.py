@@ -13,6 +13,12 @@ Embeddings, final norm and the tied head are replicated, each rank running them 
 tokens: with sequence parallelism a replicated head does no duplicate work, and at this vocab
 (1K) a vocab-parallel loss would cost more collectives than the one all-reduce of the
 replicated parts' gradients. Heads and units that do not divide by N split unevenly.
+--model llama: a rank holds whole KV heads with their query heads (q, k, v column-parallel, o
+row-parallel), SwiGLU's gate and up column-parallel and down row-parallel, no biases; rotary
+runs after the gather (positions 0..T-1); the untied head is replicated. KV heads split
+unevenly too; more ranks than KV heads are skipped. --model resnet is refused (a CNN has no
+heads or MLP matrices to split). TensorParallelDecoder takes a model's parts (blocks,
+embedding, norm, head) and the collectives, which take the process group (default: world).
 Why: a model whose layers do not fit one GPU's memory, or a batch too small to split, still
 spreads over the GPUs of a node; the cost is 8 collectives of the activations per block.
 Run:        torchrun --nproc_per_node=2 06_symmem/baseline_symmem_tp.py --size small
@@ -20,11 +26,12 @@ Look for:   `make symmem report`: the step time optimized_symmem_tp.py beats; lo
             baseline_symmem_training's at the same global batch (N x 4 sequences).
 Theory:     comm MB/step: per block 4 all-gathers and 4 reduce-scatters of T x B x d values
             (4 bytes, 2 in bf16), (N-1)/N each, plus an all-reduce of the replicated gradients.
-            state: 16 bytes a parameter, of the blocks' 1/N (by heads and units) plus the
-            replicated parts.
+            state: 16 bytes a parameter, of the blocks' 1/N (by heads or KV groups, and units)
+            plus the replicated parts (every parameter no block slices).
 """
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,26 +47,26 @@ import common  # noqa: E402
 # bf16 autocast each rank's partial sum is rounded to bf16 (8 bits) before the sum, where one
 # matmul rounds once: the losses drift by bf16's resolution, as other exact techniques' do.
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
-SHARDED = ("qkv.weight", "qkv.bias", "proj.weight", "fc.weight", "fc.bias", "fc_proj.weight")
 
 
 class ProcessGroupCollectives:
-    """TP's two communicating matmuls, through the process group: the collective, whole, then
-    the matmul. `b` is the weight as (in, out)."""
+    """TP's two communicating matmuls, through `group` (default: the world): the collective,
+    whole, then the matmul. `b` is the weight as (in, out)."""
 
-    def __init__(self, world: int):
-        self.world = world
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
 
     def all_gather_matmul(self, shard: torch.Tensor, b: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
         gathered = shard.new_empty(self.world * shard.shape[0], shard.shape[1])
-        common.all_gather_single(gathered, shard)
+        common.all_gather_single(gathered, shard, group=self.group)
         return gathered, gathered @ b
 
     def matmul_reduce_scatter(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         partial = a @ b
         out = partial.new_empty(partial.shape[0] // self.world, partial.shape[1])
-        common.reduce_scatter(out, partial)
+        common.reduce_scatter(out, partial, group=self.group)
         return out
 
 
@@ -73,7 +80,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 # Copied from 06_symmem/optimized_symmem_tp.py: ColumnParallel
 class ColumnParallel(torch.autograd.Function):
-    """y = gather(x) @ W^T + b on my output rows. Backward: dW = dy^T gather(x) (the gathered
+    """y = gather(x) @ W^T (+ b) on my output rows. Backward: dW = dy^T gather(x) (the gathered
     input is kept), and dx, a partial sum on each rank, reduce-scattered to the shards."""
 
     @staticmethod
@@ -83,13 +90,13 @@ class ColumnParallel(torch.autograd.Function):
         gathered, y = comm.all_gather_matmul(x.to(dtype), weight.t())
         ctx.save_for_backward(gathered, weight)
         ctx.comm = comm
-        return y + bias.to(dtype)
+        return y if bias is None else y + bias.to(dtype)
 
     @staticmethod
     def backward(ctx, dy):
         gathered, weight = ctx.saved_tensors
         dx = ctx.comm.matmul_reduce_scatter(dy, weight)
-        return dx, dy.t() @ gathered, dy.sum(0), None
+        return dx, dy.t() @ gathered, dy.sum(0) if ctx.needs_input_grad[2] else None, None
 
 
 # Copied from 06_symmem/optimized_symmem_tp.py: RowParallel
@@ -118,24 +125,41 @@ def my_share(total: int, rank: int, world: int) -> slice:
     return slice(total * rank // world, total * (rank + 1) // world)
 
 
+# Copied from 06_symmem/optimized_symmem_tp.py: keep_rows
+def keep_rows(linear: nn.Linear, rows) -> None:
+    """Column-parallel: the linear keeps its output rows `rows` (weight and bias), as new leaves."""
+    linear.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach()[rows].clone())
+
+
+# Copied from 06_symmem/optimized_symmem_tp.py: keep_columns
+def keep_columns(linear: nn.Linear, cols) -> None:
+    """Row-parallel: the linear keeps its input columns `cols`; a bias stays whole (replicated),
+    added once to the reduced shard."""
+    linear.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+
+
 # Copied from 06_symmem/optimized_symmem_tp.py: TensorParallelBlock
 class TensorParallelBlock(nn.Module):
-    """common.Block with my heads and hidden units only: the same weights, sliced."""
+    """common.Block with my heads and hidden units only (of comm's group): the same weights,
+    sliced. `sliced` lists the parameters the ranks hold parts of."""
 
-    def __init__(self, block: common.Block, n_heads: int, rank: int, world: int, comm):
+    def __init__(self, block: common.Block, comm):
         super().__init__()
-        d, self.comm = block.ln1.normalized_shape[0], comm
-        self.head_dim, heads = d // n_heads, my_share(n_heads, rank, world)
+        d, n_heads, self.comm = block.ln1.normalized_shape[0], block.attn.n_heads, comm
+        self.head_dim, heads = d // n_heads, my_share(n_heads, comm.rank, comm.world)
         cols = torch.arange(heads.start * self.head_dim, heads.stop * self.head_dim)
         rows = torch.cat([cols + k * d for k in range(3)])  # my heads' q, k and v
-        units = my_share(4 * d, rank, world)
+        units = my_share(block.fc.out_features, comm.rank, comm.world)
         self.ln1, self.ln2, self.attn, self.fc, self.fc_proj = (
             block.ln1, block.ln2, block.attn, block.fc, block.fc_proj)
-        for linear, kept in ((block.attn.qkv, rows), (block.fc, units)):  # column-parallel
-            linear.weight = nn.Parameter(linear.weight.detach()[kept].clone())
-            linear.bias = nn.Parameter(linear.bias.detach()[kept].clone())
-        for linear, kept in ((block.attn.proj, cols), (block.fc_proj, units)):  # row-parallel
-            linear.weight = nn.Parameter(linear.weight.detach()[:, kept].clone())
+        keep_rows(block.attn.qkv, rows)
+        keep_rows(block.fc, units)
+        keep_columns(block.attn.proj, cols)
+        keep_columns(block.fc_proj, units)
+        self.sliced = [block.attn.qkv.weight, block.attn.qkv.bias, block.attn.proj.weight,
+                       block.fc.weight, block.fc.bias, block.fc_proj.weight]
 
     def forward(self, x: torch.Tensor, seq_len: int, batch: int) -> torch.Tensor:
         qkv = ColumnParallel.apply(self.ln1(x), self.attn.qkv.weight, self.attn.qkv.bias,
@@ -147,33 +171,125 @@ class TensorParallelBlock(nn.Module):
         return x + (RowParallel.apply(h, self.fc_proj.weight, self.comm) + self.fc_proj.bias)
 
 
-# Copied from 06_symmem/optimized_symmem_tp.py: TensorParallelGPT
-class TensorParallelGPT(nn.Module):
-    """common.GPT split over the ranks: TP blocks, replicated embeddings, norm and tied head,
-    each rank running these on its sequence shard. `forward` returns its shard's share of the
+# Copied from 06_symmem/optimized_symmem_tp.py: TensorParallelLlamaLayer
+class TensorParallelLlamaLayer(nn.Module):
+    """A Llama decoder layer (HuggingFace's names: self_attn.q/k/v/o_proj, mlp.gate/up/down_proj,
+    two RMSNorms, no biases) with my KV heads, their query heads and my SwiGLU units: q, k, v
+    and gate, up column-parallel (each trio or pair one gather: their rows side by side), o and
+    down row-parallel. A rank holds whole KV groups: KV heads that do not divide by N split
+    unevenly, as the GPT's heads; more ranks than KV heads are refused before setup.
+    `attention(q, k, v)`: causal, on (batch, heads, seq, head_dim); rotary is common's."""
+
+    def __init__(self, layer: nn.Module, comm, attention: Callable = common.causal_sdpa):
+        super().__init__()
+        attn, mlp, self.comm, self.attention = layer.self_attn, layer.mlp, comm, attention
+        self.head_dim = attn.head_dim
+        kv_heads = attn.k_proj.out_features // self.head_dim
+        group = attn.q_proj.out_features // attn.k_proj.out_features  # query heads a KV head
+        mine = my_share(kv_heads, comm.rank, comm.world)
+        kv_rows = slice(mine.start * self.head_dim, mine.stop * self.head_dim)
+        q_rows = slice(kv_rows.start * group, kv_rows.stop * group)  # their query heads
+        units = my_share(mlp.gate_proj.out_features, comm.rank, comm.world)
+        self.input_layernorm, self.self_attn = layer.input_layernorm, attn
+        self.post_attention_layernorm, self.mlp = layer.post_attention_layernorm, mlp
+        for linear, rows in ((attn.q_proj, q_rows), (attn.k_proj, kv_rows),
+                             (attn.v_proj, kv_rows), (mlp.gate_proj, units), (mlp.up_proj, units)):
+            keep_rows(linear, rows)
+        keep_columns(attn.o_proj, q_rows)
+        keep_columns(mlp.down_proj, units)
+        self.sliced = [p for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                        mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+                       for p in linear.parameters()]
+
+    def forward(self, x: torch.Tensor, seq_len: int, batch: int) -> torch.Tensor:
+        attn, mlp = self.self_attn, self.mlp
+        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]  # my rows
+        qkv = ColumnParallel.apply(self.input_layernorm(x), torch.cat(weights), None, self.comm)
+        q, k, v = (t.reshape(seq_len, batch, -1, self.head_dim).permute(1, 2, 0, 3)
+                   for t in qkv.split([w.shape[0] for w in weights], dim=-1))
+        q, k = common.apply_rotary(q), common.apply_rotary(k)  # the whole sequence: 0..T-1
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        y = self.attention(q, k, v).permute(2, 0, 1, 3).reshape(seq_len * batch, -1)
+        x = x + RowParallel.apply(y, attn.o_proj.weight, self.comm)
+        gate, up = ColumnParallel.apply(self.post_attention_layernorm(x), torch.cat(
+            [mlp.gate_proj.weight, mlp.up_proj.weight]), None, self.comm).chunk(2, dim=-1)
+        return x + RowParallel.apply(F.silu(gate) * up, mlp.down_proj.weight, self.comm)
+
+
+# Copied from 06_symmem/optimized_symmem_tp.py: TensorParallelDecoder
+class TensorParallelDecoder(nn.Module):
+    """A decoder split over comm's group, from its parts: the TP blocks, and replicated parts
+    each rank runs on its sequence shard (token embedding, a position table if the model has
+    one, final norm, head, tied or not). `replicated_parameters()`: every parameter no block
+    sliced, whose gradients the ranks all-reduce. `forward` returns its shard's share of the
     mean loss (the sum over ranks is the loss)."""
 
-    def __init__(self, gpt: common.GPT, n_heads: int, rank: int, world: int, comm):
+    def __init__(self, blocks: list[nn.Module], token_embedding: nn.Embedding,
+                 final_norm: nn.Module, head: nn.Module, comm,
+                 position_embedding: nn.Embedding | None = None,
+                 autocast_dtype: torch.dtype | None = None):
         super().__init__()
-        self.rank, self.world, self.comm = rank, world, comm
-        self.autocast_dtype = gpt.autocast_dtype
-        self.tok_emb, self.pos_emb, self.ln_f, self.head = (gpt.tok_emb, gpt.pos_emb, gpt.ln_f,
-                                                            gpt.head)
-        self.blocks = nn.ModuleList(TensorParallelBlock(b, n_heads, rank, world, comm)
-                                    for b in gpt.blocks)
+        self.comm, self.autocast_dtype = comm, autocast_dtype
+        self.token_embedding, self.position_embedding = token_embedding, position_embedding
+        self.final_norm, self.head, self.blocks = final_norm, head, nn.ModuleList(blocks)
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        sliced = {id(p) for block in self.blocks for p in block.sliced}
+        return [p for p in self.parameters() if id(p) not in sliced]
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         batch, seq_len = tokens.shape
-        mine = my_share(seq_len * batch, self.rank, self.world)  # sequence-major: (T, B) rows
-        positions = torch.arange(seq_len, device=tokens.device).repeat_interleave(batch)
+        mine = my_share(seq_len * batch, self.comm.rank, self.comm.world)  # (T, B) rows
         with torch.autocast(tokens.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
-            x = self.tok_emb(tokens.t().reshape(-1)[mine]) + self.pos_emb(positions[mine])
+            x = self.token_embedding(tokens.t().reshape(-1)[mine])
+            if self.position_embedding is not None:
+                positions = torch.arange(seq_len, device=tokens.device).repeat_interleave(batch)
+                x = x + self.position_embedding(positions[mine])
             for block in self.blocks:
                 x = block(x, seq_len, batch)
-            logits = self.head(self.ln_f(x))
+            logits = self.head(self.final_norm(x))
         return F.cross_entropy(logits.float(), targets.t().reshape(-1)[mine],
                                reduction="sum") / (seq_len * batch)
+
+
+# Copied from 06_symmem/optimized_symmem_tp.py: same_weights_as_first_rank
+def same_weights_as_first_rank(model: nn.Module, group=None) -> None:
+    """Every rank of the group starts from its first rank's weights (as DDP does), before the
+    blocks are sliced: ranks seeded differently still split one model."""
+    src = dist.get_global_rank(group or dist.group.WORLD, 0)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=src, group=group)
+
+
+# Copied from 06_symmem/optimized_symmem_tp.py: tensor_parallel
+def tensor_parallel(model: common.Decoder, comm) -> TensorParallelDecoder:
+    """The project's decoders split by TensorParallelDecoder (main's adapter: a trainer of
+    one's own passes its own parts)."""
+    blocks = common.transformer_blocks(model)
+    final_norm = model.pipeline_layers()[-1].ln_f  # the LossHead's: the GPT's ln_f, model.norm
+    if isinstance(model, common.GPT):
+        return TensorParallelDecoder([TensorParallelBlock(b, comm) for b in blocks],
+                                     model.tok_emb, final_norm, model.head, comm,
+                                     model.pos_emb, model.autocast_dtype)
+    return TensorParallelDecoder([TensorParallelLlamaLayer(b, comm, b.self_attn.attention)
+                                  for b in blocks],
+                                 common.input_embedding(model), final_norm,
+                                 common.output_head(model), comm,
+                                 autocast_dtype=model.autocast_dtype)
+
+
+# Copied from 06_symmem/optimized_symmem_tp.py: tp_degree_problem
+def tp_degree_problem(args, world: int) -> str | None:
+    """Why `world` ranks cannot split --size's heads: a rank needs a head (the Llama: a KV head
+    and its query heads) of its own."""
+    size = common.SIZES[args.size]
+    heads, what = ((size.n_kv_heads, "KV heads") if args.model == "llama"
+                   else (size.n_heads, "heads"))
+    if world > heads:
+        return (f"--size {args.size} has {heads} {what}, fewer than the {world} processes to "
+                f"split them over: launch at most {heads}")
+    return None
 
 
 # Copied from 06_symmem/optimized_symmem_tp.py: tensor_parallel_setup
@@ -183,20 +299,23 @@ def tensor_parallel_setup(parser, comm_of):
     replicated parameters first, so that their gradients are one slice of one flat buffer."""
     parser.set_defaults(batch_size=0)
     args = parser.parse_args()
+    if args.model == "resnet":
+        parser.error("--model resnet: tensor parallelism splits a decoder's attention heads "
+                     "and MLP matrices, which a CNN has not; use --model gpt or llama")
     world = common.launch_world_size()
-    heads = common.SIZES[args.size].n_heads
-    if world > heads:
-        raise common.Skip(f"--size {args.size} has {heads} heads, fewer than the {world} "
-                          f"processes to split them over: launch at most {heads}")
+    if why := tp_degree_problem(args, world):
+        raise common.Skip(why)
     args.batch_size = world * (args.batch_size or common.SIZES[args.size].batch_size)
     topo = common.setup(args)
-    gpt, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
-    params = sum(p.numel() for p in gpt.parameters())
-    model = TensorParallelGPT(gpt, heads, topo.rank, topo.world_size, comm_of(args, topo))
-    named = list(model.named_parameters())
-    replicated = [p for name, p in named if not name.endswith(SHARDED)]
-    ordered = replicated + [p for name, p in named if name.endswith(SHARDED)]
-    grads = torch.zeros(sum(p.numel() for p in ordered), device=topo.device)
+    whole, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
+    params = sum(p.numel() for p in whole.parameters())
+    same_weights_as_first_rank(whole)
+    model = tensor_parallel(whole, comm_of(args, topo))
+    replicated = model.replicated_parameters()
+    kept = {id(p) for p in replicated}
+    ordered = replicated + [p for p in model.parameters() if id(p) not in kept]
+    grads = torch.zeros(sum(p.numel() for p in ordered), device=topo.device,
+                        dtype=ordered[0].dtype)
     offset = 0
     for p in ordered:  # backward accumulates into views of one buffer
         p.grad = grads[offset:offset + p.numel()].view_as(p)
@@ -208,14 +327,20 @@ def tensor_parallel_setup(parser, comm_of):
 def tp_theory(args, topo, model, replicated: int) -> dict:
     """comm MB/step and the busiest rank's state MB from the shapes: 8 gathers or scatters of the
     activations (in the compute dtype) per block, (N-1)/N each, the replicated gradients' fp32
-    all-reduce; 16 bytes a kept parameter, the blocks' sliced by heads and units (the most any
-    rank gets)."""
+    all-reduce; 16 bytes a kept parameter, the blocks' sliced by heads (the Llama's by KV
+    groups: k, v for its KV heads, q, o for their query heads; no biases) and by hidden units
+    (the Llama's SwiGLU: three matrices), the most any rank gets."""
     n, size = topo.world_size, common.SIZES[args.size]
     d, head_dim = size.d_model, size.d_model // size.n_heads
     activations = args.seq_len * args.batch_size * d * (2 if args.dtype == "bf16" else 4)
     collectives = 8 * len(model.blocks) * (n - 1) / n * activations / 2**20
-    heads, units = -(-size.n_heads // n), -(-4 * d // n)
-    per_block = 3 * heads * head_dim * (d + 1) + d * heads * head_dim + units * (2 * d + 1)
+    if args.model == "llama":
+        kv_heads = -(-size.n_kv_heads // n)
+        heads, units = kv_heads * size.n_heads // size.n_kv_heads, -(-common.llama_ffn_dim(d) // n)
+        per_block = (2 * heads + 2 * kv_heads) * head_dim * d + 3 * units * d
+    else:
+        heads, units = -(-size.n_heads // n), -(-4 * d // n)
+        per_block = 3 * heads * head_dim * (d + 1) + d * heads * head_dim + units * (2 * d + 1)
     kept = replicated + len(model.blocks) * per_block
     return {"comm_mb": collectives + common.ring_allreduce_mb(4 * replicated, n),
             "state_mb": 16 * kept / 2**20}
@@ -223,7 +348,7 @@ def tp_theory(args, topo, model, replicated: int) -> dict:
 
 def main():
     args, topo, model, batches, grads, replicated, params = tensor_parallel_setup(
-        common.parser(__doc__), lambda args, topo: ProcessGroupCollectives(topo.world_size))
+        common.parser(__doc__), lambda args, topo: ProcessGroupCollectives())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
 
     def train_step(inputs, targets):

@@ -14,8 +14,9 @@ replicated optimizer step and state that optimized_symmem_training.py shares out
 Run:        torchrun --nproc_per_node=2 06_symmem/baseline_symmem_training.py --size small
 Look for:   `make symmem report`: step time, state MB and its `memory.optim` part (8 bytes a
             parameter), beside the symmetric-memory run.
-Theory:     comm: a ring all-reduce of the buffer, 2(N-1)/N x 4P bytes sent by each rank;
-            optimizer state 8P bytes on every rank; P = parameter count.
+Theory:     comm: a ring all-reduce of the buffer, 2(N-1)/N x BP bytes sent by each rank (and a
+            broadcast of the buffers, as DDP's); optimizer state 2BP bytes on every rank;
+            P = parameter count, B = bytes a parameter (4: fp32).
 """
 
 import sys
@@ -29,9 +30,11 @@ import common  # noqa: E402
 
 
 def flat_gradients(model: torch.nn.Module) -> torch.Tensor:
-    """One zeroed buffer for all the gradients, each parameter's `.grad` a view into it."""
+    """One zeroed buffer for all the gradients, in the parameters' dtype, each parameter's
+    `.grad` a view into it."""
     params = list(model.parameters())
-    flat = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                       device=params[0].device)
     offset = 0
     for p in params:
         p.grad = flat[offset:offset + p.numel()].view_as(p)
@@ -39,11 +42,33 @@ def flat_gradients(model: torch.nn.Module) -> torch.Tensor:
     return flat
 
 
+def keep_buffers_in_step(model: torch.nn.Module, group: dist.ProcessGroup | None = None):
+    """As DDP does: every rank takes the group's first rank's buffers (BatchNorm's running
+    statistics) now and before each forward, one broadcast per dtype. Returns the forward hook's
+    handle, or None for a model without buffers (the decoders: nothing to send)."""
+    buffers = list(model.buffers())
+    if not buffers:
+        return None
+    src = dist.get_global_rank(group or dist.group.WORLD, 0)
+
+    def broadcast(*_):
+        for dtype in dict.fromkeys(b.dtype for b in buffers):
+            same = [b for b in buffers if b.dtype == dtype]
+            flat = torch.cat([b.flatten() for b in same])
+            dist.broadcast(flat, src=src, group=group)
+            torch._foreach_copy_(same, [piece.view_as(b) for piece, b in zip(
+                flat.split([b.numel() for b in same]), same, strict=True)])
+
+    broadcast()
+    return model.register_forward_pre_hook(broadcast)
+
+
 def main():
     args = common.parser(__doc__).parse_args()
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     grads = flat_gradients(model)
+    keep_buffers_in_step(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
 
     def train_step(inputs, targets):
@@ -56,12 +81,14 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    param_count = grads.numel()
+    grad_bytes, n = grads.nbytes, topo.world_size
+    buffer_bytes = sum(b.nbytes for b in model.buffers())  # broadcast before each forward
     common.record(args, topo, stats, baseline=None, model=model, optimizer=opt,
                   comm_mb=stats.comm_mb,
                   optim_mb=round(common.state_split_mb(model, opt)["optim_mb"], 2),
-                  theory={"comm_mb": common.ring_allreduce_mb(4 * param_count, topo.world_size),
-                          "optim_mb": 8 * param_count / 2**20})
+                  theory={"comm_mb": common.ring_allreduce_mb(grad_bytes, n)
+                          + (n - 1) / n * buffer_bytes / 2**20,
+                          "optim_mb": 2 * grad_bytes / 2**20})  # AdamW's two moments
 
 
 if __name__ == "__main__":

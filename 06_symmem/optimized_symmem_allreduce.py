@@ -61,40 +61,45 @@ class SizeViews:
 
 
 class SharedSegment:
-    """Flags and one slot per rank in a /dev/shm file every rank of this host maps. The flags are
-    read and written as Python ints through a memoryview (a poll costs well under a
-    microsecond); the slots are a tensor over the same mapping. Each flag has a cache line of
-    its own. Rank 0 creates the file and unlinks it once every rank has mapped it, so the
-    memory lives exactly as long as the mappings: nothing is left in /dev/shm when the run
-    ends, or when a rank is killed.
+    """Flags and one slot per rank of `group` (default: the world; ranks and collectives are the
+    group's) in a /dev/shm file its ranks, all on this host, map. The flags are read and written
+    as Python ints through a memoryview (a poll costs well under a microsecond); the slots are a
+    tensor over the same mapping. Each flag has a cache line of its own. The group's first rank
+    creates the file and unlinks it once every rank has mapped it, so the memory lives exactly
+    as long as the mappings: nothing is left in /dev/shm when the run ends, or when a rank is
+    killed.
     Ordering: a rank writes its data, then its flag; a peer reads the flag, then the data.
     x86-64 makes stores visible in program order and does not reorder loads with older loads
     (total store order), and torch's copy, add and sum kernels store normally, so a peer that sees
     the flag sees the data. ARM (e.g. GB200's Grace CPUs) promises no such order and Python has
     no fence to call, hence the check below."""
 
-    def __init__(self, topo: common.Topology, slot_bytes: int, timeout: float):
-        if topo.nnodes > 1:
+    def __init__(self, topo: common.Topology, slot_bytes: int, timeout: float,
+                 group: dist.ProcessGroup | None = None):
+        group = group or dist.group.WORLD
+        members = dist.get_process_group_ranks(group)  # global ranks, in the group's order
+        if len({g // topo.local_world_size for g in members}) > 1:  # launchers number by node
             raise common.Skip("a /dev/shm segment is one host's: run on one node (NNODES=1)")
         if platform.machine() not in ("x86_64", "AMD64"):
             raise common.Skip(f"the flags rely on x86-64's store order, not {platform.machine()}'s")
-        n, self.rank, self.timeout = topo.world_size, topo.rank, timeout
-        path = [f"/dev/shm/playbook-symmem-{os.getpid()}-{time.time_ns()}"]
-        dist.broadcast_object_list(path)  # rank 0's name
+        n, self.rank, self.timeout = len(members), dist.get_rank(group), timeout
+        # the group's name keeps two groups' segments apart; its first rank's pid and clock, runs
+        path = [f"/dev/shm/playbook-symmem-{group.group_name}-{os.getpid()}-{time.time_ns()}"]
+        dist.broadcast_object_list(path, src=members[0], group=group)  # the group's first rank's
         flag_bytes = 3 * n * LINE * 8
-        if topo.rank == 0:
+        if self.rank == 0:
             with open(path[0], "wb") as f:
                 f.truncate(flag_bytes + n * slot_bytes)  # zeros: every flag starts at call 0
             # torchrun ends the other ranks with SIGTERM when one dies: exit through the
             # `finally` below, which unlinks the file, not around it
             sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         try:
-            dist.barrier()
+            dist.barrier(group=group)
             with open(path[0], "r+b") as f:
                 self.mapping = mmap.mmap(f.fileno(), flag_bytes + n * slot_bytes)
-            dist.barrier()  # every rank has mapped it: the name is no longer needed
+            dist.barrier(group=group)  # every rank has mapped it: the name is no longer needed
         finally:  # unlinked then, or at once if a peer never mapped it
-            if topo.rank == 0:
+            if self.rank == 0:
                 os.unlink(path[0])
                 signal.signal(signal.SIGTERM, sigterm)
         self.flags = memoryview(self.mapping)[:flag_bytes].cast("q")
@@ -194,13 +199,14 @@ def sendrecv(seg: SharedSegment, out: torch.Tensor, x: torch.Tensor) -> None:
     seg.signal(seg.done)
 
 
-def cuda_all_reduce(topo: common.Topology, numel: int):
-    """PyTorch's symmetric-memory all-reduce: a buffer allocated and rendezvoused once."""
+def cuda_all_reduce(topo: common.Topology, numel: int, group: dist.ProcessGroup | None = None):
+    """PyTorch's symmetric-memory all-reduce over `group` (default: the world): a buffer
+    allocated and rendezvoused once."""
     import torch.distributed._symmetric_memory as symm_mem
 
     buffer = symm_mem.empty(numel, device=topo.device)
-    symm_mem.rendezvous(buffer, dist.group.WORLD)
-    group = dist.group.WORLD.group_name
+    group = (group or dist.group.WORLD).group_name
+    symm_mem.rendezvous(buffer, group)
 
     def run(x: torch.Tensor) -> None:
         buffer.copy_(x)

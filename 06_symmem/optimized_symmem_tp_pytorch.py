@@ -10,13 +10,16 @@ changes to the model, no change to its math: ColwiseParallel splits a Linear's r
 which on the fused qkv would hand rank 0 all of q, so q, k and v become three Linears
 (torchtitan's models have them so); and where heads or hidden units do not divide by N they are
 padded with zero weights, which give zero outputs and zero gradients and so stay zero under
-AdamW. Embeddings, final norm and head stay plain and replicated, run on each rank's own tokens,
-their gradients all-reduced as in the hand-written scripts. On CUDA each block is compiled with
-inductor's micro-pipeline TP (the mesh's group enabled for symmetric memory, as torchtitan
-does), which rewrites every all-gather+matmul and matmul+reduce-scatter into the symmetric-
-memory kernels optimized_symmem_tp.py calls (torchtitan's async TP). Under bf16 autocast DTensor
-gathers the norms' fp32 outputs before the Linears cast them: twice the bytes of the hand-
-written gathers (torchtitan's norms output bf16, under FSDP's bf16 parameters).
+AdamW. Embeddings, final norm and head stay plain and replicated, run on each rank's own tokens;
+every parameter that is not a DTensor (an untied head too) has its gradient all-reduced, as in
+the hand-written scripts. --model llama: torchtitan's plan (q, k, v, gate, up Colwise, o, down
+Rowwise, the RMSNorms SequenceParallel), KV heads with their query heads padded to N's
+multiple. On CUDA each block is compiled with inductor's micro-pipeline TP (the mesh's group
+enabled for symmetric memory, as torchtitan does), which rewrites every all-gather+matmul and
+matmul+reduce-scatter into the symmetric-memory kernels optimized_symmem_tp.py calls
+(torchtitan's async TP). Under bf16 autocast DTensor gathers the norms' fp32 outputs before the
+Linears cast them: twice the bytes of the hand-written gathers (torchtitan's norms output
+bf16, under FSDP's bf16 parameters).
 Why: it is what a user would reach for first; the hand-written scripts must beat it.
 Run:        torchrun --nproc_per_node=2 06_symmem/optimized_symmem_tp_pytorch.py --size small
 Look for:   `make symmem report`: beside optimized_symmem_tp, against the same baseline; losses
@@ -49,10 +52,23 @@ import common  # noqa: E402
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}  # as baseline_symmem_tp.py's, for its reason
 
 
+# Copied from 06_symmem/optimized_symmem_tp.py: tp_degree_problem
+def tp_degree_problem(args, world: int) -> str | None:
+    """Why `world` ranks cannot split --size's heads: a rank needs a head (the Llama: a KV head
+    and its query heads) of its own."""
+    size = common.SIZES[args.size]
+    heads, what = ((size.n_kv_heads, "KV heads") if args.model == "llama"
+                   else (size.n_heads, "heads"))
+    if world > heads:
+        return (f"--size {args.size} has {heads} {what}, fewer than the {world} processes to "
+                f"split them over: launch at most {heads}")
+    return None
+
+
 def padded_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, cols: int
                   ) -> nn.Linear:
     """A Linear of `rows` x `cols` whose top-left corner is `weight`, zeros elsewhere."""
-    linear = nn.Linear(cols, rows, bias=bias is not None, device=weight.device)
+    linear = nn.Linear(cols, rows, bias=bias is not None, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         linear.weight.zero_()[:weight.shape[0], :weight.shape[1]].copy_(weight)
         if bias is not None:
@@ -60,19 +76,24 @@ def padded_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, co
     return linear
 
 
+def padded_like(linear: nn.Linear, rows: int, cols: int) -> nn.Linear:
+    return padded_linear(linear.weight.detach(),
+                         None if linear.bias is None else linear.bias.detach(), rows, cols)
+
+
 class SplitQKVAttention(nn.Module):
     """common's CausalSelfAttention with q, k, v as three Linears and the heads padded with zero
     ones to a multiple of `world`; its head count is whatever its q's local rows hold."""
 
-    def __init__(self, attn: nn.Module, n_heads: int, world: int):
+    def __init__(self, attn: nn.Module, world: int):
         super().__init__()
-        d = attn.proj.in_features
+        d, n_heads = attn.proj.in_features, attn.n_heads
         self.head_dim, self.attention = d // n_heads, attn.attention
         width = -(-n_heads // world) * world * self.head_dim
         w, b = attn.qkv.weight.detach(), attn.qkv.bias.detach()
         self.q, self.k, self.v = (padded_linear(w[i * d:(i + 1) * d], b[i * d:(i + 1) * d],
                                                 width, d) for i in range(3))
-        self.proj = padded_linear(attn.proj.weight.detach(), attn.proj.bias.detach(), d, width)
+        self.proj = padded_like(attn.proj, d, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (lin(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
@@ -80,14 +101,12 @@ class SplitQKVAttention(nn.Module):
         return self.proj(self.attention(q, k, v).transpose(1, 2).flatten(2))
 
 
-def parallelize_block(block: common.Block, n_heads: int, mesh) -> None:
-    """The TP + SP plan of one block (torchtitan's, for this block's module names)."""
+def parallelize_block(block: common.Block, mesh) -> None:
+    """The TP + SP plan of one GPT block (torchtitan's, for this block's module names)."""
     world, d = mesh.size(), block.fc.in_features
-    block.attn = SplitQKVAttention(block.attn, n_heads, world)
-    units = -(-4 * d // world) * world
-    block.fc = padded_linear(block.fc.weight.detach(), block.fc.bias.detach(), units, d)
-    block.fc_proj = padded_linear(block.fc_proj.weight.detach(), block.fc_proj.bias.detach(),
-                                  d, units)
+    block.attn = SplitQKVAttention(block.attn, world)
+    units = -(-block.fc.out_features // world) * world
+    block.fc, block.fc_proj = padded_like(block.fc, units, d), padded_like(block.fc_proj, d, units)
     parallelize_module(block, mesh, {
         "ln1": SequenceParallel(),
         "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -98,28 +117,56 @@ def parallelize_block(block: common.Block, n_heads: int, mesh) -> None:
         "fc_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
 
 
+def parallelize_llama_layer(layer: nn.Module, mesh) -> None:
+    """torchtitan's plan of a Llama layer under HuggingFace's names: q, k, v, gate, up
+    ColwiseParallel, o, down RowwiseParallel, the RMSNorms SequenceParallel. ColwiseParallel's
+    even rows must hold whole KV groups: KV heads (with their query heads, appended in the same
+    order) and SwiGLU units are padded with zeros to multiples of N."""
+    world, attn, mlp = mesh.size(), layer.self_attn, layer.mlp
+    d, head_dim = attn.q_proj.in_features, attn.head_dim
+    group = attn.q_proj.out_features // attn.k_proj.out_features  # query heads a KV head
+    kv_width = -(-attn.k_proj.out_features // head_dim // world) * world * head_dim
+    attn.q_proj = padded_like(attn.q_proj, group * kv_width, d)
+    attn.k_proj, attn.v_proj = (padded_like(p, kv_width, d) for p in (attn.k_proj, attn.v_proj))
+    attn.o_proj = padded_like(attn.o_proj, d, group * kv_width)
+    units = -(-mlp.gate_proj.out_features // world) * world
+    mlp.gate_proj, mlp.up_proj = (padded_like(p, units, d) for p in (mlp.gate_proj, mlp.up_proj))
+    mlp.down_proj = padded_like(mlp.down_proj, d, units)
+    gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    parallelize_module(layer, mesh, {
+        "input_layernorm": SequenceParallel(), "self_attn": gathered,
+        "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "post_attention_layernorm": SequenceParallel(), "mlp": gathered,
+        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+
+
 def sequence_shard(seq_len: int, rank: int, world: int) -> slice:
     """Rank `rank`'s positions under Shard(1): torch.chunk's split, ceil(T/N) a rank."""
     per = -(-seq_len // world)
     return slice(min(rank * per, seq_len), min((rank + 1) * per, seq_len))
 
 
-def tp_loss(model: common.GPT, mesh, tokens: torch.Tensor, targets: torch.Tensor
-            ) -> torch.Tensor:
-    """The GPT's forward with the blocks on DTensors: my positions embedded, the blocks, then
-    norm, head and the sum of my tokens' losses over the whole batch's token count."""
+def tp_loss(parts: dict, mesh, tokens: torch.Tensor, targets: torch.Tensor,
+            autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """A decoder's forward with its blocks on DTensors, from its parts (`blocks`, `embedding`,
+    `positions`: a position table or None, `norm`, `head`): my positions embedded, the
+    blocks, then norm, head and the sum of my tokens' losses over the whole batch's count."""
     batch, seq_len = tokens.shape
     mine = sequence_shard(seq_len, mesh.get_local_rank(), mesh.size())
-    with torch.autocast(tokens.device.type, dtype=model.autocast_dtype,
-                        enabled=model.autocast_dtype is not None):
-        positions = torch.arange(seq_len, device=tokens.device)[mine]
-        x = model.tok_emb(tokens[:, mine]) + model.pos_emb(positions)
+    with torch.autocast(tokens.device.type, dtype=autocast_dtype,
+                        enabled=autocast_dtype is not None):
+        x = parts["embedding"](tokens[:, mine])
+        if parts["positions"] is not None:
+            x = x + parts["positions"](torch.arange(seq_len, device=tokens.device)[mine])
         x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False,
                                shape=(batch, seq_len, x.shape[-1]),
                                stride=(seq_len * x.shape[-1], x.shape[-1], 1))
-        for block in model.blocks:
+        for block in parts["blocks"]:
             x = block(x)
-        logits = model.head(model.ln_f(x.to_local()))
+        logits = parts["head"](parts["norm"](x.to_local()))
     return F.cross_entropy(logits.float().flatten(0, 1), targets[:, mine].flatten(),
                            reduction="sum") / (batch * seq_len)
 
@@ -138,55 +185,77 @@ def enable_async_tp(mesh) -> None:
         enable_symm_mem_for_group(mesh.get_group().group_name)
 
 
-def dtensor_theory(args, topo, model, replicated: int) -> dict:
+def dtensor_theory(args, topo, blocks: int, replicated: int) -> dict:
     """comm MB/step and state MB from the shapes, as tp_theory in optimized_symmem_tp.py, with
     DTensor's padding: Shard(1) pads each rank's positions to ceil(T/N) in its collectives, and
-    heads and hidden units are padded to multiples of N. Under bf16 autocast the gathers (and
-    their gradients' reduce-scatters) move the norms' fp32 outputs, 4 bytes a value; the
-    row-parallel outputs and their gradients 2. The norms' 4d parameters a block are DTensors
-    replicated over the mesh, their gradients all-reduced by DTensor."""
+    heads (the Llama's KV heads, with their query heads) and hidden units are padded to
+    multiples of N. Under bf16 autocast the gathers (and their gradients' reduce-scatters) move
+    the norms' fp32 outputs, 4 bytes a value; the row-parallel outputs and their gradients 2.
+    The norms' parameters (the GPT's 4d a block, the Llama's 2d) are DTensors replicated over
+    the mesh, their gradients all-reduced by DTensor."""
     n, size = topo.world_size, common.SIZES[args.size]
     d, head_dim = size.d_model, size.d_model // size.n_heads
     shard = args.batch_size * -(-args.seq_len // n) * d
     scattered_bytes = 2 if args.dtype == "bf16" else 4
-    collectives = 4 * len(model.blocks) * (n - 1) * shard * (4 + scattered_bytes) / 2**20
-    width, units = -(-size.n_heads // n) * head_dim, -(-4 * d // n)
-    per_block = 3 * width * (d + 1) + d * width + units * (2 * d + 1) + 6 * d
-    kept = replicated + len(model.blocks) * per_block
-    return {"comm_mb": collectives + common.ring_allreduce_mb(4 * (replicated + len(
-        model.blocks) * 4 * d), n), "state_mb": 16 * kept / 2**20}
+    collectives = 4 * blocks * (n - 1) * shard * (4 + scattered_bytes) / 2**20
+    if args.model == "llama":
+        kv_width = -(-size.n_kv_heads // n) * head_dim
+        width, units = kv_width * size.n_heads // size.n_kv_heads, -(-common.llama_ffn_dim(d) // n)
+        norms = 2 * d
+        per_block = (2 * width + 2 * kv_width) * d + 3 * units * d + norms
+    else:
+        width, units, norms = -(-size.n_heads // n) * head_dim, -(-4 * d // n), 4 * d
+        per_block = 3 * width * (d + 1) + d * width + units * (2 * d + 1) + 6 * d
+    kept = replicated + blocks * per_block
+    return {"comm_mb": collectives + common.ring_allreduce_mb(4 * (replicated + blocks * norms),
+                                                              n),
+            "state_mb": 16 * kept / 2**20}
+
+
+def decoder_parts(model: common.Decoder) -> dict:
+    """What tp_loss runs, found in the project's decoders (main's adapter: a trainer of one's
+    own names its own parts)."""
+    loss_head = model.pipeline_layers()[-1]  # the final norm and the head, tied or not
+    return {"blocks": common.transformer_blocks(model), "embedding": common.input_embedding(model),
+            "positions": getattr(model, "pos_emb", None), "norm": loss_head.ln_f,
+            "head": loss_head.head}
 
 
 def main():
     parser = common.parser(__doc__)
     parser.set_defaults(batch_size=0)
     args = parser.parse_args()
-    world, heads = common.launch_world_size(), common.SIZES[args.size].n_heads
-    if world > heads:
-        raise common.Skip(f"--size {args.size} has {heads} heads, fewer than the {world} "
-                          f"processes to split them over: launch at most {heads}")
+    if args.model == "resnet":
+        parser.error("--model resnet: tensor parallelism splits a decoder's attention heads "
+                     "and MLP matrices, which a CNN has not; use --model gpt or llama")
+    world = common.launch_world_size()
+    if why := tp_degree_problem(args, world):
+        raise common.Skip(why)
     args.batch_size = world * (args.batch_size or common.SIZES[args.size].batch_size)
     topo = common.setup(args)
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
     params = sum(p.numel() for p in model.parameters())
     mesh = init_device_mesh(topo.device.type, (topo.world_size,))
-    replicated = [model.tok_emb.weight, model.pos_emb.weight, *model.ln_f.parameters()]
+    parts = decoder_parts(model)
     if topo.device.type == "cuda":
         enable_async_tp(mesh)
-    for block in model.blocks:
-        parallelize_block(block, heads, mesh)
+    for block in parts["blocks"]:
+        (parallelize_block if isinstance(model, common.GPT) else parallelize_llama_layer)(
+            block, mesh)
         if topo.device.type == "cuda":
             block.compile()
-    # a fused step takes one kind of tensor: DTensors and plain ones in groups of their own
+    # every parameter DTensor does not own is replicated, its gradient this rank's tokens'
+    # share: all-reduced by hand (an untied head too); a fused step takes one kind of tensor
     distributed = [p for p in model.parameters() if isinstance(p, DTensor)]
-    plain = [p for p in model.parameters() if not isinstance(p, DTensor)]
-    opt = torch.optim.AdamW([{"params": distributed}, {"params": plain}], lr=args.lr, fused=True)
+    replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    opt = torch.optim.AdamW([{"params": distributed}, {"params": replicated}], lr=args.lr,
+                            fused=True)
 
     def train_step(inputs, targets):
         opt.zero_grad(set_to_none=True)
-        loss = tp_loss(model, mesh, inputs, targets)
+        loss = tp_loss(parts, mesh, inputs, targets, model.autocast_dtype)
         loss.backward()
-        for p in replicated:  # each rank's tokens' share of the replicated parts
+        for p in replicated:
             dist.all_reduce(p.grad)
         opt.step()
         return loss.detach() * topo.world_size  # averaged over ranks: the whole batch's loss
@@ -197,7 +266,8 @@ def main():
                   comm_mb=stats.comm_mb, dp_world=1, params=params,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype],
                   async_tp=topo.device.type == "cuda", comm_mb_by_kind=stats.comm_mb_by_kind,
-                  theory=dtensor_theory(args, topo, model, sum(p.numel() for p in replicated)))
+                  theory=dtensor_theory(args, topo, len(parts["blocks"]),
+                                        sum(p.numel() for p in replicated)))
 
 
 if __name__ == "__main__":

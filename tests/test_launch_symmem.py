@@ -1,19 +1,24 @@
 """Launch tests: 06_symmem under torchrun with 2 CPU processes: the two collectives sweeps (a
 short one), the two data-parallel training runs and the three tensor-parallel ones at `tiny`,
-shared through one module-scoped fixture."""
+shared through one module-scoped fixture (the hand-written TP pair on the Llama, against
+the data-parallel run of the same model)."""
 
+import os
 import subprocess
 import sys
 
 import pytest
+import torch.multiprocessing as mp
 
 import common
 import report
 from helpers import (
+    TINY,
     assert_bad_input_is_one_line,
     assert_within_its_tolerance,
     cpu_env,
     finish,
+    load_recipe,
     only_record,
     torchrun,
 )
@@ -24,7 +29,9 @@ SWEEP = ["--sizes", "4K,64K,1M", "--iters", "3"]
 RUNS = {"baseline_symmem_allreduce": [*SWEEP, "--trace", "--warmup", "3"],
         "optimized_symmem_allreduce": SWEEP,
         "baseline_symmem_training": [], "optimized_symmem_training": [],
-        "baseline_symmem_tp": [], "optimized_symmem_tp": [], "optimized_symmem_tp_pytorch": []}
+        # the hand-written TP pair on the Llama (KV groups, SwiGLU, untied head), DTensor on GPT
+        "baseline_symmem_tp": ["--model", "llama"], "optimized_symmem_tp": ["--model", "llama"],
+        "optimized_symmem_tp_pytorch": []}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +45,30 @@ def runs(tmp_path_factory):
             assert "no trace written: a sweep has no training step" in console
             assert not (results.parent / "traces").exists()
     return out
+
+
+def _data_parallel_run(rank: int, world: int, port: int, model: str, results: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    path = FOLDER / "baseline_symmem_training.py"
+    sys.argv = [str(path), *TINY, "--results", results, "--model", model]
+    common.run_main(load_recipe(path).main)
+
+
+@pytest.fixture(scope="module")
+def data_parallel(runs, tmp_path_factory):
+    """model -> the data-parallel baseline's record on that model: the launch's where it trained
+    it, else a run in 2 spawned processes (no torchrun launch added)."""
+    found = {runs["baseline_symmem_training"]["model"]: runs["baseline_symmem_training"]}
+
+    def of(model: str) -> dict:
+        if model not in found:
+            results = tmp_path_factory.mktemp(f"dp-{model}") / "results.jsonl"
+            mp.spawn(_data_parallel_run, args=(2, common.free_port(), model, str(results)),
+                     nprocs=2)
+            found[model] = only_record(results)
+        return found[model]
+    return of
 
 
 @pytest.mark.parametrize("script", ["baseline_symmem_allreduce", "optimized_symmem_allreduce"])
@@ -81,11 +112,14 @@ def test_symmetric_memory_training_matches_the_baseline_with_half_the_optimizer_
     assert base["comm_mb"] == pytest.approx(base["theory"]["comm_mb"], rel=1e-3)
 
 
-def test_tensor_parallelism_trains_the_data_parallel_model_with_its_bytes_and_state(runs):
-    dp, base = runs["baseline_symmem_training"], runs["baseline_symmem_tp"]
-    by_hand, dtensor = runs["optimized_symmem_tp"], runs["optimized_symmem_tp_pytorch"]
-    assert base["batch_size"] == 2 * dp["batch_size"]  # one global batch of N x 4 sequences
+def test_tensor_parallelism_trains_the_data_parallel_model_with_its_bytes_and_state(
+        runs, data_parallel):
+    base, by_hand = runs["baseline_symmem_tp"], runs["optimized_symmem_tp"]
+    dtensor = runs["optimized_symmem_tp_pytorch"]
+    assert base["model"] == by_hand["model"] == "llama" and dtensor["model"] == "gpt"
     for rec in (base, by_hand, dtensor):
+        dp = data_parallel(rec["model"])  # the same model's data-parallel run
+        assert rec["batch_size"] == 2 * dp["batch_size"]  # one global batch of N x 4 sequences
         assert rec["status"] == "ok" and rec["params"] == dp["params"]  # the unsplit model's
         assert_within_its_tolerance(rec, dp)  # the data-parallel model, step by step
         assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], abs=2e-3)
@@ -96,10 +130,10 @@ def test_tensor_parallelism_trains_the_data_parallel_model_with_its_bytes_and_st
     assert by_hand["transport"] == "/dev/shm segment" and base["overlap"] == 0
     assert 0 < by_hand["overlap"] <= 1  # some of the peers' arrival hidden under matmuls
     # through the segment, counted where it is read; the process group carries the replicated
-    # parameters' gradients only (tables, norms, row-parallel biases), all-reduced in one piece
+    # parameters' gradients only (the Llama's embedding, untied head and RMSNorms), in one piece
     size = common.SIZES["tiny"]
     d = size.d_model
-    replicated = (size.vocab_size + dp["seq_len"] + 2) * d + size.n_layers * 6 * d
+    replicated = 2 * size.vocab_size * d + d + size.n_layers * 2 * d
     assert by_hand["process_group_mb"] == pytest.approx(common.ring_allreduce_mb(4 * replicated, 2),
                                                         abs=1e-3)
     assert by_hand["comm_mb"] == pytest.approx(base["comm_mb"], abs=1e-3)
@@ -112,6 +146,8 @@ def test_tensor_parallelism_trains_the_data_parallel_model_with_its_bytes_and_st
     ("optimized_symmem_allreduce", ["--sizes", "4K,4098"], "multiple of 4"),
     ("baseline_symmem_allreduce", ["--sizes", "4Q"], "--sizes"),
     ("optimized_symmem_allreduce", ["--ops", "all_reduce,broadcast"], "--ops broadcast"),
+    *((script, ["--model", "resnet"], "--model resnet") for script in (
+        "baseline_symmem_tp", "optimized_symmem_tp", "optimized_symmem_tp_pytorch")),
 ])
 def test_bad_input_exits_2_with_one_line(script, flags, hint, tmp_path):
     assert_bad_input_is_one_line(FOLDER / f"{script}.py", flags, hint, tmp_path)

@@ -3,7 +3,10 @@ group's at every size (sizes that do not divide by N included), at 2 and at 3 ra
 all-reduce's rounded sums the same bits on every rank; never a stale read over many
 back-to-back calls; nothing left in /dev/shm, also after a rank killed before or after it
 mapped the segment; more than one node is refused as `skipped`; training equal to the
-baseline at 3 ranks."""
+baseline at 3 ranks, and on the Llama at 2. The training object (SymmetricMemoryAdamW) equal
+to DDP with `no_sync` under a plain loop and 2-step accumulation, ranks seeded differently,
+the model's zero_grad too, BatchNorm buffers as DDP keeps them; a bf16 Llama kept bf16; on
+ranks {0, 1} of 3 equal to a world of 2; the README's lines run."""
 
 import argparse
 import os
@@ -17,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import common
-from helpers import TINY, assert_within_its_tolerance, load_recipe
+from helpers import TINY, assert_within_its_tolerance, load_recipe, readme_python_block
 
 FOLDER = common.ROOT / "06_symmem"
 SIZES = [1, 3, 1000, 16_385, 65_536 + 3, 200_003]  # values; the last two are two-shot
@@ -208,6 +211,8 @@ class _Alone:
     """TP's two communicating matmuls in a world of one: the gather and the scatter are the
     input itself."""
 
+    rank, world = 0, 1
+
     def all_gather_matmul(self, shard, b):
         return shard, shard @ b
 
@@ -215,24 +220,97 @@ class _Alone:
         return a @ b
 
 
-def test_a_world_of_one_computes_the_model_unsplit():
-    """The slicing, the sequence-major layout and both autograd functions, against common.GPT:
-    the same loss and the same gradients."""
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_world_of_one_computes_the_model_unsplit(family):
+    """The slicing, the sequence-major layout and both autograd functions, against common.GPT
+    and common.Llama (grouped-query attention, rotary after the gather, SwiGLU, no biases,
+    untied head): the same loss and the same gradients; the replicated parameters are exactly
+    those no block sliced."""
     tp = load_recipe(FOLDER / "optimized_symmem_tp.py")
     size = common.SIZES["tiny"]
     torch.manual_seed(0)
-    gpt = common.GPT(size, size.seq_len)
+    model = common.GPT(size, size.seq_len) if family == "gpt" else common.Llama(size)
     tokens = torch.randint(size.vocab_size, (3, size.seq_len + 1))
-    loss = gpt(tokens[:, :-1], tokens[:, 1:])
+    loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
-    expected = {name: p.grad.clone() for name, p in gpt.named_parameters()}
-    gpt.zero_grad()
-    split = tp.TensorParallelGPT(gpt, size.n_heads, 0, 1, _Alone())
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    split = tp.tensor_parallel(model, _Alone())  # the model's modules, their weights sliced
     ours = split(tokens[:, :-1], tokens[:, 1:])
     ours.backward()
     assert ours.item() == pytest.approx(loss.item(), rel=1e-6)
-    for name, p in split.named_parameters():
+    for name, p in model.named_parameters():
         assert torch.allclose(p.grad, expected[name], rtol=1e-4, atol=1e-6), name
+    sliced = {id(p) for block in split.blocks for p in block.sliced}
+    unsplit = {name for name, p in model.named_parameters() if id(p) not in sliced}
+    assert {id(p) for p in split.replicated_parameters()} == \
+        {id(p) for name, p in model.named_parameters() if name in unsplit}
+    if family == "llama":  # no hard-coded list: the untied head is found, as the norms are
+        assert unsplit == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+                           *(f"model.layers.{i}.{norm}.weight" for i in range(size.n_layers)
+                             for norm in ("input_layernorm", "post_attention_layernorm"))}
+
+
+def _train_the_readme_lines(rank: int, world: int, port: int, members: list[int], out: str
+                            ) -> None:
+    """The README's tensor-parallel lines, as they are, on the tiny Llama over the group of
+    `members` (the other ranks idle); each rank seeded by its rank, so the lines must start
+    them from the first's weights. Rank 0 saves the final loss of the whole batch and the
+    head's weights."""
+    _start(rank, world, port)
+    group = dist.new_group(members)
+    if rank not in members:
+        dist.destroy_process_group()
+        return
+    baseline = load_recipe(FOLDER / "baseline_symmem_tp.py")
+    size = common.SIZES["tiny"]
+    torch.manual_seed(rank)
+    model = common.Llama(size)
+    batches = _whole_batches(size)
+    lines = {**vars(baseline), "model": model, "group": group, "batches": batches}
+    exec(readme_python_block(FOLDER / "README.md",
+                              "### Tensor parallelism: `TensorParallelDecoder`"), lines)
+    with torch.no_grad():
+        loss = lines["tp_model"](*batches[0])
+    dist.all_reduce(loss, group=group)
+    if rank == 0:
+        torch.save({"loss": loss, "head": model.lm_head.weight.detach().clone()}, out)
+    dist.destroy_process_group()
+
+
+
+
+def _whole_batches(size: common.Size) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Three steps' global batches of 4 sequences: TP feeds every rank the whole batch."""
+    tokens = [common.global_token_batch(size, size.seq_len, 4, step, seed=0) for step in range(3)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def test_the_readme_tensor_parallel_lines_train_the_unsplit_llama_on_a_group(tmp_path):
+    """Exactly the README's lines, ranks seeded apart: on 2 ranks as the unsplit Llama trains
+    (AdamW on the whole batch), and on ranks {0, 1} of 3 (rank 2 idle) to the same bits as on
+    2 ranks."""
+    size = common.SIZES["tiny"]
+    torch.manual_seed(0)
+    model = common.Llama(size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = _whole_batches(size)
+    for tokens, targets in batches:
+        opt.zero_grad()
+        model(tokens, targets).backward()
+        opt.step()
+    with torch.no_grad():
+        expected = model(*batches[0])
+    runs = {}
+    for world in (2, 3):
+        runs[world] = tmp_path / f"{world}.pt"
+        mp.spawn(_train_the_readme_lines, args=(world, common.free_port(), [0, 1],
+                                                str(runs[world])), nprocs=world)
+    pair, subgroup = (torch.load(runs[world]) for world in (2, 3))
+    assert pair["loss"].item() == pytest.approx(expected.item(), rel=1e-5)
+    assert torch.allclose(pair["head"], model.lm_head.weight, atol=1e-5)
+    assert torch.equal(subgroup["loss"], pair["loss"])
+    assert torch.equal(subgroup["head"], pair["head"])
 
 
 def test_heads_and_units_padded_for_dtensor_compute_the_same_and_stay_zero():
@@ -242,7 +320,7 @@ def test_heads_and_units_padded_for_dtensor_compute_the_same_and_stay_zero():
     block = common.Block(size.d_model, size.n_heads, common.causal_sdpa)
     x = torch.randn(2, 8, size.d_model)
     expected = block.attn(x)
-    padded = pytorch_tp.SplitQKVAttention(block.attn, size.n_heads, world=3)  # 4 heads -> 6
+    padded = pytorch_tp.SplitQKVAttention(block.attn, world=3)  # 4 heads -> 6
     assert padded.q.out_features == 6 * size.d_model // size.n_heads
     got = padded(x)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
@@ -250,3 +328,210 @@ def test_heads_and_units_padded_for_dtensor_compute_the_same_and_stay_zero():
     for grad in (padded.q.weight.grad, padded.k.weight.grad, padded.v.weight.grad):
         assert not grad[size.d_model:].any()  # the zero heads learn nothing: they stay zero
     assert not padded.proj.weight.grad[:, size.d_model:].any()
+
+
+# --- the shared-memory training object (SymmetricMemoryAdamW) against DDP ---------------------
+TRAINING = FOLDER / "optimized_symmem_training.py"
+
+
+def _join(rank: int, world: int, port: int):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    common.setup(common.parser(None).parse_args(["--timeout", "60"]))
+    return load_recipe(TRAINING)
+
+
+def _tiny_llama(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)  # seeded by rank: the object, as DDP, starts from the first rank's
+    return common.Llama(common.SIZES["tiny"]).to(dtype)
+
+
+def _batches(rank: int, world: int, steps: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's slice of each step's global batch of 4 sequences a rank."""
+    size = common.SIZES["tiny"]
+    tokens = [common.global_token_batch(size, size.seq_len, 4 * world, step, seed=0)
+              for step in range(steps)]
+    return [(common.rank_slice(t[:, :-1], rank, world), common.rank_slice(t[:, 1:], rank, world))
+            for t in tokens]
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+def _train(model, opt, batches, accum: int, zero_grad) -> list[float]:
+    """The plain loop: zero_grad, `accum` backward passes, step."""
+    losses = []
+    for inputs, targets in batches:
+        zero_grad()
+        for x, y in zip(inputs.chunk(accum), targets.chunk(accum), strict=True):
+            loss = model(x, y) / accum
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _with_ddp(model, batches, accum: int, group=None) -> torch.Tensor:
+    """DDP (its broadcast at construction, `no_sync` for all but the last micro-batch) and
+    AdamW: the final weights."""
+    from contextlib import nullcontext
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, process_group=group)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, fused=True)
+    for inputs, targets in batches:
+        opt.zero_grad()
+        micro = list(zip(inputs.chunk(accum), targets.chunk(accum), strict=True))
+        for i, (x, y) in enumerate(micro):
+            with ddp.no_sync() if i < len(micro) - 1 else nullcontext():
+                (ddp(x, y) / accum).backward()
+        opt.step()
+    return _flat(model)
+
+
+def _against_ddp(rank: int, world: int, port: int) -> None:
+    import copy
+
+    recipe = _join(rank, world, port)
+    batches = _batches(rank, world)
+    for accum in (1, 2):
+        expected = _with_ddp(_tiny_llama(seed=rank), batches, accum)
+        for replicated in (False, True):
+            for whose_zero_grad in ("object", "model"):  # the user's model.zero_grad() too
+                model = _tiny_llama(seed=rank)
+                opt = recipe.SymmetricMemoryAdamW(model, replicated=replicated, lr=1e-3,
+                                                  fused=True)
+                zero_grad = opt.zero_grad if whose_zero_grad == "object" else model.zero_grad
+                _train(model, opt, batches, accum, zero_grad)
+                case = (accum, replicated, whose_zero_grad)
+                torch.testing.assert_close(_flat(model), expected, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, case=case: f"{case}: {m}")
+                assert all(p.grad.data_ptr() == v.data_ptr()  # back in the slot
+                           for p, v in zip(model.parameters(), opt.grad_views, strict=True))
+    # BatchNorm's running statistics: the first rank's before each forward, as DDP keeps them
+    torch.manual_seed(rank)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                              torch.nn.Flatten(), torch.nn.LazyLinear(10))
+    net(torch.randn(2, 3, 8, 8))  # materialise the lazy layer
+    twin = copy.deepcopy(net)
+
+    class Loss(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    images = [(torch.randn(4, 3, 8, 8), torch.randint(10, (4,))) for _ in range(3)]
+    ours = Loss(net)
+    opt = recipe.SymmetricMemoryAdamW(ours, lr=1e-3, fused=True)
+    _train(ours, opt, images, 1, opt.zero_grad)
+    expected = _with_ddp(Loss(twin), images, 1)
+    torch.testing.assert_close(_flat(ours), expected, rtol=1e-5, atol=1e-6)
+    for a, b in zip(net.buffers(), twin.buffers(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    dist.destroy_process_group()
+
+
+def test_the_training_object_equals_ddp_under_a_plain_loop_and_accumulation():
+    """Ranks seeded differently; one and two micro-batches a step; sharded and replicated; the
+    object's zero_grad and the model's (which sets .grad to None); a BatchNorm model's
+    buffers."""
+    mp.spawn(_against_ddp, args=(2, common.free_port()), nprocs=2)
+
+
+def _in_bf16(rank: int, world: int, port: int) -> None:
+    recipe = _join(rank, world, port)
+    for replicated in (False, True):
+        model = _tiny_llama(seed=rank, dtype=torch.bfloat16)
+        opt = recipe.SymmetricMemoryAdamW(model, replicated=replicated, lr=1e-3, fused=True)
+        losses = _train(model, opt, _batches(rank, world), 2, opt.zero_grad)
+        assert all(torch.isfinite(torch.tensor(loss)) for loss in losses)
+        assert opt.buffers.grads.dtype == torch.bfloat16
+        assert all(p.dtype == p.grad.dtype == torch.bfloat16 for p in model.parameters())
+        assert all(v.dtype == torch.bfloat16 for state in opt.optimizer.state.values()
+                   for k, v in state.items() if k != "step")
+        everyone = [torch.empty_like(_flat(model)) for _ in range(world)]
+        dist.all_gather(everyone, _flat(model))
+        assert torch.equal(everyone[0], everyone[1])  # the ranks hold one model
+        expected = _with_ddp(_tiny_llama(seed=rank, dtype=torch.bfloat16), _batches(rank, world),
+                             2)
+        torch.testing.assert_close(_flat(model), expected, rtol=2e-2, atol=1e-2)
+    dist.destroy_process_group()
+
+
+def test_a_bf16_llama_trains_in_bf16():
+    mp.spawn(_in_bf16, args=(2, common.free_port()), nprocs=2)
+
+
+def _on_a_group(rank: int, world: int, port: int, members: list[int], out: str) -> None:
+    """The object on `members` (the world if they are all of it); the others idle."""
+    recipe = _join(rank, world, port)
+    group = dist.new_group(members) if len(members) < world else None
+    if rank in members:
+        me = members.index(rank)
+        model = _tiny_llama(seed=rank)
+        opt = recipe.SymmetricMemoryAdamW(model, group=group, lr=1e-3, fused=True)
+        _train(model, opt, _batches(me, len(members)), 2, opt.zero_grad)
+        if me == 0:
+            torch.save(_flat(model), out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_the_object_on_ranks_0_and_1_of_three_equals_a_world_of_two(tmp_path):
+    mp.spawn(_on_a_group, args=(3, common.free_port(), [0, 1], str(tmp_path / "group.pt")),
+             nprocs=3)
+    mp.spawn(_on_a_group, args=(2, common.free_port(), [0, 1], str(tmp_path / "world.pt")),
+             nprocs=2)
+    assert torch.equal(torch.load(tmp_path / "group.pt"), torch.load(tmp_path / "world.pt"))
+
+
+
+
+def _readme_lines(rank: int, world: int, port: int) -> None:
+    recipe = _join(rank, world, port)
+    batches = _batches(rank, world)
+    model = _tiny_llama(seed=rank)
+    lines = readme_python_block(
+        FOLDER / "README.md", "### Shared-memory data parallelism: `SymmetricMemoryAdamW`")
+    assert "SymmetricMemoryAdamW(model" in lines and "opt.step()" in lines
+    exec(lines,
+         {"SymmetricMemoryAdamW": recipe.SymmetricMemoryAdamW, "model": model, "group": None,
+          "batches": batches, "accum": 2})
+    torch.testing.assert_close(_flat(model), _with_ddp(_tiny_llama(seed=rank), batches, 2),
+                               rtol=1e-5, atol=1e-6)
+    dist.destroy_process_group()
+
+
+def test_the_readme_lines_train_a_llama_as_ddp_does():
+    mp.spawn(_readme_lines, args=(2, common.free_port()), nprocs=2)
+
+
+def _train_llama(rank: int, world: int, port: int, results: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    for k, flags in enumerate([[], [], ["--replicated-optimizer"]]):
+        os.environ["MASTER_PORT"] = str(port + k)  # a fresh store for each run's group
+        path = FOLDER / f"{'optimized' if k else 'baseline'}_symmem_training.py"
+        sys.argv = [str(path), *TINY, "--model", "llama", "--results", results, *flags]
+        common.run_main(load_recipe(path).main)
+
+
+def test_training_the_llama_equals_the_baseline_with_its_theory(tmp_path):
+    results = tmp_path / "results.jsonl"
+    mp.spawn(_train_llama, args=(2, common.free_port(), str(results)), nprocs=2)
+    base, ours, replicated = common.load_results(results)
+    params = sum(p.numel() for p in common.Llama(common.SIZES["tiny"]).parameters())
+    for rec in (base, ours, replicated):
+        assert rec["status"] == "ok" and rec["model"] == "llama" and rec["params"] == params
+        assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], abs=1e-3)
+        assert rec["optim_mb"] == pytest.approx(rec["theory"]["optim_mb"], rel=0.01)
+    for rec in (ours, replicated):
+        assert_within_its_tolerance(rec, base)
+        assert rec["process_group_mb"] == 0
+    assert ours["optim_mb"] == pytest.approx(base["optim_mb"] / 2, rel=0.01)
