@@ -455,16 +455,22 @@ def _find(model: nn.Module, paths: Sequence[str]) -> nn.Module | None:
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated units a technique shards, checkpoints, buckets or cuts, in forward order: the
     GPT's `blocks`, the Llama's `model.layers` (HuggingFace's names), GPT-2's `transformer.h`, a
-    torchvision ResNet's four stages. A model with none of these gets one line naming what to
-    pass; a trainer with its own model passes its own list to the technique."""
-    if isinstance(model, Classifier):
-        return [getattr(model.net, f"layer{i}") for i in range(1, 5)]
-    found = _find(model, _BLOCK_PATHS)
-    if not isinstance(found, nn.ModuleList):
-        raise ValueError(f"no transformer blocks found in {type(model).__name__} (looked for "
-                         f"{', '.join(_BLOCK_PATHS)}): pass the list of its repeated blocks "
-                         f"yourself, e.g. blocks=list(model.my_layers)")
-    return list(found)
+    torchvision ResNet's four stages (`layer1`..`layer4`, wrapped in the Classifier or not). A
+    model with none of these gets one line naming what to pass; a trainer with its own model
+    passes its own list to the technique."""
+    net = model.net if isinstance(model, Classifier) else model
+    if all(hasattr(net, f"layer{i}") for i in range(1, 5)):
+        return [getattr(net, f"layer{i}") for i in range(1, 5)]
+    for path in _BLOCK_PATHS:
+        try:
+            found = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(found, nn.ModuleList | nn.Sequential):
+            return list(found)
+    raise ValueError(f"no transformer blocks found in {type(model).__name__} (looked for "
+                     f"{', '.join(_BLOCK_PATHS)}): pass the list of its repeated blocks "
+                     f"yourself, e.g. blocks=list(model.my_layers)")
 
 
 def input_embedding(model: nn.Module) -> nn.Embedding | None:
@@ -490,9 +496,11 @@ def items_per_step(args: argparse.Namespace, dp_world: int) -> int:
 
 # ==== CLI =========================================================================================
 # The flags every script shares. A bad value ends with one line naming the flag to change.
-def parser(doc: str | None, long_context: bool = False) -> RecipeParser:
-    """The shared flags; a script adds its own. `long_context` picks the long-sequence shape."""
-    p = RecipeParser(doc, long_context)
+def parser(doc: str | None, long_context: bool = False,
+           skips: Mapping[str, str] | None = None) -> RecipeParser:
+    """The shared flags; a script adds its own. `long_context` picks the long-sequence shape;
+    `skips` maps a --model the technique does not apply to onto why (the run is `skipped`)."""
+    p = RecipeParser(doc, long_context, skips)
     p.add_argument("--size", default="small", choices=list(SIZES),
                    help="model/data preset (default: small)")
     p.add_argument("--model", default="gpt", choices=list(MODELS),
@@ -524,11 +532,13 @@ class RecipeParser(argparse.ArgumentParser):
     """argparse with one-line errors, the size's shape filled in after parsing, and the run's
     variant: its flags that differ from their defaults, which name its row in the report."""
 
-    def __init__(self, doc: str | None, long_context: bool = False):
+    def __init__(self, doc: str | None, long_context: bool = False,
+                 skips: Mapping[str, str] | None = None):
         self.own_flags: list[argparse.Action] | None = None  # `parser` starts the list
         # --help prints the module docstring as written: the script's card.
         super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
         self.long_context = long_context
+        self.skips = dict(skips or {})  # --model value -> why the technique does not apply
         self.output_only: set[str] = set()  # flags that change what is printed, not what runs
 
     def add_argument(self, *names, **options) -> argparse.Action:
@@ -545,6 +555,8 @@ class RecipeParser(argparse.ArgumentParser):
     def parse_args(self, args: Sequence[str] | None = None, namespace=None) -> argparse.Namespace:
         ns = super().parse_args(args, namespace)
         _RUN["args"] = ns  # a run that skips before `setup` is recorded too
+        if ns.model in self.skips:  # before the checks of a shape the run will never use
+            raise Skip(self.skips[ns.model])
         shape = self.fill_shape(ns)
         if ns.model == "resnet" and ns.batch_size < 2:
             self.error("--model resnet needs --batch-size >= 2 (BatchNorm normalises over the "

@@ -58,13 +58,11 @@ def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
 
 
 def main():
-    parser = common.parser(__doc__, long_context=True)
+    parser = common.parser(__doc__, long_context=True, skips={
+        "resnet": "a ResNet has no attention: the attention recipes run --model gpt or llama"})
     parser.add_argument("--bucket-mb", type=common.positive_float, default=None,
                         help="gradient bucket size in MiB (default: one block's gradients)")
     args = parser.parse_args()
-    if args.model == "resnet":
-        parser.error("the attention recipes need a decoder (--model gpt or llama): a ResNet has "
-                     "no attention")
     topo = common.setup(args)
     model, batches = common.workload(args, topo, attention=flash_attention)
     bucket_mb = args.bucket_mb or block_gradient_mb(common.transformer_blocks(model)[0])

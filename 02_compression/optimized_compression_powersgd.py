@@ -18,7 +18,8 @@ Run:        torchrun --nproc_per_node=2 02_compression/optimized_compression_pow
 Look for:   comm MB/step against baseline_compression's, the speedup at LINK=1gbit, and the max
             loss difference inside its tolerance.
 Theory:     theory.compression = (sum of n*m + uncompressed) / (sum of r(n+m) + uncompressed),
-            from the parameter shapes; each rank sends 2(N-1)/N x 4 bytes x that denominator.
+            from the parameter shapes; each rank sends 2(N-1)/N x b x that denominator, b the
+            bytes of a gradient value (4 in fp32, 2 in bf16).
             Accuracy depends on how much of each gradient lies in its top r directions: the
             embedding/head's gradient is far from low rank on this workload, hence sent whole.
 """

@@ -184,7 +184,9 @@ def activation_theory(args, checkpointing: bool) -> float:
 
 
 def main():
-    parser = common.parser(__doc__)
+    parser = common.parser(__doc__, skips={
+        "resnet": "a ResNet has no float8 linears to speak of (its convolutions stay as they "
+                  "are): FP8 runs --model gpt or llama"})
     parser.add_argument("--no-fp8", action="store_true", help="keep every linear in --dtype")
     parser.add_argument("--no-checkpointing", action="store_true",
                         help="keep every block's activations for backward")
@@ -194,8 +196,6 @@ def main():
                         metavar="MAX", help="clip the gradient to this global 2-norm before "
                         "each step, as optimized_fsdp.py does (default: no clipping)")
     args = parser.parse_args()
-    if args.model == "resnet":
-        parser.error("--model resnet has no float8 linears to speak of: use --model gpt or llama")
     compile_blocks = torch.cuda.is_available() if args.compile is None else args.compile
     fp8, checkpointing = not args.no_fp8, not args.no_checkpointing
     topo = common.setup(args)

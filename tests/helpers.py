@@ -93,6 +93,29 @@ def assert_bad_input_is_one_line(script: Path, flags: list[str], hint: str, tmp_
     assert not results.exists()
 
 
+def assert_skipped_with_why(script: Path, flags: list[str], hint: str, tmp_path: Path) -> None:
+    """The script, asked for what it does not apply to (`--model resnet` to a pipeline), records
+    `skipped` with a reason naming `hint`, prints that one line and exits 0, before joining the
+    group. In this process, as `assert_bad_input_is_one_line`."""
+    results = tmp_path / "r.jsonl"
+
+    def reached(args):
+        raise AssertionError(f"{script.name} went on with {flags}")
+
+    saved = sys.argv, common.setup, common.faulthandler.enable
+    sys.argv, common.setup = [str(script), *flags, "--results", str(results)], reached
+    common.faulthandler.enable = lambda: None  # it needs a real stderr; this one is a StringIO
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            common.run_main(load_recipe(script).main)
+    finally:
+        sys.argv, common.setup, common.faulthandler.enable = saved
+    (line,) = err.getvalue().strip().splitlines()
+    assert line.startswith("skipped: ") and hint in line, line
+    (rec,) = common.load_results(results)
+    assert rec["status"] == "skipped" and hint in rec["reason"]
+
 def readme_python_block(readme: Path, heading: str = "## Use it in your trainer") -> str:
     """The one ```python block of the README's section under `heading` (up to the next heading
     of its level or above), as it stands: what a "Use it in your trainer" test runs."""

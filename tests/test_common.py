@@ -181,6 +181,10 @@ def test_the_adapter_finds_the_parts_of_each_model_by_identity():
     assert common.input_embedding(llama) is llama.model.embed_tokens
     assert common.output_head(llama) is llama.lm_head
     assert common.input_embedding(resnet) is None and common.output_head(resnet) is resnet.net.fc
+    assert common.transformer_blocks(resnet.net) == common.transformer_blocks(resnet)  # unwrapped
+    timm_like = torch.nn.Module()  # blocks in a Sequential, as timm's ViT keeps them
+    timm_like.blocks = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    assert common.transformer_blocks(timm_like) == list(timm_like.blocks)
 
 
 def test_a_model_without_known_blocks_gets_one_line_naming_what_to_pass():

@@ -22,6 +22,7 @@ import report
 from helpers import (
     LAUNCH_TIMEOUT,
     assert_bad_input_is_one_line,
+    assert_skipped_with_why,
     assert_within_its_tolerance,
     finish,
     load_recipe,
@@ -188,11 +189,15 @@ def test_two_nodes_on_localhost(tmp_path):
     ("baseline_ddp.py", ["--steps", "-1"], "--steps"),
     ("optimized_ddp.py", ["--size", "tiny", "--accum", "3"], "--accum"),
     ("optimized_ddp.py", ["--bucket-mb", "0"], "--bucket-mb"),
-    ("baseline_ddp_flash.py", ["--model", "resnet"], "--model"),  # a CNN has no attention
-    ("optimized_ddp_flash.py", ["--model", "resnet"], "--model"),
 ])
 def test_bad_input_exits_nonzero_with_one_line(script, flags, hint, tmp_path):
     assert_bad_input_is_one_line(DDP / script, flags, hint, tmp_path)
+
+
+@pytest.mark.parametrize("script", ["baseline_ddp_flash.py", "optimized_ddp_flash.py"])
+def test_the_attention_pair_skips_a_model_without_attention(script, tmp_path):
+    assert_skipped_with_why(DDP / script, ["--model", "resnet"], "a ResNet has no attention",
+                            tmp_path)
 
 
 # --- The README's "Use it in your trainer" ------------------------------------------------------

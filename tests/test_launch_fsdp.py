@@ -25,6 +25,7 @@ import common
 import report
 from helpers import (
     assert_bad_input_is_one_line,
+    assert_skipped_with_why,
     assert_within_its_tolerance,
     finish,
     load_recipe,
@@ -309,9 +310,9 @@ def test_fp8_trains_within_its_tolerance_and_gathers_fewer_bytes(ablation):
     assert sum(both["gathered_mb"].values()) < 0.6 * sum(exact["gathered_mb"].values())
 
 
-def test_fp8_bad_input_is_one_line(tmp_path):
-    assert_bad_input_is_one_line(FOLDER / "optimized_fsdp_fp8.py", ["--model", "resnet"],
-                                 "--model", tmp_path)
+def test_fp8_skips_a_model_without_linears_to_convert(tmp_path):
+    assert_skipped_with_why(FOLDER / "optimized_fsdp_fp8.py", ["--model", "resnet"],
+                            "a ResNet has no float8 linears", tmp_path)
 
 
 # --- The units in a trainer of one's own, in spawned gloo processes ----------------------------
