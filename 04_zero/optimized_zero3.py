@@ -10,7 +10,9 @@ starting the next block's), and, as in ZeRO-2, reduce-scatter its gradients as s
 has produced them (accumulating over backward passes until the step), freeing the parameters
 then. The root unit (embeddings, final norm, head), used at both ends of the step, stays
 gathered from forward's start to backward's end, as FSDP2's root does. `step()` updates the
-owned slices in place: nothing to all-gather after it. --clip-grad-norm as in ZeRO-1.
+owned slices in place and frees any bucket still gathered (the root after an evaluation
+between backward and step), so the next forward gathers the new values. --clip-grad-norm as
+in ZeRO-1.
 Why it helps: memory per rank falls to 16 bytes per fp32 parameter / N, plus about two blocks
 and the root in full, so a model N times larger than one rank's memory trains; the price, one
 more all-gather of the parameters a step (1.5x ZeRO-2's traffic), prefetching hides where it can.
@@ -184,7 +186,8 @@ class ParamGatherer:
     forward: gather it (if its prefetch has not) and start the next block's all-gather; after:
     free it, and hook its output's gradient, which arrives just before backward enters the
     block, to gather it again and start the previous block's. The root unit is gathered
-    before the model's forward and freed by GradReducer after its backward."""
+    before the model's forward and freed by GradReducer after its backward. A bucket already
+    gathered is not gathered again: `free_all` before the shards change."""
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], shards: list[nn.Parameter],
                  unsharded: list[torch.Tensor], group: dist.ProcessGroup | None):
@@ -225,6 +228,15 @@ class ParamGatherer:
 
     def free(self, i: int) -> None:
         self.unsharded[i].untyped_storage().resize_(0)
+
+    def free_all(self) -> None:
+        """Every bucket back to its shards: those a forward without backward left gathered (an
+        evaluation keeps the root) would otherwise serve the next forward their old values."""
+        for work in self.pending.values():  # reading the shards: done before they change
+            work.wait()
+        self.pending.clear()
+        for i in range(len(self.unsharded)):
+            self.free(i)
 
 
 class GradReducer:
@@ -350,6 +362,7 @@ class ZeRO3(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self) -> None:
+        self.gatherer.free_all()
         self.reducer.average()
         if self.max_grad_norm:
             clip_grad_norm_(owned_grads(self.buckets, self.shards, self.rank),

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -44,7 +45,8 @@ def pytorch_zero1(model: nn.Module, topo: common.Topology, lr: float,
                   group: dist.ProcessGroup | None = None):
     """DDP + ZeroRedundancyOptimizer, both over `group` (None: the world). Returns the model to
     train, the optimizer to step and the one whose state this rank holds
-    (ZeroRedundancyOptimizer's AdamW over its share)."""
+    (ZeroRedundancyOptimizer's AdamW over its share). Ranks seeded apart train alike: DDP
+    broadcasts the group's first rank's parameters and buffers when it wraps the model."""
     ddp = DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
               process_group=group, gradient_as_bucket_view=True, static_graph=True)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
@@ -52,12 +54,29 @@ def pytorch_zero1(model: nn.Module, topo: common.Topology, lr: float,
     return ddp, opt, opt.optim
 
 
-def pytorch_zero3(model: nn.Module, blocks: list[nn.Module], lr: float):
+# Copied from 03_fsdp/optimized_fsdp.py: same_weights_on_every_rank
+def same_weights_on_every_rank(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every rank of the mesh starts from the mesh's first rank's parameters and buffers, as DDP
+    does: fully_shard keeps each rank's slice of that rank's own copy, so ranks seeded apart
+    would train a patchwork of initializations. Dim by dim: after dim 0 each rank holds its
+    dim-0 group's first rank's tensors, after the last every rank holds the mesh's first's."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        for t in tensors:
+            dist.broadcast(t.detach(), dist.get_global_rank(group, 0), group=group)
+
+
+def pytorch_zero3(model: nn.Module, blocks: list[nn.Module], lr: float,
+                  group: dist.ProcessGroup | None = None):
     """FSDP2 on each block, then on the model for what is left (embeddings, final norm, head:
-    the root unit of the hand-written stages)."""
+    the root unit of the hand-written stages), over `group` (None: the world) as a 1-D mesh,
+    every rank starting from the group's first rank's weights, as under DDP."""
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, next(model.parameters()).device.type)
+    same_weights_on_every_rank(model, mesh)
     for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     return model, opt, opt
 

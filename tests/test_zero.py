@@ -7,8 +7,10 @@ launches), one spawn per world size; rank 0 writes the records and the tests com
 Then the ZeRO1/2/3 objects as a user's trainer calls them, in-process on the tiny Llama (one
 spawn of 2 ranks, one of 3): a plain zero_grad/backward/step loop and 2-micro-batch
 accumulation against DDP (with no_sync), ranks seeded apart, a bf16 model staying bf16, ranks
-{0, 1} of 3 as a sub-group against a world of 2, the model's own zero_grad(), the ResNet's
-BatchNorm buffers, and the README's "Use it in your trainer" lines as written.
+{0, 1} of 3 as a sub-group against a world of 2, the model's own zero_grad(), an evaluation
+forward between backward and step, the ResNet's BatchNorm buffers, and the README's "Use it in
+your trainer" lines as written; and PyTorch's own ZeRO (optimized_zero_pytorch.py's units) on
+ranks seeded apart.
 """
 
 import os
@@ -24,6 +26,7 @@ from helpers import TINY, assert_within_its_tolerance, load_recipe, readme_pytho
 
 FOLDER = common.ROOT / "04_zero"
 STAGES = {stage: load_recipe(FOLDER / f"optimized_zero{stage}.py") for stage in (1, 2, 3)}
+PYTORCH_ZERO = load_recipe(FOLDER / "optimized_zero_pytorch.py")
 SIZE = common.SIZES["tiny"]
 
 
@@ -275,10 +278,12 @@ def tiny_resnet(seed: int = 0) -> common.Classifier:
 
 
 def train(kind, group=None, accum: int = 1, seed: int = 0, dtype=None,
-          model_zero_grad: str | None = None, resnet: bool = False) -> dict:
-    """kind: "ddp" or a ZeRO stage, on the tiny Llama (`resnet`: the ResNet, whose BatchNorm
-    buffers are returned too). model_zero_grad: "also" calls model.zero_grad() after the
-    optimizer's, "only" instead of it."""
+          model_zero_grad: str | None = None, resnet: bool = False,
+          evaluate_before_step: bool = False) -> dict:
+    """kind: "ddp", a ZeRO stage, or "pytorch1"/"pytorch3" (optimized_zero_pytorch.py's units),
+    on the tiny Llama (`resnet`: the ResNet, whose BatchNorm buffers are returned too).
+    model_zero_grad: "also" calls model.zero_grad() after the optimizer's, "only" instead of
+    it. evaluate_before_step: a no_grad forward (as for logging) between backward and step."""
     from contextlib import nullcontext
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -287,6 +292,13 @@ def train(kind, group=None, accum: int = 1, seed: int = 0, dtype=None,
     if kind == "ddp":
         net = DDP(model, process_group=group)
         opt = torch.optim.AdamW(net.parameters(), lr=LR)
+    elif kind == "pytorch1":
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        topo = common.Topology(rank, rank, world, world, 1, "gloo", torch.device("cpu"))
+        net, opt, _ = PYTORCH_ZERO.pytorch_zero1(model, topo, LR, group=group)
+    elif kind == "pytorch3":
+        net, opt, _ = PYTORCH_ZERO.pytorch_zero3(model, common.transformer_blocks(model), LR,
+                                                 group=group)
     else:
         net, opt = model, ZERO[kind](model, common.transformer_blocks(model), lr=LR, group=group)
     *batches, (eval_x, eval_y) = group_batches(group, images=resnet)
@@ -304,13 +316,16 @@ def train(kind, group=None, accum: int = 1, seed: int = 0, dtype=None,
                 loss = net(x, y) / accum
                 loss.backward()
             total += loss.item()
+        if evaluate_before_step:
+            with torch.no_grad():
+                net(eval_x, eval_y)
         opt.step()
         losses.append(total)
     with torch.no_grad():
         final = net(eval_x, eval_y).item()
     state = [v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"]
     dtypes = {p.dtype for p in model.parameters()} | set(state)
-    if kind != "ddp":
+    if isinstance(kind, int):
         dtypes |= {p.dtype for p in opt.shards}
     return {"losses": losses, "final": final, "dtypes": sorted(map(str, dtypes)),
             "buffers": [b.detach().double().sum().item() for b in model.buffers()]}
@@ -360,6 +375,10 @@ def scenarios(world: int, rank: int) -> dict:
             calls[f"zero{k} resnet"] = lambda k=k: train(k, seed=rank, resnet=True)
             calls[f"zero{k} model.zero_grad also"] = lambda k=k: train(k, model_zero_grad="also")
             calls[f"zero{k} model.zero_grad only"] = lambda k=k: train(k, model_zero_grad="only")
+            calls[f"zero{k} evaluated before step"] = lambda k=k: train(
+                k, evaluate_before_step=True)
+        for k in (1, 3):
+            calls[f"pytorch{k} seeded by rank"] = lambda k=k: train(f"pytorch{k}", seed=rank)
         calls["zero3 shards"] = zero3_shards
         calls["readme"] = run_readme_snippet
     return calls
@@ -468,6 +487,24 @@ def test_the_models_own_zero_grad_works_or_raises(units_run, stage):
     for rank in (0, 1):
         error = runs[rank][f"zero{stage} model.zero_grad only"].get("error", "")
         assert error.startswith("RuntimeError") and "zero_grad()" in error
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_no_grad_forward_between_backward_and_step_changes_nothing(units_run, stage):
+    """An evaluation (as for logging) after backward gathers the weights as they were before the
+    step: the step must not leave them for the next forward to reuse."""
+    runs = units_run(2)
+    assert_trains_like(result(runs, f"zero{stage} evaluated before step"), result(runs, "ddp"))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pytorchs_zero_on_ranks_seeded_apart_trains_like_ddp(units_run, stage):
+    """fully_shard keeps each rank's slice of its own weights: pytorch_zero3 first broadcasts
+    the first rank's (pytorch_zero1's DDP does so itself)."""
+    runs = units_run(2)
+    for rank in (0, 1):
+        assert_trains_like(result(runs, f"pytorch{stage} seeded by rank", rank),
+                           result(runs, "ddp", rank))
 
 
 def test_zero3_keeps_one_slice_per_rank_and_frees_the_full_parameters(units_run):
