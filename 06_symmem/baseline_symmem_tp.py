@@ -5,20 +5,15 @@ What it does (Megatron-LM's split): every rank holds 1/N of each block's heads a
 all N ranks train one model on one batch. In a block, attention's qkv and the MLP's fc are
 column-parallel (my rows: my heads' q, k, v, my hidden units), proj and fc_proj row-parallel (my
 columns); each rank's output is a partial sum. Between blocks the activations are split along
-the sequence (sequence parallelism: rank r holds tokens r*T*B/N.. of the sequence-major
-(T, B) grid), so the norms and residual adds are 1/N each. Before a column-parallel linear an
+the sequence (sequence parallelism: rank r holds tokens r*T*B/N.. of the sequence-major (T, B)
+grid), so the norms and residual adds are 1/N each. Before a column-parallel linear an
 all-gather of the sequence shards, after a row-parallel one a reduce-scatter into them;
-backward is the mirror image (the input's gradient reduce-scattered, the output's gathered).
-Embeddings, final norm and the tied head are replicated, each rank running them on its own
-tokens: with sequence parallelism a replicated head does no duplicate work, and at this vocab
-(1K) a vocab-parallel loss would cost more collectives than the one all-reduce of the
-replicated parts' gradients. Heads and units that do not divide by N split unevenly.
---model llama: a rank holds whole KV heads with their query heads (q, k, v column-parallel, o
-row-parallel), SwiGLU's gate and up column-parallel and down row-parallel, no biases; rotary
-runs after the gather (positions 0..T-1); the untied head is replicated. KV heads split
-unevenly too; more ranks than KV heads are skipped. --model resnet is refused (a CNN has no
-heads or MLP matrices to split). TensorParallelDecoder takes a model's parts (blocks,
-embedding, norm, head) and the collectives, which take the process group (default: world).
+backward is the mirror image. Embeddings, final norm and head are replicated, run on each
+rank's own tokens (at this 1K vocab a vocab-parallel loss would cost more collectives than the
+one all-reduce of their gradients). Heads and units that do not divide by N split unevenly.
+--model llama: whole KV heads with their query heads, and SwiGLU (README, "How it works").
+TensorParallelDecoder takes a model's parts (blocks, embedding, norm, head) and the
+collectives, which take the process group (default: world).
 Why: a model whose layers do not fit one GPU's memory, or a batch too small to split, still
 spreads over the GPUs of a node; the cost is 8 collectives of the activations per block.
 Run:        torchrun --nproc_per_node=2 06_symmem/baseline_symmem_tp.py --size small
@@ -26,8 +21,7 @@ Look for:   `make symmem report`: the step time optimized_symmem_tp.py beats; lo
             baseline_symmem_training's at the same global batch (N x 4 sequences).
 Theory:     comm MB/step: per block 4 all-gathers and 4 reduce-scatters of T x B x d values
             (4 bytes, 2 in bf16), (N-1)/N each, plus an all-reduce of the replicated gradients.
-            state: 16 bytes a parameter, of the blocks' 1/N (by heads or KV groups, and units)
-            plus the replicated parts (every parameter no block slices).
+            state: 16 bytes a parameter, of the blocks' 1/N plus every parameter they leave whole.
 """
 
 import sys

@@ -2,32 +2,26 @@
 scatter of baseline_symmem_tp.py done chunk by chunk, the chunk already here multiplied while the
 peers' arrive.
 
-What it does: the same model (GPT or --model llama), split and sequence parallelism as the
-baseline; only TP's two communicating matmuls change (the issue torchtitan's async TP solves
-on GPUs). The collectives take a process group (default: the world).
-- all-gather+matmul: I write my sequence shard into my slot and raise my flag, multiply it at
-  once, then take each peer's shard (the next rank's first) as soon as its flag is up: copy it
-  into the gathered input (kept for backward) and multiply it.
-- matmul+reduce-scatter: I multiply the rows each peer owns first, straight into my slot (no
-  copy in), raise my flag, then my own rows, and add each peer's partial of my rows as its flag
-  comes up.
-CPU: the /dev/shm segment of optimized_symmem_allreduce.py, the same class (flags, one slot a
-rank, unlinked once mapped; x86-64, one node). Each slot ends with the time it was written, one
-clock for the host, so a rank measures how long after a call begins its peers' chunks have all
-arrived, and how much of that it spent multiplying and copying rather than waiting: `overlap` in
-the record, over all ranks and the timed steps. CUDA: PyTorch's
-`torch.ops.symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`, the kernels
-torchtitan's async TP runs (`overlap` not measured there).
-Why it helps: the blocking baseline waits for each whole collective, through gloo's sockets on
-CPU, before its matmul starts; here the local chunk's matmul hides the peers' arrival, and the
-bytes move through memory every rank maps (the speedup over the baseline is both: transport and
-overlap).
+What it does: the baseline's model (GPT or --model llama), split (sequence parallelism too) and
+process group (default: the world); only TP's two communicating matmuls change, as in
+torchtitan's async TP on GPUs.
+- all-gather+matmul: I write my sequence shard into my slot, raise my flag, multiply it, then
+  each peer's as its flag comes up (the next rank's first), copied into the gathered input.
+- matmul+reduce-scatter: I multiply the rows each peer owns first, straight into my slot, raise
+  my flag, then my own rows, and add each peer's partial of my rows as its flag comes up.
+CPU: optimized_symmem_allreduce.py's /dev/shm segment (x86-64, one node). Each slot ends with
+the time it was written, one clock for the host: `overlap` in the record is the share of the
+time from a call's start to its peers' last chunk spent multiplying and copying, not waiting.
+CUDA: `torch.ops.symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`, torchtitan's
+async TP kernels (`overlap` not measured).
+Why it helps: the baseline waits for each whole collective (gloo's sockets on CPU) before its
+matmul starts; here the local chunk's matmul hides the peers' arrival, and the bytes move
+through memory every rank maps (the speedup is both: transport and overlap).
 Run:        torchrun --nproc_per_node=2 06_symmem/optimized_symmem_tp.py --size small
-Look for:   `make symmem report`: speedup over baseline_symmem_tp (and over
-            optimized_symmem_tp_pytorch, DTensor's TP), same losses, `overlap`.
-Theory:     as the baseline's: comm MB/step = the bytes read out of peers' slots, 8 x (N-1)/N of
-            T x B x d values per block (4 bytes, 2 in bf16), plus the replicated gradients'
-            all-reduce.
+Look for:   `make symmem report`: speedup over baseline_symmem_tp and DTensor's TP
+            (optimized_symmem_tp_pytorch), same losses, `overlap`.
+Theory:     as the baseline's, read out of peers' slots: 8 x (N-1)/N of T x B x d values a block
+            (4 bytes, 2 in bf16), plus the replicated gradients' all-reduce.
 """
 
 import itertools

@@ -5,21 +5,17 @@ What it does: the split of baseline_symmem_tp.py, said as a plan over a 1-D Devi
 ranks (gloo on CPU, NCCL on CUDA): the norms SequenceParallel (activations sharded along the
 sequence, Shard(1)), attention's input gathered to Replicate (PrepareModuleInput), q, k, v and
 fc ColwiseParallel, proj and fc_proj RowwiseParallel back to Shard(1) (a reduce-scatter).
-DTensor issues the collectives and reduces the replicated parameters' gradients itself. Two
-changes to the model, no change to its math: ColwiseParallel splits a Linear's rows evenly,
-which on the fused qkv would hand rank 0 all of q, so q, k and v become three Linears
-(torchtitan's models have them so); and where heads or hidden units do not divide by N they are
-padded with zero weights, which give zero outputs and zero gradients and so stay zero under
-AdamW. Embeddings, final norm and head stay plain and replicated, run on each rank's own tokens;
-every parameter that is not a DTensor (an untied head too) has its gradient all-reduced, as in
-the hand-written scripts. --model llama: torchtitan's plan (q, k, v, gate, up Colwise, o, down
-Rowwise, the RMSNorms SequenceParallel), KV heads with their query heads padded to N's
-multiple. On CUDA each block is compiled with inductor's micro-pipeline TP (the mesh's group
-enabled for symmetric memory, as torchtitan does), which rewrites every all-gather+matmul and
-matmul+reduce-scatter into the symmetric-memory kernels optimized_symmem_tp.py calls
-(torchtitan's async TP). Under bf16 autocast DTensor gathers the norms' fp32 outputs before the
-Linears cast them: twice the bytes of the hand-written gathers (torchtitan's norms output
-bf16, under FSDP's bf16 parameters).
+Two changes to the model, none to its math: ColwiseParallel splits a Linear's rows evenly,
+which on the fused qkv would hand rank 0 all of q, so q, k and v become three Linears (as in
+torchtitan's models); heads or hidden units that do not divide by N are padded with zero
+weights, which give zero outputs and gradients and so stay zero under AdamW. --model llama:
+torchtitan's plan, KV groups padded (README, "How it works"). Embeddings, final norm and head
+stay plain, run on each rank's own tokens; every parameter that is not a DTensor has its
+gradient all-reduced by hand, the DTensors' by DTensor. On CUDA each block is compiled with
+inductor's micro-pipeline TP (the mesh's group enabled for symmetric memory), which rewrites
+each all-gather+matmul and matmul+reduce-scatter into the kernels optimized_symmem_tp.py calls
+(torchtitan's async TP). Under bf16 autocast DTensor gathers the norms' fp32 outputs: twice
+the hand-written gathers' bytes.
 Why: it is what a user would reach for first; the hand-written scripts must beat it.
 Run:        torchrun --nproc_per_node=2 06_symmem/optimized_symmem_tp_pytorch.py --size small
 Look for:   `make symmem report`: beside optimized_symmem_tp, against the same baseline; losses

@@ -27,6 +27,7 @@ Theory:     optimizer state 2BP/N bytes a rank (2BP replicated), P = parameter c
             (replicated) or of parameters (CUDA).
 """
 
+import functools
 import mmap
 import os
 import platform
@@ -183,7 +184,8 @@ class SymmetricBuffers:
         self.timeout_ms = int(timeout * 1000)
         self.bounds = [numel * k // self.world for k in range(self.world + 1)]
         self.mine = slice(self.bounds[self.rank], self.bounds[self.rank + 1])
-        self.grads = symm_mem.empty(numel, dtype=dtype, device=device)
+        # zeros, as the CPU slots: a first backward before any zero_grad() starts from nothing
+        self.grads = symm_mem.empty(numel, dtype=dtype, device=device).zero_()
         self.grad_handle = symm_mem.rendezvous(self.grads, name)
         self.peer_grads = peer_views(self.grad_handle, numel, dtype)
         self.params = self.param_handle = None
@@ -265,7 +267,9 @@ class SymmetricMemoryAdamW:
     backward accumulates there; `step()` reduces the mean gradient and steps AdamW on this
     rank's 1/N (`replicated`: on all of it, after an all-reduce through the slots). A `.grad`
     the user's `model.zero_grad()` set to None and backward made anew is copied back into the
-    slot at `step()`, so that loop trains too. `adamw` goes to torch.optim.AdamW."""
+    slot at `step()`, so that loop trains too. After `step()` the slot holds the reduced
+    gradient: a backward into it before this object's `zero_grad()` raises RuntimeError (it
+    would add to it). `adamw` goes to torch.optim.AdamW."""
 
     def __init__(self, model: torch.nn.Module, *, group: dist.ProcessGroup | None = None,
                  replicated: bool = False, timeout: float = 300.0, **adamw):
@@ -288,7 +292,10 @@ class SymmetricMemoryAdamW:
             p.data = flat[offset:offset + n].view_as(p)
             p.grad = self.buffers.grads[offset:offset + n].view_as(p)
             self.grad_views.append(p.grad)
+            p.register_post_accumulate_grad_hook(
+                functools.partial(self.refuse_backward_into_a_stepped_slot, view=p.grad))
             offset += n
+        self.needs_zero_grad = False  # step() ran since zero_grad()
         if replicated:
             self.optimizer = torch.optim.AdamW(self.params, **adamw)
             self.reduce_grads = self.buffers.all_reduce_grads
@@ -299,11 +306,21 @@ class SymmetricMemoryAdamW:
             self.reduce_grads = self.buffers.reduce_my_share
         self.buffer_hook = keep_buffers_in_step(model, group)
 
+    def refuse_backward_into_a_stepped_slot(self, p: torch.nn.Parameter, view: torch.Tensor
+                                            ) -> None:
+        """Backward accumulated into `p.grad`: if that is still its `view` of the slot and
+        step() ran since zero_grad(), it added to the reduced gradient (a `.grad` set to None
+        and made anew is the model.zero_grad() loop, copied in at step())."""
+        if self.needs_zero_grad and p.grad is view:
+            raise RuntimeError(f"backward after {type(self).__name__}.step() without its "
+                               "zero_grad(): call it before each step's first backward")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the slot in place, whatever `set_to_none` says: the gradients are the slot."""
         for p, view in self.detached_gradients():
             p.grad = view
         self.buffers.grads.zero_()
+        self.needs_zero_grad = False
 
     def detached_gradients(self):
         """(parameter, its view of the slot) where the user's `model.zero_grad()` set the
@@ -323,6 +340,7 @@ class SymmetricMemoryAdamW:
         self.reduce_grads()
         self.optimizer.step()
         self.buffers.finish_step()
+        self.needs_zero_grad = True
 
 
 def main():
