@@ -332,7 +332,7 @@ class TensorParallelLlamaLayer(nn.Module):
     two RMSNorms, no biases) with my KV heads, their query heads and my SwiGLU units: q, k, v
     and gate, up column-parallel (each trio or pair one gather: their rows side by side), o and
     down row-parallel. A rank holds whole KV groups: KV heads that do not divide by N split
-    unevenly, as the GPT's heads; more ranks than KV heads are refused before setup.
+    unevenly, as the GPT's heads; more ranks than KV heads are skipped before setup.
     `attention(q, k, v)`: causal, on (batch, heads, seq, head_dim); rotary is common's."""
 
     def __init__(self, layer: nn.Module, comm, attention: Callable = common.causal_sdpa):
@@ -448,10 +448,9 @@ def tensor_parallel_setup(parser, comm_of):
     rank) and the TP model with `comm_of(args, topo)` as its collectives (`model.comm`); the
     replicated parameters first, so that their gradients are one slice of one flat buffer."""
     parser.set_defaults(batch_size=0)
+    parser.skips["resnet"] = ("a ResNet has no attention heads or MLP matrices for tensor "
+                              "parallelism to split: TP runs --model gpt or llama")
     args = parser.parse_args()
-    if args.model == "resnet":
-        parser.error("--model resnet: tensor parallelism splits a decoder's attention heads "
-                     "and MLP matrices, which a CNN has not; use --model gpt or llama")
     world = common.launch_world_size()
     if why := tp_degree_problem(args, world):
         raise common.Skip(why)

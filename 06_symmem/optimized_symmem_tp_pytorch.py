@@ -218,12 +218,11 @@ def decoder_parts(model: common.Decoder) -> dict:
 
 
 def main():
-    parser = common.parser(__doc__)
+    parser = common.parser(__doc__, skips={
+        "resnet": "a ResNet has no attention heads or MLP matrices for tensor parallelism to "
+                  "split: TP runs --model gpt or llama"})
     parser.set_defaults(batch_size=0)
     args = parser.parse_args()
-    if args.model == "resnet":
-        parser.error("--model resnet: tensor parallelism splits a decoder's attention heads "
-                     "and MLP matrices, which a CNN has not; use --model gpt or llama")
     world = common.launch_world_size()
     if why := tp_degree_problem(args, world):
         raise common.Skip(why)

@@ -15,6 +15,7 @@ import report
 from helpers import (
     TINY,
     assert_bad_input_is_one_line,
+    assert_skipped_with_why,
     assert_within_its_tolerance,
     cpu_env,
     finish,
@@ -146,11 +147,16 @@ def test_tensor_parallelism_trains_the_data_parallel_model_with_its_bytes_and_st
     ("optimized_symmem_allreduce", ["--sizes", "4K,4098"], "multiple of 4"),
     ("baseline_symmem_allreduce", ["--sizes", "4Q"], "--sizes"),
     ("optimized_symmem_allreduce", ["--ops", "all_reduce,broadcast"], "--ops broadcast"),
-    *((script, ["--model", "resnet"], "--model resnet") for script in (
-        "baseline_symmem_tp", "optimized_symmem_tp", "optimized_symmem_tp_pytorch")),
 ])
 def test_bad_input_exits_2_with_one_line(script, flags, hint, tmp_path):
     assert_bad_input_is_one_line(FOLDER / f"{script}.py", flags, hint, tmp_path)
+
+
+@pytest.mark.parametrize("script", ["baseline_symmem_tp", "optimized_symmem_tp",
+                                    "optimized_symmem_tp_pytorch"])
+def test_tensor_parallelism_skips_a_model_it_cannot_split(script, tmp_path):
+    assert_skipped_with_why(FOLDER / f"{script}.py", ["--model", "resnet"],
+                            "a ResNet has no attention heads", tmp_path)
 
 
 @pytest.mark.parametrize("script", ["baseline_symmem_allreduce", "optimized_symmem_allreduce"])
