@@ -206,6 +206,10 @@ def test_model_passes_to_every_script_and_names_its_logs(tmp_path):
     default = subprocess.run(["make", "-n", "ddp", f"PYTHON={sys.executable}"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=60)
     assert "--model" not in default.stdout  # each script's own default: the GPT
+    extra = {model: subprocess.run(["make", "-n", "symmem", f"PYTHON={sys.executable}",
+                                    f"MODEL={model}"], cwd=common.ROOT, capture_output=True,
+                                   text=True, timeout=60).stdout for model in ["llama", "resnet"]}
+    assert "--seq-len 32" in extra["llama"] and "--seq-len 32" not in extra["resnet"]
 
 
 def test_a_run_its_script_refuses_shows_and_records_the_scripts_own_line(tmp_path):
