@@ -2,7 +2,7 @@
 
 What it does: the decoder's layers (GPT or Llama) are cut into p stages; half the m micro-batches
 go through them from rank 0 to rank p-1, the other half back, so rank r holds stages r and p-1-r
-and sums their gradients with rank p-1-r each step (`sum_with_twin`, one exchange; a tied
+and sums their gradients with rank p-1-r each step (`TwinGradients`, one exchange; a tied
 embedding and head are among them): the unsplit model, exactly. The split backward, the runtime
 and the schedule are DualPipeV's with every count halved: p and m even, m >= 2p.
 Why it helps: each direction's idle start is filled by the other's work, the W's fill the rest:
@@ -297,22 +297,37 @@ class PipelineRank:
         return loss
 
 
-def sum_with_twin(params: list[nn.Parameter], loss: torch.Tensor,
-                  group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """This rank's and its twin's (rank p-1-r of `group`, default the world, which holds the
-    same two stages) gradients and losses, each from half of the micro-batches, summed: one
-    exchange by send/recv (a new process group would be collective over the whole world).
-    Returns the step's loss."""
-    group = dist.group.WORLD if group is None else group
-    twin = dist.get_global_rank(group, dist.get_world_size(group) - 1 - dist.get_rank(group))
-    flat = torch.cat([q.grad.flatten() for q in params] + [loss.view(1)])
-    theirs = torch.empty_like(flat)
-    for work in [dist.isend(flat, twin, group=group), dist.irecv(theirs, twin, group=group)]:
-        work.wait()
-    *grads, loss = (flat + theirs).split([q.numel() for q in params] + [1])
-    for q, grad in zip(params, grads, strict=True):
-        q.grad.copy_(grad.view_as(q))
-    return loss[0]
+class TwinGradients:
+    """Rank r of `group` (default: the world) and its twin, rank p-1-r, hold the same two
+    stages, `params` (in the same order on both). Building it makes the twins' weights equal,
+    the lower twin's (as DDP broadcasts from its first rank): ranks may seed apart. `sum` then
+    adds this rank's and its twin's gradients and losses, each from half of the micro-batches:
+    one exchange. By send/recv: a new process group would be collective over the whole world."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None = None):
+        self.params, self.group = params, dist.group.WORLD if group is None else group
+        rank, p = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.twin = dist.get_global_rank(self.group, p - 1 - rank)
+        flat = torch.cat([q.detach().flatten() for q in params])
+        if rank < p - 1 - rank:
+            dist.send(flat, self.twin, group=self.group)
+        else:
+            dist.recv(flat, self.twin, group=self.group)
+            with torch.no_grad():
+                for q, value in zip(params, flat.split([q.numel() for q in params]), strict=True):
+                    q.copy_(value.view_as(q))
+
+    def sum(self, loss: torch.Tensor) -> torch.Tensor:
+        """After a step's `run`: every gradient and the loss summed with the twin's."""
+        flat = torch.cat([q.grad.flatten() for q in self.params] + [loss.view(1)])
+        theirs = torch.empty_like(flat)
+        for work in [dist.isend(flat, self.twin, group=self.group),
+                     dist.irecv(theirs, self.twin, group=self.group)]:
+            work.wait()
+        *grads, loss = (flat + theirs).split([q.numel() for q in self.params] + [1])
+        for q, grad in zip(self.params, grads, strict=True):
+            q.grad.copy_(grad.view_as(q))
+        return loss[0]
 
 
 # Copied from 05_pipeline/optimized_pipeline_1f1b.py: cross_entropy
@@ -364,10 +379,11 @@ def main():
     del model, stages  # the other ranks' layers are freed: a rank holds its stages only
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=args.lr)
     held = list(pipe.layers.parameters())
+    twins = TwinGradients(held)  # the twins start from the lower one's weights
 
     def train_step(tokens, targets):
         opt.zero_grad(set_to_none=True)
-        loss = sum_with_twin(held, pipe.run(tokens, targets))
+        loss = twins.sum(pipe.run(tokens, targets))
         opt.step()
         return loss
 

@@ -95,8 +95,9 @@ class TiedGradients:
     `group` hold too (a tied embedding and head, on the first and last stages), with theirs, as
     Megatron-LM sums its embedding's and head's. Only what one step adds is summed: what earlier
     steps left in `.grad` (gradient accumulation) stays counted once. Building it is collective
-    over `group` (each rank says whether it holds any); the holders then swap their gradients
-    by send/recv, a new process group being collective over the whole world."""
+    over `group` (each rank says whether it holds any) and makes the holders' copies equal, the
+    lowest holder's (as DDP broadcasts from its first rank): ranks may seed apart. The holders
+    talk by send/recv, a new process group being collective over the whole world."""
 
     def __init__(self, weights: list[nn.Parameter], group: dist.ProcessGroup):
         holds = [False] * dist.get_world_size(group)
@@ -104,6 +105,12 @@ class TiedGradients:
         self.group, self.rank = group, dist.get_rank(group)
         self.holders = [r for r, held in enumerate(holds) if held]
         self.weights = weights if len(self.holders) > 1 else []  # alone: autograd summed them
+        for w in self.weights:  # the same list on every holder: the same order
+            if self.rank == self.holders[0]:
+                for r in self.holders[1:]:
+                    dist.send(w.detach(), dist.get_global_rank(group, r), group=group)
+            else:  # into the weight itself
+                dist.recv(w.detach(), dist.get_global_rank(group, self.holders[0]), group=group)
 
     @contextlib.contextmanager
     def summed(self):
@@ -133,8 +140,8 @@ class PipelineRank:
     run in order; `loss_fn(output, targets)` after them on the last stage (the step's loss: its
     mean over the micro-batches); the `shape` of one micro-batch's activations between stages
     and their `dtype` (default: the layers' weights'); `tied`, weights that may be on another
-    stage too (a tied embedding and head: pass the same list on every rank), whose gradients
-    `TiedGradients` sums where this stage holds them; `autocast_dtype` for the forwards.
+    stage too (a tied embedding and head: pass the same list on every rank), whose copies
+    `TiedGradients` starts equal and whose gradients it sums; `autocast_dtype` for the forwards.
     Keeps each micro-batch's input and output until its backward. A receive is posted where
     `simulate` places it, into a buffer of its own, and waited for when the action that needs
     it starts; a send goes out as soon as its tensor is ready and is waited for at the end of

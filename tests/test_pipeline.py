@@ -276,8 +276,8 @@ LOSS_RANK = {"baseline": -1, "1f1b": -1, "dualpipev": 0, "dualpipe": 0}  # in th
 TINY_SIZE, BATCH, MICRO, STEPS, LR = common.SIZES["tiny"], 8, 4, 3, 1e-3
 
 
-def tiny_decoder(name: str) -> common.Decoder:
-    torch.manual_seed(0)
+def tiny_decoder(name: str, seed: int = 0) -> common.Decoder:
+    torch.manual_seed(seed)
     size = TINY_SIZE
     return common.Llama(size) if name == "llama" else common.GPT(size, size.seq_len)
 
@@ -320,20 +320,22 @@ class NoClock:
         raise AssertionError("the runtime read its clock with no timeline asked for")
 
 
-def train(kind: str, model_name: str, group, record_timeline: bool = False) -> dict:
-    """STEPS steps of `kind` on the tiny decoder: the losses, the stage's final weights (in
-    `layers`' order) and which weights its `TiedGradients` sums."""
-    model = tiny_decoder(model_name)
+def train(kind: str, model_name: str, group, record_timeline: bool = False,
+          seed: int = 0) -> dict:
+    """STEPS steps of `kind` on the tiny decoder built from `seed`: the losses, the stage's
+    final weights (in `layers`' order) and which weights its `TiedGradients` sums."""
+    model = tiny_decoder(model_name, seed)
     pipe = build_runtime(kind, model, group, record_timeline)
     del model
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=LR)
     held = list(pipe.layers.parameters())
+    twins = RUNTIMES["dualpipe"].TwinGradients(held, group) if kind == "dualpipe" else None
     losses = []
     for tokens, targets in token_batches():
         opt.zero_grad(set_to_none=True)
         loss = pipe.run(tokens, targets)
-        if kind == "dualpipe":
-            loss = RUNTIMES["dualpipe"].sum_with_twin(held, loss, group)
+        if twins is not None:
+            loss = twins.sum(loss)
         opt.step()
         losses.append(loss.item())
     tied = getattr(pipe, "tied", None)
@@ -385,8 +387,11 @@ def trained(tmp_path_factory):
     return results
 
 
-def unsplit(model_name: str) -> tuple[list[float], common.Decoder]:
-    model = tiny_decoder(model_name)
+def unsplit(model_name: str, model: common.Decoder | None = None
+            ) -> tuple[list[float], common.Decoder]:
+    """The losses and final weights of `model` (default: the tiny decoder of seed 0) trained
+    whole on the runtimes' batches."""
+    model = model or tiny_decoder(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for tokens, targets in token_batches():
@@ -445,6 +450,56 @@ def test_no_timeline_is_recorded_unless_asked(trained):
             assert [tuple(a[:3]) for a in actions] == [tuple(a) for a in schedule[r]]
 
 
+SEEDED_APART = [("baseline", "gpt"), ("1f1b", "gpt"), ("dualpipe", "gpt"), ("dualpipe", "llama")]
+
+
+def _train_seeded_apart(rank: int, world: int, port: int, out: str) -> None:
+    """Each runtime of SEEDED_APART with rank r's model built from seed r, then (DualPipe) from
+    seed 0 on both ranks."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    common.setup(common.parser(None).parse_args(["--timeout", "60"]))
+    torch.set_num_threads(1)
+    try:
+        results = {(kind, name, "apart"): train(kind, name, None, seed=rank)
+                   for kind, name in SEEDED_APART}
+        results.update({(kind, name, "same"): train(kind, name, None)
+                        for kind, name in SEEDED_APART if kind == "dualpipe"})
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_seeded_apart_train_as_if_seeded_the_same(tmp_path):
+    """Rank r seeds r. The GPT's tied embedding and head start as the first rank's copy: the
+    baseline and 1F1B train the unsplit model whose stages are each rank's own, its embedding
+    rank 0's, to float rounding. DualPipe's twins hold the same stages and start from the lower
+    twin's weights: the same losses and weights, to the bit, as with both ranks seeded 0."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_train_seeded_apart, args=(2, common.free_port(), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for kind, name in SEEDED_APART:
+        apart = [ranks[r][(kind, name, "apart")] for r in (0, 1)]
+        if kind == "dualpipe":
+            for ours, same in zip(apart, (ranks[r][(kind, name, "same")] for r in (0, 1)),
+                                  strict=True):
+                assert ours["losses"] == same["losses"], (kind, name)
+                assert all(map(torch.equal, ours["weights"], same["weights"])), (kind, name)
+            continue
+        model, theirs = tiny_decoder(name, 0), tiny_decoder(name, 1)  # rank 1's stage: its own
+        tied = common.input_embedding(model).weight
+        with torch.no_grad():
+            for ours, its in zip(model.pipeline_stages(2)[1], theirs.pipeline_stages(2)[1],
+                                 strict=True):
+                for q, w in zip(ours.parameters(), its.parameters(), strict=True):
+                    if q is not tied:
+                        q.copy_(w)
+        reference, _ = unsplit(name, model)
+        losses = apart[LOSS_RANK[kind]]["losses"]
+        assert max(abs(a - b) / b for a, b in zip(losses, reference, strict=True)) <= 1e-5, kind
+        assert torch.equal(apart[0]["weights"][0], apart[1]["weights"][-1])  # one weight
 
 
 def _run_the_readme(rank: int, world: int, port: int, out: str) -> None:
