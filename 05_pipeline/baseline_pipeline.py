@@ -176,7 +176,9 @@ def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
 
 
 def main():
-    parser = common.parser(__doc__)
+    parser = common.parser(__doc__, skips={
+        "resnet": "a pipeline cuts a decoder's list of layers into stages, and a ResNet's is no "
+                  "such list: pipelines run --model gpt or llama"})
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=8,
                         help="the pipelines' m: sets the default batch only (4 sequences per "
                              "micro-batch, as theirs), which this baseline runs in one piece")
@@ -184,9 +186,6 @@ def main():
     parser.set_defaults(steps=8, warmup=3)  # as the pipelines'
     args = parser.parse_args()
     args.batch_size = args.batch_size or 4 * args.microbatches
-    if args.model == "resnet":
-        parser.error("05_pipeline cuts a decoder's list of layers into stages, and a ResNet's "
-                     "is no such list: use --model gpt or --model llama")
     world = common.launch_world_size()
     common.skip_unless_pipelined(world, world, args.size)
     topo = common.setup(args)

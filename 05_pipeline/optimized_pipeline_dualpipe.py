@@ -345,7 +345,9 @@ def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
 
 
 def main():
-    parser = common.parser(__doc__)
+    parser = common.parser(__doc__, skips={
+        "resnet": "a pipeline cuts a decoder's list of layers into stages, and a ResNet's is no "
+                  "such list: pipelines run --model gpt or llama"})
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
                         help="micro-batches m, even and at least 2p (default: max(8, 2p))")
     parser.set_defaults(batch_size=0)  # 0: four sequences per micro-batch, as the others
@@ -354,9 +356,6 @@ def main():
     world = common.launch_world_size()
     args.microbatches = args.microbatches or max(8, 2 * world)
     args.batch_size = args.batch_size or 4 * args.microbatches
-    if args.model == "resnet":
-        parser.error("05_pipeline cuts a decoder's list of layers into stages, and a ResNet's "
-                     "is no such list: use --model gpt or --model llama")
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")

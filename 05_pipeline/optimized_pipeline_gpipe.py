@@ -284,7 +284,9 @@ def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
 
 
 def main():
-    parser = common.parser(__doc__)
+    parser = common.parser(__doc__, skips={
+        "resnet": "a pipeline cuts a decoder's list of layers into stages, and a ResNet's is no "
+                  "such list: pipelines run --model gpt or llama"})
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=8,
                         help="micro-batches m the batch is split into (default: 8)")
     # batch 0: four sequences per micro-batch. On a CPU smaller ones run each GEMM well below
@@ -293,9 +295,6 @@ def main():
     parser.set_defaults(steps=8, warmup=3)  # fewer than elsewhere: eight runs in `make pipeline`
     args = parser.parse_args()
     args.batch_size = args.batch_size or 4 * args.microbatches
-    if args.model == "resnet":
-        parser.error("05_pipeline cuts a decoder's list of layers into stages, and a ResNet's "
-                     "is no such list: use --model gpt or --model llama")
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")

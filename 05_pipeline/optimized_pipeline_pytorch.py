@@ -61,7 +61,9 @@ def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
 
 
 def main():
-    parser = common.parser(__doc__)
+    parser = common.parser(__doc__, skips={
+        "resnet": "a pipeline cuts a decoder's list of layers into stages, and a ResNet's is no "
+                  "such list: pipelines run --model gpt or llama"})
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="gpipe",
                         help="torch.distributed.pipelining's schedule (default: gpipe)")
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
@@ -75,9 +77,6 @@ def main():
     n_stages = 2 * world if v else world
     args.microbatches = args.microbatches or max(8, n_stages if v else 0)
     args.batch_size = args.batch_size or 4 * args.microbatches
-    if args.model == "resnet":
-        parser.error("05_pipeline cuts a decoder's list of layers into stages, and a ResNet's "
-                     "is no such list: use --model gpt or --model llama")
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
@@ -106,6 +105,8 @@ def main():
     # a weight tied across stages is on the first and last rank (the V's: both on rank 0)
     tied_group = dist.new_group([0, p - 1]) if tied and not v else None  # by every rank
     tied = [w for w in tied if not v and any(w is q for q in held.parameters())]
+    for w in tied:  # both copies start from the first stage's, as ranks seeded apart need
+        dist.broadcast(w.detach(), src=0, group=tied_group)
     opt = torch.optim.AdamW(held.parameters(), lr=args.lr)
 
     def train_step(tokens, targets):

@@ -185,9 +185,6 @@ def test_a_tied_gradient_is_summed_only_where_the_weight_is_on_two_ranks(runs):
 @pytest.mark.parametrize("script, flags, world, hint", [
     ("optimized_pipeline_1f1b", ["--batch-size", "6", "--microbatches", "4"], "1",
      "--microbatches"),
-    ("optimized_pipeline_1f1b", ["--model", "resnet", "--batch-size", "8"], "1",
-     "a decoder's list of layers"),
-    ("baseline_pipeline", ["--model", "resnet", "--batch-size", "8"], "1", "--model llama"),
     ("optimized_pipeline_dualpipev", ["--microbatches", "3"], "2", "--microbatches 4 or more"),
     ("optimized_pipeline_dualpipev", ["--batch-size", "6", "--microbatches", "4"], "2",
      "--microbatches"),
@@ -215,6 +212,10 @@ def test_bad_input_exits_2_with_one_line(script, flags, world, hint, tmp_path):
     ("optimized_pipeline_dualpipe", ["--size", "tiny", "--microbatches", "12"], "6",
      "fewer processes"),  # 6 stages, 4 layers
     ("optimized_pipeline_pytorch", ["--schedule", "dualpipev"], "8", "16 stages on 8"),
+    *((script, ["--model", "resnet"], "2", "a decoder's list of layers") for script in [
+        "baseline_pipeline", "optimized_pipeline_gpipe", "optimized_pipeline_1f1b",
+        "optimized_pipeline_dualpipev", "optimized_pipeline_dualpipe",
+        "optimized_pipeline_pytorch"]),
 ])
 def test_a_world_the_schedule_cannot_use_is_skipped_with_why(script, flags, world, hint,
                                                             monkeypatch):
