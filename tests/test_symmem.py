@@ -89,6 +89,34 @@ def test_shared_memory_collectives_equal_the_process_groups(world):
     assert leftovers() <= before  # unlinked once mapped
 
 
+
+def _collectives_on_ranks_0_and_1(rank: int, world: int, port: int) -> None:
+    recipe, topo = _start(rank, world, port)
+    pair = dist.new_group([0, 1])  # every rank creates it; rank 2 stays out of it, idle
+    if rank < 2:
+        seg = recipe.SharedSegment(topo, 4096 * 4, timeout=20, group=pair)
+        x = torch.arange(4096, dtype=torch.float32) * (rank + 1)  # exact sums
+        ours, theirs = x.clone(), x.clone()
+        recipe.all_reduce(seg, ours)
+        dist.all_reduce(theirs, group=pair)
+        assert torch.equal(ours, theirs) and torch.equal(ours, x / (rank + 1) * 3)
+        out, ref = torch.empty(4096), torch.empty(4096)
+        recipe.all_gather(seg, out, x[:2048])
+        common.all_gather_single(ref, x[:2048], group=pair)
+        assert torch.equal(out, ref)
+        out, ref = torch.empty(2048), torch.empty(2048)
+        recipe.reduce_scatter(seg, out, x)
+        common.reduce_scatter_single(ref, x.clone(), group=pair)
+        assert torch.equal(out, ref)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_shared_memory_collectives_on_ranks_0_and_1_of_three_stay_in_their_group():
+    before = leftovers()
+    mp.spawn(_collectives_on_ranks_0_and_1, args=(3, common.free_port()), nprocs=3)
+    assert leftovers() <= before
+
 def _killed_peer(rank: int, world: int, port: int) -> None:
     recipe, topo = _start(rank, world, port)
     seg = recipe.SharedSegment(topo, 4096, timeout=3)
