@@ -31,9 +31,18 @@ STAGE = {"ddp": 0, "ddp llama": 0, "zero1": 1, "zero2": 2, "zero3": 3, "pytorch1
 BASELINE = {name: "ddp llama" if "--model" in flags else "ddp"
             for name, (_, flags) in RUNS.items()}
 TINY = common.SIZES["tiny"]
-TINY_LLAMA = common.Llama(TINY)
-BLOCK = sum(p.numel() for p in common.transformer_blocks(TINY_LLAMA)[0].parameters())
-ROOT = sum(p.numel() for p in TINY_LLAMA.parameters()) - TINY.n_layers * BLOCK  # the rest
+
+
+def llama_counts() -> tuple[int, int]:
+    """The tiny Llama's parameters in one block, and outside the blocks (embedding, final norm,
+    head). Built and dropped here: a model alive at import would be live tensor memory in every
+    test after it (tests/test_common.py counts those)."""
+    model = common.Llama(TINY)
+    block = sum(p.numel() for p in common.transformer_blocks(model)[0].parameters())
+    return block, sum(p.numel() for p in model.parameters()) - TINY.n_layers * block
+
+
+BLOCK, ROOT = llama_counts()
 
 
 @pytest.fixture(scope="module")
