@@ -872,25 +872,28 @@ class CollectiveBytes(TorchDispatchMode):
         super().__init__()
         self.bytes = 0.0
         self.by_kind: dict[str, float] = {}  # "<collective> <dtype>" -> bytes
+        self.by_group: dict[str, float] = {}  # process group name -> bytes (a mesh dim's group)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
         if func.namespace == "c10d" and name in _SENT_PER_BYTE:
             sent, group, per_byte = _SENT_PER_BYTE[name]
             tensors = args[sent] if isinstance(args[sent], list) else [args[sent]]
-            self.count(name, tensors, per_byte(dist.ProcessGroup.unbox(args[group]).size()))
+            self.count(name, tensors, dist.ProcessGroup.unbox(args[group]), per_byte)
         elif func.namespace == "_c10d_functional" and name in _FUNCTIONAL_SENT_PER_BYTE:
             group = dist.distributed_c10d._resolve_process_group(args[-1])  # by its name
-            self.count(name, [args[0]], _FUNCTIONAL_SENT_PER_BYTE[name](group.size()))
+            self.count(name, [args[0]], group, _FUNCTIONAL_SENT_PER_BYTE[name])
         return func(*args, **(kwargs or {}))
 
-    def count(self, name: str, tensors: list[torch.Tensor], per_byte: float) -> None:
+    def count(self, name: str, tensors: list[torch.Tensor], group: dist.ProcessGroup,
+              per_byte: Callable[[int], float]) -> None:
         for t in tensors:
-            sent_bytes = per_byte * t.numel() * t.element_size()
+            sent_bytes = per_byte(group.size()) * t.numel() * t.element_size()
             dtype = str(t.dtype).removeprefix("torch.")
             kind = f"{name.strip('_').removesuffix('_base')} {dtype}"  # "allgather uint8"
             self.bytes += sent_bytes
             self.by_kind[kind] = self.by_kind.get(kind, 0.0) + sent_bytes
+            self.by_group[group.group_name] = self.by_group.get(group.group_name, 0.0) + sent_bytes
 
 
 def ring_allreduce_mb(nbytes: float, world: int) -> float:
@@ -920,6 +923,7 @@ class Stats:
     memory: dict[str, float] | None = None  # the last warm-up step's peak MB (its split: CPU)
     comm_mb: float | None = None  # sent by this rank in the last warm-up step, counted
     comm_mb_by_kind: dict[str, float] | None = None  # the same, by collective and dtype
+    comm_mb_by_group: dict[str, float] | None = None  # the same, by process group name
 
 
 def summarize_times(seconds: Sequence[float]) -> tuple[float, float, tuple[float, float]]:
@@ -1019,7 +1023,8 @@ def _measured_step(step: Callable[[], torch.Tensor], memory_of: Sequence, device
         else:
             loss = step()
     return loss, {"memory": memory, "comm_mb": sent.bytes / 2**20,
-                  "comm_mb_by_kind": {k: v / 2**20 for k, v in sent.by_kind.items()}}
+                  "comm_mb_by_kind": {k: v / 2**20 for k, v in sent.by_kind.items()},
+                  "comm_mb_by_group": {k: v / 2**20 for k, v in sent.by_group.items()}}
 
 
 def time_calls(call: Callable[[], object], prepare: Callable[[], object],

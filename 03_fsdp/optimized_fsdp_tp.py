@@ -1,0 +1,342 @@
+"""FSDP2 x tensor parallelism on a 2-D device mesh ("dp", "tp"): how models past one node train.
+
+What it does: the ranks form a dp x tp grid, tp innermost (neighbouring ranks: one node's GPUs).
+First tensor parallelism over "tp", torchtitan's plan: in each block q, k, v and the MLP's input
+matrices column-wise, the output projections row-wise, the norms sequence-parallel (activations
+between blocks split along the sequence: all-gathered before attention and the MLP,
+reduce-scattered after); the token (and position) tables row-wise, the head column-wise, its
+logits gathered for the loss. Then FSDP2 over "dp": fully_shard on each block and on the root,
+so each weight, already split tp ways, is sharded dp ways more. Every parameter ends a 2-D
+DTensor, so gradient clipping takes one norm over the whole mesh. The GPT's fused qkv becomes
+three Linears (an even split of it would hand rank 0 all of q); its tied head stays tied.
+Why it helps: TP divides every block's weights AND its activations by tp at the price of
+activation traffic each layer (fast links only); FSDP divides what is left by dp at the price of
+weight traffic once a step (slow links are fine). Why this order: fully_shard must see the TP
+DTensors to shard their local pieces (torchtitan applies TP, then FSDP).
+Run:        torchrun --nproc_per_node=4 03_fsdp/optimized_fsdp_tp.py --size small --tp 2
+            (--tp 1: plain FSDP over every rank; --checkpoint-dir/--checkpoint-every/--resume:
+            DCP checkpoints that load at any other --tp and world)
+Look for:   `make fsdp report`: beside baseline_fsdp (DDP, same world and global batch) the
+            same losses, state MB near 16 x params / (dp x tp), comm MB split by mesh dim.
+Theory:     state 16 bytes x (each weight's tp piece, padded to dp) / dp. tp: per block 4
+            all-gathers and 4 reduce-scatters of (tp-1)/tp x the dp rank's batch x T x d x 4
+            bytes, the norms' gradients all-reduced, the ends' gathers; dp: FSDP's (dp-1)/dp x
+            (2 gathers a block + 1 of the root + 1 reduce-scatter) of the tp pieces.
+"""
+
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+# Against DDP, fp32: TP splits each matrix multiply's sum over d (row-wise) into tp partial
+# sums added by the reduce-scatter, FSDP sums gradients over dp in its own order: the same sums
+# in another order, per step and absolute. bf16: the dtype's resolution.
+LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+
+
+def tp_problem(size: common.Size, model: str, seq_len: int, tp: int, world: int) -> str | None:
+    """Why a (world // tp) x tp mesh cannot train --size's decoder: a TP rank needs whole heads
+    (the Llama: whole KV heads), an even share of the MLP, the vocabulary and the sequence."""
+    if world % tp:
+        return f"--tp {tp} does not divide the {world} processes: use a divisor of {world}"
+    d = size.d_model
+    widths = {"heads": size.n_heads, "MLP units": 4 * d, "vocabulary": size.vocab_size,
+              "sequence": seq_len}
+    if model == "llama":
+        widths.update({"KV heads": size.n_kv_heads, "MLP units": common.llama_ffn_dim(d)})
+    for what, width in widths.items():
+        if width % tp:
+            return f"--tp {tp} does not divide the {width} {what} of --size {size_name(size)}: " \
+                   f"use a --tp that divides {width}"
+    return None
+
+
+def size_name(size: common.Size) -> str:
+    return next(name for name, s in common.SIZES.items() if s == size)
+
+
+def build_mesh(device_type: str, world: int, tp: int) -> DeviceMesh:
+    """(dp, tp), tp the inner dim: a TP group is neighbouring ranks, on GPUs one node's."""
+    return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+class SplitQKVAttention(nn.Module):
+    """common's CausalSelfAttention with its fused qkv as three Linears (the same weights): a
+    column-wise split of each gives a rank whole heads of q, k and v. The head count is read
+    from q's width, so a rank's share of the heads runs the same code."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        d = attn.proj.in_features
+        self.head_dim, self.attention, self.proj = d // attn.n_heads, attn.attention, attn.proj
+        self.q, self.k, self.v = (nn.Linear(d, d, device=attn.proj.weight.device)
+                                  for _ in range(3))
+        with torch.no_grad():
+            for i, linear in enumerate((self.q, self.k, self.v)):
+                linear.weight.copy_(attn.qkv.weight[i * d:(i + 1) * d])
+                linear.bias.copy_(attn.qkv.bias[i * d:(i + 1) * d])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (lin(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+                   for lin in (self.q, self.k, self.v))
+        return self.proj(self.attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+def gpt_block_plan() -> dict:
+    """The TP + sequence-parallel plan of one GPT block (after SplitQKVAttention)."""
+    return {"ln1": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),),
+                                       desired_input_layouts=(Replicate(),)),
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ln2": SequenceParallel(),
+            "fc": ColwiseParallel(input_layouts=Shard(1)),
+            "fc_proj": RowwiseParallel(output_layouts=Shard(1))}
+
+
+def llama_layer_plan() -> dict:
+    """torchtitan's plan of a Llama layer under HuggingFace's names."""
+    gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {"input_layernorm": SequenceParallel(), "self_attn": gathered,
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(), "mlp": gathered,
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))}
+
+
+def ends_plan(embeddings: list[str], norm: str, head: str) -> dict:
+    """The model's ends: token (and position) tables row-wise, their lookups reduce-scattered
+    along the sequence (a position table's output is (T, d): its dim 0); the final norm
+    sequence-parallel; the head column-wise from the sequence shards, its logits gathered whole
+    so the model's own loss runs unchanged."""
+    plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(i))
+            for i, name in zip((1, 0), embeddings, strict=False)}
+    return {**plan, norm: SequenceParallel(),
+            head: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+
+
+def tensor_parallel(model: nn.Module, blocks: list[nn.Module], block_plan: dict, ends: dict,
+                    tp_mesh: DeviceMesh) -> None:
+    """Apply `block_plan` to each block and `ends` to the root over `tp_mesh`. A weight shared
+    by two modules (a tied head) would come out as two DTensors: tied again after."""
+    shared = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            shared.setdefault(id(p), []).append((module, name))
+    for block in blocks:
+        parallelize_module(block, tp_mesh, block_plan)
+    parallelize_module(model, tp_mesh, ends)
+    for uses in shared.values():
+        (first, name), *others = uses
+        for module, other in others:
+            setattr(module, other, getattr(first, name))
+
+
+def shard_over_dp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
+                  mp_policy: MixedPrecisionPolicy) -> None:
+    """fully_shard each block, then the root, over `dp_mesh`; on gloo through an all-to-all
+    reduce-scatter (gloo's own is an all-reduce: twice the bytes)."""
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+    if dist.get_backend(dp_mesh.get_group()) == "gloo":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
+class AllToAllReduceScatter:
+    """FSDP2's ReduceScatter interface (`allocate`, `__call__`) on common.reduce_scatter: an
+    all_to_all and a local sum. FSDP2 calls the process group's reduce_scatter_tensor, which
+    gloo runs as an all-reduce of the whole input, twice the bytes and time a reduce-scatter
+    needs. NCCL's is a true reduce-scatter, so CUDA runs keep FSDP2's own."""
+
+    def allocate(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op, async_op: bool = False):
+        return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+
+
+def theory(model: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int) -> dict:
+    """State and bytes per step from the shapes, for the layout above, taken after TP and before
+    FSDP: each parameter's tp piece (its local shape), padded by FSDP to dp rows along dim 0."""
+    size, nbytes = common.SIZES[args.size], 2 if args.dtype == "bf16" else 4
+    d, seq, batch = size.d_model, args.seq_len, args.batch_size
+
+    def piece(p):  # the parameter's share after TP, padded to dp rows
+        local = p.to_local() if isinstance(p, DTensor) else p
+        return math.ceil(local.shape[0] / dp) * dp * math.prod(local.shape[1:])
+
+    params = list(model.parameters())
+    # the norms' weights, replicated over tp, each rank's gradient from its tokens: all-reduced
+    # (a row-wise Linear's bias is replicated too, but its gradient is the whole batch's already)
+    norms = [p for m in model.modules() if not isinstance(m, nn.Linear)
+             for p in m.parameters(recurse=False) if not isinstance(p, DTensor) or
+             not p.placements[0].is_shard()]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    dp_share = (dp - 1) / dp
+    gathered = sum(piece(p) * (2 if id(p) in in_blocks else 1) for p in params) * nbytes
+    dp_bytes = dp_share * (gathered + 4 * sum(piece(p) for p in params))  # fp32 reduce-scatter
+    split = {id(p) for p in params if isinstance(p, DTensor) and p.placements[0].is_shard()}
+    replicated = [p for p in params if id(p) not in split]
+    stream = (tp - 1) / tp * batch * seq * d * nbytes  # one gather or scatter of the activations
+    logits = (tp - 1) / tp * batch * seq * size.vocab_size * nbytes
+    positions = 2 * (tp - 1) / tp * seq * d * nbytes if args.model == "gpt" else 0
+    # per block 8 (4 forward, 4 backward); the embedding's scatter and the head's gather, each
+    # with its backward twin; the norms' gradients
+    tp_bytes = (8 * len(blocks) + 4) * stream + logits + positions + \
+        common.ring_allreduce_mb(4 * sum(p.numel() for p in norms), tp) * 2**20
+    total = sum(p.numel() for p in params)
+    return {"state_mb": 16 * sum(piece(p) for p in params) / dp / 2**20,
+            "state_mb_even": 16 * total / (dp * tp) / 2**20,
+            "replicated_params": sum(p.numel() for p in replicated),
+            "comm_mb_by_dim": {"dp": round(dp_bytes / 2**20, 3), "tp": round(tp_bytes / 2**20, 3)},
+            "comm_mb": (dp_bytes + tp_bytes) / 2**20}
+
+
+def comm_by_dim(stats: common.Stats, mesh: DeviceMesh) -> dict[str, float]:
+    """The measured bytes of each mesh dim: those sent on that dim's process group."""
+    sent = stats.comm_mb_by_group or {}
+    return {dim: round(sent.get(mesh.get_group(dim).group_name, 0.0), 3)
+            for dim in mesh.mesh_dim_names}
+
+
+# Copied from 03_fsdp/optimized_fsdp_checkpoint.py: save_checkpoint
+def save_checkpoint(model, opt, directory: Path, step: int, topo: common.Topology) -> None:
+    """Each rank writes its own shards (nothing is gathered) into a hidden folder, which rank 0
+    renames once every rank is done: a run killed mid-save leaves the last checkpoint intact."""
+    partial, final = directory / f".step-{step:06d}.partial", directory / f"step-{step:06d}"
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+    dist.barrier()
+    if topo.is_main:
+        if final.exists():  # a rerun without --resume: the new state replaces the old
+            shutil.rmtree(final)
+        partial.rename(final)
+
+
+# Copied from 03_fsdp/optimized_fsdp_checkpoint.py: load_latest_checkpoint
+def load_latest_checkpoint(model, opt, directory: Path) -> int:
+    """Load the newest complete checkpoint, each rank reading its own shards; return its step
+    (0, and nothing loaded, when there is none yet)."""
+    found = [sorted(directory.glob("step-*"))[-1:] if directory.exists() else []]
+    dist.broadcast_object_list(found)  # rank 0's listing: every rank loads the same one
+    if not found[0]:
+        return 0
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=found[0][0])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(found[0][0].name.removeprefix("step-"))
+
+
+def decoder_plans(model: common.Decoder) -> tuple[dict, dict]:
+    """The block and ends plans of the project's decoders (main's adapter: a trainer of one's
+    own writes the plan for its own module names). The GPT's qkv is split first."""
+    if isinstance(model, common.Llama):
+        return llama_layer_plan(), ends_plan(["model.embed_tokens"], "model.norm", "lm_head")
+    for block in model.blocks:
+        block.attn = SplitQKVAttention(block.attn)
+    return gpt_block_plan(), ends_plan(["tok_emb", "pos_emb"], "ln_f", "head")
+
+
+def main():
+    parser = common.parser(__doc__, skips={
+        "resnet": "a ResNet has no attention heads or MLP matrices for tensor parallelism to "
+                  "split: FSDP x TP runs --model gpt or llama"})
+    parser.add_argument("--tp", type=common.int_at_least(1), default=None,
+                        help="tensor-parallel degree, the inner mesh dim (default: 2 on CPU; on "
+                             "CUDA the GPUs of a node, half of them on one node); dp = world/tp")
+    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
+                        metavar="MAX", help="clip the gradient to this 2-norm over the whole "
+                        "mesh before each step (default: no clipping)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="save DCP checkpoints here every --checkpoint-every steps")
+    parser.add_argument("--checkpoint-every", type=common.int_at_least(1), default=10)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in --checkpoint-dir, saved at "
+                             "any --tp and world, at the step after it")
+    parser.set_defaults(batch_size=0)  # 0: the size's per-rank batch, tp of them a dp rank
+    args = parser.parse_args()
+    world = common.launch_world_size()
+    if (args.checkpoint_every != 10 or args.resume) and not args.checkpoint_dir:
+        parser.error("--checkpoint-every and --resume need --checkpoint-dir: add one")
+    if args.tp is None:
+        if world < 4:
+            raise common.Skip(f"a 2-D mesh needs dp >= 2 and tp >= 2, {world} processes have "
+                              f"no room: launch 4 or more (or give --tp)")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        on_cuda = torch.cuda.is_available()
+        args.tp = (local if local < world else local // 2) if on_cuda else 2
+    size = common.SIZES[args.size]
+    if why := tp_problem(size, args.model, args.seq_len or size.seq_len, args.tp, world):
+        parser.error(why)
+    dp, tp = world // args.tp, args.tp
+    args.batch_size = tp * (args.batch_size or size.batch_size)
+    topo = common.setup(args)
+    mesh = build_mesh(topo.device.type, world, tp)
+    model, batches = common.workload(args, topo, dp_rank=mesh.get_local_rank("dp"), dp_world=dp)
+    blocks = common.transformer_blocks(model)
+    block_plan, ends = decoder_plans(model)
+    if tp > 1:
+        tensor_parallel(model, blocks, block_plan, ends, mesh["tp"])
+    predicted = theory(model, blocks, args, dp, tp)
+    bf16 = args.dtype == "bf16"
+    shard_over_dp(model, blocks, mesh["dp"], MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    start = load_latest_checkpoint(model, opt, args.checkpoint_dir) if args.resume else 0
+    if len(batches) - start <= args.warmup:
+        parser.error(f"resuming after step {start} leaves no timed step: raise --steps")
+    batches, done = batches[start:], start
+
+    def train_step(inputs, targets):
+        nonlocal done
+        opt.zero_grad(set_to_none=True)
+        loss = model(inputs, targets)
+        loss.backward()
+        if args.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+        opt.step()
+        done += 1
+        if args.checkpoint_dir and done % args.checkpoint_every == 0:
+            save_checkpoint(model, opt, args.checkpoint_dir, done, topo)
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt),
+                               dp_world=dp)
+    common.record(args, topo, stats, baseline="baseline_fsdp", model=model, optimizer=opt,
+                  comm_mb=stats.comm_mb, dp_world=dp, mesh={"dp": dp, "tp": tp},
+                  comm_mb_by_dim=comm_by_dim(stats, mesh), resumed_from=start,
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
+                  theory=predicted)
+
+
+if __name__ == "__main__":
+    common.run_main(main)
