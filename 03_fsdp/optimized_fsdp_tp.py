@@ -24,6 +24,7 @@ Theory:     state 16 bytes x (each weight's tp piece, padded to dp) / dp. tp: pe
             (2 gathers a block + 1 of the root + 1 reduce-scatter) of the tp pieces.
 """
 
+import argparse
 import math
 import os
 import shutil
@@ -74,6 +75,19 @@ def tp_problem(size: common.Size, model: str, seq_len: int, tp: int, world: int)
 
 def size_name(size: common.Size) -> str:
     return next(name for name, s in common.SIZES.items() if s == size)
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: same_weights_on_every_rank
+def same_weights_on_every_rank(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every rank of the mesh starts from the mesh's first rank's parameters and buffers, as DDP
+    does: fully_shard keeps each rank's slice of that rank's own copy, so ranks seeded apart
+    would train a patchwork of initializations. Dim by dim: after dim 0 each rank holds its
+    dim-0 group's first rank's tensors, after the last every rank holds the mesh's first's."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        for t in tensors:
+            dist.broadcast(t.detach(), dist.get_global_rank(group, 0), group=group)
 
 
 def build_mesh(device_type: str, world: int, tp: int) -> DeviceMesh:
@@ -127,15 +141,18 @@ def llama_layer_plan() -> dict:
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))}
 
 
-def ends_plan(embeddings: list[str], norm: str, head: str) -> dict:
-    """The model's ends: token (and position) tables row-wise, their lookups reduce-scattered
-    along the sequence (a position table's output is (T, d): its dim 0); the final norm
-    sequence-parallel; the head column-wise from the sequence shards, its logits gathered whole
-    so the model's own loss runs unchanged."""
+def ends_plan(embeddings: list[str], norm: str | None, head: str | None) -> dict:
+    """The model's ends (those it has: a pipeline stage may hold none): token (and position)
+    tables row-wise, their lookups reduce-scattered along the sequence (a position table's
+    output is (T, d): its dim 0); the final norm sequence-parallel; the head column-wise from
+    the sequence shards, its logits gathered whole so the model's own loss runs unchanged."""
     plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(i))
             for i, name in zip((1, 0), embeddings, strict=False)}
-    return {**plan, norm: SequenceParallel(),
-            head: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    if norm:
+        plan[norm] = SequenceParallel()
+    if head:
+        plan[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    return plan
 
 
 def tensor_parallel(model: nn.Module, blocks: list[nn.Module], block_plan: dict, ends: dict,
@@ -156,11 +173,12 @@ def tensor_parallel(model: nn.Module, blocks: list[nn.Module], block_plan: dict,
 
 
 def shard_over_dp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
-                  mp_policy: MixedPrecisionPolicy) -> None:
+                  mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool = True) -> None:
     """fully_shard each block, then the root, over `dp_mesh`; on gloo through an all-to-all
     reduce-scatter (gloo's own is an all-reduce: twice the bytes)."""
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy,
+                    reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
     if dist.get_backend(dp_mesh.get_group()) == "gloo":
         for module in model.modules():
@@ -187,7 +205,7 @@ def theory(model: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int) ->
     """State and bytes per step from the shapes, for the layout above, taken after TP and before
     FSDP: each parameter's tp piece (its local shape), padded by FSDP to dp rows along dim 0."""
     size, nbytes = common.SIZES[args.size], 2 if args.dtype == "bf16" else 4
-    d, seq, batch = size.d_model, args.seq_len, args.batch_size
+    d, seq, batch = size.d_model, args.seq_len, tp * args.batch_size  # a dp rank's batch
 
     def piece(p):  # the parameter's share after TP, padded to dp rows
         local = p.to_local() if isinstance(p, DTensor) else p
@@ -282,7 +300,6 @@ def main():
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in --checkpoint-dir, saved at "
                              "any --tp and world, at the step after it")
-    parser.set_defaults(batch_size=0)  # 0: the size's per-rank batch, tp of them a dp rank
     args = parser.parse_args()
     world = common.launch_world_size()
     if (args.checkpoint_every != 10 or args.resume) and not args.checkpoint_dir:
@@ -298,11 +315,15 @@ def main():
     if why := tp_problem(size, args.model, args.seq_len or size.seq_len, args.tp, world):
         parser.error(why)
     dp, tp = world // args.tp, args.tp
-    args.batch_size = tp * (args.batch_size or size.batch_size)
+    args.batch_size = args.batch_size or size.batch_size
     topo = common.setup(args)
     mesh = build_mesh(topo.device.type, world, tp)
-    model, batches = common.workload(args, topo, dp_rank=mesh.get_local_rank("dp"), dp_world=dp)
+    # a dp rank's batch is its tp ranks' per-rank batches together: the global batch is DDP's
+    model, batches = common.workload(argparse.Namespace(**{**vars(args), "batch_size": tp *
+                                                           args.batch_size}),
+                                     topo, dp_rank=mesh.get_local_rank("dp"), dp_world=dp)
     blocks = common.transformer_blocks(model)
+    same_weights_on_every_rank(model, mesh)
     block_plan, ends = decoder_plans(model)
     if tp > 1:
         tensor_parallel(model, blocks, block_plan, ends, mesh["tp"])
@@ -329,10 +350,9 @@ def main():
             save_checkpoint(model, opt, args.checkpoint_dir, done, topo)
         return loss
 
-    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt),
-                               dp_world=dp)
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     common.record(args, topo, stats, baseline="baseline_fsdp", model=model, optimizer=opt,
-                  comm_mb=stats.comm_mb, dp_world=dp, mesh={"dp": dp, "tp": tp},
+                  comm_mb=stats.comm_mb, mesh={"dp": dp, "tp": tp},
                   comm_mb_by_dim=comm_by_dim(stats, mesh), resumed_from=start,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
                   theory=predicted)

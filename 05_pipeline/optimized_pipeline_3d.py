@@ -1,0 +1,398 @@
+"""Pipeline x FSDP2 x tensor parallelism on a 3-D device mesh ("pp", "dp", "tp"): 3-D parallelism.
+
+What it does: the ranks form a pp x dp x tp grid, tp innermost. The decoder's layers are cut
+into pp stages as the other pipeline scripts cut them; stage s runs on the ranks whose pp
+coordinate is s. Inside a stage, 03_fsdp/optimized_fsdp_tp.py's composition, unchanged: tensor
+parallelism over "tp" (q, k, v and the MLP's input matrices column-wise, output projections
+row-wise, norms sequence-parallel; the first stage's tables row-wise, the last's head
+column-wise), then fully_shard over "dp" on each block and the stage. torch.distributed
+.pipelining runs the stages: `PipelineStage` on the "pp" group, `Schedule1F1B` (--schedule
+gpipe: ScheduleGPipe) over m micro-batches. Between stages go each tp rank's sequence shard of
+the residual stream: 1/tp of the activations. FSDP keeps each block gathered from its first
+micro-batch's forward to its last's backward and reduce-scatters once a step (the schedule
+tells it which backward is last). The GPT's tied embedding and head, on the first and last
+stages, have their gradient shards summed over the pair (as the folder's other scripts do).
+Why: each dim divides a different cost: pp the layers (activations cross a stage boundary
+once a micro-batch: cheap, any link), tp each layer's weights and activations (traffic every
+layer: fast links), dp what is left (weight traffic once a step). It is how models past one
+node's memory train (torchtitan's Llama 3 405B: pp x FSDP x TP 8).
+Run:        torchrun --nproc_per_node=8 05_pipeline/optimized_pipeline_3d.py --size small
+            (--pp 2 --tp 2 by default on CPU: dp = world / (pp x tp))
+Look for:   `make pipeline report`: beside baseline_ddp (DDP on the same world and global
+            batch: the folder's naive baseline is model-parallel only) the same losses, state
+            MB near 16 x params / (pp x dp x tp), comm MB split by mesh dim beside theory.
+Theory:     bubble (pp-1)/(m+pp-1). Rank 0 sends a step: pp, each micro-batch's activation
+            shard (and the tied gradient shard); tp, 8 gathers or scatters a block and those of
+            its ends, per micro-batch; dp, one gather and one reduce-scatter of its stage.
+"""
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+# Against DDP, fp32: TP's partial sums, FSDP's and the micro-batches' gradient sums, each in
+# another order (per step, absolute). bf16: the dtype's resolution.
+LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+
+
+def mesh_problem(size: common.Size, model: str, seq_len: int, pp: int, tp: int, world: int,
+                 microbatches: int, batch: int) -> str | None:
+    """Why `world` ranks cannot form a pp x dp x tp mesh for --size's decoder, or None."""
+    if world % (pp * tp):
+        return (f"--pp {pp} x --tp {tp} = {pp * tp} does not divide the {world} processes: "
+                f"launch a multiple of {pp * tp}")
+    if pp > size.n_layers + 2:
+        return f"--pp {pp} is more stages than --size's {size.n_layers + 2} layers: lower --pp"
+    if batch % microbatches:
+        return (f"a dp rank's {batch} sequences do not split into --microbatches "
+                f"{microbatches}: use a divisor of {batch}")
+    d = size.d_model
+    widths = {"heads": size.n_heads, "MLP units": 4 * d, "vocabulary": size.vocab_size,
+              "sequence": seq_len}
+    if model == "llama":
+        widths.update({"KV heads": size.n_kv_heads, "MLP units": common.llama_ffn_dim(d)})
+    for what, width in widths.items():
+        if width % tp:
+            return f"--tp {tp} does not divide the {width} {what}: use a --tp that divides {width}"
+    return None
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: same_weights_on_every_rank
+def same_weights_on_every_rank(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every rank of the mesh starts from the mesh's first rank's parameters and buffers, as DDP
+    does: fully_shard keeps each rank's slice of that rank's own copy, so ranks seeded apart
+    would train a patchwork of initializations. Dim by dim: after dim 0 each rank holds its
+    dim-0 group's first rank's tensors, after the last every rank holds the mesh's first's."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        for t in tensors:
+            dist.broadcast(t.detach(), dist.get_global_rank(group, 0), group=group)
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: SplitQKVAttention
+class SplitQKVAttention(nn.Module):
+    """common's CausalSelfAttention with its fused qkv as three Linears (the same weights): a
+    column-wise split of each gives a rank whole heads of q, k and v. The head count is read
+    from q's width, so a rank's share of the heads runs the same code."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        d = attn.proj.in_features
+        self.head_dim, self.attention, self.proj = d // attn.n_heads, attn.attention, attn.proj
+        self.q, self.k, self.v = (nn.Linear(d, d, device=attn.proj.weight.device)
+                                  for _ in range(3))
+        with torch.no_grad():
+            for i, linear in enumerate((self.q, self.k, self.v)):
+                linear.weight.copy_(attn.qkv.weight[i * d:(i + 1) * d])
+                linear.bias.copy_(attn.qkv.bias[i * d:(i + 1) * d])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (lin(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+                   for lin in (self.q, self.k, self.v))
+        return self.proj(self.attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: gpt_block_plan
+def gpt_block_plan() -> dict:
+    """The TP + sequence-parallel plan of one GPT block (after SplitQKVAttention)."""
+    return {"ln1": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),),
+                                       desired_input_layouts=(Replicate(),)),
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ln2": SequenceParallel(),
+            "fc": ColwiseParallel(input_layouts=Shard(1)),
+            "fc_proj": RowwiseParallel(output_layouts=Shard(1))}
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: llama_layer_plan
+def llama_layer_plan() -> dict:
+    """torchtitan's plan of a Llama layer under HuggingFace's names."""
+    gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {"input_layernorm": SequenceParallel(), "self_attn": gathered,
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(), "mlp": gathered,
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))}
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: ends_plan
+def ends_plan(embeddings: list[str], norm: str | None, head: str | None) -> dict:
+    """The model's ends (those it has: a pipeline stage may hold none): token (and position)
+    tables row-wise, their lookups reduce-scattered along the sequence (a position table's
+    output is (T, d): its dim 0); the final norm sequence-parallel; the head column-wise from
+    the sequence shards, its logits gathered whole so the model's own loss runs unchanged."""
+    plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(i))
+            for i, name in zip((1, 0), embeddings, strict=False)}
+    if norm:
+        plan[norm] = SequenceParallel()
+    if head:
+        plan[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    return plan
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: tensor_parallel
+def tensor_parallel(model: nn.Module, blocks: list[nn.Module], block_plan: dict, ends: dict,
+                    tp_mesh: DeviceMesh) -> None:
+    """Apply `block_plan` to each block and `ends` to the root over `tp_mesh`. A weight shared
+    by two modules (a tied head) would come out as two DTensors: tied again after."""
+    shared = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            shared.setdefault(id(p), []).append((module, name))
+    for block in blocks:
+        parallelize_module(block, tp_mesh, block_plan)
+    parallelize_module(model, tp_mesh, ends)
+    for uses in shared.values():
+        (first, name), *others = uses
+        for module, other in others:
+            setattr(module, other, getattr(first, name))
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: shard_over_dp
+def shard_over_dp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
+                  mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool = True) -> None:
+    """fully_shard each block, then the root, over `dp_mesh`; on gloo through an all-to-all
+    reduce-scatter (gloo's own is an all-reduce: twice the bytes)."""
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy,
+                    reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+    if dist.get_backend(dp_mesh.get_group()) == "gloo":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
+class AllToAllReduceScatter:
+    """FSDP2's ReduceScatter interface (`allocate`, `__call__`) on common.reduce_scatter: an
+    all_to_all and a local sum. FSDP2 calls the process group's reduce_scatter_tensor, which
+    gloo runs as an all-reduce of the whole input, twice the bytes and time a reduce-scatter
+    needs. NCCL's is a true reduce-scatter, so CUDA runs keep FSDP2's own."""
+
+    def allocate(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op, async_op: bool = False):
+        return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+
+
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cross_entropy
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss a pipeline's last stage is given: what the project's decoders compute."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: plain_layers
+def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
+    """A stage of the project's `pipeline_stages` as a runtime takes it: the last one ends in
+    the loss head (norm, head and loss), whose norm and head become its last two layers."""
+    return [*stage[:-1], stage[-1].ln_f, stage[-1].head] if last else stage
+
+
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: tied_weights
+def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
+    """The weights on two stages: the input embedding's if the output head is the same
+    Parameter (the GPT's), none if untied (the Llama's). Found by identity, not by name."""
+    embedding, head = common.input_embedding(model), common.output_head(model)
+    return [embedding.weight] if embedding.weight is head.weight else []
+
+
+def pair_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """This rank's first- and last-stage ranks of its (dp, tp) coordinate: the holders of a tied
+    weight. Every rank creates every pair's group, in the same order, as new_group requires."""
+    grid, mine = mesh.mesh, None
+    for coordinate in range(grid[0].numel()):
+        column = grid.flatten(1)[:, coordinate]
+        group = dist.new_group([int(column[0]), int(column[-1])])
+        if dist.get_rank() in (int(column[0]), int(column[-1])):
+            mine = group
+    return mine
+
+
+def stage_plans(layers: list[nn.Module]) -> tuple[list[nn.Module], dict, dict]:
+    """A stage's blocks, their plan and its ends' plan, named as in nn.Sequential(*layers)
+    (main's adapter for the project's decoders: a trainer of one's own names its own)."""
+    blocks = [m for m in layers if isinstance(m, (common.Block, common.LlamaDecoderLayer))]
+    for block in blocks:
+        if isinstance(block, common.Block):
+            block.attn = SplitQKVAttention(block.attn)
+    block_plan = gpt_block_plan() if blocks and isinstance(blocks[0], common.Block) \
+        else llama_layer_plan()
+    tables = [f"0.{name}" for name in ("tok_emb", "pos_emb")] \
+        if isinstance(layers[0], common.Embeddings) else \
+        ["0"] if isinstance(layers[0], nn.Embedding) else []
+    last = isinstance(layers[-1], nn.Linear)  # the head
+    n = len(layers)
+    return blocks, block_plan, ends_plan(tables, f"{n - 2}" if last else None,
+                                         f"{n - 1}" if last else None)
+
+
+def theory(stage: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int, m: int,
+           first: bool, last: bool, tied: list[nn.Parameter]) -> dict:
+    """This rank's state and bytes per step, from its stage's shapes after TP, before FSDP:
+    each weight's tp piece, padded to dp rows along dim 0; `tied`, the stage's tied weight
+    (its shard's gradient all-reduced with the other end's: a pair, so once)."""
+    size, nbytes = common.SIZES[args.size], 2 if args.dtype == "bf16" else 4
+    d, seq, micro = size.d_model, args.seq_len, args.microbatch
+
+    def piece(p):
+        local = p.to_local() if isinstance(p, DTensor) else p
+        return math.ceil(local.shape[0] / dp) * dp * math.prod(local.shape[1:])
+
+    params = list(stage.parameters())
+    norms = [p for mod in stage.modules() if not isinstance(mod, nn.Linear)
+             for p in mod.parameters(recurse=False)
+             if not isinstance(p, DTensor) or not p.placements[0].is_shard()]
+    stream = (tp - 1) / tp * micro * seq * d * nbytes
+    per_micro = 8 * len(blocks) * stream
+    if first:
+        per_micro += 2 * stream + (2 * (tp - 1) / tp * seq * d * nbytes
+                                   if args.model == "gpt" else 0)
+    if last:
+        per_micro += 2 * stream + (tp - 1) / tp * micro * seq * size.vocab_size * nbytes
+    # the norms' gradients: partial sums accumulated over the micro-batches, all-reduced once
+    tp_bytes = m * per_micro + 2 * (tp - 1) / tp * 4 * sum(p.numel() for p in norms)
+    # FSDP: one gather (kept to the last backward) and one fp32 reduce-scatter a step
+    dp_bytes = (dp - 1) / dp * (nbytes + 4) * sum(piece(p) for p in params)
+    boundary = micro * seq // tp * d * nbytes  # a micro-batch's activation shard
+    pp_bytes = m * boundary * ((not last) + (not first)) + 4 * sum(piece(p) for p in tied) / dp
+    return {"state_mb": 16 * sum(piece(p) for p in params) / dp / 2**20,
+            "comm_mb_by_dim": {"pp": round(pp_bytes / 2**20, 3), "dp": round(dp_bytes / 2**20, 3),
+                               "tp": round(tp_bytes / 2**20, 3)},
+            "comm_mb": (pp_bytes + dp_bytes + tp_bytes) / 2**20}
+
+
+def main():
+    parser = common.parser(__doc__, skips={
+        "resnet": "a pipeline cuts a decoder's list of layers into stages, and a ResNet's is no "
+                  "such list: pipelines run --model gpt or llama"})
+    parser.add_argument("--pp", type=common.int_at_least(1), default=2,
+                        help="pipeline stages, the outer mesh dim (default: 2)")
+    parser.add_argument("--tp", type=common.int_at_least(1), default=None,
+                        help="tensor-parallel degree, the inner mesh dim (default: 2 on CPU, "
+                             "the GPUs of a node on CUDA); dp = world / (pp x tp)")
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
+                        help="micro-batches m a dp rank's batch is split into (default: 2 pp)")
+    args = parser.parse_args()
+    world = common.launch_world_size()
+    if args.tp is None:
+        on_cuda = torch.cuda.is_available()
+        args.tp = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if on_cuda else 2
+    pp, tp = args.pp, args.tp
+    if world < 2 * pp * tp:
+        raise common.Skip(f"a 3-D mesh of pp {pp} x tp {tp} with dp >= 2 needs "
+                          f"{2 * pp * tp} processes, {world} were launched: launch "
+                          f"{2 * pp * tp} (or lower --pp/--tp)")
+    size, dp = common.SIZES[args.size], world // (pp * tp)
+    args.microbatches = args.microbatches or 2 * pp
+    batch = pp * tp * args.batch_size  # a dp rank's: the global batch is DDP's on this world
+    if why := mesh_problem(size, args.model, args.seq_len, pp, tp, world, args.microbatches,
+                           batch):
+        parser.error(why)
+    args.microbatch = batch // args.microbatches
+    topo = common.setup(args)
+    mesh = init_device_mesh(topo.device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    s, m = mesh.get_local_rank("pp"), args.microbatches
+    model, batches = common.workload(argparse.Namespace(**{**vars(args), "batch_size": batch}),
+                                     topo, dp_rank=mesh.get_local_rank("dp"), dp_world=dp)
+    params, tied = sum(q.numel() for q in model.parameters()), tied_weights(model)
+    first, last = s == 0, s == pp - 1
+    pairs = pair_group(mesh) if tied else None
+    for w in tied:  # the last stage's copy starts from the first's, as ranks seeded apart need
+        if first or last:
+            dist.broadcast(w.detach(), dist.get_global_rank(pairs, 0), group=pairs)
+    layers = plain_layers(model.pipeline_stages(pp)[s], last)
+    stage = nn.Sequential(*layers)
+    del model
+    # where this stage holds the tied weight: TP and FSDP replace the Parameter, not its place
+    holders = [(mod, name) for mod in stage.modules()
+               for name, p in mod.named_parameters(recurse=False) if any(p is w for w in tied)]
+    same_weights_on_every_rank(stage, mesh["dp", "tp"])
+    blocks, block_plan, ends = stage_plans(layers)
+    if tp > 1:
+        tensor_parallel(stage, blocks, block_plan, ends, mesh["tp"])
+    predicted = theory(stage, blocks, args, dp, tp, m, first, last,
+                       [getattr(mod, name) for mod, name in holders])
+    bf16 = args.dtype == "bf16"
+    shard_over_dp(stage, blocks, mesh["dp"], MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None),
+        reshard_after_forward=False)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    # the boundary's shape: a micro-batch's sequence shard (requires_grad: its gradient flows back)
+    boundary = torch.empty(args.microbatch, args.seq_len // tp, size.d_model, dtype=dtype,
+                           device=topo.device, requires_grad=True)
+    tokens = torch.zeros(args.microbatch, args.seq_len, dtype=torch.long, device=topo.device)
+    logits = torch.empty(args.microbatch, args.seq_len, size.vocab_size, dtype=dtype,
+                         device=topo.device)
+    pipe_stage = PipelineStage(stage, s, pp, topo.device, input_args=tokens if first else boundary,
+                               output_args=logits if last else boundary,
+                               group=mesh.get_group("pp"))
+    pipe = SCHEDULES[args.schedule](pipe_stage, m, loss_fn=cross_entropy)
+    opt = torch.optim.AdamW(stage.parameters(), lr=args.lr)
+    dp_group = mesh.get_group("dp")
+
+    def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)
+        losses = []
+        pipe.step(*([inputs] if first else []),
+                  **({"target": targets, "losses": losses} if last else {}))
+        for mod, name in holders:  # the embedding's + the head's gradient shard
+            dist.all_reduce(getattr(mod, name).grad.to_local(), group=pairs)
+        opt.step()
+        if not last:
+            return torch.zeros((), device=topo.device)
+        loss = torch.stack(losses).mean().detach()
+        dist.all_reduce(loss, group=dp_group)  # each dp rank's batch: the global batch's mean
+        return loss / dp
+
+    loss_rank = int(mesh.mesh[-1].flatten()[0])
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(stage, opt),
+                               loss_rank=loss_rank)
+    groups = {dim: [mesh.get_group(dim).group_name] for dim in mesh.mesh_dim_names}
+    if pairs is not None:
+        groups["pp"].append(pairs.group_name)
+    sent = stats.comm_mb_by_group or {}
+    states = [None] * world
+    dist.all_gather_object(states, predicted["state_mb"])
+    predicted["state_mb"] = max(states)  # the busiest stage's, as the record's state_mb
+    predicted["state_mb_even"] = 16 * params / (pp * dp * tp) / 2**20
+    predicted["bubble_uniform"] = round((pp - 1) / (m + pp - 1), 4)
+    common.record(args, topo, stats, baseline="baseline_ddp", model=stage, optimizer=opt,
+                  comm_mb=stats.comm_mb, params=params, mesh={"pp": pp, "dp": dp, "tp": tp},
+                  comm_mb_by_dim={dim: round(sum(sent.get(g, 0.0) for g in names), 3)
+                                  for dim, names in groups.items()},
+                  schedule=args.schedule, microbatches=m, stages=pp,
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], theory=predicted)
+
+
+if __name__ == "__main__":
+    common.run_main(main)
