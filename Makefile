@@ -112,7 +112,7 @@ RENDEZVOUS := --node_rank=$(NODE_RANK) --master_addr=$(MASTER_ADDR) --master_por
 else
 $(error RDZV=$(RDZV) is not a rendezvous this Makefile knows: use RDZV=c10d, or leave it unset)
 endif
-TORCHRUN := $(PY) -m torch.distributed.run --nproc_per_node=$(NPROC) --nnodes=$(NNODES) \
+TORCHRUN := $(PY) -m torch.distributed.run --nproc_per_node=$$nproc --nnodes=$(NNODES) \
 	--max-restarts=$(RESTARTS) $(RENDEZVOUS)
 # torchrun sets this to 1 anyway (with a warning); the scripts size their thread pools per rank.
 export OMP_NUM_THREADS ?= 1
@@ -179,17 +179,28 @@ EXTRA_RUNS_symmem := "06_symmem/optimized_symmem_training.py --replicated-optimi
 EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1b" \
 	"05_pipeline/optimized_pipeline_pytorch.py --schedule dualpipev"
 
+# Runs on a mesh of several dims, each after a DDP baseline of its world: on CPU at the smallest
+# world that has every dim with dp >= 2 (03's dp x tp: 4 processes; 05's pp x dp x tp: 8), on
+# GPUs at NPROC. Scripts only these runs start are left out of the folder's NPROC runs.
+MESH_RUNS_fsdp := 03_fsdp/baseline_fsdp.py 03_fsdp/optimized_fsdp_tp.py
+MESH_RUNS_pipeline := 05_pipeline/baseline_ddp.py 05_pipeline/optimized_pipeline_3d.py
+MESH_NPROC_fsdp := $(if $(filter-out 0,$(GPUS)),$(NPROC),4)
+MESH_NPROC_pipeline := $(if $(filter-out 0,$(GPUS)),$(NPROC),8)
+MESH_ONLY := 03_fsdp/optimized_fsdp_tp.py 05_pipeline/baseline_ddp.py \
+	05_pipeline/optimized_pipeline_3d.py
+
 # One run of $$script with $$flags under torchrun: its whole output in a log named after the
 # run's setup (size, world, link, node), progress and summary lines on the terminal. A failing
 # run shows its own error line (`report.py mark-failed` finds it, and records the run when it
 # could not record itself) and fails the target once the others ran. Only node 0 holds rank 0,
 # which prints and records; other nodes keep their own logs.
-WORLD = $(shell echo $$(( $(NPROC) * $(NNODES) )))
+# $$nproc: processes per node, NPROC unless a mesh run sets its own.
+WORLD = $$(( nproc * $(NNODES) ))
 LOG_SETUP = .$(SIZE)$(if $(MODEL),.$(MODEL)).w$(WORLD)$(if $(LINK),.$(LINK))$(if $(filter-out 1,$(NNODES)),.node$(NODE_RANK))
 define launch
 log=outputs/logs/$$(basename $$script .py)$$(echo $$flags | tr -d ' ')$(LOG_SETUP).log; \
 since=$$(date +%s); \
-echo "== $$script$$flags: $(NNODES) node(s) x $(NPROC) process(es), size $(SIZE)$(if $(MODEL), $(MODEL))$(if $(LINK),$(comma) link $(LINK)) -> $$log"; \
+echo "== $$script$$flags: $(NNODES) node(s) x $$nproc process(es), size $(SIZE)$(if $(MODEL), $(MODEL))$(if $(LINK),$(comma) link $(LINK)) -> $$log"; \
 $(SHAPED) $(TORCHRUN) $$script $(SCRIPT_FLAGS) $$flags 2>&1 | tee $$log \
 	| { grep --line-buffered -E '^(step |[a-z0-9_]+: |skipped: |one step|rank +[0-9]+ \|)'; true; }; \
 code=$${PIPESTATUS[0]}; \
@@ -200,18 +211,25 @@ if [ $$code -ne 0 ]; then status=1; \
 fi
 endef
 
-# One folder: every baseline, then every optimized script, then its extra runs.
+# One folder: every baseline, then every optimized script, then its extra runs, then its mesh
+# runs (on GPUs, the baseline again only where the mesh's world is not NPROC's).
 $(TECHNIQUES): %: preflight
-	@mkdir -p outputs/logs; status=0; folder=$(filter %_$@,$(FOLDERS)); \
-	for run in $$(ls $$folder/baseline_*.py) $$(ls $$folder/optimized_*.py) $(EXTRA_RUNS_$@); do \
+	@mkdir -p outputs/logs; status=0; folder=$(filter %_$@,$(FOLDERS)); nproc=$(NPROC); \
+	for run in $$(ls $$folder/baseline_*.py $$folder/optimized_*.py | grep -vxF \
+			"$$(printf '%s\n' $(MESH_ONLY))") $(EXTRA_RUNS_$@); do \
 		script=$${run%% *}; flags=$${run#$$script}; \
+		$(launch); \
+	done; nproc=$(MESH_NPROC_$@); \
+	for script in $(MESH_RUNS_$@); do \
+		flags=; \
+		if [ $$nproc = $(NPROC) ] && ! echo " $(MESH_ONLY) " | grep -qF " $$script "; then continue; fi; \
 		$(launch); \
 	done; exit $$status
 
 # 03_fsdp's FP8 / activation-checkpointing ablation: the folder (optimized_fsdp_fp8 with both),
 # then the three other rows, each one flag apart; `make report` shows them as one table.
 fsdp-ablation: fsdp
-	@status=0; script=03_fsdp/optimized_fsdp_fp8.py; \
+	@status=0; nproc=$(NPROC); script=03_fsdp/optimized_fsdp_fp8.py; \
 	for flags in " --no-checkpointing" " --no-fp8" " --no-fp8 --no-checkpointing"; do \
 		$(launch); \
 	done; exit $$status

@@ -290,7 +290,7 @@ def main():
                   "split: FSDP x TP runs --model gpt or llama"})
     parser.add_argument("--tp", type=common.int_at_least(1), default=None,
                         help="tensor-parallel degree, the inner mesh dim (default: 2 on CPU; on "
-                             "CUDA the GPUs of a node, half of them on one node); dp = world/tp")
+                             "CUDA a node's GPUs, leaving dp >= 2); dp = world / tp")
     parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
                         metavar="MAX", help="clip the gradient to this 2-norm over the whole "
                         "mesh before each step (default: no clipping)")
@@ -308,9 +308,8 @@ def main():
         if world < 4:
             raise common.Skip(f"a 2-D mesh needs dp >= 2 and tp >= 2, {world} processes have "
                               f"no room: launch 4 or more (or give --tp)")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        on_cuda = torch.cuda.is_available()
-        args.tp = (local if local < world else local // 2) if on_cuda else 2
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # a node's GPUs, dp >= 2
+        args.tp = min(local, world // 2) if torch.cuda.is_available() else 2
     size = common.SIZES[args.size]
     if why := tp_problem(size, args.model, args.seq_len or size.seq_len, args.tp, world):
         parser.error(why)

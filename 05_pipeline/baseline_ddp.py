@@ -40,6 +40,10 @@ def main():
     parser = common.parser(__doc__, skips={
         "resnet": "the 3-D run it is the baseline of cuts a decoder into stages: --model gpt or "
                   "llama"})
+    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
+                        metavar="MAX", help="clip the gradient to this global 2-norm before "
+                        "each step, with torch.nn.utils.clip_grad_norm_ (default: no clipping)")
+    parser.set_defaults(steps=8, warmup=3)  # optimized_pipeline_3d.py's
     args = parser.parse_args()
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
@@ -50,13 +54,15 @@ def main():
         opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
+        if args.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
         opt.step()
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     params = sum(p.numel() for p in model.parameters())
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
-                  comm_mb=stats.comm_mb, strategy="ddp",
+                  comm_mb=stats.comm_mb, strategy="ddp", clip_grad_norm=args.clip_grad_norm,
                   theory={"state_mb": 16 * params / 2**20,
                           "comm_mb": common.ring_allreduce_mb(4 * params, topo.world_size)})
 

@@ -237,6 +237,20 @@ def pair_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     return mine
 
 
+def clip_grad_norm_over_stages(params: list[nn.Parameter], counted: list[nn.Parameter],
+                               max_norm: float, pp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Clip every stage's gradients to one 2-norm over the whole model. Within a stage the
+    gradients are DTensors over (dp, tp): their norm is one all-reduce away (full_tensor); the
+    stages' squared norms are then summed over pp. `counted` leaves out a weight whose gradient
+    another stage counts already (a tied head's: the embedding's, summed)."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in counted])
+    squared = (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
 def stage_plans(layers: list[nn.Module]) -> tuple[list[nn.Module], dict, dict]:
     """A stage's blocks, their plan and its ends' plan, named as in nn.Sequential(*layers)
     (main's adapter for the project's decoders: a trainer of one's own names its own)."""
@@ -297,16 +311,20 @@ def main():
     parser.add_argument("--pp", type=common.int_at_least(1), default=2,
                         help="pipeline stages, the outer mesh dim (default: 2)")
     parser.add_argument("--tp", type=common.int_at_least(1), default=None,
-                        help="tensor-parallel degree, the inner mesh dim (default: 2 on CPU, "
-                             "the GPUs of a node on CUDA); dp = world / (pp x tp)")
+                        help="tensor-parallel degree, the inner mesh dim (default: 2 on CPU; on "
+                             "CUDA a node's GPUs, leaving dp >= 2); dp = world / (pp x tp)")
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
+                        metavar="MAX", help="clip the gradient to this 2-norm over the whole "
+                        "model, every stage's, before each step (default: no clipping)")
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
                         help="micro-batches m a dp rank's batch is split into (default: 2 pp)")
+    parser.set_defaults(steps=8, warmup=3)  # the folder's: eight runs in `make pipeline`
     args = parser.parse_args()
     world = common.launch_world_size()
-    if args.tp is None:
-        on_cuda = torch.cuda.is_available()
-        args.tp = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if on_cuda else 2
+    if args.tp is None:  # a node's GPUs, dp >= 2
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        args.tp = min(local, world // (2 * args.pp)) if torch.cuda.is_available() else 2
     pp, tp = args.pp, args.tp
     if world < 2 * pp * tp:
         raise common.Skip(f"a 3-D mesh of pp {pp} x tp {tp} with dp >= 2 needs "
@@ -367,6 +385,13 @@ def main():
                   **({"target": targets, "losses": losses} if last else {}))
         for mod, name in holders:  # the embedding's + the head's gradient shard
             dist.all_reduce(getattr(mod, name).grad.to_local(), group=pairs)
+        if args.clip_grad_norm:
+            params = list(stage.parameters())
+            tied_here = [getattr(mod, name) for mod, name in holders] if last and not first \
+                else []
+            clip_grad_norm_over_stages(params, [p for p in params
+                                                if not any(p is t for t in tied_here)],
+                                       args.clip_grad_norm, mesh.get_group("pp"))
         opt.step()
         if not last:
             return torch.zeros((), device=topo.device)
@@ -391,6 +416,7 @@ def main():
                   comm_mb_by_dim={dim: round(sum(sent.get(g, 0.0) for g in names), 3)
                                   for dim, names in groups.items()},
                   schedule=args.schedule, microbatches=m, stages=pp,
+                  clip_grad_norm=args.clip_grad_norm,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], theory=predicted)
 
 
