@@ -63,7 +63,7 @@ def tp_problem(size: common.Size, model: str, seq_len: int, tp: int, world: int)
         return f"--tp {tp} does not divide the {world} processes: use a divisor of {world}"
     d = size.d_model
     widths = {"heads": size.n_heads, "MLP units": 4 * d, "vocabulary": size.vocab_size,
-              "sequence": seq_len}
+              "sequence positions": seq_len}
     if model == "llama":
         widths.update({"KV heads": size.n_kv_heads, "MLP units": common.llama_ffn_dim(d)})
     for what, width in widths.items():

@@ -70,7 +70,7 @@ def mesh_problem(size: common.Size, model: str, seq_len: int, pp: int, tp: int, 
                 f"{microbatches}: use a divisor of {batch}")
     d = size.d_model
     widths = {"heads": size.n_heads, "MLP units": 4 * d, "vocabulary": size.vocab_size,
-              "sequence": seq_len}
+              "sequence positions": seq_len}
     if model == "llama":
         widths.update({"KV heads": size.n_kv_heads, "MLP units": common.llama_ffn_dim(d)})
     for what, width in widths.items():
