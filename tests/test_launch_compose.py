@@ -6,14 +6,24 @@ tp 2) resumed at (dp 1, tp 4) and as plain FSDP over 4 ranks with the uninterrup
 The runs of a world are forked from one Python (`report.py smoke`, as `make smoke` runs them):
 torch imported once, not once a rank, which on 2 cores is most of a launch's time."""
 
+import multiprocessing
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import common
 import report
-from helpers import assert_bad_input_is_one_line, assert_within_its_tolerance, cpu_env
+from helpers import (
+    assert_bad_input_is_one_line,
+    assert_within_its_tolerance,
+    cpu_env,
+    load_recipe,
+    readme_python_block,
+)
 
 FSDP_TP = common.ROOT / "03_fsdp" / "optimized_fsdp_tp.py"
 PIPELINE_3D = common.ROOT / "05_pipeline" / "optimized_pipeline_3d.py"
@@ -122,3 +132,45 @@ def test_a_mesh_that_cannot_be_built_is_refused_in_one_line(script, flags, world
                                                             tmp_path):
     assert_bad_input_is_one_line(script, ["--size", "tiny", *flags], hint, tmp_path,
                                  WORLD_SIZE=world)
+
+
+def _readme_lines_on_a_2d_mesh(rank: int, world: int, port: int, snippet: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    common.setup(timeout_s=60)
+    size, dp_rank, dp = common.SIZES["tiny"], rank // 2, world // 2  # tp 2, the inner dim
+    whole = [common.global_token_batch(size, size.seq_len, 8, step, 0) for step in range(3)]
+    batches = [(common.rank_slice(t[:, :-1], dp_rank, dp), common.rank_slice(t[:, 1:], dp_rank, dp))
+               for t in whole]
+    torch.manual_seed(rank)  # ranks seeded apart: the lines start them from rank 0's weights
+    namespace = {**vars(load_recipe(FSDP_TP)), "model": common.Llama(size), "batches": batches}
+    exec(snippet, namespace)
+    torch.manual_seed(0)  # the reference: rank 0's model, one process, the whole batch
+    model = common.Llama(size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reference = []
+    for tokens in whole:
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        reference.append(loss.item())
+    losses = torch.tensor(namespace["losses"])  # each dp rank's batch: their mean is the batch's
+    dist.all_reduce(losses)
+    assert (losses / world - torch.tensor(reference)).abs().max() <= 1e-5, (losses, reference)
+    dist.destroy_process_group()
+
+
+def test_the_readmes_2d_lines_train_a_llama_seeded_apart_like_one_process():
+    snippet = readme_python_block(common.ROOT / "03_fsdp" / "README.md",
+                                  "### Use it in your trainer, on a 2-D mesh")
+    assert 'mesh_dim_names=("dp", "tp")' in snippet and "list(model.model.layers)" in snippet
+    port, fork = common.free_port(), multiprocessing.get_context("fork")
+    ranks = [fork.Process(target=_readme_lines_on_a_2d_mesh, args=(r, 4, port, snippet))
+             for r in range(4)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=240)
+    assert [p.exitcode for p in ranks] == [0] * 4
