@@ -56,25 +56,23 @@ import common  # noqa: E402
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
 
-def tp_problem(size: common.Size, model: str, seq_len: int, tp: int, world: int) -> str | None:
-    """Why a (world // tp) x tp mesh cannot train --size's decoder: a TP rank needs whole heads
-    (the Llama: whole KV heads), an even share of the MLP, the vocabulary and the sequence."""
+def tp_problem(args: argparse.Namespace, tp: int, world: int) -> str | None:
+    """Why a (world / tp) x tp mesh cannot train --size's decoder: a TP rank needs whole heads
+    (the Llama: whole KV heads) and an even share of the MLP, the vocabulary and the sequence.
+    No padding: a checkpoint's shapes must not depend on --tp."""
     if world % tp:
         return f"--tp {tp} does not divide the {world} processes: use a divisor of {world}"
-    d = size.d_model
-    widths = {"heads": size.n_heads, "MLP units": 4 * d, "vocabulary": size.vocab_size,
-              "sequence positions": seq_len}
-    if model == "llama":
-        widths.update({"KV heads": size.n_kv_heads, "MLP units": common.llama_ffn_dim(d)})
+    size = common.SIZES[args.size]
+    widths = {"heads": size.n_heads, "MLP units": 4 * size.d_model,
+              "vocabulary": size.vocab_size, "sequence positions": args.seq_len}
+    if args.model == "llama":
+        widths.update({"KV heads": size.n_kv_heads,
+                       "MLP units": common.llama_ffn_dim(size.d_model)})
     for what, width in widths.items():
         if width % tp:
-            return f"--tp {tp} does not divide the {width} {what} of --size {size_name(size)}: " \
-                   f"use a --tp that divides {width}"
+            return (f"--tp {tp} does not divide the {width} {what} of --size {args.size}: use "
+                    f"a --tp that divides {width}")
     return None
-
-
-def size_name(size: common.Size) -> str:
-    return next(name for name, s in common.SIZES.items() if s == size)
 
 
 # Copied from 03_fsdp/optimized_fsdp.py: same_weights_on_every_rank
@@ -310,11 +308,9 @@ def main():
                               f"no room: launch 4 or more (or give --tp)")
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # a node's GPUs, dp >= 2
         args.tp = min(local, world // 2) if torch.cuda.is_available() else 2
-    size = common.SIZES[args.size]
-    if why := tp_problem(size, args.model, args.seq_len or size.seq_len, args.tp, world):
+    if why := tp_problem(args, args.tp, world):
         parser.error(why)
     dp, tp = world // args.tp, args.tp
-    args.batch_size = args.batch_size or size.batch_size
     topo = common.setup(args)
     mesh = build_mesh(topo.device.type, world, tp)
     # a dp rank's batch is its tp ranks' per-rank batches together: the global batch is DDP's
@@ -333,7 +329,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = load_latest_checkpoint(model, opt, args.checkpoint_dir) if args.resume else 0
     if len(batches) - start <= args.warmup:
-        parser.error(f"resuming after step {start} leaves no timed step: raise --steps")
+        raise ValueError(f"resuming after step {start} leaves no timed step: raise --steps")
     batches, done = batches[start:], start
 
     def train_step(inputs, targets):

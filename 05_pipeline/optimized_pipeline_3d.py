@@ -57,25 +57,28 @@ SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
 
-def mesh_problem(size: common.Size, model: str, seq_len: int, pp: int, tp: int, world: int,
-                 microbatches: int, batch: int) -> str | None:
-    """Why `world` ranks cannot form a pp x dp x tp mesh for --size's decoder, or None."""
+def mesh_problem(args: argparse.Namespace, world: int, batch: int) -> str | None:
+    """Why `world` ranks cannot form a pp x dp x tp mesh for --size's decoder (a dp rank's
+    `batch` sequences in --microbatches), or None. TP needs whole heads (the Llama: whole KV
+    heads) and even shares of the MLP, the vocabulary and the sequence."""
+    pp, tp, size = args.pp, args.tp, common.SIZES[args.size]
     if world % (pp * tp):
         return (f"--pp {pp} x --tp {tp} = {pp * tp} does not divide the {world} processes: "
                 f"launch a multiple of {pp * tp}")
     if pp > size.n_layers + 2:
         return f"--pp {pp} is more stages than --size's {size.n_layers + 2} layers: lower --pp"
-    if batch % microbatches:
+    if batch % args.microbatches:
         return (f"a dp rank's {batch} sequences do not split into --microbatches "
-                f"{microbatches}: use a divisor of {batch}")
-    d = size.d_model
-    widths = {"heads": size.n_heads, "MLP units": 4 * d, "vocabulary": size.vocab_size,
-              "sequence positions": seq_len}
-    if model == "llama":
-        widths.update({"KV heads": size.n_kv_heads, "MLP units": common.llama_ffn_dim(d)})
+                f"{args.microbatches}: use a divisor of {batch}")
+    widths = {"heads": size.n_heads, "MLP units": 4 * size.d_model,
+              "vocabulary": size.vocab_size, "sequence positions": args.seq_len}
+    if args.model == "llama":
+        widths.update({"KV heads": size.n_kv_heads,
+                       "MLP units": common.llama_ffn_dim(size.d_model)})
     for what, width in widths.items():
         if width % tp:
-            return f"--tp {tp} does not divide the {width} {what}: use a --tp that divides {width}"
+            return (f"--tp {tp} does not divide the {width} {what} of --size {args.size}: use "
+                    f"a --tp that divides {width}")
     return None
 
 
@@ -333,8 +336,7 @@ def main():
     size, dp = common.SIZES[args.size], world // (pp * tp)
     args.microbatches = args.microbatches or 2 * pp
     batch = pp * tp * args.batch_size  # a dp rank's: the global batch is DDP's on this world
-    if why := mesh_problem(size, args.model, args.seq_len, pp, tp, world, args.microbatches,
-                           batch):
+    if why := mesh_problem(args, world, batch):
         parser.error(why)
     args.microbatch = batch // args.microbatches
     topo = common.setup(args)
