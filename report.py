@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -180,10 +181,18 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
     status += " (busy host)" if busy_host(rec) else ""
     status += f"; not compared: {why}" if why else ""
     theory = _theory_cell(rec)
-    return [_script_label(rec), _size_label(rec), rec.get("world_size"), rec.get("device"),
+    return [_script_label(rec), _size_label(rec), _world_label(rec), rec.get("device"),
             f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _fmt(throughput, ",.0f"),
             speedup, _fmt(rec.get("peak_mem_mb"), ",.0f"), mem_ratio,
             _fmt(rec.get("state_mb")), _fmt(rec.get("comm_mb"), ",.2f"), dloss, theory, status]
+
+
+def _world_label(rec: dict) -> str:
+    """The world, and its mesh where a run records one: `8 (pp 2 x dp 2 x tp 2)`."""
+    mesh = rec.get("mesh")
+    if not isinstance(mesh, dict):
+        return str(rec.get("world_size"))
+    return f"{rec.get('world_size')} ({' x '.join(f'{d} {n}' for d, n in mesh.items())})"
 
 
 def _number(value) -> str:
@@ -195,6 +204,13 @@ def _theory_cell(rec: dict) -> str:
     same name and the table has no column for it (e.g. compression)."""
     cells = []
     for key, predicted in (rec.get("theory") or {}).items():
+        if isinstance(predicted, dict):  # by mesh dim: each predicted, then what was measured
+            measured = rec[key] if isinstance(rec.get(key), dict) else {}
+            cells.append(f"{key}: " + ", ".join(
+                f"{dim} {_number(value)}" + (f" (measured {_number(measured[dim])})"
+                                             if dim in measured else "")
+                for dim, value in predicted.items()))
+            continue
         cell = f"{key}={_number(predicted)}"
         if key not in ("comm_mb", "peak_mem_mb", "state_mb") and \
                 isinstance(rec.get(key), (int, float)):
@@ -851,9 +867,220 @@ def activations_per_gpu(layers: int, seq: int, batch: int, hidden: int, vocab: i
     return in_flight * kept + 8 * seq * batch * vocab
 
 
+# The composed layouts: 03_fsdp/optimized_fsdp_tp.py (FSDP2 x TP on a ("dp", "tp") mesh) and
+# 05_pipeline/optimized_pipeline_3d.py (pipeline x FSDP2 x TP on ("pp", "dp", "tp")). TP stays
+# inside a node: its traffic every layer needs NVLink, FSDP's and the pipeline's cross nodes.
+@dataclass(frozen=True)
+class Layout:
+    """The decoder's parts (parameter counts) that TP and a pipeline treat apart."""
+
+    params: float
+    layers: int
+    hidden: int
+    vocab: int
+    seq: int
+    embedding: float  # the first stage's tables (token, and position): TP splits them by rows
+    head: float  # an untied output head (the Llama's lm_head), split by columns; 0 if tied
+    tied: float  # the token table a tied head repeats on the last stage; 0 if untied
+    replicated: float  # kept whole on every TP rank: the norms (and row-parallel biases)
+    norms: float  # of those, the norms, whose gradients (each TP rank's tokens') TP all-reduces
+    position_table: bool  # a learned (seq x hidden) table, its lookup reduce-scattered
+
+    @property
+    def blocks(self) -> float:
+        """The layers' parameters (the final norm counted with them: a few hidden units)."""
+        return self.params - self.embedding - self.head
+
+
+def gpt_layout(params: float, layers: int, hidden: int, vocab: int, seq: int) -> Layout:
+    """GPT-2's layout (the project's GPT): token and position tables, the head tied to the token
+    table, LayerNorms with biases (2 a layer and the final one) and the biases of the
+    row-parallel Linears (attention's and the MLP's output, 2 a layer), which TP keeps whole."""
+    norms = 2 * (2 * layers + 1) * hidden
+    return Layout(params, layers, hidden, vocab, seq, embedding=(vocab + seq) * hidden,
+                  head=0.0, tied=vocab * hidden, replicated=norms + 2 * layers * hidden,
+                  norms=norms, position_table=True)
+
+
+def llama_layout(params: float, layers: int, hidden: int, vocab: int, seq: int) -> Layout:
+    """A Llama's layout: a token table, an untied head, rotary positions (no table), RMSNorm
+    weights (2 a layer and the final one) and no biases."""
+    norms = (2 * layers + 1) * hidden
+    return Layout(params, layers, hidden, vocab, seq, embedding=vocab * hidden,
+                  head=vocab * hidden, tied=0.0, replicated=norms, norms=norms,
+                  position_table=False)
+
+
+def tp_degree(gpus: int, per_node: int) -> int:
+    """TP's group: the GPUs of a node, or fewer so that groups tile the nodes and the world
+    (the largest common divisor): its gathers and scatters every layer stay on NVLink."""
+    return math.gcd(gpus, per_node)
+
+
+def tp_activation_bytes(tp: int, micro_batch: int, seq: int, width: int, nbytes: int) -> float:
+    """One all-gather or reduce-scatter of a TP group's activations of `width` units: the group
+    works on t x `micro_batch` sequences (one GPU's batch each, as data parallelism gives it),
+    each GPU sends (t-1)/t of them."""
+    return (tp - 1) / tp * tp * micro_batch * seq * width * nbytes
+
+
+def fsdp_tp_state(layout: Layout, dp: int, tp: int, dtype: str = "fp32") -> float:
+    """FSDP x TP, bytes a GPU keeps: (w+g+o) x [(P - R)/(dp tp) + R/dp]. TP splits every weight
+    but the R it replicates (`layout.replicated`); FSDP shards each TP rank's piece dp ways."""
+    w, g, o = STATE_BYTES[dtype]
+    r = layout.replicated
+    return (w + g + o) * ((layout.params - r) / (dp * tp) + r / dp)
+
+
+def fsdp_tp_sent(layout: Layout, dp: int, tp: int, dtype: str = "fp32", micro_batch: int = 1
+                 ) -> dict[str, float]:
+    """FSDP x TP, bytes a GPU sends a step, by mesh dim (ring collectives; w: the weights' and
+    activations' bytes, gradients reduced in fp32 as the scripts' MixedPrecisionPolicy does).
+    tp (in a node): per layer 4 all-gathers and 4 reduce-scatters of the group's activations
+    (sequence parallelism: gathered before attention and the MLP, scattered after, and the
+    backward's twins); at the ends 4 more (the embedding's scatter, the head's input gather,
+    and twins), the head's logits gathered whole ((t-1)/t x t.b.s.V), a position table's lookup
+    (2 (t-1)/t x s.h) and the norms' gradients all-reduced, 2 (t-1)/t x 4 x N.
+    dp (across nodes): (dp-1)/dp x [w x (2 blocks + root) + 4 x (blocks + root)] of each
+    weight's TP piece: FULL_SHARD gathers a block twice, the root (tables, head) once, and
+    reduce-scatters every gradient once."""
+    w = STATE_BYTES[dtype][0]
+    stream = tp_activation_bytes(tp, micro_batch, layout.seq, layout.hidden, w)
+    positions = 2 * (tp - 1) / tp * layout.seq * layout.hidden * w if layout.position_table \
+        else 0.0
+    tp_bytes = (8 * layout.layers + 4) * stream + positions \
+        + tp_activation_bytes(tp, micro_batch, layout.seq, layout.vocab, w) \
+        + 2 * (tp - 1) / tp * 4 * layout.norms
+    blocks = (layout.blocks - layout.replicated) / tp + layout.replicated
+    root = (layout.embedding + layout.head) / tp
+    dp_bytes = (dp - 1) / dp * (w * (2 * blocks + root) + 4 * (blocks + root))
+    return {"tp": tp_bytes, "dp": dp_bytes}
+
+
+def stage_pieces(layout: Layout, pp: int, tp: int, end: float) -> float:
+    """Parameters one GPU of a pipeline stage holds after TP, before FSDP shards them: the
+    stage's ceil(L/pp) layers (their replicated norms whole, the rest split t ways) and `end`,
+    its tables or head, split t ways."""
+    share = math.ceil(layout.layers / pp) / layout.layers
+    return ((layout.blocks - layout.replicated) * share + end) / tp + layout.replicated * share
+
+
+def pp_fsdp_tp_state(layout: Layout, pp: int, dp: int, tp: int, dtype: str = "fp32") -> float:
+    """PP x FSDP x TP, the busiest stage's bytes a GPU: (w+g+o) x its TP pieces / dp, that is
+    (w+g+o) x [(P - E - R)/(pp dp tp) + E/(dp tp) + R/(pp dp)], E the heavier end: the first
+    stage's tables, or the last's head (and a tied head's copy of the token table)."""
+    w, g, o = STATE_BYTES[dtype]
+    end = max(layout.embedding, layout.head + layout.tied)
+    return (w + g + o) * stage_pieces(layout, pp, tp, end) / dp
+
+
+def pp_fsdp_tp_sent(layout: Layout, pp: int, dp: int, tp: int, microbatches: int,
+                    dtype: str = "fp32", micro_batch: int = 1) -> dict[str, float]:
+    """PP x FSDP x TP, bytes the first stage's GPU sends a step, by mesh dim (what the script
+    records for rank 0; the last stage gathers the logits where the first scatters its tables).
+    pp: m micro-batches' activations, each GPU its 1/t sequence shard of the group's t x b
+    sequences (b.s.h x w), and a tied token table's gradient shard all-reduced with the last
+    stage's (4 x V.h / (dp t)). tp: m x the stage's TP terms a micro-batch (8 a layer, the
+    embedding's 2, a position table's), the norms' gradients all-reduced once a step. dp:
+    (dp-1)/dp x (w + 4) x the stage's TP pieces: FSDP keeps the stage gathered from the first
+    forward to the last backward (one gather), one fp32 reduce-scatter."""
+    w = STATE_BYTES[dtype][0]
+    m, layers = microbatches, math.ceil(layout.layers / pp)
+    positions = 2 * (tp - 1) / tp * layout.seq * layout.hidden * w if layout.position_table \
+        else 0.0
+    per_micro_batch = (8 * layers + 2) * tp_activation_bytes(tp, micro_batch, layout.seq,
+                                                              layout.hidden, w) + positions
+    tp_bytes = m * per_micro_batch + 2 * (tp - 1) / tp * 4 * layout.norms * layers / layout.layers
+    dp_bytes = (dp - 1) / dp * (w + 4) * stage_pieces(layout, pp, tp, layout.embedding)
+    pp_bytes = m * micro_batch * layout.seq * layout.hidden * w + 4 * layout.tied / (dp * tp)
+    return {"pp": pp_bytes, "dp": dp_bytes, "tp": tp_bytes}
+
+
+def layout_of(args: argparse.Namespace) -> Layout:
+    """The planner's flags as a Layout: GPT-2's, or with --llama a Llama's."""
+    layout = llama_layout if args.llama else gpt_layout
+    return layout(args.params, args.layers, args.hidden, args.vocab, args.seq_len)
+
+
+def sent_across_nodes(strategy: str, sent: float, params: float, gpus: int, dtype: str,
+                      per_node: int, replicated: float) -> float:
+    """Of the bytes the busiest GPU sends a step, those that leave its node: none on one node;
+    a hybrid layout's all-reduce between its replicas (FSDP hybrid; TP x DP, with the tables TP
+    replicates); every other strategy's rings and stage boundaries span the nodes: all of it."""
+    if gpus <= per_node:
+        return 0.0
+    g, hybrid = STATE_BYTES[dtype][1], min(per_node, gpus)
+    replicas = gpus // hybrid
+    allreduce = 2 * (replicas - 1) / replicas * g
+    return {"FSDP hybrid": allreduce * params / hybrid,
+            "TP x DP": allreduce * ((params - replicated) / hybrid + replicated)
+            }.get(strategy, sent)
+
+
+def composed_row(args: argparse.Namespace, layout: Layout, checkpointing: bool, tp: int,
+                 pp: int = 1) -> dict:
+    """One FSDP x TP (pp 1) or PP x FSDP x TP row. Memory a GPU: the state; the weights FSDP
+    holds gathered (FSDP x TP: a block and the next's prefetch; the pipeline keeps its stage
+    gathered for the whole step); activations: sequence parallelism leaves each GPU 1/t of its
+    group's t x micro-batch sequences, one micro-batch's worth (a pipeline's first stage: its
+    layers, min(pp, m) micro-batches in flight under 1F1B), but the logits gathered whole, t
+    micro-batches' worth (the last stage's, counted with the first's activations: a bound)."""
+    dp, mb, w = args.gpus // (pp * tp), args.micro_batch, STATE_BYTES[args.dtype][0]
+    logits_gathered = 8 * layout.seq * (tp - 1) * mb * layout.vocab  # beyond one GPU's own
+    if pp == 1:
+        m, mesh = 1, f"dp {dp} x tp {tp}"
+        state = fsdp_tp_state(layout, dp, tp, args.dtype)
+        sent = fsdp_tp_sent(layout, dp, tp, args.dtype, mb)
+        gathered = 2 * w * ((layout.blocks - layout.replicated) / tp + layout.replicated) \
+            / layout.layers
+        acts = activations_per_gpu(layout.layers, layout.seq, mb, layout.hidden, layout.vocab,
+                                   args.dtype, checkpointing)
+    else:
+        m = args.micro_batches or 2 * pp
+        mesh = f"pp {pp} x dp {dp} x tp {tp}, m {m}"
+        state = pp_fsdp_tp_state(layout, pp, dp, tp, args.dtype)
+        sent = pp_fsdp_tp_sent(layout, pp, dp, tp, m, args.dtype, mb)
+        end = max(layout.embedding, layout.head + layout.tied)
+        gathered = w * stage_pieces(layout, pp, tp, end)
+        acts = activations_per_gpu(layout.layers, layout.seq, mb, layout.hidden, layout.vocab,
+                                   args.dtype, checkpointing, math.ceil(layout.layers / pp),
+                                   min(pp, m))
+    total = state + gathered + acts + logits_gathered
+    return {"strategy": "FSDP x TP" if pp == 1 else "PP x FSDP x TP",
+            "checkpointing": checkpointing, "state": state,
+            "activations": gathered + acts + logits_gathered, "total": total,
+            "fits": total <= args.gpu_mem * GB, "sent": sum(sent.values()), "by_dim": sent,
+            "network": sent["dp"] + sent.get("pp", 0.0) if args.gpus > args.gpus_per_node
+            else 0.0, "mesh": mesh, "bubble": (pp - 1) / (m + pp - 1),
+            "sequences": dp * m * tp * mb}
+
+
+def pipeline_depths(args: argparse.Namespace, tp: int) -> list[int]:
+    """The pp PP x FSDP x TP may take: --pp, else each divisor of the GPUs TP leaves (gpus/tp)
+    from 2 up to the layers; none when TP takes them all."""
+    if args.pp:
+        return [args.pp]
+    across = args.gpus // tp
+    return [pp for pp in range(2, min(across, args.layers) + 1) if across % pp == 0]
+
+
+def composed_rows(args: argparse.Namespace, layout: Layout) -> list[dict]:
+    """FSDP x TP, then PP x FSDP x TP at the smallest pp at which it fits (fewest stages: the
+    least bubble), else at the largest (the leanest), with and without checkpointing."""
+    tp, rows = tp_degree(args.gpus, args.gpus_per_node), []
+    for checkpointing in (False, True):
+        rows.append(composed_row(args, layout, checkpointing, tp))
+    depths = pipeline_depths(args, tp)
+    for checkpointing in (False, True) if depths else ():
+        tried = [composed_row(args, layout, checkpointing, tp, pp) for pp in depths]
+        rows.append(next((r for r in tried if r["fits"]), tried[-1]))
+    return rows
+
+
 def plan_strategies(args: argparse.Namespace) -> list[dict]:
     """Every strategy, with and without activation checkpointing, at the planner's flags."""
-    embedding = args.vocab * args.hidden + args.seq_len * args.hidden
+    layout = layout_of(args)
+    embedding = layout.embedding
     stage_layers = -(-args.layers // args.gpus)
     micro_batches = args.micro_batches or 4 * args.gpus
     stage_output = micro_batches * args.seq_len * args.micro_batch * args.hidden * \
@@ -869,6 +1096,8 @@ def plan_strategies(args: argparse.Namespace) -> list[dict]:
                     "FSDP grad-op": w * args.params}.get(strategy, 0.0)
         state = state_per_gpu(strategy, args.params, args.gpus, args.dtype, args.gpus_per_node,
                               embedding)
+        sent = sent_per_gpu(strategy, args.params, args.gpus, args.dtype, args.gpus_per_node,
+                            stage_output, layout.tied, stream, embedding)
         for checkpointing in (False, True):
             pipeline = strategy == "pipeline"
             acts = activations_per_gpu(args.layers, args.seq_len, args.micro_batch, args.hidden,
@@ -878,16 +1107,72 @@ def plan_strategies(args: argparse.Namespace) -> list[dict]:
             total = state + acts + gathered
             rows.append({"strategy": strategy, "checkpointing": checkpointing, "state": state,
                          "activations": acts + gathered, "total": total,
-                         "fits": total <= args.gpu_mem * GB,
-                         "sent": sent_per_gpu(strategy, args.params, args.gpus, args.dtype,
-                                              args.gpus_per_node, stage_output,
-                                              args.vocab * args.hidden, stream, embedding),
+                         "fits": total <= args.gpu_mem * GB, "sent": sent,
+                         "network": sent_across_nodes(strategy, sent, args.params, args.gpus,
+                                                      args.dtype, args.gpus_per_node,
+                                                      embedding),
                          "bubble": (args.gpus - 1) / (micro_batches + args.gpus - 1)
                          if pipeline else 0.0,
                          # a step's batch: one micro-batch a GPU, or m through the pipeline
                          "sequences": args.micro_batch * (micro_batches if pipeline
                                                           else args.gpus)})
-    return rows
+    return rows + composed_rows(args, layout)
+
+
+def choose(rows: list[dict]) -> dict | None:
+    """The planner's pick, a decision matrix: of what fits, what fits without activation
+    checkpointing if anything does (recomputing the forward costs about a third more compute);
+    of those the fewest bytes a trained sequence across nodes (the slow link: none on one node,
+    where NVLink makes bytes cheap); ties to the first in the table's order, the simplest (DDP,
+    then the ZeRO stages, FSDP, ..., the composed layouts). It weighs neither a pipeline's
+    bubble nor compute."""
+    fitting = [r for r in rows if r["fits"]]
+    plain = [r for r in fitting if not r["checkpointing"]] or fitting
+    return min(plain, key=lambda r: round(r["network"] / r["sequences"]), default=None)
+
+
+def row_name(row: dict) -> str:
+    mesh = f" ({row['mesh']})" if row.get("mesh") else ""
+    return f"{row['strategy']}{mesh}{' with activation checkpointing' * row['checkpointing']}"
+
+
+def why_picked(rows: list[dict], best: dict, gpu_mem: float) -> str:
+    """`choose`'s pick and why, in a sentence: what it needs, what the simplest (DDP) or
+    anything without checkpointing would need, and across nodes, what it sends there against
+    the next best that fits."""
+    why = [f"{best['total'] / GB:,.1f} of {gpu_mem:g} GB a GPU"]
+    ddp = rows[0]  # DDP without checkpointing: the whole model and its state on every GPU
+    if best is not ddp:
+        why.append(f"DDP needs {ddp['total'] / GB:,.1f}")
+    if best["checkpointing"]:
+        leanest = min((r for r in rows if not r["checkpointing"]), key=lambda r: r["total"])
+        why.append(f"without checkpointing the leanest ({row_name(leanest)}) needs "
+                   f"{leanest['total'] / GB:,.1f}")
+    if any(r["network"] for r in rows):
+        per_sequence = [r for r in rows if r["fits"] and r["checkpointing"] ==
+                        best["checkpointing"] and r["strategy"] != best["strategy"]]
+        line = (f"it sends {best['network'] / GB:,.2f} GB a GPU across nodes a step of "
+                f"{best['sequences']} sequences")
+        if per_sequence:
+            other = min(per_sequence, key=lambda r: r["network"] / r["sequences"])
+            line += (f" (the next fewest a sequence, {other['strategy']}: "
+                     f"{other['network'] / GB:,.2f} GB for {other['sequences']})")
+        why.append(line)
+    else:
+        why.append("on one node the simplest that fits")
+    bubble = f"; its bubble idles {best['bubble']:.0%} of the step" if best["bubble"] else ""
+    return f"{row_name(best)}: {'; '.join(why)}{bubble}."
+
+
+def by_dim_text(row: dict) -> str:
+    """A composed row's bytes by mesh dim, in GB: TP's inside the node, FSDP's (dp) and the
+    pipeline's (pp) across nodes."""
+    if "by_dim" not in row:
+        return ""
+    sent = row["by_dim"]
+    return f"{row['mesh']}: " + " / ".join(f"{label} {sent[dim] / GB:,.2f}" for dim, label in
+                                          (("tp", "TP"), ("dp", "FSDP"), ("pp", "PP"))
+                                          if dim in sent)
 
 
 def render_plan(args: argparse.Namespace) -> str:
@@ -895,13 +1180,17 @@ def render_plan(args: argparse.Namespace) -> str:
     table = [[r["strategy"], "yes" if r["checkpointing"] else "no", f"{r['state'] / GB:,.1f}",
               f"{r['activations'] / GB:,.1f}", f"{r['total'] / GB:,.1f}",
               "yes" if r["fits"] else "no", r["sequences"], f"{r['sent'] / GB:,.2f}",
-              f"{r['bubble']:.2f}" if r["bubble"] else ""] for r in rows]
+              f"{r['network'] / GB:,.2f}", f"{r['bubble']:.2f}" if r["bubble"] else "",
+              by_dim_text(r)] for r in rows]
     fitting = [r for r in rows if r["fits"]]
-    lines = [f"{args.params:.3g} parameters, {args.gpus} GPUs of {args.gpu_mem:g} GB, "
-             f"{args.dtype}, micro-batch {args.micro_batch} x {args.seq_len} tokens", "",
+    nodes = -(-args.gpus // args.gpus_per_node)
+    lines = [f"{args.params:.3g} parameters ({'Llama' if args.llama else 'GPT-2'} layout), "
+             f"{args.gpus} GPUs of {args.gpu_mem:g} GB ({nodes} node{'s' * (nodes > 1)} of "
+             f"{args.gpus_per_node}), {args.dtype}, micro-batch {args.micro_batch} x "
+             f"{args.seq_len} tokens", "",
              tabulate(table, ["strategy", "act. ckpt", "state GB", "activations (+gathered) GB",
                               "total GB", "fits", "sequences/step", "GB sent/GPU/step",
-                              "bubble"],
+                              "of which across nodes", "bubble", "mesh: GB by dim"],
                       tablefmt="github"), ""]
     if fitting:
         # per sequence trained: a pipeline's step carries m micro-batches, a data-parallel one
@@ -912,12 +1201,44 @@ def render_plan(args: argparse.Namespace) -> str:
                   f"Cheapest in communication that fits: {best['strategy']}"
                   f"{' with activation checkpointing' if best['checkpointing'] else ''} "
                   f"({best['sent'] / GB:,.2f} GB sent per GPU per step of {best['sequences']} "
-                  f"sequences{bubble})."]
+                  f"sequences{bubble}).",
+                  f"Pick: {why_picked(rows, choose(rows), args.gpu_mem)}"]
     else:
         least = min(rows, key=lambda r: r["total"])
         lines += [f"Nothing fits: the leanest ({least['strategy']} with checkpointing) needs "
                   f"{least['total'] / GB:,.1f} GB a GPU. Add GPUs (--gpus), shorten --seq-len "
                   f"or --micro-batch, or use bf16."]
+    return "\n".join(lines)
+
+
+# The seed guide's decision matrix, worked: each model at its real shape, on GPUs of 80 GB, bf16
+CASES = [("ResNet-50 on 8 GPUs", {"params": 25.6e6, "gpus": 8, "layers": 16, "hidden": 1024,
+                                  "vocab": 1000, "seq_len": 196, "micro_batch": 32},
+          "a decoder-shaped stand-in: its 16 bottleneck blocks as layers of 1,024 units over 14 x "
+          "14 = 196 positions, 1,000 classes, 32 images a GPU; its activations are a rough guess"),
+         ("GPT-2 1.5B on 4 GPUs", {"params": 1.5e9, "gpus": 4, "layers": 48, "hidden": 1600,
+                                   "vocab": 50257, "seq_len": 1024}, None),
+         ("LLaMA-7B on 8 GPUs", {"params": 7e9, "gpus": 8, "layers": 32, "hidden": 4096,
+                                 "vocab": 32000, "seq_len": 4096, "llama": True}, None),
+         ("LLaMA-70B on 64 GPUs", {"params": 70e9, "gpus": 64, "layers": 80, "hidden": 8192,
+                                   "vocab": 32000, "seq_len": 4096, "llama": True}, None)]
+CASE_FLAGS = {"gpu_mem": 80.0, "gpus_per_node": 8, "micro_batch": 1, "micro_batches": None,
+              "dtype": "bf16", "llama": False, "pp": None}
+
+
+def render_cases() -> str:
+    """Each of CASES with what the planner picks (`choose`) and why, one paragraph a case."""
+    lines = [f"GPUs of {CASE_FLAGS['gpu_mem']:g} GB, {CASE_FLAGS['gpus_per_node']} a node, "
+             f"{CASE_FLAGS['dtype']}, micro-batch {CASE_FLAGS['micro_batch']} a GPU unless said. "
+             "Pick: what fits, without activation checkpointing if anything does; then the fewest "
+             "bytes a sequence across nodes; then the simplest.", ""]
+    for name, flags, note in CASES:
+        args = argparse.Namespace(**{**CASE_FLAGS, **flags})
+        rows = plan_strategies(args)
+        best = choose(rows)
+        pick = why_picked(rows, best, args.gpu_mem) if best else "nothing fits."
+        count = f"{args.params / 1e9:g}B" if args.params >= 1e9 else f"{args.params / 1e6:g}M"
+        lines.append(f"{name} ({count} parameters{f'; {note}' if note else ''}): {pick}")
     return "\n".join(lines)
 
 
@@ -1039,7 +1360,7 @@ def smoke(runs: Sequence[str], nproc: int, flags: Sequence[str], out: Path,
     failed, over, began = 0, 0, time.monotonic()
     for run in runs:
         script, *own = run.split()
-        log_path = logs / (Path(script).stem + "".join(own) + ".log")
+        log_path = logs / (Path(script).stem + "".join(own).replace("/", "_") + ".log")
         argv = [*flags, *own, "--results", str(results)]
         since, port = time.time(), common.free_port()
         sys.stdout.flush()
@@ -1142,13 +1463,12 @@ def main(argv: Sequence[str]) -> int:
     sub.add_parser("traces", help="where each traced step's time went, per script and rank")
     sub.add_parser("list", help="every script with the first line of its docstring")
     plan = sub.add_parser("plan", help="which strategy fits a model on a cluster, and its bytes")
-    plan.add_argument("--params", type=common.positive_float, required=True,
-                      help="model parameters, e.g. 7e9")
-    plan.add_argument("--gpus", type=common.int_at_least(1), required=True)
-    plan.add_argument("--gpu-mem", type=common.positive_float, required=True,
-                      help="GB of memory per GPU")
+    plan.add_argument("--params", type=common.positive_float,
+                      help="model parameters, e.g. 7e9 (required, as --gpus and --gpu-mem are)")
+    plan.add_argument("--gpus", type=common.int_at_least(1))
+    plan.add_argument("--gpu-mem", type=common.positive_float, help="GB of memory per GPU")
     plan.add_argument("--gpus-per-node", type=common.int_at_least(1), default=8,
-                      help="FSDP hybrid shards within a node (default 8)")
+                      help="FSDP hybrid shards within a node, TP stays within one (default 8)")
     plan.add_argument("--layers", type=common.int_at_least(1), default=32)
     plan.add_argument("--hidden", type=common.int_at_least(1), default=4096)
     plan.add_argument("--vocab", type=common.int_at_least(1), default=32000)
@@ -1156,8 +1476,16 @@ def main(argv: Sequence[str]) -> int:
     plan.add_argument("--micro-batch", type=common.int_at_least(1), default=1,
                       help="sequences per GPU per forward")
     plan.add_argument("--micro-batches", type=common.int_at_least(1), default=None,
-                      help="a pipeline's micro-batches per step (default 4 x gpus)")
+                      help="a pipeline's micro-batches per step (default 4 x gpus; PP x FSDP x "
+                           "TP: 2 x pp)")
     plan.add_argument("--dtype", choices=sorted(STATE_BYTES), default="bf16")
+    plan.add_argument("--llama", action="store_true", help="a Llama's layout: untied head, "
+                      "rotary positions (no position table), RMSNorm, no biases (default GPT-2's)")
+    plan.add_argument("--pp", type=common.int_at_least(2), default=None,
+                      help="PP x FSDP x TP's stages (default: the fewest at which it fits)")
+    plan.add_argument("--cases", action="store_true", help="the decision matrix's worked cases "
+                      "(ResNet-50, GPT-2 1.5B, LLaMA-7B, LLaMA-70B): what the planner picks and "
+                      "why; the other flags are not read")
     fail = sub.add_parser("mark-failed", help="(the Makefile's) a run ended non-zero: print its "
                           "error line, and record it if the run could not", epilog="Give the "
                           "script's own flags after --, to record its size and find its results "
@@ -1184,11 +1512,25 @@ def main(argv: Sequence[str]) -> int:
                           args.world_size, record=not args.no_record))
         return 0
     if args.command == "plan":
-        embedding = args.vocab * args.hidden + args.seq_len * args.hidden
-        if args.params <= embedding:
-            plan.error(f"--params {args.params:g} is no more than the embeddings (--vocab x "
-                       f"--hidden + --seq-len x --hidden = {embedding:g}): raise --params or "
-                       "lower --vocab/--hidden")
+        if args.cases:
+            print(render_cases())
+            return 0
+        if missing := [flag for flag in ("--params", "--gpus", "--gpu-mem")
+                       if getattr(args, flag[2:].replace("-", "_")) is None]:
+            plan.error(f"the following arguments are required: {', '.join(missing)} (or give "
+                       "--cases)")
+        layout = layout_of(args)
+        if args.params <= layout.embedding + layout.head:
+            tables = "2 x --vocab x --hidden" if args.llama else \
+                "--vocab x --hidden + --seq-len x --hidden"
+            plan.error(f"--params {args.params:g} is no more than the embeddings ({tables} = "
+                       f"{layout.embedding + layout.head:g}): raise --params or lower "
+                       "--vocab/--hidden")
+        tp = tp_degree(args.gpus, args.gpus_per_node)
+        if args.pp and (args.gpus // tp % args.pp or args.pp > args.layers):
+            plan.error(f"--pp {args.pp} does not divide the {args.gpus // tp} GPUs that TP "
+                       f"{tp} (in a node) leaves of --gpus {args.gpus}, or exceeds --layers "
+                       f"{args.layers}: use a divisor of {args.gpus // tp} up to {args.layers}")
         print(render_plan(args))
         return 0
     if args.command == "list":

@@ -162,8 +162,97 @@ def test_nothing_fits_says_what_to_change():
     (["--gpus", "8", "--gpu-mem", "80"], "--params"),
     (["--params", "7e9", "--gpus", "0", "--gpu-mem", "80"], "--gpus"),
     (["--params", "1e5", "--gpus", "8", "--gpu-mem", "80"], "--params"),
-    (["--params", "7e9", "--gpus", "8", "--gpu-mem", "80", "--dtype", "fp16"], "--dtype")])
+    (["--params", "7e9", "--gpus", "8", "--gpu-mem", "80", "--dtype", "fp16"], "--dtype"),
+    # TP 8 in a node leaves 8 GPUs of 64 for pp x dp: 3 stages do not divide them
+    (["--params", "70e9", "--gpus", "64", "--gpu-mem", "80", "--pp", "3"], "--pp"),
+    (["--params", "70e9", "--gpus", "64", "--gpu-mem", "80", "--pp", "8", "--layers", "4"],
+     "--pp")])
 def test_bad_input_is_one_line(flags, hint):
     run = plan(*flags)
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1
     assert hint in run.stderr
+
+
+MESH_FIXTURE = common.ROOT / "tests" / "fixtures" / "records_mesh.jsonl"
+
+
+def mesh_layout(rec: dict) -> report.Layout:
+    """The planner's picture of the decoder a record trained, from its size preset and model."""
+    size = common.SIZES[rec["size"]]
+    layout = report.llama_layout if rec["model"] == "llama" else report.gpt_layout
+    return layout(rec["params"], size.n_layers, size.d_model, size.vocab_size, rec["seq_len"])
+
+
+def test_the_composed_layouts_are_what_their_scripts_measured():
+    """FSDP x TP and PP x FSDP x TP: the planned state against the measured `state_mb` (the
+    busiest rank's) and the planned bytes of each mesh dim against what rank 0 handed to that
+    dim's process group, for both decoders at whatever size and mesh the fixture ran."""
+    checked = set()
+    for rec in common.load_results(MESH_FIXTURE):
+        if rec.get("status") != "ok" or rec["script"] not in ("optimized_fsdp_tp",
+                                                               "optimized_pipeline_3d"):
+            continue
+        layout, mesh, dtype = mesh_layout(rec), rec["mesh"], rec["dtype"]
+        if rec["script"] == "optimized_fsdp_tp":
+            # each rank's batch_size sequences: the TP group works on tp of them together
+            state = report.fsdp_tp_state(layout, mesh["dp"], mesh["tp"], dtype)
+            sent = report.fsdp_tp_sent(layout, mesh["dp"], mesh["tp"], dtype,
+                                       micro_batch=rec["batch_size"])
+        else:
+            # a dp rank's pp x tp x batch_size sequences in m micro-batches, a TP group's each:
+            # a GPU's share of one, the planner's micro-batch, is pp x batch_size / m
+            m = rec["microbatches"]
+            micro_batch, rest = divmod(mesh["pp"] * rec["batch_size"], m)
+            assert rest == 0, "the planner counts whole sequences a GPU"
+            state = report.pp_fsdp_tp_state(layout, mesh["pp"], mesh["dp"], mesh["tp"], dtype)
+            sent = report.pp_fsdp_tp_sent(layout, mesh["pp"], mesh["dp"], mesh["tp"], m, dtype,
+                                          micro_batch=micro_batch)
+        label = f"{rec['script']} --model {rec['model']}"
+        assert state / 2**20 == pytest.approx(rec["state_mb"], rel=0.05), label
+        assert sent.keys() == rec["comm_mb_by_dim"].keys(), label
+        for dim, measured in rec["comm_mb_by_dim"].items():
+            assert sent[dim] / 2**20 == pytest.approx(measured, rel=0.02), f"{label}: {dim}"
+        checked.add((rec["script"], rec["model"]))
+    assert checked == {(script, model) for script in ("optimized_fsdp_tp", "optimized_pipeline_3d")
+                       for model in ("gpt", "llama")}
+
+
+def test_tp_over_one_gpu_is_fsdp():
+    layout = report.llama_layout(7e9, 32, 4096, 32000, 4096)
+    assert report.fsdp_tp_state(layout, 8, 1) == report.state_per_gpu("FSDP full", 7e9, 8)
+    assert report.fsdp_tp_sent(layout, 8, 1)["tp"] == 0
+    # sharding over pp x dp x tp: the first stage's blocks 1/pp of them, its table split dp x tp
+    three_d = report.pp_fsdp_tp_state(layout, 2, 4, 8)
+    assert three_d == pytest.approx(16 * ((7e9 - 2 * 32000 * 4096 - 65 * 4096) / 64
+                                          + 32000 * 4096 / 32 + 65 * 4096 / 8))
+
+
+def test_tp_traffic_stays_in_the_node():
+    """Across 8 nodes, the composed rows' bytes across nodes are FSDP's and the pipeline's: TP's
+    stay on NVLink, and the table shows each dim's."""
+    run = plan("--params", "70e9", "--gpus", "64", "--gpu-mem", "80", "--layers", "80",
+               "--hidden", "8192", "--llama", "--pp", "4")
+    assert run.returncode == 0, run.stderr
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in run.stdout.splitlines()
+            if line.startswith("| ") and " x TP" in line]
+    assert len(rows) == 4
+    for row in rows:
+        by_dim = dict(part.rsplit(" ", 1) for part in row[10].split(": ")[1].split(" / "))
+        assert float(row[8]) == pytest.approx(sum(float(by_dim[d]) for d in ("FSDP", "PP")
+                                                  if d in by_dim), abs=0.02)
+        assert float(row[7]) == pytest.approx(sum(map(float, by_dim.values())), abs=0.03)
+    assert all(row[10].startswith("pp 4 x dp 2 x tp 8, m 8") for row in rows[2:])
+
+
+def test_the_decision_matrix_cases():
+    run = plan("--cases")
+    assert run.returncode == 0, run.stderr
+    picks = {line.split(" (")[0]: line.split("): ", 1)[1].split(":")[0]
+             for line in run.stdout.splitlines() if " GPUs (" in line}
+    assert picks == {
+        "ResNet-50 on 8 GPUs": "DDP", "GPT-2 1.5B on 4 GPUs": "DDP",
+        # ZeRO-1 fits 7B (58 GB: fp32 Adam state over 8, bf16 weights and grads whole) and sends
+        # DDP's bytes, two thirds of FSDP's: sharding the weights too is not needed
+        "LLaMA-7B on 8 GPUs": "ZeRO-1",
+        "LLaMA-70B on 64 GPUs": "PP x FSDP x TP (pp 2 x dp 4 x tp 8, m 4) with activation "
+                                "checkpointing"}
