@@ -19,9 +19,9 @@ Run:        torchrun --nproc_per_node=4 03_fsdp/optimized_fsdp_tp.py --size smal
 Look for:   `make fsdp report`: beside baseline_fsdp (DDP, same world and global batch) the
             same losses, state MB near 16 x params / (dp x tp), comm MB split by mesh dim.
 Theory:     state 16 bytes x (each weight's tp piece, padded to dp) / dp. tp: per block 4
-            all-gathers and 4 reduce-scatters of (tp-1)/tp x the dp rank's batch x T x d x 4
-            bytes, the norms' gradients all-reduced, the ends' gathers; dp: FSDP's (dp-1)/dp x
-            (2 gathers a block + 1 of the root + 1 reduce-scatter) of the tp pieces.
+            all-gathers and 4 reduce-scatters of (tp-1)/tp x the dp rank's batch x T x d
+            activations, the norms' gradients all-reduced, the ends' gathers; dp: FSDP's
+            (dp-1)/dp x (2 gathers a block + 1 of the root + 1 reduce-scatter) of the tp pieces.
 """
 
 import argparse
