@@ -41,13 +41,29 @@ def torchrun(script, results, *flags, **kwargs):
     return torchrun_script(DDP / script, results, *flags, **kwargs)
 
 
+def two_nodes(script, results, *flags):
+    """Two torchrun invocations of one process each, node ranks 0 and 1, rendezvous on
+    127.0.0.1: node 0's console (it holds rank 0)."""
+    port = common.free_port()
+    nodes = [torchrun(script, results, *flags, nproc=1,
+                      extra_torchrun=("--nnodes=2", f"--node_rank={rank}",
+                                      "--master_addr=127.0.0.1", f"--master_port={port}"))
+             for rank in (0, 1)]
+    return [finish(node) for node in nodes][0]
+
+
+TWO_NODES = {"baseline_ddp"}  # launched as two nodes of one process: the same world of 2
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """script name -> (record, console output) for each 01_ddp script at 2 processes."""
+    """script name -> (record, console output) for each 01_ddp script at 2 processes (the
+    baseline as two nodes of one, which every comparison with it then covers too)."""
     out = {}
     for script in ["baseline_ddp", "optimized_ddp", "baseline_ddp_flash", "optimized_ddp_flash"]:
         results = tmp_path_factory.mktemp(script) / "results.jsonl"
-        console = finish(torchrun(f"{script}.py", results, *FLAGS.get(script, [])))
+        launch = two_nodes if script in TWO_NODES else lambda *a: finish(torchrun(*a))
+        console = launch(f"{script}.py", results, *FLAGS.get(script, []))
         out[script] = (only_record(results), console)
     return out
 
@@ -57,8 +73,9 @@ def runs(tmp_path_factory):
 def test_each_script_records_a_sane_two_rank_run(runs, script):
     rec, console = runs[script]
     assert rec["status"] == "ok" and rec["script"] == script and rec["folder"] == "01_ddp"
-    assert (rec["world_size"], rec["nnodes"], rec["backend"], rec["device"]) == (2, 1, "gloo",
-                                                                                "cpu")
+    nnodes = 2 if script in TWO_NODES else 1
+    assert (rec["world_size"], rec["nnodes"], rec["backend"], rec["device"]) == (2, nnodes,
+                                                                                "gloo", "cpu")
     assert len(rec["losses"]) == 8 and all(math.isfinite(x) for x in rec["losses"])
     assert 0 < rec["step_ms"] <= rec["step_ms_p90"]
     assert rec["tokens_per_s"] > 0
@@ -169,19 +186,13 @@ def test_resnet_and_bf16_as_a_world_of_one(flags, model, dtype, tmp_path):
     assert rec["loss_tolerance"] == (1e-4 if dtype == "fp32" else 1e-2)
 
 
-def test_two_nodes_on_localhost(tmp_path):
-    """Two torchrun invocations, node ranks 0 and 1, rendezvous on 127.0.0.1."""
-    results = tmp_path / "results.jsonl"
-    port = common.free_port()
-    nodes = [torchrun("baseline_ddp.py", results, *LLAMA, nproc=1,
-                      extra_torchrun=("--nnodes=2", f"--node_rank={rank}",
-                                      "--master_addr=127.0.0.1", f"--master_port={port}"))
-             for rank in (0, 1)]
-    for node in nodes:
-        finish(node)
-    rec = only_record(results)
+def test_two_nodes_on_localhost(runs):
+    """Two torchrun invocations, node ranks 0 and 1, rendezvous on 127.0.0.1: the fixture's
+    baseline run, which the optimized pair's losses above are held to."""
+    rec, console = runs["baseline_ddp"]
     assert rec["status"] == "ok" and rec["world_size"] == 2 and rec["nnodes"] == 2
-    assert rec["params"] == common.llama_param_count(common.SIZES["tiny"])
+    assert rec["params"] == common.gpt_param_count(common.SIZES["tiny"], 32)
+    assert "step    8/8" in console  # node 0 holds rank 0, which prints
 
 
 @pytest.mark.parametrize("script, flags, hint", [

@@ -7,6 +7,7 @@ torch's 1F1B, 1F1B at 3 ranks with an odd m, DualPipe at 4 ranks. Each is checke
 unsplit model trained in this process on the same batches, and against its model's baseline.
 """
 
+import functools
 import sys
 
 import pytest
@@ -71,10 +72,17 @@ def runs(tmp_path_factory):
 
 
 def unsplit_losses(rec):
-    """The whole model on one process, the same batches, AdamW: what every schedule must match."""
-    args = common.parser(None).parse_args([*TINY, "--size", rec["size"], "--seq-len",
-                                           str(rec["seq_len"]), "--batch-size",
-                                           str(rec["batch_size"]), "--model", rec["model"]])
+    """The whole model on one process, the same batches, AdamW: what every schedule must match
+    (trained once for each setup: most schedules share their model, size and batch)."""
+    return list(_unsplit_losses(rec["size"], rec["seq_len"], rec["batch_size"], rec["model"]))
+
+
+@functools.cache
+def _unsplit_losses(size: str, seq_len: int, batch_size: int, model_name: str
+                    ) -> tuple[float, ...]:
+    args = common.parser(None).parse_args([*TINY, "--size", size, "--seq-len", str(seq_len),
+                                           "--batch-size", str(batch_size), "--model",
+                                           model_name])
     args.dtype = "fp32"
     topo = common.Topology(0, 0, 1, 1, 1, "gloo", torch.device("cpu"))
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
@@ -86,7 +94,7 @@ def unsplit_losses(rec):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses
+    return tuple(losses)
 
 
 @pytest.mark.parametrize("script", list(RUNS))

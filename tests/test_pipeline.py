@@ -374,15 +374,37 @@ def _train_every_runtime(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _spawned(rank: int, world: int, port: int, out: str) -> None:
+    """One spawn a world size (a spawn's start-up costs seconds): every runtime; at 2 ranks
+    then the runtimes seeded apart and the README's lines, each in a folder and on a port of
+    its own."""
+    _train_every_runtime(rank, world, port, out)
+    if world == 2:
+        for k, (name, run) in enumerate([("seeded apart", _train_seeded_apart),
+                                         ("readme", _run_the_readme)], start=1):
+            (Path(out) / name).mkdir(exist_ok=True)
+            run(rank, world, port + k, str(Path(out) / name))
+    # as run_main ends a script: no interpreter teardown, where gloo's ranks have aborted in
+    # C++ after a good run ("terminate called without an active exception")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def spawned(tmp_path_factory):
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("runtimes")
     for world in (2, 3):
-        mp.spawn(_train_every_runtime, args=(world, common.free_port(), str(out)), nprocs=world)
+        mp.spawn(_spawned, args=(world, common.free_port(), str(out)), nprocs=world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(spawned):
     results = {}
-    for path in out.glob("world*.pt"):
+    for path in spawned.glob("world*.pt"):
         results.update(torch.load(path, weights_only=False))
     return results
 
@@ -471,15 +493,13 @@ def _train_seeded_apart(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_ranks_seeded_apart_train_as_if_seeded_the_same(tmp_path):
+def test_ranks_seeded_apart_train_as_if_seeded_the_same(spawned):
     """Rank r seeds r. The GPT's tied embedding and head start as the first rank's copy: the
     baseline and 1F1B train the unsplit model whose stages are each rank's own, its embedding
     rank 0's, to float rounding. DualPipe's twins hold the same stages and start from the lower
     twin's weights: the same losses and weights, to the bit, as with both ranks seeded 0."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_train_seeded_apart, args=(2, common.free_port(), str(tmp_path)), nprocs=2)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    ranks = [torch.load(spawned / "seeded apart" / f"rank{r}.pt", weights_only=False)
+             for r in (0, 1)]
     for kind, name in SEEDED_APART:
         apart = [ranks[r][(kind, name, "apart")] for r in (0, 1)]
         if kind == "dualpipe":
@@ -516,14 +536,12 @@ def _run_the_readme(rank: int, world: int, port: int, out: str) -> None:
             dist.destroy_process_group()
 
 
-def test_the_readmes_lines_train_a_llama_as_the_unsplit_model(tmp_path):
+def test_the_readmes_lines_train_a_llama_as_the_unsplit_model(spawned):
     """Exactly the README's lines, on 2 spawned gloo processes: the last rank's losses are the
     unsplit Llama's on the same batches, to float rounding."""
-    import torch.multiprocessing as mp
-
     lines = readme_python_block(README)
     assert "common.Llama(" in lines and "PipelineRank(" in lines
-    mp.spawn(_run_the_readme, args=(2, common.free_port(), str(tmp_path)), nprocs=2)
-    losses, (reference, _) = torch.load(tmp_path / "rank1.pt"), unsplit("llama")
-    assert torch.load(tmp_path / "rank0.pt") == [0.0] * STEPS
+    ran = spawned / "readme"
+    losses, (reference, _) = torch.load(ran / "rank1.pt"), unsplit("llama")
+    assert torch.load(ran / "rank0.pt") == [0.0] * STEPS
     assert max(abs(a - b) / b for a, b in zip(losses, reference, strict=True)) <= 1e-5

@@ -83,10 +83,9 @@ def _compare_with_the_process_group(rank: int, world: int, port: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_shared_memory_collectives_equal_the_process_groups(world):
-    before = leftovers()
-    mp.spawn(_compare_with_the_process_group, args=(world, common.free_port()), nprocs=world)
-    assert leftovers() <= before  # unlinked once mapped
+def test_shared_memory_collectives_equal_the_process_groups(checks, world):
+    passed(checks(world), "collectives")
+    assert leftovers() <= checks.before  # unlinked once mapped
 
 
 
@@ -112,10 +111,9 @@ def _collectives_on_ranks_0_and_1(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def test_shared_memory_collectives_on_ranks_0_and_1_of_three_stay_in_their_group():
-    before = leftovers()
-    mp.spawn(_collectives_on_ranks_0_and_1, args=(3, common.free_port()), nprocs=3)
-    assert leftovers() <= before
+def test_shared_memory_collectives_on_ranks_0_and_1_of_three_stay_in_their_group(checks):
+    passed(checks(3), "collectives on ranks 0 and 1")
+    assert leftovers() <= checks.before
 
 def _killed_peer(rank: int, world: int, port: int) -> None:
     recipe, topo = _start(rank, world, port)
@@ -155,8 +153,8 @@ def _two_nodes(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def test_more_than_one_node_is_skipped_with_the_reason():
-    mp.spawn(_two_nodes, args=(2, common.free_port()), nprocs=2)
+def test_more_than_one_node_is_skipped_with_the_reason(checks):
+    passed(checks(2), "two nodes")
 
 
 @pytest.mark.parametrize("text, sizes", [("4K,64K,16M", [4096, 65536, 16 * 2**20]),
@@ -194,10 +192,9 @@ def _train_three(rank: int, world: int, port: int, results: str) -> None:
         common.run_main(load_recipe(path).main)
 
 
-def test_training_at_an_odd_world_size_equals_the_baseline(tmp_path):
+def test_training_at_an_odd_world_size_equals_the_baseline(checks):
     # 3 ranks: shares of unequal length, and sums whose order differs from gloo's ring
-    results = tmp_path / "results.jsonl"
-    mp.spawn(_train_three, args=(3, common.free_port(), str(results)), nprocs=3)
+    results = passed(checks(3), "training") / "training.jsonl"
     base, ours, replicated, *tensor_parallel = common.load_results(results)
     assert replicated["variant"] == "--replicated-optimizer"
     for rec, state in [(ours, 1 / 3), (replicated, 1)]:
@@ -316,7 +313,7 @@ def _whole_batches(size: common.Size) -> list[tuple[torch.Tensor, torch.Tensor]]
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def test_the_readme_tensor_parallel_lines_train_the_unsplit_llama_on_a_group(tmp_path):
+def test_the_readme_tensor_parallel_lines_train_the_unsplit_llama_on_a_group(checks):
     """Exactly the README's lines, ranks seeded apart: on 2 ranks as the unsplit Llama trains
     (AdamW on the whole batch), and on ranks {0, 1} of 3 (rank 2 idle) to the same bits as on
     2 ranks."""
@@ -331,12 +328,8 @@ def test_the_readme_tensor_parallel_lines_train_the_unsplit_llama_on_a_group(tmp
         opt.step()
     with torch.no_grad():
         expected = model(*batches[0])
-    runs = {}
-    for world in (2, 3):
-        runs[world] = tmp_path / f"{world}.pt"
-        mp.spawn(_train_the_readme_lines, args=(world, common.free_port(), [0, 1],
-                                                str(runs[world])), nprocs=world)
-    pair, subgroup = (torch.load(runs[world]) for world in (2, 3))
+    pair, subgroup = (torch.load(passed(checks(world), "tp readme") / "tp-readme.pt")
+                      for world in (2, 3))
     assert pair["loss"].item() == pytest.approx(expected.item(), rel=1e-5)
     assert torch.allclose(pair["head"], model.lm_head.weight, atol=1e-5)
     assert torch.equal(subgroup["loss"], pair["loss"])
@@ -430,9 +423,9 @@ def _dtensor_llama_against_unsplit(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def test_dtensor_tp_of_the_llama_equals_the_unsplit_llama():
+def test_dtensor_tp_of_the_llama_equals_the_unsplit_llama(checks):
     """At 2 ranks, without padding (tiny) and with KV groups and SwiGLU units padded."""
-    mp.spawn(_dtensor_llama_against_unsplit, args=(2, common.free_port()), nprocs=2)
+    passed(checks(2), "dtensor llama")
 
 
 @pytest.mark.parametrize("script", ["optimized_symmem_tp.py", "optimized_symmem_tp_pytorch.py"])
@@ -567,11 +560,11 @@ def _against_ddp(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def test_the_training_object_equals_ddp_under_a_plain_loop_and_accumulation():
+def test_the_training_object_equals_ddp_under_a_plain_loop_and_accumulation(checks):
     """Ranks seeded differently; one and two micro-batches a step; sharded and replicated; the
     object's zero_grad and the model's (which sets .grad to None); a BatchNorm model's
     buffers."""
-    mp.spawn(_against_ddp, args=(2, common.free_port()), nprocs=2)
+    passed(checks(2), "against ddp")
 
 
 def _backward_after_step(rank: int, world: int, port: int) -> None:
@@ -593,10 +586,10 @@ def _backward_after_step(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def test_a_backward_after_step_without_zero_grad_raises():
+def test_a_backward_after_step_without_zero_grad_raises(checks):
     """Sharded and replicated: the slot holds the reduced gradient after step(); a backward into
     it raises (as ZeRO's objects do), and the object's zero_grad() lets the loop go on."""
-    mp.spawn(_backward_after_step, args=(2, common.free_port()), nprocs=2)
+    passed(checks(2), "backward after step")
 
 
 def _in_bf16(rank: int, world: int, port: int) -> None:
@@ -628,10 +621,10 @@ def _in_bf16(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def test_a_bf16_llama_trains_in_bf16():
+def test_a_bf16_llama_trains_in_bf16(checks):
     """Sharded and replicated, 2 micro-batches a step: the slot, the weights and AdamW's moments
     stay bf16; the weights move, and the losses and weights are DDP's in bf16."""
-    mp.spawn(_in_bf16, args=(2, common.free_port()), nprocs=2)
+    passed(checks(2), "bf16")
 
 
 def _on_a_group(rank: int, world: int, port: int, members: list[int], out: str) -> None:
@@ -649,12 +642,9 @@ def _on_a_group(rank: int, world: int, port: int, members: list[int], out: str) 
     dist.destroy_process_group()
 
 
-def test_the_object_on_ranks_0_and_1_of_three_equals_a_world_of_two(tmp_path):
-    mp.spawn(_on_a_group, args=(3, common.free_port(), [0, 1], str(tmp_path / "group.pt")),
-             nprocs=3)
-    mp.spawn(_on_a_group, args=(2, common.free_port(), [0, 1], str(tmp_path / "world.pt")),
-             nprocs=2)
-    assert torch.equal(torch.load(tmp_path / "group.pt"), torch.load(tmp_path / "world.pt"))
+def test_the_object_on_ranks_0_and_1_of_three_equals_a_world_of_two(checks):
+    group, world = (passed(checks(n), "object on a group") / "object.pt" for n in (3, 2))
+    assert torch.equal(torch.load(group), torch.load(world))
 
 
 
@@ -674,8 +664,8 @@ def _readme_lines(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def test_the_readme_lines_train_a_llama_as_ddp_does():
-    mp.spawn(_readme_lines, args=(2, common.free_port()), nprocs=2)
+def test_the_readme_lines_train_a_llama_as_ddp_does(checks):
+    passed(checks(2), "readme")
 
 
 def _train_llama(rank: int, world: int, port: int, results: str) -> None:
@@ -688,9 +678,8 @@ def _train_llama(rank: int, world: int, port: int, results: str) -> None:
         common.run_main(load_recipe(path).main)
 
 
-def test_training_the_llama_equals_the_baseline_with_its_theory(tmp_path):
-    results = tmp_path / "results.jsonl"
-    mp.spawn(_train_llama, args=(2, common.free_port(), str(results)), nprocs=2)
+def test_training_the_llama_equals_the_baseline_with_its_theory(checks):
+    results = passed(checks(2), "training the llama") / "llama.jsonl"
     base, ours, replicated = common.load_results(results)
     params = sum(p.numel() for p in common.Llama(common.SIZES["tiny"]).parameters())
     for rec in (base, ours, replicated):
@@ -701,3 +690,75 @@ def test_training_the_llama_equals_the_baseline_with_its_theory(tmp_path):
         assert_within_its_tolerance(rec, base)
         assert rec["process_group_mb"] == 0
     assert ours["optim_mb"] == pytest.approx(base["optim_mb"] / 2, rel=0.01)
+
+
+# --- one spawn per world size ------------------------------------------------------------------
+# A spawn costs seconds of start-up (a fresh Python importing torch on each rank): every check
+# of a world size above runs in one, one after another, each with a process group (and store)
+# of its own; what a check raised is recorded on its rank, and its test fails with it.
+CHECKS = {  # name: {world size: call(rank, world, port, out)}
+    "collectives": {world: lambda r, w, port, out: _compare_with_the_process_group(r, w, port)
+                    for world in (2, 3)},
+    "collectives on ranks 0 and 1": {3: lambda r, w, port, out: _collectives_on_ranks_0_and_1(
+        r, w, port)},
+    "two nodes": {2: lambda r, w, port, out: _two_nodes(r, w, port)},
+    "training": {3: lambda r, w, port, out: _train_three(r, w, port, f"{out}/training.jsonl")},
+    "tp readme": {world: lambda r, w, port, out: _train_the_readme_lines(
+        r, w, port, [0, 1], f"{out}/tp-readme.pt") for world in (2, 3)},
+    "dtensor llama": {2: lambda r, w, port, out: _dtensor_llama_against_unsplit(r, w, port)},
+    "against ddp": {2: lambda r, w, port, out: _against_ddp(r, w, port)},
+    "backward after step": {2: lambda r, w, port, out: _backward_after_step(r, w, port)},
+    "bf16": {2: lambda r, w, port, out: _in_bf16(r, w, port)},
+    "object on a group": {world: lambda r, w, port, out: _on_a_group(
+        r, w, port, [0, 1], f"{out}/object.pt") for world in (2, 3)},
+    "readme": {2: lambda r, w, port, out: _readme_lines(r, w, port)},
+    "training the llama": {2: lambda r, w, port, out: _train_llama(r, w, port,
+                                                                   f"{out}/llama.jsonl")},
+}
+
+
+def _every_check(rank: int, world: int, port: int, out: str) -> None:
+    errors, ran = {}, []
+    for k, (name, calls) in enumerate(CHECKS.items()):
+        if world not in calls:
+            continue
+        ran.append(name)
+        try:
+            calls[world](rank, world, port + 10 * k, out)  # ports of its own (up to 8 a check)
+        except BaseException as error:  # noqa: BLE001 (pytest's failures too: recorded)
+            errors[name] = f"{type(error).__name__}: {error}"
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    torch.save({"ran": ran, "errors": errors}, f"{out}/errors-rank{rank}.pt")
+    # as run_main ends a script: no interpreter teardown, where gloo's ranks have aborted in
+    # C++ after a good run ("terminate called without an active exception")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """checks(world) -> (each rank's checks run and {check: error}, the folder of their files), the
+    world's one spawn run when a test first asks; checks.before: /dev/shm's segments before."""
+    done = {}
+
+    def at(world: int) -> tuple[list[dict], Path]:
+        if world not in done:
+            out = tmp_path_factory.mktemp(f"checks{world}")
+            mp.spawn(_every_check, args=(world, common.free_port(), str(out)), nprocs=world)
+            done[world] = [torch.load(out / f"errors-rank{r}.pt") for r in range(world)], out
+        return done[world]
+
+    at.before = leftovers()
+    return at
+
+
+def passed(ran: tuple[list[dict], Path], name: str) -> Path:
+    """Fails unless every rank ran `name`, with what it raised on any; else the folder of the
+    files it wrote."""
+    ranks, out = ran
+    assert all(name in r["ran"] for r in ranks), name
+    failed = {rank: r["errors"][name] for rank, r in enumerate(ranks) if name in r["errors"]}
+    assert not failed, f"{name}: {failed}"
+    return out

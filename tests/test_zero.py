@@ -4,8 +4,8 @@ norm (--clip-grad-norm) at 2 and 3 ranks.
 
 Those run each script's own `main()` in spawned gloo processes (cheaper than torchrun
 launches), one spawn per world size; rank 0 writes the records and the tests compare them here.
-Then the ZeRO1/2/3 objects as a user's trainer calls them, in-process on the tiny Llama (one
-spawn of 2 ranks, one of 3): a plain zero_grad/backward/step loop and 2-micro-batch
+Then the ZeRO1/2/3 objects as a user's trainer calls them, in-process on the tiny Llama (in the
+same spawns of 2 and 3 ranks): a plain zero_grad/backward/step loop and 2-micro-batch
 accumulation against DDP (with no_sync), ranks seeded apart, a bf16 model staying bf16, ranks
 {0, 1} of 3 as a sub-group against a world of 2, the model's own zero_grad(), an evaluation
 forward between backward and step, the ResNet's BatchNorm buffers, and the README's "Use it in
@@ -186,21 +186,43 @@ def _run_every_script(rank: int, world: int, port: int, results: str) -> None:
         common.run_main(load_recipe(path).main)
 
 
+def _run_the_world(rank: int, world: int, port: int, out: str) -> None:
+    """One spawn a world size (a spawn's start-up costs seconds): its scripts' runs, then, at 2
+    and 3 ranks, the ZeRO objects' scenarios below, on ports of their own."""
+    _run_every_script(rank, world, port, f"{out}/results.jsonl")
+    if world in (2, 3):
+        _run_units(rank, world, port + len(RUNS[world]), out)
+    # as run_main ends a script: no interpreter teardown, where gloo's ranks have aborted in
+    # C++ after a good run ("terminate called without an active exception")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
-    """world size -> {(script, stage, clip_grad_norm): record}, each world's runs spawned once,
-    when a test first asks for them."""
+def spawned_world(tmp_path_factory):
+    """world size -> its one spawn's folder (the scripts' records, each rank's scenarios), the
+    spawn run when a test first asks for the world."""
     done = {}
 
-    def at(world: int) -> dict:
+    def at(world: int):
         if world not in done:
-            results = tmp_path_factory.mktemp(f"world{world}") / "results.jsonl"
-            mp.spawn(_run_every_script, args=(world, common.free_port(), str(results)),
-                     nprocs=world)
-            done[world] = {(rec["script"], rec["stage"], rec["clip_grad_norm"]): rec
-                           for rec in common.load_results(results)}
-            assert len(done[world]) == len(RUNS[world])
+            out = tmp_path_factory.mktemp(f"world{world}")
+            mp.spawn(_run_the_world, args=(world, common.free_port(), str(out)), nprocs=world)
+            done[world] = out
         return done[world]
+
+    return at
+
+
+@pytest.fixture(scope="module")
+def spawned(spawned_world):
+    """world size -> {(script, stage, clip_grad_norm): record}."""
+    def at(world: int) -> dict:
+        runs = {(rec["script"], rec["stage"], rec["clip_grad_norm"]): rec
+                for rec in common.load_results(spawned_world(world) / "results.jsonl")}
+        assert len(runs) == len(RUNS[world])
+        return runs
 
     return at
 
@@ -409,14 +431,13 @@ def _run_units(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def units_run(tmp_path_factory):
-    """world size -> [each rank's {scenario: result}], each world spawned once when asked."""
+def units_run(spawned_world):
+    """world size -> [each rank's {scenario: result}], from the world's one spawn."""
     done = {}
 
     def at(world: int) -> list[dict]:
         if world not in done:
-            out = tmp_path_factory.mktemp(f"units{world}")
-            mp.spawn(_run_units, args=(world, common.free_port(), str(out)), nprocs=world)
+            out = spawned_world(world)
             done[world] = [torch.load(out / f"rank{r}.pt") for r in range(world)]
         return done[world]
 
