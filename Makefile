@@ -184,10 +184,10 @@ EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1
 # world that has every dim with dp >= 2 (03's dp x tp: 4 processes; 05's pp x dp x tp: 8), on
 # GPUs at NPROC. Scripts only these runs start are left out of the folder's NPROC runs.
 MESH_RUNS_fsdp := 03_fsdp/baseline_fsdp.py 03_fsdp/optimized_fsdp_tp.py
-MESH_RUNS_pipeline := 05_pipeline/baseline_ddp.py 05_pipeline/optimized_pipeline_3d.py
+MESH_RUNS_pipeline := 05_pipeline/baseline_pipeline_3d.py 05_pipeline/optimized_pipeline_3d.py
 MESH_NPROC_fsdp := $(if $(filter-out 0,$(GPUS)),$(NPROC),4)
 MESH_NPROC_pipeline := $(if $(filter-out 0,$(GPUS)),$(NPROC),8)
-MESH_ONLY := 03_fsdp/optimized_fsdp_tp.py 05_pipeline/baseline_ddp.py \
+MESH_ONLY := 03_fsdp/optimized_fsdp_tp.py 05_pipeline/baseline_pipeline_3d.py \
 	05_pipeline/optimized_pipeline_3d.py
 
 # One run of $$script with $$flags under torchrun: its whole output in a log named after the

@@ -18,7 +18,7 @@ layer: fast links), dp what is left (weight traffic once a step). It is how mode
 node's memory train (torchtitan's Llama 3 405B: pp x FSDP x TP 8).
 Run:        torchrun --nproc_per_node=8 05_pipeline/optimized_pipeline_3d.py --size small
             (--pp 2 --tp 2 by default on CPU: dp = world / (pp x tp))
-Look for:   `make pipeline report`: beside baseline_ddp (DDP on the same world and global
+Look for:   `make pipeline report`: beside baseline_pipeline_3d (DDP on the same world and global
             batch: the folder's naive baseline is model-parallel only) the same losses, state
             MB near 16 x params / (pp x dp x tp), comm MB split by mesh dim beside theory.
 Theory:     bubble (pp-1)/(m+pp-1). Rank 0 sends a step: pp, each micro-batch's activation
@@ -327,7 +327,7 @@ def main():
     world = common.launch_world_size()
     if args.tp is None:  # a node's GPUs, dp >= 2
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        args.tp = min(local, world // (2 * args.pp)) if torch.cuda.is_available() else 2
+        args.tp = max(1, min(local, world // (2 * args.pp))) if torch.cuda.is_available() else 2
     pp, tp = args.pp, args.tp
     if world < 2 * pp * tp:
         raise common.Skip(f"a 3-D mesh of pp {pp} x tp {tp} with dp >= 2 needs "
@@ -413,7 +413,7 @@ def main():
     predicted["state_mb"] = max(states)  # the busiest stage's, as the record's state_mb
     predicted["state_mb_even"] = 16 * params / (pp * dp * tp) / 2**20
     predicted["bubble_uniform"] = round((pp - 1) / (m + pp - 1), 4)
-    common.record(args, topo, stats, baseline="baseline_ddp", model=stage, optimizer=opt,
+    common.record(args, topo, stats, baseline="baseline_pipeline_3d", model=stage, optimizer=opt,
                   comm_mb=stats.comm_mb, params=params, mesh={"pp": pp, "dp": dp, "tp": tp},
                   comm_mb_by_dim={dim: round(sum(sent.get(g, 0.0) for g in names), 3)
                                   for dim, names in groups.items()},

@@ -65,7 +65,8 @@ def on_8_ranks(tmp_path_factory):
     # two sequences a rank: the global batch of the 4-rank DDP runs (4 x 4), so the 3-D Llama
     # is held to the 4-rank Llama DDP run as well
     flags = f"{CLIP} --batch-size 2"
-    runs = [f"05_pipeline/baseline_ddp.py {flags}", f"05_pipeline/optimized_pipeline_3d.py {flags}",
+    runs = [f"05_pipeline/baseline_pipeline_3d.py {flags}",
+            f"05_pipeline/optimized_pipeline_3d.py {flags}",
             f"05_pipeline/optimized_pipeline_3d.py --model llama {flags}"]
     return dict(zip(["ddp", "3d", "3d llama"],
                     forked_runs(runs, 8, tmp_path_factory.mktemp("compose8")), strict=True))
@@ -116,7 +117,8 @@ def test_pipeline_x_fsdp_x_tp_trains_like_ddp(on_8_ranks, on_4_ranks, model):
 
 
 def test_the_ddp_baseline_of_the_3d_run_is_ddp(on_8_ranks, on_4_ranks):
-    """05's baseline_ddp at 8 ranks x 2 sequences trains as 03's at 4 x 4: the same global batch."""
+    """05's baseline_pipeline_3d at 8 ranks x 2 sequences trains as 03's baseline_fsdp at 4 x 4:
+    the same global batch."""
     assert report.max_loss_diff(on_8_ranks["ddp"]["losses"], on_4_ranks["ddp"]["losses"]) <= 1e-5
 
 

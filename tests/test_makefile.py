@@ -202,7 +202,8 @@ def test_model_passes_to_every_script_and_names_its_logs(tmp_path):
     dry = subprocess.run(["make", "-n", "ddp", f"PYTHON={sys.executable}", "MODEL=llama"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert "--size small --model llama" in dry.stdout
-    assert ".small.llama.w2.log" in dry.stdout  # beside the GPT run's logs, not over them
+    # beside the GPT run's logs, not over them (the world, w2, is the shell's: a mesh run's own)
+    assert ".small.llama.w$(( nproc * 1 )).log" in dry.stdout
     default = subprocess.run(["make", "-n", "ddp", f"PYTHON={sys.executable}"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=60)
     assert "--model" not in default.stdout  # each script's own default: the GPT

@@ -8,7 +8,7 @@ Why it is this row's baseline: the folder's baseline_pipeline.py is model parall
 batch through p stages), which a 3-D mesh also divides by dp and tp; the fair question for a
 composition is whether it trains the same model to the same losses as plain data parallelism
 on the same ranks and batch, and what it costs or saves beside it.
-Run:        torchrun --nproc_per_node=8 05_pipeline/baseline_ddp.py --size small
+Run:        torchrun --nproc_per_node=8 05_pipeline/baseline_pipeline_3d.py --size small
 Look for:   `make pipeline report`: losses equal to optimized_pipeline_3d's; its state MB (16 x
             params on every rank) against the 3-D run's 16 x params / (pp x dp x tp).
 Theory:     state 16 x params bytes per rank; each rank sends 2(N-1)/N x 4 x params bytes a
