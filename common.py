@@ -38,6 +38,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -1283,9 +1284,19 @@ def clock_offset(topo: Topology, rounds: int = 10) -> float:
     return best[1]
 
 
-def gather_timelines(steps: list[tuple[float, list[tuple[str, int, int, float, float]]]],
-                     held: int, args: argparse.Namespace, topo: Topology
-                     ) -> tuple[list[list[list[tuple]]], float, list[dict[str, float]], int]:
+class TimedAction(NamedTuple):
+    """One action of a pipeline rank's step: its kind (F, B, I, W), micro-batch and stage, and
+    when it started and ended (seconds, on the rank's clock until `gather_timelines`)."""
+    kind: str
+    micro: int
+    stage: int
+    start: float
+    end: float
+
+
+def gather_timelines(steps: list[tuple[float, list[TimedAction]]], held: int,
+                     args: argparse.Namespace, topo: Topology
+                     ) -> tuple[list[list[list[TimedAction]]], float, list[dict[str, float]], int]:
     """A pipeline's timed steps from every rank: each (its start, its actions: kind, micro-batch,
     stage, start, end) on the rank's clock, read on rank 0's (`clock_offset`) and counted from
     the moment the step's first rank started it (no barrier: it would stop ranks overlapping one
@@ -1295,31 +1306,37 @@ def gather_timelines(steps: list[tuple[float, list[tuple[str, int, int, float, f
     `held`."""
     gathered = [None] * topo.world_size
     dist.all_gather_object(gathered, (steps, held, clock_offset(topo)))
+
+    def shifted(a: tuple, by: float) -> TimedAction:
+        a = TimedAction(*a)
+        return a._replace(start=a.start + by, end=a.end + by)
+
     timed = []
-    for ranks in zip(*[[(start + off, [(*a[:3], a[3] + off, a[4] + off) for a in actions])
+    for ranks in zip(*[[(start + off, [shifted(a, off) for a in actions])
                         for start, actions in rank] for rank, _, off in gathered], strict=True):
         reference = min(start for start, _ in ranks)
-        timed.append([[(*a[:3], a[3] - reference, a[4] - reference) for a in actions]
-                      for _, actions in ranks])
-    bubble = statistics.mean(1 - sum(a[4] - a[3] for tl in ranks for a in tl)
-                             / (len(ranks) * max(a[4] for tl in ranks for a in tl))
+        timed.append([[shifted(a, -reference) for a in actions] for _, actions in ranks])
+    bubble = statistics.mean(1 - sum(a.end - a.start for tl in ranks for a in tl)
+                             / (len(ranks) * max(a.end for tl in ranks for a in tl))
                              for ranks in timed)
-    means = [{kind: statistics.mean(a[4] - a[3] for _, acts in rank for a in acts if a[0] == kind)
-              for kind in {a[0] for _, acts in rank for a in acts}} for rank, _, _ in gathered]
+    means = [{kind: statistics.mean(a.end - a.start for a in actions if a.kind == kind)
+              for kind in {a.kind for a in actions}}
+             for actions in ([TimedAction(*a) for _, acts in rank for a in acts]
+                             for rank, _, _ in gathered)]
     log(topo, render_timeline(timed[-1]))
     write_timeline_trace(timed[-1], args, topo)
     return timed, bubble, means, max(n for _, n, _ in gathered)
 
 
-def render_timeline(timelines: Sequence[Sequence[tuple[str, int, int, float, float]]],
-                    width: int = 96) -> str:
+def render_timeline(timelines: Sequence[Sequence[TimedAction]], width: int = 96) -> str:
     """One pipeline step as text, a row per rank: an action is its label (`F3`) then its kind
     letter, in lower case on the rank's second stage (DualPipe's); idle time is '.'."""
-    t0 = min(a[3] for tl in timelines for a in tl)
-    scale = width / (max(a[4] for tl in timelines for a in tl) - t0)
+    timelines = [[TimedAction(*a) for a in tl] for tl in timelines]
+    t0 = min(a.start for tl in timelines for a in tl)
+    scale = width / (max(a.end for tl in timelines for a in tl) - t0)
     rows = [f"one step, {1e3 * width / scale:.1f} ms, {1e3 / scale:.2f} ms a column:"]
     for rank, tl in enumerate(timelines):
-        row, first_stage = ["."] * width, min(a[2] for a in tl)
+        row, first_stage = ["."] * width, min(a.stage for a in tl)
         for kind, micro, stage, start, end in tl:
             kind = kind if stage == first_stage else kind.lower()
             first = min(round((start - t0) * scale), width - 1)
@@ -1330,12 +1347,13 @@ def render_timeline(timelines: Sequence[Sequence[tuple[str, int, int, float, flo
     return "\n".join(rows)
 
 
-def write_timeline_trace(timelines: Sequence[Sequence[tuple[str, int, int, float, float]]],
-                         args: argparse.Namespace, topo: Topology) -> None:
+def write_timeline_trace(timelines: Sequence[Sequence[TimedAction]], args: argparse.Namespace,
+                         topo: Topology) -> None:
     """The same step as a Chrome/Perfetto trace, a track per rank, in the results' traces/."""
     if not topo.is_main:
         return
-    t0 = min(a[3] for tl in timelines for a in tl)
+    timelines = [[TimedAction(*a) for a in tl] for tl in timelines]
+    t0 = min(a.start for tl in timelines for a in tl)
     events = [{"name": f"rank {r}", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
               for r in range(len(timelines))]
     events += [{"name": f"{kind}{micro}", "cat": kind, "ph": "X", "pid": 0, "tid": r,
