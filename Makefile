@@ -212,10 +212,19 @@ if [ $$code -ne 0 ]; then status=1; \
 fi
 endef
 
+# ARGS are every script's: read by the folder's first script's parser before anything starts, so
+# that a bad flag is its one line (`baseline_zero.py: error: argument --steps: ...`), not a
+# failed row a script.
+define check_args
+$(if $(strip $(ARGS)),PLAYBOOK_CHECK_FLAGS=1 $(PY) $$(ls $$folder/baseline_*.py | head -1) \
+	$(SCRIPT_FLAGS) || exit 2,true)
+endef
+
 # One folder: every baseline, then every optimized script, then its extra runs, then its mesh
 # runs (on GPUs, the baseline again only where the mesh's world is not NPROC's).
 $(TECHNIQUES): %: preflight
 	@mkdir -p outputs/logs; status=0; folder=$(filter %_$@,$(FOLDERS)); nproc=$(NPROC); \
+	$(check_args); \
 	for run in $$(ls $$folder/baseline_*.py $$folder/optimized_*.py | grep -vxF \
 			"$$(printf '%s\n' $(MESH_ONLY))") $(EXTRA_RUNS_$@); do \
 		script=$${run%% *}; flags=$${run#$$script}; \

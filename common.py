@@ -555,6 +555,8 @@ class RecipeParser(argparse.ArgumentParser):
 
     def parse_args(self, args: Sequence[str] | None = None, namespace=None) -> argparse.Namespace:
         ns = super().parse_args(args, namespace)
+        if os.environ.get("PLAYBOOK_CHECK_FLAGS"):  # the Makefile's check of ARGS, before a launch
+            sys.exit(0)
         _RUN["args"] = ns  # a run that skips before `setup` is recorded too
         if ns.model in self.skips:  # before the checks of a shape the run will never use
             raise Skip(self.skips[ns.model])
@@ -985,7 +987,8 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                   f"{1e3 * elapsed:8.1f} ms | "
                   f"{items_per_step(args, dp_world or topo.world_size) / elapsed:10,.0f} "
                   f"{'img' if args.model == 'resnet' else 'tok'}/s | "
-                  f"mem {peak_memory_mb(topo.device):,.0f} MB", flush=True)
+                  f"{'peak alloc' if topo.device.type == 'cuda' else 'rss'} "
+                  f"{peak_memory_mb(topo.device):,.0f} MB", flush=True)
     load_end = os.getloadavg()[0]
     for hook in phase_hooks:
         hook.remove()
@@ -1485,7 +1488,8 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         variant = f"{rec['variant']}, " if rec["variant"] else ""  # which of a script's runs
         print(f"{rec['script']}: {variant}{stats.step_ms:.1f} ms/step "
               f"(p90 {stats.step_ms_p90:.1f}), {items / (stats.step_ms / 1e3):,.0f} {unit}, "
-              f"peak {rec['peak_mem_mb']:,.0f} MB, "
+              f"peak {'alloc' if topo.device.type == 'cuda' else 'tensors'} "
+              f"{rec['peak_mem_mb']:,.0f} MB, "
               f"state {rec['state_mb']:.1f} MB{comm}, final mean loss {stats.losses[-1]:.4f}",
               flush=True)
     return rec

@@ -64,6 +64,16 @@ def test_the_speedup_chart_draws_each_compared_pair_of_a_real_run(records):
     assert words(memory)[powersgd] == " 1.15x over tolerance"
 
 
+def test_no_ratio_is_written_across_the_one_line(records):
+    """A label starts right of its bar or of the 1.0 line, whichever ends later: a 0.98x is not
+    printed across the line it is measured against."""
+    for ax in report.draw_charts(records)["speedup.png"].axes:
+        ratios = [t for t in ax.texts if t.get_text().strip()[:1].isdigit()
+                  or t.get_text().strip().startswith("~")]
+        assert ratios and all(t.get_position()[0] >= 1.0 for t in ratios)
+        assert any(w < 1.0 for w, _ in bars(ax).values())  # a bar that ends left of the line
+
+
 def test_the_other_charts_draw_what_the_real_run_recorded(records):
     charts = report.draw_charts(records)
     assert list(charts) == list(report.CHARTS)

@@ -5,6 +5,7 @@ in one line; `make smoke` gives a line per script; LINK really slows the ranks' 
 refuses on GPUs."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -327,7 +328,10 @@ def test_smoke_is_one_line_a_script_and_fails_if_any_failed(tmp_path):
     assert strays.count("2 * args.lr") == strays.count("loss_tolerance=1e-3") == 1
     project_copy(tmp_path, "09_smoke", {
         "baseline_ok.py": ddp, "optimized_raises.py": textwrap.dedent(RAISES).lstrip(),
-        "optimized_skips.py": textwrap.dedent(SKIPS).lstrip(), "optimized_strays.py": strays})
+        # a name longer than most: the verdicts still line up in one column
+        "optimized_skips_on_any_host_that_lacks_the_gpu_it_needs_to_run.py":
+            textwrap.dedent(SKIPS).lstrip(),
+        "optimized_strays.py": strays})
     run = subprocess.run(["make", "--no-print-directory", "smoke", f"PYTHON={sys.executable}",
                           "CPU=1"], cwd=tmp_path,
                          env=gpu_host(tmp_path, 2), capture_output=True, text=True, timeout=240)
@@ -339,5 +343,23 @@ def test_smoke_is_one_line_a_script_and_fails_if_any_failed(tmp_path):
     assert lines[2].endswith("skipped: needs a GPU: run on one")
     assert "over tolerance (max loss difference " in lines[3] and "> 0.001)" in lines[3]
     assert lines[4].startswith("smoke: 4 runs, 1 failed, 1 over tolerance")
+    verdicts = [re.search(r" (ok \(|FAILED: |skipped: |over tolerance)", line)
+                for line in lines[:4]]
+    assert len({v.start() for v in verdicts}) == 1  # one column, however long a run's name
     assert len(common.load_results(tmp_path / "outputs" / "smoke" / "results.jsonl")) == 4
     assert not (tmp_path / "outputs" / "results.jsonl").exists()  # not the report's
+
+
+def test_a_bad_args_flag_stops_the_folder_before_any_launch(tmp_path):
+    """`make zero ARGS='--steps abc'`: the first script's parser reads ARGS before anything is
+    launched, so the run ends on its one line, not with a failed row a script."""
+    project_copy(tmp_path, "04_zero", {
+        name: (common.ROOT / "04_zero" / name).read_text()
+        for name in ["baseline_zero.py", "optimized_zero1.py"]})
+    run = subprocess.run(["make", "--no-print-directory", "zero", f"PYTHON={sys.executable}",
+                          "ARGS=--steps abc"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode != 0 and "==" not in run.stdout, run.stdout
+    (line,) = [out for out in run.stderr.splitlines() if "error:" in out and "make" not in out]
+    assert line == "baseline_zero.py: error: argument --steps: expected an integer, got 'abc'"
+    assert not (tmp_path / "outputs" / "results.jsonl").exists()
