@@ -831,11 +831,19 @@ def peer_access_problem(topo: Topology) -> str | None:
     agree on it, as one that went on alone would wait forever in the rendezvous."""
     if topo.nnodes > 1:
         return "symmetric memory maps the GPUs of one host: run on one node (NNODES=1)"
-    me, used = topo.device.index, min(torch.cuda.device_count(), topo.local_world_size)
+    visible = torch.cuda.device_count()
+    # under `srun --gpus-per-task=1` each rank sees one GPU, index 0: the rendezvous would map
+    # every rank's memory onto the same device ("allocations from overlapping devices")
+    hidden = visible < topo.local_world_size
+    me, used = topo.device.index, min(visible, topo.local_world_size)
     lacking = [k for k in range(used) if k != me and not torch.cuda.can_device_access_peer(me, k)]
-    everyone = [None] * topo.world_size
-    dist.all_gather_object(everyone, lacking)
-    if any(everyone):
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (hidden, lacking))
+    if any(h for h, _ in everyone):
+        return (f"a rank sees {visible} GPU(s) for the host's {topo.local_world_size} ranks "
+                "(srun --gpus-per-task?): symmetric memory maps the host's GPUs, so every rank "
+                "must see them all: srun --gpus-per-node, or torchrun")
+    if any(lacks for _, lacks in everyone):
         return ("this host's GPUs cannot access each other's memory (no NVLink, no PCIe "
                 "peer-to-peer), which symmetric memory maps: nothing to measure here")
     return None

@@ -154,6 +154,15 @@ def test_symmetric_memory_is_skipped_without_peer_access_and_across_nodes(group,
     assert "one host" in common.peer_access_problem(fake_cuda_topology(nnodes=2))
 
 
+def test_symmetric_memory_is_skipped_where_each_rank_sees_only_its_own_gpu(group, monkeypatch):
+    """`srun --gpus-per-task=1`: every rank sees one GPU, index 0, and peer access to nothing
+    else passes; symmetric memory's rendezvous would then fail on every rank."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    why = common.peer_access_problem(fake_cuda_topology(local_world=2))
+    assert why is not None and "sees 1 GPU(s) for the host's 2 ranks" in why
+
+
 def test_async_tp_calls_the_fused_kernels_by_their_signatures():
     """optimized_symmem_tp.py's CUDA path calls PyTorch's two fused ops positionally: their
     arguments must be, in order, what it passes."""
