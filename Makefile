@@ -172,6 +172,10 @@ all: $(TECHNIQUES)
 # anyway): PyTorch's own implementation of a second technique beside the hand-written one; a
 # row that takes one change of two apart; a setting where the technique's cost is most of a step.
 EXTRA_RUNS_zero := "04_zero/optimized_zero_pytorch.py --stage 3"
+# PowerSGD where it is meant to run: 100 steps beside the baseline's 100, at rank 8 (10x fewer
+# bytes at `small`), judged by its final loss.
+EXTRA_RUNS_compression := "02_compression/baseline_compression.py --long-run" \
+	"02_compression/optimized_compression_powersgd.py --long-run --rank 8"
 # 06's short token batches are a decoder's (a ResNet's BatchNorm needs two images a rank).
 EXTRA_RUNS_symmem := "06_symmem/optimized_symmem_training.py --replicated-optimizer" \
 	$(if $(filter resnet,$(MODEL)),,"06_symmem/baseline_symmem_training.py --batch-size 1 --seq-len 32" \
@@ -248,12 +252,13 @@ fsdp-ablation: fsdp
 # `tiny` on what the host has (all its GPUs, or 2 CPU processes), one line each (ok, skipped:
 # why, FAILED: its error line), non-zero if any failed. The ranks are forked from one Python
 # that imported torch once (37 runs x 2 fresh interpreters would take minutes on 2 cores);
-# records and logs go to outputs/smoke/, not into the report.
+# records and logs go to outputs/smoke/, not into the report. On GPUs a run may take 40 minutes
+# before it counts as hung: the compiled runs' first compile on 8 ranks (see COMPILE_TIMEOUT_S).
 SMOKE_RUNS = $(foreach f,$(FOLDERS),$(sort $(wildcard $(f)/baseline_*.py)) \
 	$(sort $(wildcard $(f)/optimized_*.py)) $(EXTRA_RUNS_$(word 2,$(subst _, ,$(f)))))
 smoke: preflight
 	@rm -rf outputs/smoke
-	@$(PY) report.py smoke --nproc $(NPROC) --flags "--size tiny $(if $(MODEL),--model $(MODEL)) --steps 2 --warmup 4 --timeout 60" \
+	@$(PY) report.py smoke --nproc $(NPROC) $(if $(filter-out 0,$(GPUS)),--timeout 2400) --flags "--size tiny $(if $(MODEL),--model $(MODEL)) --steps 2 --warmup 4 --timeout 60" \
 		-- $(SMOKE_RUNS)
 
 # A host whose GPUs torch cannot use (a driver older than torch's CUDA build, say) would

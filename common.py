@@ -732,11 +732,17 @@ def _restarted_group_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"restart-{restart}", agent_store)
 
 
-def setup(args: argparse.Namespace | None = None, timeout_s: float = 300) -> Topology:
+# A compiled run's first steps keep each rank in inductor for minutes on 8 GPUs, while the ranks
+# done first wait in a collective: its timeout is at least this.
+COMPILE_TIMEOUT_S = 1800
+
+
+def setup(args: argparse.Namespace | None = None, timeout_s: float = 300,
+          compiles: bool = False) -> Topology:
     """Join the process group from the launcher's environment (torchrun, srun, or none: a world
     of one) and pick the device. A recipe passes its parsed flags, whose `--timeout` bounds every
     collective; a trainer of one's own calls `setup()` alone (`timeout_s`). A dead peer is an
-    error, never a hang."""
+    error, never a hang. `compiles`: the run compiles on CUDA (COMPILE_TIMEOUT_S at least)."""
     _RUN["args"] = args
     from_srun = "RANK" not in os.environ and "SLURM_PROCID" in os.environ
     per_task = from_srun and "SLURM_GPUS_PER_TASK" in os.environ  # each task its own GPUs
@@ -756,7 +762,10 @@ def setup(args: argparse.Namespace | None = None, timeout_s: float = 300) -> Top
         device, backend = torch.device("cpu"), "gloo"
         # Processes sharing a host split its cores; oversubscription would distort every timing.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
-    timeout = datetime.timedelta(seconds=args.timeout if args is not None else timeout_s)
+    seconds = args.timeout if args is not None else timeout_s
+    if compiles and device.type == "cuda":
+        seconds = max(seconds, COMPILE_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=seconds)
     dist.init_process_group(backend, timeout=timeout, store=_restarted_group_store(timeout),
                             rank=rank, world_size=world,
                             device_id=device if backend == "nccl" else None)

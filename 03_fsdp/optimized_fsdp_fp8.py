@@ -198,7 +198,7 @@ def main():
     args = parser.parse_args()
     compile_blocks = torch.cuda.is_available() if args.compile is None else args.compile
     fp8, checkpointing = not args.no_fp8, not args.no_checkpointing
-    topo = common.setup(args)
+    topo = common.setup(args, compiles=compile_blocks)
     if fp8 and importlib.util.find_spec("torchao") is None:
         raise common.Skip("FP8 needs torchao (pip install torchao): or run with --no-fp8")
     if fp8 and topo.device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):

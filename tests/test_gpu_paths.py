@@ -367,3 +367,30 @@ def test_the_smoke_never_touches_cuda_in_the_process_it_forks_from(tmp_path, mon
                         timeout=60) == 1
     (rec,) = common.load_results(tmp_path / "out" / "results.jsonl")
     assert rec["status"] == "failed" and "exited with code 1" in rec["reason"]
+
+
+def test_a_compiled_cuda_run_waits_out_a_slow_first_compile(monkeypatch):
+    """`make smoke` gives every run --timeout 60; a compiled run on CUDA (FP8's blocks, DTensor
+    TP's) would trip it while one of 8 ranks is still in inductor: its group waits at least
+    COMPILE_TIMEOUT_S. Stubbed: CUDA present, the group's creation captured."""
+    joined = {}
+
+    def init_process_group(backend, timeout, **kwargs):
+        joined.update(backend=backend, timeout=timeout.total_seconds())
+        raise InterruptedError  # what follows needs a real group
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(common.dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(common, "_restarted_group_store", lambda timeout: None)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    args = tiny_args("--timeout", "60")
+    for compiles, waits in [(False, 60), (True, common.COMPILE_TIMEOUT_S)]:
+        with pytest.raises(InterruptedError):
+            common.setup(args, compiles=compiles)
+        assert joined == {"backend": "nccl", "timeout": waits}
+    fp8 = (common.ROOT / "03_fsdp" / "optimized_fsdp_fp8.py").read_text()
+    assert "common.setup(args, compiles=compile_blocks)" in fp8
