@@ -97,5 +97,38 @@ def test_every_copy_is_its_source_to_the_letter():
             "change the source, then `make fix-copies`"
 
 
+def constants(path: Path) -> dict[str, str]:
+    """Each module-level constant of a file (an UPPER_CASE name assigned at the top level): the
+    text of the statement that assigns it."""
+    lines, found = path.read_text().splitlines(), {}
+    for node in ast.parse("\n".join(lines)).body:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AnnAssign) else []
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id.isupper():
+                found[target.id] = "\n".join(lines[node.lineno - 1:node.end_lineno])
+    return found
+
+
+def names_used(path: Path, name: str) -> set[str]:
+    """The names the definition `name` of a file reads."""
+    node = next(n for n in ast.parse(path.read_text()).body if getattr(n, "name", None) == name)
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def test_a_copy_reads_the_constants_its_source_reads_with_the_same_values():
+    """A copy that reads a module-level constant (`LINE`, `SPIN_POLLS`, ...) is only the same
+    code if its file assigns that constant as the source's file does."""
+    checked = 0
+    for path, name, source in marked_copies():
+        theirs, ours = constants(source), constants(path)
+        for constant in sorted(names_used(source, name) & theirs.keys()):
+            assert ours.get(constant) == theirs[constant], \
+                f"{path.relative_to(ROOT)}: {constant}, read by the copy of {name}, is not " \
+                f"{source.relative_to(ROOT)}'s"
+            checked += 1
+    assert checked  # some copies do read constants: the check is not vacuous
+
+
 if __name__ == "__main__":
     fix()
