@@ -6,12 +6,15 @@ Sections, in reading order:
     Sizes and the workload   presets, the GPT and Llama decoders, a ResNet, the parts a technique
                              is given (blocks, embedding, head), synthetic data split by rank
     CLI                      the shared flags, one-line errors, a run's variant
-    Topology                 torchrun, srun or a world of one: device, backend, process group
+    Topology                 torchrun, srun or a world of one: device, backend, process group;
+                             whether the host's GPUs can map each other's memory
+    Collectives              the renamed tensor collectives, gloo's reduce-scatter done right
     Bytes sent               the bytes handed to collectives, counted or from the ring formula
     Timing                   warm-up then timed steps, step statistics, collective sweeps
     Memory                   a step's peak (allocator or live tensors), state from the tensors
     Tracing                  step ranges, NVTX, profiler traces, a pipeline's timeline
-    Records and outcomes     one JSON line per run, --summary, skipped and failed runs
+    Records and outcomes     one JSON line per run, --summary, rank 0's log, skipped and failed
+                             runs (a world too small for a pipeline)
 """
 
 from __future__ import annotations
@@ -775,6 +778,32 @@ def setup(args: argparse.Namespace | None = None, timeout_s: float = 300,
     return topo
 
 
+def peer_access_problem(topo: Topology) -> str | None:
+    """Why this host's GPUs cannot map each other's memory (symmetric memory), or None; all ranks
+    agree on it, as one that went on alone would wait forever in the rendezvous."""
+    if topo.nnodes > 1:
+        return "symmetric memory maps the GPUs of one host: run on one node (NNODES=1)"
+    visible = torch.cuda.device_count()
+    # under `srun --gpus-per-task=1` each rank sees one GPU, index 0: the rendezvous would map
+    # every rank's memory onto the same device ("allocations from overlapping devices")
+    hidden = visible < topo.local_world_size
+    me, used = topo.device.index, min(visible, topo.local_world_size)
+    lacking = [k for k in range(used) if k != me and not torch.cuda.can_device_access_peer(me, k)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (hidden, lacking))
+    if any(h for h, _ in everyone):
+        return (f"a rank sees {visible} GPU(s) for the host's {topo.local_world_size} ranks "
+                "(srun --gpus-per-task?): symmetric memory maps the host's GPUs, so every rank "
+                "must see them all: srun --gpus-per-node, or torchrun")
+    if any(lacks for _, lacks in everyone):
+        return ("this host's GPUs cannot access each other's memory (no NVLink, no PCIe "
+                "peer-to-peer), which symmetric memory maps: nothing to measure here")
+    return None
+
+
+# ==== Collectives =================================================================================
+# The collectives recipes call that torch names or runs differently across releases and backends.
+
 # PyTorch 2.14's names for the tensor-to-tensor all-gather and reduce-scatter (the old ones now
 # warn); older releases, such as a GPU image's preinstalled torch, have only the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -823,44 +852,6 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
         summed.wait()
         return None
     return _SummedOnArrival(summed)
-
-
-def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
-    """Skip a world a pipeline of `stages` cannot use: it is the host's (NPROC), not a bad flag."""
-    layers = SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
-    if world == 1:
-        raise Skip("a pipeline runs its stages on two or more processes: launch two or more")
-    if stages > layers:
-        raise Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages on "
-                   f"{world} processes: use fewer processes or a larger --size")
-
-
-def peer_access_problem(topo: Topology) -> str | None:
-    """Why this host's GPUs cannot map each other's memory (symmetric memory), or None; all ranks
-    agree on it, as one that went on alone would wait forever in the rendezvous."""
-    if topo.nnodes > 1:
-        return "symmetric memory maps the GPUs of one host: run on one node (NNODES=1)"
-    visible = torch.cuda.device_count()
-    # under `srun --gpus-per-task=1` each rank sees one GPU, index 0: the rendezvous would map
-    # every rank's memory onto the same device ("allocations from overlapping devices")
-    hidden = visible < topo.local_world_size
-    me, used = topo.device.index, min(visible, topo.local_world_size)
-    lacking = [k for k in range(used) if k != me and not torch.cuda.can_device_access_peer(me, k)]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (hidden, lacking))
-    if any(h for h, _ in everyone):
-        return (f"a rank sees {visible} GPU(s) for the host's {topo.local_world_size} ranks "
-                "(srun --gpus-per-task?): symmetric memory maps the host's GPUs, so every rank "
-                "must see them all: srun --gpus-per-node, or torchrun")
-    if any(lacks for _, lacks in everyone):
-        return ("this host's GPUs cannot access each other's memory (no NVLink, no PCIe "
-                "peer-to-peer), which symmetric memory maps: nothing to measure here")
-    return None
-
-
-def log(topo: Topology, message: str) -> None:
-    if topo.is_main:
-        print(message, flush=True)
 
 
 # ==== Bytes sent ==================================================================================
@@ -1552,6 +1543,21 @@ def print_summary(args: argparse.Namespace, topo: Topology, stats: Stats, *,
     compared = "" if baseline is None else f" ({baseline}'s busiest rank)" if base else \
         f"; {baseline} has no recorded run like this one to compare with"
     print(f"measured (formula); peak = live tensor MB at the step's peak{compared}", flush=True)
+
+
+def log(topo: Topology, message: str) -> None:
+    if topo.is_main:
+        print(message, flush=True)
+
+
+def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
+    """Skip a world a pipeline of `stages` cannot use: it is the host's (NPROC), not a bad flag."""
+    layers = SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
+    if world == 1:
+        raise Skip("a pipeline runs its stages on two or more processes: launch two or more")
+    if stages > layers:
+        raise Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages on "
+                   f"{world} processes: use fewer processes or a larger --size")
 
 
 class Skip(Exception):
