@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: TiedGradients
 class TiedGradients:
     """Sums the gradients of `weights`, the weights of this rank's stage that other ranks of
     `group` hold too (a tied embedding and head, on the first and last stages), with theirs, as
@@ -77,9 +76,9 @@ class TiedGradients:
 
 class ModelParallelRank:
     """This rank's stage of the layers cut across the ranks of `group` (default: the world),
-    with 1F1B's `PipelineRank`'s arguments less the schedule: the whole batch through the stage,
-    forward and then backward, each waiting for its input from the neighbouring rank. With
-    `record_timeline`, each step's start and its forward and backward, each timed from its
+    with the pipelines' `PipelineRank`'s arguments less the schedule: the whole batch through
+    the stage, forward and then backward, each waiting for its input from the neighbouring rank.
+    With `record_timeline`, each step's start and its forward and backward, each timed from its
     input's arrival to its end, on this rank's clock (on CUDA after synchronising)."""
 
     def __init__(self, layers: list[nn.Module],
@@ -95,7 +94,8 @@ class ModelParallelRank:
         self.stage, self.last = dist.get_rank(self.group), dist.get_world_size(self.group) - 1
         held = list(self.layers.parameters())
         self.tied = TiedGradients([w for w in tied if any(w is q for q in held)], self.group)
-        self.timelines: list[tuple[float, list[tuple]]] = []  # a step's start, its timed actions
+        # a step's start, its timed actions
+        self.timelines: list[tuple[float, list[common.TimedAction]]] = []
 
     def now(self) -> float | None:
         """This rank's clock if the timeline is recorded, else None (and no synchronisation)."""
@@ -107,7 +107,8 @@ class ModelParallelRank:
 
     def timed(self, kind: str, start: float | None) -> None:
         if start is not None:
-            self.timelines[-1][1].append((kind, 0, self.stage, start, self.now()))
+            self.timelines[-1][1].append(common.TimedAction(kind, 0, self.stage, start,
+                                                            self.now()))
 
     def peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, stage)
@@ -145,20 +146,17 @@ class ModelParallelRank:
         return out.detach() if self.stage == self.last else torch.zeros((), device=self.device)
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cross_entropy
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The loss a pipeline's last stage is given: what the project's decoders compute."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: plain_layers
 def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
     """A stage of the project's `pipeline_stages` as a runtime takes it: the last one ends in
     the loss head (norm, head and loss), whose norm and head become its last two layers."""
     return [*stage[:-1], stage[-1].ln_f, stage[-1].head] if last else stage
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: comm_theory_mb
 def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int, tied: int) -> float:
     """What rank 0 sends a step: each micro-batch's activations to rank 1, in the boundary's
     dtype (the residual stream: fp32 under autocast too), and its share of the tied weight's
@@ -167,7 +165,6 @@ def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int, tied: int
     return (m * dtype.itemsize * math.prod(shape) + tied) / 2**20
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: tied_weights
 def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
     """The weights on two stages: the input embedding's if the output head is the same
     Parameter (the GPT's), none if untied (the Llama's). Found by identity, not by name."""

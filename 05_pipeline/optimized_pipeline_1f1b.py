@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 
+# Copied from 05_pipeline/optimized_pipeline_gpipe.py: Action
 class Action(NamedTuple):
     kind: str  # F forward, B backward
     micro: int  # the micro-batch's index
@@ -58,6 +59,7 @@ def schedule(p: int, m: int) -> list[list[Action]]:
 
 
 # --- the runtime, the same in the GPipe and 1F1B scripts ---------------------------------------
+# Copied from 05_pipeline/optimized_pipeline_gpipe.py: simulate
 def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None = None
              ) -> tuple[float, int, list[list[list[tuple[str, int]]]]]:
     """Walks these action lists in rounds, each rank taking its next action once its input is
@@ -94,6 +96,7 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
     return 1 - busy / (p * max(clock)), max(max(counts) for counts in held), posts
 
 
+# Copied from 05_pipeline/baseline_pipeline.py: TiedGradients
 class TiedGradients:
     """Sums the gradients of `weights`, the weights of this rank's stage that other ranks of
     `group` hold too (a tied embedding and head, on the first and last stages), with theirs, as
@@ -137,6 +140,7 @@ class TiedGradients:
             w.grad = total if grad is None else grad.add_(total)
 
 
+# Copied from 05_pipeline/optimized_pipeline_gpipe.py: PipelineRank
 class PipelineRank:
     """This rank's stage of a pipeline of the ranks of `group` (default: the world), running
     its actions of `ranks` (each group rank's, from `schedule`). Given: the stage's `layers`,
@@ -172,7 +176,8 @@ class PipelineRank:
         # micro -> its input and output: what its backward differentiates, until it runs
         self.saved_for_backward: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # tensors kept alive until sent
-        self.timelines: list[tuple[float, list[tuple]]] = []  # a step's start, its timed actions
+        # a step's start, its timed actions
+        self.timelines: list[tuple[float, list[common.TimedAction]]] = []
         self.inflight_max = 0
 
     def now(self) -> float | None:
@@ -185,7 +190,8 @@ class PipelineRank:
 
     def timed(self, kind: str, micro: int, start: float | None) -> None:
         if start is not None:
-            self.timelines[-1][1].append((kind, micro, self.stage, start, self.now()))
+            action = common.TimedAction(kind, micro, self.stage, start, self.now())
+            self.timelines[-1][1].append(action)
 
     def post_receive(self, kind: str, micro: int) -> None:
         x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -256,17 +262,20 @@ class PipelineRank:
         return loss
 
 
+# Copied from 05_pipeline/baseline_pipeline.py: cross_entropy
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The loss a pipeline's last stage is given: what the project's decoders compute."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+# Copied from 05_pipeline/baseline_pipeline.py: plain_layers
 def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
     """A stage of the project's `pipeline_stages` as a runtime takes it: the last one ends in
     the loss head (norm, head and loss), whose norm and head become its last two layers."""
     return [*stage[:-1], stage[-1].ln_f, stage[-1].head] if last else stage
 
 
+# Copied from 05_pipeline/baseline_pipeline.py: comm_theory_mb
 def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int, tied: int) -> float:
     """What rank 0 sends a step: each micro-batch's activations to rank 1, in the boundary's
     dtype (the residual stream: fp32 under autocast too), and its share of the tied weight's
@@ -275,6 +284,7 @@ def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int, tied: int
     return (m * dtype.itemsize * math.prod(shape) + tied) / 2**20
 
 
+# Copied from 05_pipeline/baseline_pipeline.py: tied_weights
 def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
     """The weights on two stages: the input embedding's if the output head is the same
     Parameter (the GPT's), none if untied (the Llama's). Found by identity, not by name."""

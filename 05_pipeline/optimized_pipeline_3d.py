@@ -207,20 +207,20 @@ class AllToAllReduceScatter:
         return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cross_entropy
+# Copied from 05_pipeline/baseline_pipeline.py: cross_entropy
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The loss a pipeline's last stage is given: what the project's decoders compute."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: plain_layers
+# Copied from 05_pipeline/baseline_pipeline.py: plain_layers
 def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
     """A stage of the project's `pipeline_stages` as a runtime takes it: the last one ends in
     the loss head (norm, head and loss), whose norm and head become its last two layers."""
     return [*stage[:-1], stage[-1].ln_f, stage[-1].head] if last else stage
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: tied_weights
+# Copied from 05_pipeline/baseline_pipeline.py: tied_weights
 def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
     """The weights on two stages: the input embedding's if the output head is the same
     Parameter (the GPT's), none if untied (the Llama's). Found by identity, not by name."""

@@ -5,14 +5,18 @@ on the way down the V and 2p-1-r on the way up (rank 0 the first and last: a tie
 head once, nothing to sum). A backward runs whole (B) or split as in zero-bubble pipelines: I,
 the input's gradient, which the previous stage waits for, then W, the weights', which fills a
 gap. The schedule is DeepSeek's (`dualpipe_rank`, github.com/deepseek-ai/DualPipe); the runtime
-(`PipelineRank`: two stages' layers, a loss function, the boundary's shape) is 1F1B's, split.
+(`TwoStagePipelineRank`: two stages' layers, a loss function, the boundary's shape) is GPipe's
+and 1F1B's `PipelineRank` for two stages a rank, its actions (`SplitAction`) I and W besides F, B.
 Why it helps: the V is fed from both ends and the W's fill the gaps: the bubble falls from
-1F1B's (p-1)(F+B) to (p-1)(F+2B-3W)/2 (F, B, W a whole rank's). It needs m >= 2p micro-batches.
+1F1B's (p-1)(F+B) to (p-1)(F+B-2W)/2 (F, B, W a whole rank's; F = I). It needs m >= 2p.
 Run:        torchrun --nproc_per_node=2 05_pipeline/optimized_pipeline_dualpipev.py --size small
 Look for:   `bubble` below 1F1B's, near `theory.bubble`; the timeline's second stage in lower case.
-Theory:     bubble: these lists run with the measured mean F, B, I, W times (`simulate`); paired
-            (DeepSeek overlaps F and B), F = I, B = I + W: the paper's (PP/2-1)(F&B+B-3W), PP = 2p.
-            Activations: at most 2p+1 half-size stages' in flight (the paper's PP+1).
+Theory:     bubble: these lists run with the measured mean F, B, I, W times (`simulate_split`), F
+            and B one after the other, as here: with F = I, B = I + W, (PP/2-1)(F+B-2W), PP = 2p,
+            half the paper's (PP/2-1)(F&B+B-3W) at W = I (two thirds at W = 0). The paper's is
+            for a paired F and B overlapped on a GPU, each pair waiting for both its inputs:
+            `theory.bubble_paired`, which these runs do not show. Activations: at most 2p+1
+            half-size stages' in flight (the paper's PP+1).
 """
 
 import collections
@@ -33,35 +37,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 
-class Action(NamedTuple):
+class SplitAction(NamedTuple):
+    """GPipe's and 1F1B's `Action` with a backward that may be split, and a pairing."""
     kind: str  # F forward; B backward; I the input's gradient, its W (the weights') later
     micro: int  # the micro-batch's index
     stage: int
     paired: bool = False  # DeepSeek overlaps this F with the action after it
 
 
-def schedule(p: int, m: int) -> list[list[Action]]:
+def schedule(p: int, m: int) -> list[list[SplitAction]]:
     """DeepSeek's DualPipeV: for each rank r, its down stage r ("0") and up stage 2p-1-r ("1")."""
     return [dualpipe_rank(p, m, r, {0: r, 1: 2 * p - 1 - r}, {0: range(m), 1: range(m)})
             for r in range(p)]
 
 
 def dualpipe_rank(n: int, m: int, r: int, stage: dict[int, int], micros: dict[int, range]
-                  ) -> list[Action]:
+                  ) -> list[SplitAction]:
     """Rank r of a V on n ranks, m micro-batches through it: DeepSeek's eight phases. A stage
     takes its micro-batches in order; an I queues its W, a W runs the oldest queued."""
     actions, forwards, backwards, owed = [], {0: 0, 1: 0}, {0: 0, 1: 0}, collections.deque()
 
     def F(half, paired=False):
-        actions.append(Action("F", micros[half][forwards[half]], stage[half], paired))
+        actions.append(SplitAction("F", micros[half][forwards[half]], stage[half], paired))
         forwards[half] += 1
 
     def B(half, split=False):
         micro = micros[half][backwards[half]]
         backwards[half] += 1
-        actions.append(Action("I" if split else "B", micro, stage[half]))
+        actions.append(SplitAction("I" if split else "B", micro, stage[half]))
         if split:
-            owed.append(Action("W", micro, stage[half]))
+            owed.append(SplitAction("W", micro, stage[half]))
 
     def W():
         actions.append(owed.popleft())  # an I is always owed here: a miscount would raise
@@ -99,19 +104,22 @@ def dualpipe_rank(n: int, m: int, r: int, stage: dict[int, int], micros: dict[in
     return actions
 
 
-def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None = None,
-             paired: bool = False) -> tuple[float, int, list[list[list[tuple[str, int, int]]]]]:
-    """1F1B's walk, with I (its input a B's; it sends what a B sends), W (its input its own I; it
-    sends nothing), two stages a rank (the turn, in memory) and, if `paired`, a paired F and the
-    next action started together once both inputs are done. Returns the idle fraction, the most
-    stages' activations a rank holds, and each action's receives (F or B, micro, stage)."""
+def simulate_split(ranks: list[list[SplitAction]], seconds: list[dict[str, float]] | None = None,
+                   paired: bool = False
+                   ) -> tuple[float, int, list[list[list[tuple[str, int, int]]]]]:
+    """GPipe's and 1F1B's walk (`simulate`), with I (its input a B's; it sends what a B sends),
+    W (its input its own I; it sends nothing), two stages a rank (the turn, in memory) and, if
+    `paired`, a paired F and the next action started together once both inputs are done (the
+    paper's setting: on a GPU DeepSeek overlaps the two; here they run one after the other, the
+    B's input arriving while the F runs). Returns the idle fraction, the most stages'
+    activations a rank holds, and each action's receives (F or B, micro, stage)."""
     owner = {(a.micro, a.stage): r for r, actions in enumerate(ranks) for a in actions}
     p, last, done = len(ranks), max(s for _, s in owner), {}
     clock, at = [0.0] * p, [0] * p
     seconds = seconds or [{"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0}] * p
     posts = [[[] for _ in actions] for actions in ranks]
 
-    def needs(a: Action) -> list[tuple[str, int, int]]:
+    def needs(a: SplitAction) -> list[tuple[str, int, int]]:
         if a.kind == "W":
             return [("I", a.micro, a.stage)]
         src = a.stage - 1 if a.kind == "F" else a.stage + 1
@@ -146,17 +154,18 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
     return 1 - busy / (p * max(clock)), max(max(counts) for counts in held), posts
 
 
-class PipelineRank:
-    """1F1B's runtime for this rank's two stages (`stages`: index -> layers), a backward whole
-    (B) or as an I and a later W; an input for a stage on this rank (the V's turn) is handed
-    over in memory, not sent. Its arguments are 1F1B's less `tied`: a weight on the first and
-    the last stage (a tied embedding and head) is on one rank, and autograd sums its gradients.
-    The W's walk the layers with weights of their own (`parameters(recurse=False)`), so the
-    loss function has none (the head is a layer)."""
+class TwoStagePipelineRank:
+    """GPipe's and 1F1B's runtime (`PipelineRank`) for this rank's two stages (`stages`: index
+    -> layers), a backward whole (B) or as an I and a later W; an input for a stage on this rank
+    (the V's turn) is handed over in memory, not sent. Its arguments are `PipelineRank`'s less
+    `tied`: a weight on the first and the last stage (a tied embedding and head) is on one rank,
+    and autograd sums its gradients. The W's walk the layers with weights of their own
+    (`parameters(recurse=False)`), so the loss function has none (the head is a layer)."""
 
     def __init__(self, stages: dict[int, list[nn.Module]],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 ranks: list[list[Action]], shape: Sequence[int], dtype: torch.dtype | None = None,
+                 ranks: list[list[SplitAction]], shape: Sequence[int],
+                 dtype: torch.dtype | None = None,
                  group: dist.ProcessGroup | None = None,
                  autocast_dtype: torch.dtype | None = None, record_timeline: bool = False):
         self.stages = {s: nn.ModuleList(layers) for s, layers in stages.items()}
@@ -167,14 +176,15 @@ class PipelineRank:
         self.group = dist.group.WORLD if group is None else group
         self.rank = dist.get_rank(self.group)
         self.m = len({a.micro for actions in ranks for a in actions})
-        self.actions, self.receives_before = ranks[self.rank], simulate(ranks)[2][self.rank]
+        self.actions, self.receives_before = ranks[self.rank], simulate_split(ranks)[2][self.rank]
         self.owner = {(a.micro, a.stage): r for r, actions in enumerate(ranks) for a in actions}
         self.last = max(s for _, s in self.owner)
         self.split_backward = {(a.micro, a.stage) for a in self.actions if a.kind == "I"}
         self.inbox: dict[tuple[str, int, int], tuple[torch.Tensor, dist.Work | None]] = {}
         self.saved_for_backward: dict[tuple[int, int], tuple] = {}  # by (micro, stage)
         self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # tensors kept alive until sent
-        self.timelines: list[tuple[float, list[tuple]]] = []  # a step's start, its timed actions
+        # a step's start, its timed actions
+        self.timelines: list[tuple[float, list[common.TimedAction]]] = []
         self.inflight_max = 0
 
     def now(self) -> float | None:
@@ -187,7 +197,8 @@ class PipelineRank:
 
     def timed(self, kind: str, micro: int, stage: int, start: float | None) -> None:
         if start is not None:
-            self.timelines[-1][1].append((kind, micro, stage, start, self.now()))
+            action = common.TimedAction(kind, micro, stage, start, self.now())
+            self.timelines[-1][1].append(action)
 
     def post_receive(self, kind: str, micro: int, stage: int) -> None:
         x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -289,20 +300,20 @@ class PipelineRank:
         return loss
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cross_entropy
+# Copied from 05_pipeline/baseline_pipeline.py: cross_entropy
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The loss a pipeline's last stage is given: what the project's decoders compute."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: plain_layers
+# Copied from 05_pipeline/baseline_pipeline.py: plain_layers
 def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
     """A stage of the project's `pipeline_stages` as a runtime takes it: the last one ends in
     the loss head (norm, head and loss), whose norm and head become its last two layers."""
     return [*stage[:-1], stage[-1].ln_f, stage[-1].head] if last else stage
 
 
-def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int) -> float:
+def v_comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int) -> float:
     """What rank 0 sends rank 1 a step: each micro-batch's activations (to stage 1) and their
     gradient (to stage 2p-2), in the boundary's dtype; the tied weight's gradients stay."""
     return 2 * m * dtype.itemsize * math.prod(shape) / 2**20
@@ -334,7 +345,7 @@ def main():
     mine = {s: plain_layers(stages[s], s == 2 * p - 1) for s in (topo.rank, 2 * p - 1 - topo.rank)}
     shape = (args.batch_size // m, args.seq_len, common.input_embedding(model).embedding_dim)
     # the timeline of every step: the timed ones give the bubble (on CUDA, each action synced)
-    pipe = PipelineRank(mine, cross_entropy, schedule(p, m), shape,
+    pipe = TwoStagePipelineRank(mine, cross_entropy, schedule(p, m), shape,
                         autocast_dtype=model.autocast_dtype, record_timeline=True)
     del model, stages  # the other ranks' layers are freed: a rank holds its stages only
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=args.lr)
@@ -349,8 +360,8 @@ def main():
                                loss_rank=0, dp_world=1)
     steps, measured, means, inflight_max = common.gather_timelines(
         pipe.timelines[args.warmup:], pipe.inflight_max, args, topo)
-    bubble, inflight, _ = simulate(schedule(p, m), means)
-    paired, _, _ = simulate(schedule(p, m), means, paired=True)
+    bubble, inflight, _ = simulate_split(schedule(p, m), means)
+    paired, _, _ = simulate_split(schedule(p, m), means, paired=True)
     common.record(args, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
                   optimizer=opt, comm_mb=stats.comm_mb, dp_world=1, params=params,
                   loss_tolerance=1e-5 if args.dtype == "fp32" else 5e-2,
@@ -359,7 +370,7 @@ def main():
                   bubble=round(measured, 4), inflight_max=inflight_max,
                   theory={"bubble": round(bubble, 4), "bubble_paired": round(paired, 4),
                           "inflight_max": inflight,
-                          "comm_mb": comm_theory_mb(shape, pipe.dtype, m)})
+                          "comm_mb": v_comm_theory_mb(shape, pipe.dtype, m)})
 
 
 if __name__ == "__main__":

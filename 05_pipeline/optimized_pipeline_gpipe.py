@@ -3,11 +3,12 @@
 What it does: the decoder's layers (GPT or Llama) are cut into p stages of about equal cost, one
 per rank, and the batch into m micro-batches. Every rank runs the forwards of all m micro-batches
 as they arrive, then their backwards, last rank first. The schedule is data (`schedule(p, m)`:
-each rank's ordered actions) and a small runtime runs it (`PipelineRank`, 1F1B's: a stage's
-layers, a loss function, the boundary's shape): a rank posts the receive for an input as soon as
-the peer's action that sends it is scheduled, so the message crosses while it computes. A weight
-tied across stages (the GPT's embedding and head, found by identity; the Llama's is untied) has
-its two gradients summed each step (as Megatron-LM does): the unsplit model, exactly.
+each rank's ordered actions) and a small runtime runs it (`PipelineRank`, 1F1B's too: a
+stage's layers, a loss function, the boundary's shape): a rank posts the receive for an input
+as soon as the peer's action that sends it is scheduled, so the message crosses while it
+computes. A weight tied across stages (the GPT's embedding and head, found by identity; the
+Llama's is untied) has its two gradients summed each step (as Megatron-LM does): the unsplit
+model, exactly.
 Why it helps: with the whole batch as one piece (baseline_pipeline.py) one rank computes at a
 time, each idle (p-1)/p of the step. With m micro-batches, rank r+1 works on micro-batch i while
 rank r works on i+1, and the idle fraction, the bubble, falls to (p-1)/(m+p-1). The price: every
@@ -38,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: Action
 class Action(NamedTuple):
     kind: str  # F forward, B backward
     micro: int  # the micro-batch's index
@@ -52,7 +52,6 @@ def schedule(p: int, m: int) -> list[list[Action]]:
 
 
 # --- the runtime, the same in the GPipe and 1F1B scripts ---------------------------------------
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: simulate
 def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None = None
              ) -> tuple[float, int, list[list[list[tuple[str, int]]]]]:
     """Walks these action lists in rounds, each rank taking its next action once its input is
@@ -89,7 +88,7 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
     return 1 - busy / (p * max(clock)), max(max(counts) for counts in held), posts
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: TiedGradients
+# Copied from 05_pipeline/baseline_pipeline.py: TiedGradients
 class TiedGradients:
     """Sums the gradients of `weights`, the weights of this rank's stage that other ranks of
     `group` hold too (a tied embedding and head, on the first and last stages), with theirs, as
@@ -133,7 +132,6 @@ class TiedGradients:
             w.grad = total if grad is None else grad.add_(total)
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: PipelineRank
 class PipelineRank:
     """This rank's stage of a pipeline of the ranks of `group` (default: the world), running
     its actions of `ranks` (each group rank's, from `schedule`). Given: the stage's `layers`,
@@ -169,7 +167,8 @@ class PipelineRank:
         # micro -> its input and output: what its backward differentiates, until it runs
         self.saved_for_backward: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # tensors kept alive until sent
-        self.timelines: list[tuple[float, list[tuple]]] = []  # a step's start, its timed actions
+        # a step's start, its timed actions
+        self.timelines: list[tuple[float, list[common.TimedAction]]] = []
         self.inflight_max = 0
 
     def now(self) -> float | None:
@@ -182,7 +181,8 @@ class PipelineRank:
 
     def timed(self, kind: str, micro: int, start: float | None) -> None:
         if start is not None:
-            self.timelines[-1][1].append((kind, micro, self.stage, start, self.now()))
+            action = common.TimedAction(kind, micro, self.stage, start, self.now())
+            self.timelines[-1][1].append(action)
 
     def post_receive(self, kind: str, micro: int) -> None:
         x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -253,20 +253,20 @@ class PipelineRank:
         return loss
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: cross_entropy
+# Copied from 05_pipeline/baseline_pipeline.py: cross_entropy
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The loss a pipeline's last stage is given: what the project's decoders compute."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: plain_layers
+# Copied from 05_pipeline/baseline_pipeline.py: plain_layers
 def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
     """A stage of the project's `pipeline_stages` as a runtime takes it: the last one ends in
     the loss head (norm, head and loss), whose norm and head become its last two layers."""
     return [*stage[:-1], stage[-1].ln_f, stage[-1].head] if last else stage
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: comm_theory_mb
+# Copied from 05_pipeline/baseline_pipeline.py: comm_theory_mb
 def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int, tied: int) -> float:
     """What rank 0 sends a step: each micro-batch's activations to rank 1, in the boundary's
     dtype (the residual stream: fp32 under autocast too), and its share of the tied weight's
@@ -275,7 +275,7 @@ def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int, tied: int
     return (m * dtype.itemsize * math.prod(shape) + tied) / 2**20
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: tied_weights
+# Copied from 05_pipeline/baseline_pipeline.py: tied_weights
 def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
     """The weights on two stages: the input embedding's if the output head is the same
     Parameter (the GPT's), none if untied (the Llama's). Found by identity, not by name."""

@@ -1,7 +1,7 @@
 """Deliberate copies stay copies: a script stays standalone (it imports only `common`), so where
 it repeats another script's function or class on purpose, the copy starts with
 
-    # Copied from 05_pipeline/optimized_pipeline_1f1b.py: PipelineRank
+    # Copied from 05_pipeline/optimized_pipeline_gpipe.py: PipelineRank
 
 on the line above its `def` or `class`, and this test fails when the copy differs from its
 source (HuggingFace transformers' `# Copied from` convention). After changing a source,
@@ -55,12 +55,12 @@ def fix() -> int:
 
 
 def test_the_deliberate_copies_are_marked():
-    """The ones a reader diffs: the 05 runtime in GPipe's and DualPipe's scripts, ZeRO-1's
+    """The ones a reader diffs: the 05 runtime in 1F1B's and DualPipe's scripts, ZeRO-1's
     partition and gradient clipping in ZeRO-2's and -3's, the DDP wrap of the baselines, FSDP's
     sharding in the checkpointing script."""
     marked = {(path.name, name) for path, name, _ in marked_copies()}
-    assert {("optimized_pipeline_gpipe.py", "PipelineRank"), ("optimized_pipeline_gpipe.py",
-            "simulate"), ("optimized_pipeline_dualpipe.py", "PipelineRank"),
+    assert {("optimized_pipeline_1f1b.py", "PipelineRank"), ("optimized_pipeline_1f1b.py",
+            "simulate"), ("optimized_pipeline_dualpipe.py", "TwoStagePipelineRank"),
             ("optimized_pipeline_dualpipe.py", "dualpipe_rank"), ("optimized_zero2.py",
             "partition"), ("optimized_zero3.py", "partition"),
             ("optimized_zero2.py", "clip_grad_norm_"), ("optimized_zero3.py", "clip_grad_norm_"),

@@ -144,16 +144,16 @@ def test_records_carry_the_real_timeline_of_the_schedule_and_its_bubble(runs, sc
         planned, stages = [[("F", 0, r), ("B", 0, r)] for r in range(p)], p
         assert m == 1 and rec["theory"]["bubble"] == pytest.approx((p - 1) / p, abs=1e-4)
     else:
-        planned = [[tuple(a[:3]) for a in actions]
+        planned = [[(a.kind, a.micro, a.stage) for a in actions]
                    for actions in load_recipe(FOLDER / f"{name}.py").schedule(p, m)]
         stages = 2 * p if name == "optimized_pipeline_dualpipev" else p
         assert m == asked
     assert rec["stages"] == stages and rec["tokens_per_s"] > 0
-    timeline = rec["timeline"]
-    assert [[tuple(a[:3]) for a in actions] for actions in timeline] == planned  # as written
+    timeline = [[common.TimedAction(*a) for a in actions] for actions in rec["timeline"]]
+    assert [[(a.kind, a.micro, a.stage) for a in actions] for actions in timeline] == planned
     for actions in timeline:  # on each rank's clock from the step's first start, one at a time
-        assert all(0 <= start < end for *_, start, end in actions)
-        assert all(a[4] <= b[3] for a, b in zip(actions[:-1], actions[1:], strict=True))
+        assert all(0 <= a.start < a.end for a in actions)
+        assert all(a.end <= b.start for a, b in zip(actions[:-1], actions[1:], strict=True))
     assert 0 < rec["bubble"] < 1 and 0 <= rec["theory"]["bubble"] < 1
     if name in ("optimized_pipeline_gpipe", "optimized_pipeline_1f1b"):
         assert rec["theory"]["bubble_uniform"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-4)
@@ -178,10 +178,13 @@ def test_a_tied_gradient_is_summed_only_where_the_weight_is_on_two_ranks(runs):
     with its twin; DualPipeV's rank 0 holds the GPT's tied weight in both of its stages, once;
     GPipe's GPT sums its tied weight's two gradients, the Llama's 1F1B has none to sum."""
     dualpipe = runs["dualpipe at 4 ranks llama"][0]
-    assert [sorted({a[2] for a in actions}) for actions in dualpipe["timeline"]] == \
-        [[0, 3], [1, 2], [1, 2], [0, 3]]
+    def stages(rec):
+        return [sorted({common.TimedAction(*a).stage for a in actions})
+                for actions in rec["timeline"]]
+
+    assert stages(dualpipe) == [[0, 3], [1, 2], [1, 2], [0, 3]]
     v = runs["optimized_pipeline_dualpipev"][0]
-    assert [sorted({a[2] for a in actions}) for actions in v["timeline"]] == [[0, 3], [1, 2]]
+    assert stages(v) == [[0, 3], [1, 2]]
     shape = 4 * 2 * 32 * 64 / 2**20  # a micro-batch's activations, MB
     assert v["comm_mb"] == pytest.approx(2 * M * shape, rel=1e-3)  # nothing but activations
     gpipe, llama = runs["optimized_pipeline_gpipe"][0], runs["optimized_pipeline_1f1b llama"][0]

@@ -112,6 +112,13 @@ def run_under_nccls_rule(schedule, posts, fifo):
     assert not stuck and not left, f"deadlock: ranks {stuck} wait; pending {left[:4]}"
 
 
+def simulator(name):
+    """GPipe's and 1F1B's `simulate`, or DualPipe(V)'s `simulate_split`: split backwards, two
+    stages a rank."""
+    recipe = RECIPES[name]
+    return recipe.simulate_split if name.startswith("dualpipe") else recipe.simulate
+
+
 MINIMUM_M = {"gpipe": lambda p: 1, "1f1b": lambda p: 1, "dualpipev": lambda p: 2 * p,
              "dualpipe": lambda p: 2 * p}
 
@@ -128,7 +135,7 @@ def test_receives_posted_ahead_never_deadlock_under_nccls_rule(name, p, fifo):
             continue
         schedule = recipe.schedule(p, m)
         check_valid(recipe, p, m)
-        run_under_nccls_rule(schedule, recipe.simulate(schedule)[2], fifo)
+        run_under_nccls_rule(schedule, simulator(name)(schedule)[2], fifo)
 
 
 @pytest.mark.parametrize("fifo", ["pair", "rank"])
@@ -147,16 +154,17 @@ def test_the_model_catches_receives_posted_only_when_needed(fifo):
 
     late = [[[("F" if a.kind == "F" else "B", a.micro, a.stage)] if networked(a, r) else []
              for a in actions] for r, actions in enumerate(schedule)]
-    assert sum(map(len, sum(late, []))) == sum(map(len, sum(recipe.simulate(schedule)[2], [])))
+    posts = recipe.simulate_split(schedule)[2]
+    assert sum(map(len, sum(late, []))) == sum(map(len, sum(posts, [])))
     with pytest.raises(AssertionError, match="deadlock"):
         run_under_nccls_rule(schedule, late, fifo)
-    run_under_nccls_rule(schedule, recipe.simulate(schedule)[2], fifo)
+    run_under_nccls_rule(schedule, posts, fifo)
 
 
 def idle_time(recipe, schedule, seconds, paired=False):
     """The simulated idle time of a rank (all ranks do the same work here), from the fraction."""
     p = len(schedule)
-    bubble, inflight, _ = recipe.simulate(schedule, [seconds] * p, paired=paired)
+    bubble, inflight, _ = recipe.simulate_split(schedule, [seconds] * p, paired=paired)
     busy = sum(seconds[a.kind] for a in schedule[0])
     return busy / (1 - bubble) - busy, inflight
 
@@ -181,7 +189,9 @@ def test_schedules_run_without_deadlock_with_the_formulas_bubble(name, p, m):
 def test_dualpipe_schedules_have_the_papers_bubble_and_activations(name, p, m, w):
     """DeepSeek's table, per device: bubble (PP/2-1)(F&B + B - 3W), activations PP+1 stages'
     (PP stages: 2p for DualPipeV, p for DualPipe; F&B = F + B on one thread). The table holds
-    when a paired F and B wait for each other and F = I."""
+    when a paired F and B wait for each other and F = I. Run one after the other, as the
+    runtime runs them, the same lists idle (PP/2-1)(F + B - 2W): half the table's at W = F, two
+    thirds at W = 0 (what the docstrings and the README say the runs should show)."""
     recipe = RECIPES[name]
     stages = 2 * p if name == "dualpipev" else p
     check_valid(recipe, p, m)
@@ -191,6 +201,8 @@ def test_dualpipe_schedules_have_the_papers_bubble_and_activations(name, p, m, w
     F, B, W = seconds["F"], seconds["B"], seconds["W"]
     assert paired == pytest.approx((stages / 2 - 1) * ((F + B) + B - 3 * W))
     assert inflight == stages + 1
+    one_after_the_other, _ = idle_time(recipe, recipe.schedule(p, m), seconds)
+    assert one_after_the_other == pytest.approx((stages / 2 - 1) * (F + B - 2 * W))
 
 
 def test_dualpipev_idles_less_than_1f1b_on_the_same_ranks():
@@ -198,7 +210,8 @@ def test_dualpipev_idles_less_than_1f1b_on_the_same_ranks():
     p, m = 4, 8
     one_f_one_b, _, _ = RECIPES["1f1b"].simulate(RECIPES["1f1b"].schedule(p, m), [UNIFORM] * p)
     half = {k: v / 2 for k, v in SPLIT.items()}
-    v, _, _ = RECIPES["dualpipev"].simulate(RECIPES["dualpipev"].schedule(p, m), [half] * p)
+    v, _, _ = RECIPES["dualpipev"].simulate_split(RECIPES["dualpipev"].schedule(p, m),
+                                                  [half] * p)
     assert v < one_f_one_b / 2
 
 
@@ -308,8 +321,8 @@ def build_runtime(kind: str, model: common.Decoder, group, record_timeline: bool
     n = 2 * p if kind == "dualpipev" else p
     stages = model.pipeline_stages(n)
     mine = {s: recipe.plain_layers(stages[s], s == n - 1) for s in sorted({r, n - 1 - r})}
-    return recipe.PipelineRank(mine, plain_loss, recipe.schedule(p, MICRO), shape, group=group,
-                               record_timeline=record_timeline)
+    return recipe.TwoStagePipelineRank(mine, plain_loss, recipe.schedule(p, MICRO), shape,
+                                       group=group, record_timeline=record_timeline)
 
 
 class NoClock:
@@ -469,7 +482,8 @@ def test_no_timeline_is_recorded_unless_asked(trained):
             trained[("world", "1f1b", "llama", r)]
         assert timed["losses"] == untimed["losses"] and len(timed["timelines"]) == STEPS
         for _, actions in timed["timelines"]:
-            assert [tuple(a[:3]) for a in actions] == [tuple(a) for a in schedule[r]]
+            assert all(isinstance(a, common.TimedAction) for a in actions)
+            assert [(a.kind, a.micro, a.stage) for a in actions] == [tuple(a) for a in schedule[r]]
 
 
 SEEDED_APART = [("baseline", "gpt"), ("1f1b", "gpt"), ("dualpipe", "gpt"), ("dualpipe", "llama")]
