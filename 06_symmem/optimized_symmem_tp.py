@@ -24,6 +24,7 @@ Theory:     as the baseline's, read out of peers' slots: 8 x (N-1)/N of T x B x 
             (4 bytes, 2 in bf16), plus the replicated gradients' all-reduce.
 """
 
+import argparse
 import itertools
 import mmap
 import os
@@ -32,6 +33,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -233,6 +235,7 @@ class SymmetricMemoryCollectives:
         return out
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: compute_dtype
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype autocast would multiply in: a custom Function's matmuls cast by hand, so that
     backward (outside autocast) sees the same dtypes."""
@@ -240,6 +243,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: ColumnParallel
 class ColumnParallel(torch.autograd.Function):
     """y = gather(x) @ W^T (+ b) on my output rows. Backward: dW = dy^T gather(x) (the gathered
     input is kept), and dx, a partial sum on each rank, reduce-scattered to the shards."""
@@ -260,6 +264,7 @@ class ColumnParallel(torch.autograd.Function):
         return dx, dy.t() @ gathered, dy.sum(0) if ctx.needs_input_grad[2] else None, None
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: RowParallel
 class RowParallel(torch.autograd.Function):
     """y = reduce_scatter(x @ W^T) over my input columns (bias added by the caller, on the
     shard). Backward: dy gathered, then dx = gather(dy) @ W and dW = gather(dy)^T x."""
@@ -279,11 +284,13 @@ class RowParallel(torch.autograd.Function):
         return dx, gathered.t() @ x, None
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: my_share
 def my_share(total: int, rank: int, world: int) -> slice:
     """Rank `rank`'s contiguous share of `total` items: sizes differ by one at most."""
     return slice(total * rank // world, total * (rank + 1) // world)
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: keep_rows
 def keep_rows(linear: nn.Linear, rows) -> None:
     """Column-parallel: the linear keeps its output rows `rows` (weight and bias), as new leaves."""
     linear.weight = nn.Parameter(linear.weight.detach()[rows].clone())
@@ -291,12 +298,14 @@ def keep_rows(linear: nn.Linear, rows) -> None:
         linear.bias = nn.Parameter(linear.bias.detach()[rows].clone())
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: keep_columns
 def keep_columns(linear: nn.Linear, cols) -> None:
     """Row-parallel: the linear keeps its input columns `cols`; a bias stays whole (replicated),
     added once to the reduced shard."""
     linear.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: TensorParallelBlock
 class TensorParallelBlock(nn.Module):
     """common.Block with my heads and hidden units only (of comm's group): the same weights,
     sliced. `sliced` lists the parameters the ranks hold parts of."""
@@ -327,6 +336,7 @@ class TensorParallelBlock(nn.Module):
         return x + (RowParallel.apply(h, self.fc_proj.weight, self.comm) + self.fc_proj.bias)
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: TensorParallelLlamaLayer
 class TensorParallelLlamaLayer(nn.Module):
     """A Llama decoder layer (HuggingFace's names: self_attn.q/k/v/o_proj, mlp.gate/up/down_proj,
     two RMSNorms, no biases) with my KV heads, their query heads and my SwiGLU units: q, k, v
@@ -371,6 +381,7 @@ class TensorParallelLlamaLayer(nn.Module):
         return x + RowParallel.apply(F.silu(gate) * up, mlp.down_proj.weight, self.comm)
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: TensorParallelDecoder
 class TensorParallelDecoder(nn.Module):
     """A decoder split over comm's group, from its parts: the TP blocks, and replicated parts
     each rank runs on its sequence shard (token embedding, a position table if the model has
@@ -407,6 +418,7 @@ class TensorParallelDecoder(nn.Module):
                                reduction="sum") / (seq_len * batch)
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: same_weights_as_first_rank
 def same_weights_as_first_rank(model: nn.Module, group=None) -> None:
     """Every rank of the group starts from its first rank's weights (as DDP does), before the
     blocks are sliced: ranks seeded differently still split one model."""
@@ -415,6 +427,7 @@ def same_weights_as_first_rank(model: nn.Module, group=None) -> None:
         dist.broadcast(tensor.data, src=src, group=group)
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: tensor_parallel
 def tensor_parallel(model: common.Decoder, comm) -> TensorParallelDecoder:
     """The project's decoders split by TensorParallelDecoder (main's adapter: a trainer of
     one's own passes its own parts)."""
@@ -431,6 +444,7 @@ def tensor_parallel(model: common.Decoder, comm) -> TensorParallelDecoder:
                                  autocast_dtype=model.autocast_dtype)
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: tp_degree_problem
 def tp_degree_problem(args, world: int) -> str | None:
     """Why `world` ranks cannot split --size's heads: a rank needs a head (the Llama: a KV head
     and its query heads) of its own."""
@@ -443,7 +457,21 @@ def tp_degree_problem(args, world: int) -> str | None:
     return None
 
 
-def tensor_parallel_setup(parser, comm_of):
+# Copied from 06_symmem/baseline_symmem_tp.py: TensorParallelRun
+@dataclass
+class TensorParallelRun:
+    """What tensor_parallel_setup hands a TP script's main."""
+    args: argparse.Namespace
+    topo: common.Topology
+    model: TensorParallelDecoder  # its collectives: model.comm
+    batches: list[tuple[torch.Tensor, torch.Tensor]]  # the whole global batch, on every rank
+    grads: torch.Tensor  # every parameter's gradient in one flat buffer, the replicated first
+    replicated: int  # values at the head of `grads` that the ranks all-reduce
+    params: int  # the unsplit model's parameter count
+
+
+# Copied from 06_symmem/baseline_symmem_tp.py: tensor_parallel_setup
+def tensor_parallel_setup(parser, comm_of) -> TensorParallelRun:
     """Flags, topology, the workload (one global batch, N x --batch-size sequences, on every
     rank) and the TP model with `comm_of(args, topo)` as its collectives (`model.comm`); the
     replicated parameters first, so that their gradients are one slice of one flat buffer."""
@@ -469,9 +497,11 @@ def tensor_parallel_setup(parser, comm_of):
     for p in ordered:  # backward accumulates into views of one buffer
         p.grad = grads[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
-    return args, topo, model, batches, grads, sum(p.numel() for p in replicated), params
+    return TensorParallelRun(args, topo, model, batches, grads,
+                             sum(p.numel() for p in replicated), params)
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: tp_theory
 def tp_theory(args, topo, model, replicated: int) -> dict:
     """comm MB/step and the busiest rank's state MB from the shapes: 8 gathers or scatters of the
     activations (in the compute dtype) per block, (N-1)/N each, the replicated gradients' fp32
@@ -510,8 +540,8 @@ def collectives(args, topo: common.Topology):
 
 
 def main():
-    args, topo, model, batches, grads, replicated, params = tensor_parallel_setup(
-        common.parser(__doc__), collectives)
+    run = tensor_parallel_setup(common.parser(__doc__), collectives)
+    args, topo, model = run.args, run.topo, run.model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     comm = model.comm
     steps = itertools.count()
@@ -519,23 +549,23 @@ def main():
     def train_step(inputs, targets):
         if next(steps) == args.warmup:  # overlap counts the timed steps only
             comm.waited = comm.arriving = 0
-        grads.zero_()
+        run.grads.zero_()
         comm.loaded_bytes = 0
         loss = model(inputs, targets)
         loss.backward()
-        dist.all_reduce(grads[:replicated])  # each rank's tokens' share of the replicated parts
+        dist.all_reduce(run.grads[:run.replicated])  # the replicated parts, each rank's share
         opt.step()
         return loss.detach() * topo.world_size  # averaged over ranks: the whole batch's loss
 
-    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt),
+    stats = common.timed_steps(train_step, run.batches, args, topo, memory_of=(model, opt),
                                dp_world=1)
     overlap = measured_overlap(comm, topo.device)
     common.record(args, topo, stats, baseline="baseline_symmem_tp", model=model, optimizer=opt,
-                  comm_mb=comm.loaded_bytes / 2**20 + stats.comm_mb, dp_world=1, params=params,
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype], overlap=overlap,
+                  comm_mb=comm.loaded_bytes / 2**20 + stats.comm_mb, dp_world=1,
+                  params=run.params, loss_tolerance=LOSS_TOLERANCE[args.dtype], overlap=overlap,
                   transport="cuda symmetric memory" if topo.device.type == "cuda"
                   else "/dev/shm segment", process_group_mb=stats.comm_mb,
-                  theory=tp_theory(args, topo, model, replicated))
+                  theory=tp_theory(args, topo, model, run.replicated))
 
 
 if __name__ == "__main__":

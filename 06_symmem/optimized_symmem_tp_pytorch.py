@@ -14,7 +14,8 @@ stay plain, run on each rank's own tokens; every parameter that is not a DTensor
 gradient all-reduced by hand, the DTensors' by DTensor. On CUDA each block is compiled with
 inductor's micro-pipeline TP (the mesh's group enabled for symmetric memory), which rewrites
 each all-gather+matmul and matmul+reduce-scatter into the kernels optimized_symmem_tp.py calls
-(torchtitan's async TP). Under bf16 autocast DTensor gathers the norms' fp32 outputs: twice
+(torchtitan's async TP); across nodes or without GPU peer access it stays off (`async_tp_off`
+in the record says why). Under bf16 autocast DTensor gathers the norms' fp32 outputs: twice
 the hand-written gathers' bytes.
 Why: it is what a user would reach for first; the hand-written scripts must beat it.
 Run:        torchrun --nproc_per_node=2 06_symmem/optimized_symmem_tp_pytorch.py --size small
@@ -48,7 +49,7 @@ import common  # noqa: E402
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}  # as baseline_symmem_tp.py's, for its reason
 
 
-# Copied from 06_symmem/optimized_symmem_tp.py: tp_degree_problem
+# Copied from 06_symmem/baseline_symmem_tp.py: tp_degree_problem
 def tp_degree_problem(args, world: int) -> str | None:
     """Why `world` ranks cannot split --size's heads: a rank needs a head (the Llama: a KV head
     and its query heads) of its own."""
@@ -181,6 +182,20 @@ def enable_async_tp(mesh) -> None:
         enable_symm_mem_for_group(mesh.get_group().group_name)
 
 
+def start_async_tp(topo: common.Topology, mesh) -> str | None:
+    """Turn async TP on where it can run, and return None; else return why it stays off. It is
+    a CUDA pass whose kernels map every GPU of the group into each one's address space: one
+    host, GPUs that reach each other's memory (common.peer_access_problem, which every rank
+    calls, as optimized_symmem_tp.py does before its fused kernels). Where it cannot, the
+    blocks still compile and DTensor's collectives run whole."""
+    if topo.device.type != "cuda":
+        return "inductor's micro-pipeline TP is a CUDA pass"
+    if why := common.peer_access_problem(topo):
+        return why
+    enable_async_tp(mesh)
+    return None
+
+
 def dtensor_theory(args, topo, blocks: int, replicated: int) -> dict:
     """comm MB/step and state MB from the shapes, as tp_theory in optimized_symmem_tp.py, with
     DTensor's padding: Shard(1) pads each rank's positions to ceil(T/N) in its collectives, and
@@ -227,13 +242,14 @@ def main():
     if why := tp_degree_problem(args, world):
         raise common.Skip(why)
     args.batch_size = world * (args.batch_size or common.SIZES[args.size].batch_size)
-    topo = common.setup(args)
+    topo = common.setup(args, compiles=True)  # its blocks compile on CUDA
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
     params = sum(p.numel() for p in model.parameters())
     mesh = init_device_mesh(topo.device.type, (topo.world_size,))
     parts = decoder_parts(model)
-    if topo.device.type == "cuda":
-        enable_async_tp(mesh)
+    async_tp_off = start_async_tp(topo, mesh)  # None: on
+    if async_tp_off and topo.device.type == "cuda":
+        common.log(topo, f"async TP off: {async_tp_off}")
     for block in parts["blocks"]:
         (parallelize_block if isinstance(model, common.GPT) else parallelize_llama_layer)(
             block, mesh)
@@ -260,7 +276,8 @@ def main():
     common.record(args, topo, stats, baseline="baseline_symmem_tp", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, dp_world=1, params=params,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype],
-                  async_tp=topo.device.type == "cuda", comm_mb_by_kind=stats.comm_mb_by_kind,
+                  async_tp=async_tp_off is None, async_tp_off=async_tp_off,
+                  comm_mb_by_kind=stats.comm_mb_by_kind,
                   theory=dtensor_theory(args, topo, len(parts["blocks"]),
                                         sum(p.numel() for p in replicated)))
 

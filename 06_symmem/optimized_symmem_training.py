@@ -50,11 +50,13 @@ LINE = 8  # int64s per flag: one 64-byte cache line each
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
 
 
-class SharedSegment:
+class GradientSegment:
     """CPU: flags, one gradient slot per rank of `group` and, sharded, the parameters once, in a
     /dev/shm file its ranks, all on this host, map (unlinked as soon as all have: nothing
     outlives the run), in the parameters' dtype. Replicated, each rank keeps its own parameters
-    and the segment carries the gradients."""
+    and the segment carries the gradients. Made as optimized_symmem_allreduce.py's
+    SharedSegment is, but laid out for a training step, not for messages: its flags count
+    steps, and its waits, one or two a step, yield the core from the first poll."""
 
     def __init__(self, numel: int, dtype: torch.dtype, timeout: float, replicated: bool,
                  group: dist.ProcessGroup | None = None):
@@ -282,7 +284,7 @@ class SymmetricMemoryAdamW:
         if device.type == "cuda":
             self.buffers = SymmetricBuffers(numel, dtype, timeout, replicated, group, device)
         else:
-            self.buffers = SharedSegment(numel, dtype, timeout, replicated, group)
+            self.buffers = GradientSegment(numel, dtype, timeout, replicated, group)
         flat = torch.cat([p.detach().flatten() for p in self.params])
         dist.broadcast(flat, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
         flat = self.buffers.load_params(flat)
@@ -368,7 +370,7 @@ def main():
     split = common.state_split_mb(model, opt.optimizer)
     # Read out of peers' buffers: their shares of my share's gradients, and their reduced shares
     # (replicated) or updated parameters (CUDA, sharded); CPU, sharded, reads these in place.
-    cpu = isinstance(opt.buffers, SharedSegment)
+    cpu = isinstance(opt.buffers, GradientSegment)
     shots = 1 if cpu and not args.replicated_optimizer else 2
     grad_bytes, n = opt.buffers.grads.nbytes, topo.world_size
     owned = grad_bytes if args.replicated_optimizer else opt.buffers.grads[opt.buffers.mine].nbytes

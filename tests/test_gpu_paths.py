@@ -197,6 +197,27 @@ def test_dtensor_async_tp_enables_symmetric_memory_where_inductor_looks(group, m
     assert inductor._micro_pipeline_tp and symm.is_symm_mem_enabled_for_group(name)
 
 
+def test_dtensor_async_tp_stays_off_where_symmetric_memory_cannot_map_the_gpus(group,
+                                                                              monkeypatch):
+    """Across nodes, or on GPUs that cannot reach each other's memory, inductor's async TP
+    would fail in symmetric memory's rendezvous: the DTensor script checks first, as the
+    hand-written TP does, runs without it and says why (the record's `async_tp_off`)."""
+    dtensor_tp = load_recipe(common.ROOT / "06_symmem" / "optimized_symmem_tp_pytorch.py")
+    enabled = []
+    monkeypatch.setattr(dtensor_tp, "enable_async_tp", enabled.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    assert "cannot access each other's memory" in dtensor_tp.start_async_tp(
+        fake_cuda_topology(local_world=2), "mesh")
+    assert "one host" in dtensor_tp.start_async_tp(fake_cuda_topology(nnodes=2), "mesh")
+    assert not enabled
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    assert dtensor_tp.start_async_tp(fake_cuda_topology(local_world=2), "mesh") is None
+    assert enabled == ["mesh"]
+    cpu = common.Topology(0, 0, 1, 1, 1, "gloo", torch.device("cpu"))
+    assert "CUDA" in dtensor_tp.start_async_tp(cpu, "mesh") and enabled == ["mesh"]
+
+
 def test_peer_buffers_start_where_the_handle_says_the_tensor_does():
     training = load_recipe(common.ROOT / "06_symmem" / "optimized_symmem_training.py")
 
@@ -394,3 +415,5 @@ def test_a_compiled_cuda_run_waits_out_a_slow_first_compile(monkeypatch):
         assert joined == {"backend": "nccl", "timeout": waits}
     fp8 = (common.ROOT / "03_fsdp" / "optimized_fsdp_fp8.py").read_text()
     assert "common.setup(args, compiles=compile_blocks)" in fp8
+    dtensor_tp = (common.ROOT / "06_symmem" / "optimized_symmem_tp_pytorch.py").read_text()
+    assert "common.setup(args, compiles=True)" in dtensor_tp

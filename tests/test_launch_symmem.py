@@ -138,6 +138,7 @@ def test_tensor_parallelism_trains_the_data_parallel_model_with_its_bytes_and_st
     assert by_hand["process_group_mb"] == pytest.approx(common.ring_allreduce_mb(4 * replicated, 2),
                                                         abs=1e-3)
     assert by_hand["comm_mb"] == pytest.approx(base["comm_mb"], abs=1e-3)
+    assert dtensor["async_tp"] is False and "CUDA" in dtensor["async_tp_off"]  # said why
     kinds = dtensor["comm_mb_by_kind"]  # DTensor's own collectives, counted as they are issued
     assert kinds["all_gather_into_tensor float32"] == kinds["reduce_scatter_tensor float32"] > 0
 
