@@ -50,8 +50,15 @@ def max_loss_diff(losses: list[float] | None, baseline_losses: list[float] | Non
 
 def over_tolerance(rec: dict, base: dict | None) -> bool:
     """Whether a run's losses strayed from its baseline's further than the tolerance its script
-    states: its status is then `over tolerance`, not `ok`."""
-    diff = max_loss_diff(rec.get("losses"), (base or {}).get("losses"))
+    states: its status is then `over tolerance`, not `ok`. The record says which kind:
+    `loss_tolerance`, the largest per-step difference, or `loss_tolerance_final_rel`, the final
+    loss's distance from the baseline's final loss as a fraction of it (a long lossy run, judged
+    by where it ends)."""
+    losses = rec.get("losses")
+    diff = max_loss_diff(losses, (base or {}).get("losses"))
+    if diff is not None and rec.get("loss_tolerance_final_rel") is not None:
+        final = base["losses"][-1]
+        return abs(losses[-1] - final) > rec["loss_tolerance_final_rel"] * abs(final)
     tolerance = rec.get("loss_tolerance")
     return diff is not None and tolerance is not None and diff > tolerance
 
@@ -172,7 +179,12 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
         speedup = f"{noise}{base['step_ms'] / rec['step_ms']:.2f}x"
         mem_ratio = f"{rec['peak_mem_mb'] / base['peak_mem_mb']:.2f}x"
         diff = max_loss_diff(rec.get("losses"), base.get("losses"))
-        if diff is not None:
+        final_rel = rec.get("loss_tolerance_final_rel")
+        if diff is not None and final_rel is not None:  # a long run, judged by where it ends
+            gap = rec["losses"][-1] / base["losses"][-1] - 1
+            dloss = f"final {gap:+.1%} " + ("(ok)" if abs(gap) <= final_rel
+                                            else f"(> {final_rel:.0%})")
+        elif diff is not None:
             tol = rec.get("loss_tolerance")
             verdict = "" if tol is None else (" (ok)" if diff <= tol else f" (> {tol:g})")
             dloss = f"{diff:.2e}{verdict}"
@@ -284,7 +296,9 @@ def render_report(records: list[dict]) -> str:
     if any("sweep" not in r for r in runs):
         out += ["speedup = baseline step time / this step time (same size, world, device and "
                 "link); mem vs base = peak memory ratio; max Δloss = largest per-step loss "
-                "difference from the baseline, checked against the script's stated tolerance.",
+                "difference from the baseline, checked against the script's stated tolerance "
+                "(`final +x%`: a long run's final loss against its baseline's, checked against "
+                "its stated relative tolerance).",
                 ""]
     if any(busy_host(r) for r in runs) or \
             any(within_noise(rec, base) for rec, base in compared_pairs(records)):
@@ -642,10 +656,11 @@ def _speedup_chart(plt, records: list[dict]) -> Figure | None:
         busy = " (busy host)" if busy_host(rec) or busy_host(base) else ""
         tail = " over tolerance" if over else ""
         axes[0].barh(y, speedup, color=GREY if over or noise else GREEN if speedup >= 1 else RED)
-        axes[0].text(speedup, y, f" {'~' if noise else ''}{speedup:.2f}x{busy}{tail}",
+        # a label starts right of its bar or of the 1.0 line, whichever ends later: never on it
+        axes[0].text(max(speedup, 1.0), y, f" {'~' if noise else ''}{speedup:.2f}x{busy}{tail}",
                      va="center", fontsize=8)
         axes[1].barh(y, memory, color=GREY if over else GREEN if memory <= 1 else RED)
-        axes[1].text(memory, y, f" {memory:.2f}x{tail}", va="center", fontsize=8)
+        axes[1].text(max(memory, 1.0), y, f" {memory:.2f}x{tail}", va="center", fontsize=8)
         speedups.append(speedup)
         memories.append(memory)
     for ax, values, title in ((axes[0], speedups, "speedup over its baseline (step time)"),
@@ -1358,6 +1373,7 @@ def smoke(runs: Sequence[str], nproc: int, flags: Sequence[str], out: Path,
     results, logs = out / "results.jsonl", out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     failed, over, began = 0, 0, time.monotonic()
+    width = max(map(len, runs), default=0)  # every verdict in one column
     for run in runs:
         script, *own = run.split()
         log_path = logs / (Path(script).stem + "".join(own).replace("/", "_") + ".log")
@@ -1387,7 +1403,10 @@ def smoke(runs: Sequence[str], nproc: int, flags: Sequence[str], out: Path,
                      and common.run_key(rec) == common.run_key(own)), None)
         if code == 0 and own and own["status"] == "ok" and over_tolerance(own, base):
             diff = max_loss_diff(own["losses"], base["losses"])
-            line = f"over tolerance (max loss difference {diff:.2e} > {own['loss_tolerance']:g})"
+            line = f"over tolerance (max loss difference {diff:.2e} > {own['loss_tolerance']:g})" \
+                if own.get("loss_tolerance_final_rel") is None else \
+                f"over tolerance (final loss {own['losses'][-1]:.3f} against " \
+                f"{base['losses'][-1]:.3f}, more than {own['loss_tolerance_final_rel']:.0%} apart)"
             over += 1
         elif code == 0 and own and own["status"] == "ok":
             line = f"ok ({own['step_ms']:.1f} ms/step, loss {own['losses'][-1]:.3f})" \
@@ -1400,7 +1419,7 @@ def smoke(runs: Sequence[str], nproc: int, flags: Sequence[str], out: Path,
                  "--exit-code", str(code or 1), "--log", str(log_path), "--world-size",
                  str(nproc), "--", *argv], capture_output=True, text=True).stdout.strip()
             line, failed = f"FAILED: {reason} (log: {log_path})", failed + 1
-        print(f"{run:<62} {line}", flush=True)
+        print(f"{run:<{width}} {line}", flush=True)
     print(f"smoke: {len(runs)} runs, {failed} failed, {over} over tolerance, "
           f"{time.monotonic() - began:.0f} s ({nproc} processes each)", flush=True)
     return 1 if failed else 0
@@ -1434,8 +1453,10 @@ A training run (status ok) also:
                         the process's resident peak (CPU) or the allocator's reserve (CUDA)
   state_mb              the busiest rank's parameters + gradients + optimizer state
   comm_mb               MB a rank sends per step, counted where the script hands tensors over
-  losses, loss_tolerance
-                        every step's loss; the largest difference from the baseline allowed
+  losses, loss_tolerance | loss_tolerance_final_rel
+                        every step's loss; the largest per-step difference from the baseline
+                        allowed, or (a long lossy run) how far the final loss may be from the
+                        baseline's final loss, as a fraction of it
   theory                what the technique predicts, computed, beside the measured keys
   steps, warmup, batch_size, seq_len, dtype, seed, lr, startup_s, warmup_s
   load_avg, cpus        the host's 1-minute load at the first timed step and after the last,

@@ -16,7 +16,9 @@ dominate a step, and these are what a slow link charges for.
 Run:        torchrun --nproc_per_node=2 02_compression/optimized_compression_powersgd.py
             --size small
 Look for:   comm MB/step against baseline_compression's, the speedup at LINK=1gbit, and the max
-            loss difference inside its tolerance.
+            loss difference inside its tolerance. With --long-run (110 steps, beside the
+            baseline's --long-run: `make compression`'s long pair, at --rank 8) the run is
+            judged by its final loss, within 5% of the baseline's, once training has settled.
 Theory:     theory.compression = (sum of n*m + uncompressed) / (sum of r(n+m) + uncompressed),
             from the parameter shapes; each rank sends 2(N-1)/N x b x that denominator, b the
             bytes of a gradient value (4 in fp32, 2 in bf16).
@@ -42,6 +44,10 @@ import common  # noqa: E402
 # in bf16 (whose own drift, about 5e-2, is well inside it). The default rank holds it; rank 16
 # and below do not on this workload (the README's sweep).
 LOSS_TOLERANCE = {"fp32": 0.2, "bf16": 0.2}
+# With --long-run, of another kind: the final loss within 5% of the baseline's final loss. A
+# per-step bound does not fit a long lossy run: its early steps lag fp32's by what error feedback
+# delays, the later ones catch up; what it is judged by is where it ends.
+FINAL_LOSS_TOLERANCE = 0.05
 MIN_COMPRESSION_RATE = 2  # compress n x m only if r(n+m) is under half of n*m (PyTorch's default)
 
 
@@ -222,6 +228,19 @@ def resolve_start_iter(parser: argparse.ArgumentParser, args: argparse.Namespace
                      f"lower --start-iter")
 
 
+# Copied from 02_compression/baseline_compression.py: add_long_run_flag
+def add_long_run_flag(parser: argparse.ArgumentParser) -> None:
+    """`--long-run`: 110 steps instead of the folder's 25 (10 untimed, 100 timed), long enough
+    for training to settle, where PowerSGD is meant to run; a --warmup or --steps given still
+    wins. Added after the script's other flags (it reads the command line to set defaults)."""
+    parser.add_argument("--long-run", action="store_true",
+                        help="110 steps (10 untimed, 100 timed) instead of 25: the long pair of "
+                             "`make compression`, the baseline beside PowerSGD once training "
+                             "has settled")
+    if parser.parse_known_args()[0].long_run:
+        parser.set_defaults(warmup=10, steps=100)
+
+
 def main():
     parser = common.parser(__doc__)
     parser.set_defaults(warmup=6, steps=19)  # the folder's: 4 plain steps, 2 compressed untimed
@@ -240,6 +259,7 @@ def main():
                              "named_parameters() names them (default: the input embedding's and "
                              "the output head's weights, one tensor when tied; none named: every "
                              "matrix worth it is compressed)")
+    add_long_run_flag(parser)
     args = parser.parse_args()
     resolve_start_iter(parser, args)
     topo = common.setup(args)
@@ -278,7 +298,8 @@ def main():
                   start_iter=args.start_iter,
                   collectives_per_step=state.collectives,
                   compression=fp32_mb / comm_mb if comm_mb else None,
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype],
+                  **({"loss_tolerance_final_rel": FINAL_LOSS_TOLERANCE} if args.long_run
+                     else {"loss_tolerance": LOSS_TOLERANCE[args.dtype]}),
                   theory={"comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size)
                           / compression, "compression": compression})
 

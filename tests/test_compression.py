@@ -9,7 +9,9 @@ import copy
 import dataclasses
 import math
 import os
+import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+import report
 from helpers import load_recipe, readme_python_block
 
 FOLDER = common.ROOT / "02_compression"
@@ -121,6 +124,72 @@ def test_compression_theory_of_the_llama_keeps_its_untied_embedding_and_head_who
         pytest.approx(full / (sent + 2 * size.vocab_size * d))
     assert powersgd.compression_theory(model, r, []) == \
         pytest.approx(full / (sent + 2 * r * (size.vocab_size + d)))
+
+
+# --- The long pair: PowerSGD once training has settled, judged by its final loss --------------
+def long_pair() -> dict[str, list[str]]:
+    """`make compression`'s runs beyond one a script, as the Makefile's EXTRA_RUNS_compression
+    lists them: script name -> flags."""
+    makefile = (common.ROOT / "Makefile").read_text()
+    found = re.search(r"^EXTRA_RUNS_compression :=((?:.*\\\n)*.*)$", makefile, re.M)
+    assert found, "the Makefile has no EXTRA_RUNS_compression"
+    runs = [run.split() for run in re.findall(r'"([^"]+)"', found[1])]
+    return {Path(script).stem: flags for script, *flags in runs}
+
+
+def test_make_compression_runs_the_baseline_and_powersgd_long_at_8x_fewer_bytes_or_more():
+    runs = long_pair()
+    assert set(runs) == {"baseline_compression", "optimized_compression_powersgd"}
+    assert runs["baseline_compression"] == ["--long-run"]  # the same steps on both sides
+    flags = runs["optimized_compression_powersgd"]
+    assert "--long-run" in flags and "--uncompressed" not in flags  # the embedding sent whole
+    # in the order the record's variant lists them, by which `make smoke` finds the run's record
+    assert flags == ["--rank", flags[1], "--long-run"]
+    rank = int(flags[flags.index("--rank") + 1])
+    size = common.SIZES["small"]  # the size `make compression` runs at
+    model = common.GPT(size, size.seq_len)
+    assert powersgd.compression_theory(model, rank, [model.tok_emb.weight]) >= 8
+
+
+@pytest.mark.parametrize("argv, warmup, steps", [
+    ([], 6, 19),  # the folder's 25 steps
+    (["--long-run"], 10, 100),  # PowerSGD: 8 plain fp32 steps, 2 compressed untimed, 100 timed
+    (["--long-run", "--steps", "3", "--warmup", "4"], 4, 3),  # given on the command line: wins
+])
+def test_long_run_sets_100_steps_unless_the_command_line_gives_them(monkeypatch, argv, warmup,
+                                                                    steps):
+    monkeypatch.setattr(sys, "argv", ["optimized_compression_powersgd.py", *argv])
+    parser = common.parser(None)
+    parser.set_defaults(warmup=6, steps=19)
+    powersgd.add_long_run_flag(parser)
+    args = parser.parse_args()
+    assert (args.warmup, args.steps, args.long_run) == (warmup, steps, bool(argv))
+    assert args.variant == ("--long-run" if argv else None)  # the row's name in the report
+
+
+def long_record(script: str, losses: list[float], **fields) -> dict:
+    return {"folder": "02_compression", "script": script, "size": "small", "world_size": 2,
+            "device": "cpu", "status": "ok", "steps": 100, "warmup": 10, "dtype": "fp32",
+            "losses": losses, **fields}
+
+
+def test_the_long_powersgd_row_is_compared_with_the_long_baseline_by_its_final_loss():
+    short = long_record("baseline_compression", [7.0, 4.3], steps=19, warmup=6)
+    base = long_record("baseline_compression", [7.0, 4.0, 1.20], variant="--long-run")
+    rec = long_record("optimized_compression_powersgd", [7.0, 5.0, 1.25],
+                      baseline="baseline_compression", variant="--rank 8 --long-run",
+                      loss_tolerance=None,
+                      loss_tolerance_final_rel=powersgd.FINAL_LOSS_TOLERANCE)
+    by_key = {common.run_key(r) + (report._script_label(r),): r for r in (short, base)}
+    assert report.baseline_run(rec, by_key) is base  # the 100-step one, not the 25-step one
+    assert report.why_not_compared(rec, base) is None  # the same steps and warm-up
+    # 1.0 apart at step 2, far over a per-step bound, and 4.2% at the end: within 5%
+    assert report.max_loss_diff(rec["losses"], base["losses"]) == pytest.approx(1.0)
+    assert not report.over_tolerance(rec, base)
+    assert report.over_tolerance({**rec, "losses": [7.0, 4.0, 1.27]}, base)  # 5.8% over
+    assert report.over_tolerance({**rec, "losses": [7.0, 4.0, 1.13]}, base)  # 5.8% under
+    per_step = {**rec, "loss_tolerance": 0.2, "loss_tolerance_final_rel": None}
+    assert report.over_tolerance(per_step, base)  # the other kind: the largest step's 1.0
 
 
 # --- Both hooks on real process groups ------------------------------------------------------------

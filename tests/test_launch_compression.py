@@ -1,8 +1,9 @@
 """Launch tests: the 02_compression scripts under torchrun with CPU processes at `tiny`.
 
-Eight launches (10-20 s of start-up each), shared through one module-scoped fixture: the
+Nine launches (10-20 s of start-up each), shared through one module-scoped fixture: the
 baseline, INT8 and the hand-written PowerSGD on the Llama at 2 processes (held to the Llama's
-baseline), and on the GPT the hand-written PowerSGD compressing every matrix beside PyTorch's
+baseline), PowerSGD's `--long-run` there with the steps given (its record's tolerance kind), and
+on the GPT the hand-written PowerSGD compressing every matrix beside PyTorch's
 hook (optimized_compression_powersgd_pytorch), both hand-written hooks with several buckets at
 an odd world size, and PyTorch's hook where it cannot run. PowerSGD runs at rank 8, the hand-written
 default's share of the model width (32 of `small`'s 256, 8 of `tiny`'s 64): the defaults (32,
@@ -41,6 +42,7 @@ RUNS = {  # name: (script, processes, flags)
     "baseline": ("baseline_compression", 2, [*WARMUP, *LLAMA]),
     "int8": ("optimized_compression_int8", 2, [*WARMUP, *LLAMA]),
     "powersgd": ("optimized_compression_powersgd", 2, [*RANK, *LLAMA]),
+    "powersgd_long": ("optimized_compression_powersgd", 2, [*RANK, *LLAMA, "--long-run"]),
     "powersgd_every_matrix": ("optimized_compression_powersgd", 2, EVERY_MATRIX),
     "powersgd_torch": ("optimized_compression_powersgd_pytorch", 2, RANK),
     "int8_3ranks_buckets": ("optimized_compression_int8", 3, SEVERAL_BUCKETS),
@@ -91,6 +93,17 @@ def test_powersgd_with_the_llamas_embedding_and_head_sent_whole_holds_its_tolera
     assert_within_its_tolerance(rec, base)
     every_matrix = POWERSGD.compression_theory(common.Llama(common.SIZES["tiny"]), 8, [])
     assert rec["compression"] > 2 and rec["theory"]["compression"] < every_matrix
+
+
+def test_powersgds_long_run_states_a_final_loss_tolerance_instead_of_a_per_step_one(runs):
+    base, rec, short = runs["baseline"], runs["powersgd_long"], runs["powersgd"]
+    assert rec["variant"] == "--rank 8 --long-run"  # its row's name, apart from the 25-step one
+    assert (rec["warmup"], rec["steps"]) == (4, 4)  # given on the command line: they win
+    assert rec["loss_tolerance"] is None
+    assert rec["loss_tolerance_final_rel"] == POWERSGD.FINAL_LOSS_TOLERANCE == 0.05
+    assert "loss_tolerance_final_rel" not in short and short["loss_tolerance"] == 0.2
+    assert rec["losses"] == short["losses"]  # the flag changes the steps and the judging only
+    assert not report.over_tolerance(rec, base)
 
 
 def test_hand_written_powersgd_gives_pytorchs_losses_and_bytes(runs):
