@@ -41,11 +41,13 @@ def attention_saved_mb(args) -> float:
     return rows * 4 / 2**20
 
 
+# Copied from 01_ddp/baseline_ddp_flash.py: block_gradient_mb
 def block_gradient_mb(block: torch.nn.Module) -> float:
     """One transformer block's gradient bytes: the bucket size that aligns buckets with blocks."""
     return sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
 
 
+# Copied from 01_ddp/baseline_ddp_flash.py: wrap_ddp
 def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
              group: dist.ProcessGroup | None = None) -> DDP:
     """DDP for long context. With O(T) attention activations the gradients are a large share of

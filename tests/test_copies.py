@@ -73,7 +73,8 @@ def test_the_deliberate_copies_are_marked():
             ("optimized_fsdp_fp8.py", "reduce_scatter_by_all_to_all_on_gloo")} <= marked
     # the flash pair wraps DDP alike, so that pair differs in the attention alone; PyTorch's
     # PowerSGD hook starts from the hand-written recipe's Q and keeps its shape rule and checks
-    assert {("baseline_ddp_flash.py", "wrap_ddp"), ("baseline_ddp_flash.py", "block_gradient_mb"),
+    assert {("optimized_ddp_flash.py", "wrap_ddp"),
+            ("optimized_ddp_flash.py", "block_gradient_mb"),
             *(("optimized_compression_powersgd_pytorch.py", name) for name in (
                 "initial_qs", "worth_compressing", "compression_theory", "resolve_start_iter"))
             } <= marked
