@@ -73,7 +73,7 @@ def assert_bad_input_is_one_line(script: Path, flags: list[str], hint: str, tmp_
     is joined, and a fresh Python for each case would cost seconds of start-up."""
     results = tmp_path / "r.jsonl"
 
-    def reached(args):
+    def reached(args, **kwargs):
         raise AssertionError(f"{script.name} accepted {flags}")
 
     saved = dict(os.environ), sys.argv, common.setup
@@ -99,7 +99,7 @@ def assert_skipped_with_why(script: Path, flags: list[str], hint: str, tmp_path:
     group. In this process, as `assert_bad_input_is_one_line`."""
     results = tmp_path / "r.jsonl"
 
-    def reached(args):
+    def reached(args, **kwargs):
         raise AssertionError(f"{script.name} went on with {flags}")
 
     saved = sys.argv, common.setup, common.faulthandler.enable

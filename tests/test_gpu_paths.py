@@ -307,7 +307,7 @@ def test_every_script_runs_or_skips_at_the_makefiles_defaults(script, flags, wor
     monkeypatch.setattr(sys, "argv", [str(script), "--size", "small", *flags])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)  # the defaults follow it (bf16)
 
-    def reached(args):
+    def reached(args, **kwargs):
         raise ReachedSetup
 
     monkeypatch.setattr(common, "setup", reached)
