@@ -217,11 +217,12 @@ if [ $$code -ne 0 ]; then status=1; \
 fi
 endef
 
-# ARGS are every script's: read by the folder's first script's parser before anything starts, so
-# that a bad flag is its one line (`baseline_zero.py: error: argument --steps: ...`), not a
-# failed row a script.
+# ARGS are every script's: read by the folder's first script's parser (its first baseline) before
+# anything starts, so that a bad flag is its one line (`baseline_zero.py: error: argument
+# --steps: ...`), not a failed row a script.
 define check_args
-$(if $(strip $(ARGS)),PLAYBOOK_CHECK_FLAGS=1 $(PY) $$(ls $$folder/baseline_*.py | head -1) \
+$(if $(strip $(ARGS)),PLAYBOOK_CHECK_FLAGS=1 $(PY) \
+	$$(ls $$folder/baseline_*.py $$folder/optimized_*.py 2>/dev/null | head -1) \
 	$(SCRIPT_FLAGS) || exit 2,true)
 endef
 
