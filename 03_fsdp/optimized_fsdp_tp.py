@@ -178,10 +178,7 @@ def shard_over_dp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy,
                     reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
-    if dist.get_backend(dp_mesh.get_group()) == "gloo":
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+    reduce_scatter_by_all_to_all_on_gloo(model, dp_mesh)
 
 
 # Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
@@ -197,6 +194,16 @@ class AllToAllReduceScatter:
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False):
         return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: reduce_scatter_by_all_to_all_on_gloo
+def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every FSDP unit of `model` reduce-scatters through AllToAllReduceScatter, if the shard
+    group (the mesh's last dim) runs on gloo."""
+    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
 def theory(model: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int) -> dict:

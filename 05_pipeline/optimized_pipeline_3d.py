@@ -59,8 +59,7 @@ LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
 def mesh_problem(args: argparse.Namespace, world: int, batch: int) -> str | None:
     """Why `world` ranks cannot form a pp x dp x tp mesh for --size's decoder (a dp rank's
-    `batch` sequences in --microbatches), or None. TP needs whole heads (the Llama: whole KV
-    heads) and even shares of the MLP, the vocabulary and the sequence."""
+    `batch` sequences in --microbatches), or None; within a stage, tp_problem's."""
     pp, tp, size = args.pp, args.tp, common.SIZES[args.size]
     if world % (pp * tp):
         return (f"--pp {pp} x --tp {tp} = {pp * tp} does not divide the {world} processes: "
@@ -70,6 +69,17 @@ def mesh_problem(args: argparse.Namespace, world: int, batch: int) -> str | None
     if batch % args.microbatches:
         return (f"a dp rank's {batch} sequences do not split into --microbatches "
                 f"{args.microbatches}: use a divisor of {batch}")
+    return tp_problem(args, tp, world // pp)
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: tp_problem
+def tp_problem(args: argparse.Namespace, tp: int, world: int) -> str | None:
+    """Why a (world / tp) x tp mesh cannot train --size's decoder: a TP rank needs whole heads
+    (the Llama: whole KV heads) and an even share of the MLP, the vocabulary and the sequence.
+    No padding: a checkpoint's shapes must not depend on --tp."""
+    if world % tp:
+        return f"--tp {tp} does not divide the {world} processes: use a divisor of {world}"
+    size = common.SIZES[args.size]
     widths = {"heads": size.n_heads, "MLP units": 4 * size.d_model,
               "vocabulary": size.vocab_size, "sequence positions": args.seq_len}
     if args.model == "llama":
@@ -186,10 +196,7 @@ def shard_over_dp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy,
                     reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
-    if dist.get_backend(dp_mesh.get_group()) == "gloo":
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+    reduce_scatter_by_all_to_all_on_gloo(model, dp_mesh)
 
 
 # Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
@@ -205,6 +212,16 @@ class AllToAllReduceScatter:
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False):
         return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: reduce_scatter_by_all_to_all_on_gloo
+def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every FSDP unit of `model` reduce-scatters through AllToAllReduceScatter, if the shard
+    group (the mesh's last dim) runs on gloo."""
+    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
 # Copied from 05_pipeline/baseline_pipeline.py: cross_entropy
