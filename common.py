@@ -100,8 +100,12 @@ def gpt_param_count(size: Size, seq_len: int) -> int:
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Default attention: PyTorch's fused kernel. Shapes (batch, heads, seq, head_dim)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """Default attention: PyTorch's fused kernel. Shapes (batch, heads, seq, head_dim). k and v
+    may have fewer heads than q (grouped-query attention): KV head h serves query heads
+    h*g..h*g+g-1, g = q's heads / k's, as HuggingFace's repeat_kv lays them out, and SDPA reads
+    each KV head for its g query heads itself, with no copy of K and V."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 class CausalSelfAttention(nn.Module):
@@ -229,18 +233,36 @@ def llama_param_count(size: Size) -> int:
     return 2 * size.vocab_size * d + size.n_layers * per_layer + d
 
 
+def rotary_table(seq: int, head_dim: int, device: torch.device, dtype: torch.dtype,
+                 base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x frequency, (seq, head_dim): computed in fp32, in `dtype`."""
+    freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angle = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), freq)
+    angle = torch.cat([angle, angle], dim=-1)
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def cached_rotary_table(*key) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_table built once per key, for every layer and step (a Llama rotates q and k in
+    each layer): outside inference_mode, whose tensors a later training forward could not save
+    for backward; from no tensor that needs grad, so the constants carry no graph."""
+    with torch.inference_mode(False):
+        return rotary_table(*key)
+
+
 def apply_rotary(x: torch.Tensor, base: float = 10_000.0) -> torch.Tensor:
     """Rotary position embedding of x (batch, heads, seq, head_dim), HuggingFace Llama's layout:
     the first and second halves of each head are the pairs rotated by position x frequency.
-    Computed from the shape, so a layer needs no table and a pipeline stage no positions."""
-    seq, head_dim = x.shape[-2], x.shape[-1]
-    freq = base ** (-torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32)
-                    / head_dim)
-    angle = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), freq)
-    angle = torch.cat([angle, angle], dim=-1)
+    From the shape alone (the table cached by length, head size, device, dtype and base), so a
+    layer holds no table and a pipeline stage needs no positions."""
+    key = (x.shape[-2], x.shape[-1], x.device, x.dtype, float(base))
+    # compiled code builds the table in its graph, where the compiler folds the constants (it
+    # would trace past a cache, and warn)
+    build = rotary_table if torch.compiler.is_compiling() else cached_rotary_table
+    cos, sin = build(*key)
     first, second = x.chunk(2, dim=-1)
-    return x * angle.cos().to(x.dtype) + torch.cat([-second, first], dim=-1) * \
-        angle.sin().to(x.dtype)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
 class LlamaAttention(nn.Module):
@@ -261,8 +283,10 @@ class LlamaAttention(nn.Module):
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = apply_rotary(q), apply_rotary(k)
-        # each KV head serves n_heads / n_kv_heads query heads, next to each other (HF's repeat_kv)
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        if self.attention is not causal_sdpa:  # SDPA groups the KV heads itself, uncopied
+            # each KV head serves n_heads / n_kv_heads query heads, next to each other (HF's
+            # repeat_kv): an attention written for equal head counts gets each one repeated
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         y = self.attention(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 

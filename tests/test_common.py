@@ -143,6 +143,88 @@ def test_the_llamas_grouped_attention_equals_attention_over_repeated_kv_heads():
     assert torch.allclose(attn(x), full(x), atol=1e-6)
 
 
+def test_sdpa_groups_the_kv_heads_itself_and_other_attentions_get_them_repeated(monkeypatch):
+    """The default attention is handed the KV heads as they are (SDPA's grouped-query path: no
+    copy of K and V); an attention written for equal head counts, each KV head repeated."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        seen.append((q.shape[1], k.shape[1], v.shape[1]))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    torch.manual_seed(0)
+    attn = common.LlamaAttention(32, n_heads=4, n_kv_heads=2, attention=common.causal_sdpa)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    grouped = attn(x)
+    grouped.sum().backward()
+    assert seen == [(4, 2, 2)]
+    attn.attention = lambda q, k, v: sdpa(q, k, v, is_causal=True)  # needs equal head counts
+    seen.clear()
+    repeated = attn(x)
+    assert torch.allclose(grouped, repeated, atol=1e-6)
+    attn.attention = lambda q, k, v: recording(q, k, v, is_causal=True)
+    attn(x)
+    assert seen == [(4, 4, 4)]
+
+
+def test_the_rotary_table_is_built_once_for_every_layer_and_step(monkeypatch):
+    """Two calls a layer, two layers, two steps: one table, built from the shape. It needs no
+    grad and, built under inference_mode, still serves a training step."""
+    built = []
+    build = common.rotary_table
+    monkeypatch.setattr(common, "rotary_table", lambda *key: built.append(key) or build(*key))
+    common.cached_rotary_table.cache_clear()
+    torch.manual_seed(0)
+    model = common.Llama(common.SIZES["tiny"])
+    tokens = torch.randint(common.SIZES["tiny"].vocab_size, (2, 17))
+    with torch.inference_mode():
+        model(tokens[:, :-1], tokens[:, 1:])
+    for _ in range(2):
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    head_dim = model.model.layers[0].self_attn.head_dim
+    assert built == [(16, head_dim, torch.device("cpu"), torch.float32, 10_000.0)]
+    assert not any(t.requires_grad or t.is_inference() for t in common.cached_rotary_table(
+        *built[0]))
+    common.cached_rotary_table.cache_clear()
+
+
+def test_the_cached_rotary_table_is_the_one_computed_each_call():
+    """The table as apply_rotary computed it on every call, to the bit: losses unchanged."""
+    x = torch.randn(2, 3, 7, 8, dtype=torch.float64)
+    freq = 500.0 ** (-torch.arange(0, 8, 2, dtype=torch.float32) / 8)
+    angle = torch.outer(torch.arange(7, dtype=torch.float32), freq)
+    angle = torch.cat([angle, angle], dim=-1)
+    first, second = x.chunk(2, dim=-1)
+    expected = x * angle.cos().to(x.dtype) + torch.cat([-second, first], dim=-1) * \
+        angle.sin().to(x.dtype)
+    assert torch.equal(common.apply_rotary(x, base=500), expected)
+    assert not torch.equal(common.apply_rotary(x), expected)  # the base is part of the key
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_the_llama_computes_huggingfaces_llama(attn_implementation):
+    """common.Llama's weights in a transformers LlamaForCausalLM of its shapes (HuggingFace's
+    default rotary, base 10,000, rotate_half's layout; repeat_kv, in eager attention written
+    out): the same loss and gradients, to float rounding."""
+    import hf_llama
+
+    torch.manual_seed(0)
+    ours = common.Llama(common.SIZES["tiny"])
+    theirs = hf_llama.tiny_llama(attn_implementation, tied=False)
+    theirs.load_state_dict(ours.state_dict())
+    tokens = common.global_token_batch(common.SIZES["tiny"], 16, 2, 0, seed=0)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    loss, expected = ours(x, y), hf_llama.hf_loss(theirs, x, y)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    loss.backward()
+    expected.backward()
+    grads = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_rotary_positions_rotate_pairs_and_keep_norms():
     x = torch.randn(1, 2, 6, 8)
     rotated = common.apply_rotary(x)
