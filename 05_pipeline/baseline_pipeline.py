@@ -3,7 +3,9 @@
 What it does: the decoder's layers (GPT or Llama) are cut into p stages of about equal cost, one
 per rank. The whole batch goes forward from rank 0 to rank p-1 and then backward from rank p-1 to
 rank 0: a rank receives its input, runs its layers and sends the output on (blocking send/recv;
-`ModelParallelRank`: a stage's layers, a loss function, the boundary's shape). A weight tied
+`ModelParallelRank`: a stage's layers, a loss function, the boundary's shape; `call_layer` for
+layers that take more than the hidden states, such as HuggingFace's). Every rank builds the
+whole model and takes rank 0's weights (`broadcast_parameters`) before the cut. A weight tied
 across stages (the GPT's embedding and head, found by identity; the Llama's is untied) has its
 two gradients summed each step (as Megatron-LM does): it trains the unsplit model, exactly.
 Why it is the baseline: it is what splitting a model too large for one device gives first, and
@@ -16,10 +18,11 @@ Theory:     bubble (p-1)/p: the ranks' forwards and backwards run one after anot
 """
 
 import contextlib
+import itertools
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -31,14 +34,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 
+# Copied from 01_ddp/baseline_ddp.py: broadcast_parameters
+def broadcast_parameters(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Make every rank of `group` (None: the world) start from the group's first rank's weights
+    and buffers (a tied weight is sent once)."""
+    first = dist.get_global_rank(group or dist.group.WORLD, 0)
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        dist.broadcast(tensor.detach(), src=first, group=group)
+
+
+def run_layers(layers: Iterable[nn.Module], x: torch.Tensor,
+               call_layer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None,
+               stage: int) -> torch.Tensor:
+    """`x` through `layers` in order, each as `call_layer(layer, x)` (None: `layer(x)`). A layer
+    that cannot be called so stops the step with one line naming what to pass: a HuggingFace
+    decoder layer, for one, takes its positions and causal mask from its model's forward."""
+    for i, layer in enumerate(layers):
+        try:
+            x = layer(x) if call_layer is None else call_layer(layer, x)
+        except TypeError as error:
+            how = "as layer(x)" if call_layer is None else "by call_layer"
+            raise TypeError(f"stage {stage}'s layer {i} ({type(layer).__name__}) fails called "
+                            f"{how}: {error}. Pass call_layer=f, where f(layer, x) calls it as "
+                            f"your model's forward does (05_pipeline/README.md)") from error
+        if not isinstance(x, torch.Tensor):  # the next layer would fail, naming the wrong one
+            raise TypeError(f"stage {stage}'s layer {i} ({type(layer).__name__}) returns "
+                            f"{type(x).__name__}, not a tensor: pass call_layer=f, where "
+                            f"f(layer, x) returns its hidden states")
+    return x
+
+
 class TiedGradients:
     """Sums the gradients of `weights`, the weights of this rank's stage that other ranks of
     `group` hold too (a tied embedding and head, on the first and last stages), with theirs, as
     Megatron-LM sums its embedding's and head's. Only what one step adds is summed: what earlier
     steps left in `.grad` (gradient accumulation) stays counted once. Building it is collective
     over `group` (each rank says whether it holds any) and makes the holders' copies equal, the
-    lowest holder's (as DDP broadcasts from its first rank): ranks may seed apart. The holders
-    talk by send/recv, a new process group being collective over the whole world."""
+    lowest holder's (as DDP broadcasts from its first rank), which the sum keeps equal. The
+    holders talk by send/recv, a new process group being collective over the whole world."""
 
     def __init__(self, weights: list[nn.Parameter], group: dist.ProcessGroup):
         holds = [False] * dist.get_world_size(group)
@@ -77,7 +110,9 @@ class TiedGradients:
 class ModelParallelRank:
     """This rank's stage of the layers cut across the ranks of `group` (default: the world),
     with the pipelines' `PipelineRank`'s arguments less the schedule: the whole batch through
-    the stage, forward and then backward, each waiting for its input from the neighbouring rank.
+    the stage (its layers run by `run_layers`, each through `call_layer` if given), forward and
+    then backward, each waiting for its input from the neighbouring rank. The stages must be cut
+    from one model: rank 0's on every rank (`broadcast_parameters` before the cut).
     With `record_timeline`, each step's start and its forward and backward, each timed from its
     input's arrival to its end, on this rank's clock (on CUDA after synchronising)."""
 
@@ -85,8 +120,9 @@ class ModelParallelRank:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  shape: Sequence[int], dtype: torch.dtype | None = None,
                  group: dist.ProcessGroup | None = None, tied: Sequence[nn.Parameter] = (),
+                 call_layer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
                  autocast_dtype: torch.dtype | None = None, record_timeline: bool = False):
-        self.layers, self.loss_fn = nn.ModuleList(layers), loss_fn
+        self.layers, self.loss_fn, self.call_layer = nn.ModuleList(layers), loss_fn, call_layer
         weight = next(self.layers.parameters())
         self.device, self.shape, self.dtype = weight.device, tuple(shape), dtype or weight.dtype
         self.autocast_dtype, self.record_timeline = autocast_dtype, record_timeline
@@ -128,9 +164,7 @@ class ModelParallelRank:
             start = self.now()
             with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                                 enabled=self.autocast_dtype is not None):
-                out = x
-                for layer in self.layers:
-                    out = layer(out)
+                out = run_layers(self.layers, x, self.call_layer, self.stage)
                 if self.stage == self.last:
                     out = self.loss_fn(out, targets)
             self.timed("F", start)
@@ -188,6 +222,7 @@ def main():
     topo = common.setup(args)
     p = topo.world_size
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
+    broadcast_parameters(model)  # the whole model on every rank: rank 0's, whatever the seed
     params, tied = sum(q.numel() for q in model.parameters()), tied_weights(model)
     tied_bytes = sum(w.numel() * w.element_size() for w in tied)  # 0: an untied head
     shape = (args.batch_size, args.seq_len, common.input_embedding(model).embedding_dim)

@@ -23,7 +23,7 @@ import itertools
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -161,6 +161,37 @@ def simulate_split(ranks: list[list[SplitAction]], seconds: list[dict[str, float
     return 1 - busy / (p * max(clock)), max(max(counts) for counts in held), posts
 
 
+# Copied from 05_pipeline/baseline_pipeline.py: broadcast_parameters
+def broadcast_parameters(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Make every rank of `group` (None: the world) start from the group's first rank's weights
+    and buffers (a tied weight is sent once)."""
+    first = dist.get_global_rank(group or dist.group.WORLD, 0)
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        dist.broadcast(tensor.detach(), src=first, group=group)
+
+
+# Copied from 05_pipeline/baseline_pipeline.py: run_layers
+def run_layers(layers: Iterable[nn.Module], x: torch.Tensor,
+               call_layer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None,
+               stage: int) -> torch.Tensor:
+    """`x` through `layers` in order, each as `call_layer(layer, x)` (None: `layer(x)`). A layer
+    that cannot be called so stops the step with one line naming what to pass: a HuggingFace
+    decoder layer, for one, takes its positions and causal mask from its model's forward."""
+    for i, layer in enumerate(layers):
+        try:
+            x = layer(x) if call_layer is None else call_layer(layer, x)
+        except TypeError as error:
+            how = "as layer(x)" if call_layer is None else "by call_layer"
+            raise TypeError(f"stage {stage}'s layer {i} ({type(layer).__name__}) fails called "
+                            f"{how}: {error}. Pass call_layer=f, where f(layer, x) calls it as "
+                            f"your model's forward does (05_pipeline/README.md)") from error
+        if not isinstance(x, torch.Tensor):  # the next layer would fail, naming the wrong one
+            raise TypeError(f"stage {stage}'s layer {i} ({type(layer).__name__}) returns "
+                            f"{type(x).__name__}, not a tensor: pass call_layer=f, where "
+                            f"f(layer, x) returns its hidden states")
+    return x
+
+
 # Copied from 05_pipeline/optimized_pipeline_dualpipev.py: TwoStagePipelineRank
 class TwoStagePipelineRank:
     """GPipe's and 1F1B's runtime (`PipelineRank`) for this rank's two stages (`stages`: index
@@ -173,11 +204,12 @@ class TwoStagePipelineRank:
     def __init__(self, stages: dict[int, list[nn.Module]],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  ranks: list[list[SplitAction]], shape: Sequence[int],
-                 dtype: torch.dtype | None = None,
-                 group: dist.ProcessGroup | None = None,
+                 dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None,
+                 call_layer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
                  autocast_dtype: torch.dtype | None = None, record_timeline: bool = False):
         self.stages = {s: nn.ModuleList(layers) for s, layers in stages.items()}
-        self.layers, self.loss_fn = nn.ModuleList(self.stages.values()), loss_fn  # each once
+        self.layers = nn.ModuleList(self.stages.values())  # each stage once
+        self.loss_fn, self.call_layer = loss_fn, call_layer
         weight = next(self.layers.parameters())
         self.device, self.shape, self.dtype = weight.device, tuple(shape), dtype or weight.dtype
         self.autocast_dtype, self.record_timeline = autocast_dtype, record_timeline
@@ -242,9 +274,7 @@ class TwoStagePipelineRank:
                  if (micro, stage) in self.split_backward and list(layer.parameters(recurse=False))]
         with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
-            out = x
-            for layer in self.stages[stage]:
-                out = layer(out)
+            out = run_layers(self.stages[stage], x, self.call_layer, stage)
             if stage == self.last:
                 out = self.loss_fn(out, targets)
         for hook in hooks:
@@ -380,6 +410,7 @@ def main():
     topo = common.setup(args)
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
+    broadcast_parameters(model)  # the whole model on every rank: rank 0's, whatever the seed
     params, stages = sum(q.numel() for q in model.parameters()), model.pipeline_stages(p)
     mine = {s: plain_layers(stages[s], s == p - 1) for s in sorted({topo.rank, p - 1 - topo.rank})}
     shape = (args.batch_size // m, args.seq_len, common.input_embedding(model).embedding_dim)

@@ -4,11 +4,11 @@ What it does: the decoder's layers (GPT or Llama) are cut into p stages of about
 per rank, and the batch into m micro-batches. Every rank runs the forwards of all m micro-batches
 as they arrive, then their backwards, last rank first. The schedule is data (`schedule(p, m)`:
 each rank's ordered actions) and a small runtime runs it (`PipelineRank`, 1F1B's too: a
-stage's layers, a loss function, the boundary's shape): a rank posts the receive for an input
-as soon as the peer's action that sends it is scheduled, so the message crosses while it
-computes. A weight tied across stages (the GPT's embedding and head, found by identity; the
-Llama's is untied) has its two gradients summed each step (as Megatron-LM does): the unsplit
-model, exactly.
+stage's layers, a loss function, the boundary's shape; `call_layer` for layers that take more
+than the hidden states, such as HuggingFace's): a rank posts the receive for an input as soon
+as the peer's action that sends it is scheduled, so the message crosses while it computes. A
+weight tied across stages (the GPT's embedding and head, found by identity; the Llama's is
+untied) has its two gradients summed each step (as Megatron-LM does): the unsplit model, exactly.
 Why it helps: with the whole batch as one piece (baseline_pipeline.py) one rank computes at a
 time, each idle (p-1)/p of the step. With m micro-batches, rank r+1 works on micro-batch i while
 rank r works on i+1, and the idle fraction, the bubble, falls to (p-1)/(m+p-1). The price: every
@@ -26,7 +26,7 @@ import itertools
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -88,6 +88,37 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
     return 1 - busy / (p * max(clock)), max(max(counts) for counts in held), posts
 
 
+# Copied from 05_pipeline/baseline_pipeline.py: broadcast_parameters
+def broadcast_parameters(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Make every rank of `group` (None: the world) start from the group's first rank's weights
+    and buffers (a tied weight is sent once)."""
+    first = dist.get_global_rank(group or dist.group.WORLD, 0)
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        dist.broadcast(tensor.detach(), src=first, group=group)
+
+
+# Copied from 05_pipeline/baseline_pipeline.py: run_layers
+def run_layers(layers: Iterable[nn.Module], x: torch.Tensor,
+               call_layer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None,
+               stage: int) -> torch.Tensor:
+    """`x` through `layers` in order, each as `call_layer(layer, x)` (None: `layer(x)`). A layer
+    that cannot be called so stops the step with one line naming what to pass: a HuggingFace
+    decoder layer, for one, takes its positions and causal mask from its model's forward."""
+    for i, layer in enumerate(layers):
+        try:
+            x = layer(x) if call_layer is None else call_layer(layer, x)
+        except TypeError as error:
+            how = "as layer(x)" if call_layer is None else "by call_layer"
+            raise TypeError(f"stage {stage}'s layer {i} ({type(layer).__name__}) fails called "
+                            f"{how}: {error}. Pass call_layer=f, where f(layer, x) calls it as "
+                            f"your model's forward does (05_pipeline/README.md)") from error
+        if not isinstance(x, torch.Tensor):  # the next layer would fail, naming the wrong one
+            raise TypeError(f"stage {stage}'s layer {i} ({type(layer).__name__}) returns "
+                            f"{type(x).__name__}, not a tensor: pass call_layer=f, where "
+                            f"f(layer, x) returns its hidden states")
+    return x
+
+
 # Copied from 05_pipeline/baseline_pipeline.py: TiedGradients
 class TiedGradients:
     """Sums the gradients of `weights`, the weights of this rank's stage that other ranks of
@@ -95,8 +126,8 @@ class TiedGradients:
     Megatron-LM sums its embedding's and head's. Only what one step adds is summed: what earlier
     steps left in `.grad` (gradient accumulation) stays counted once. Building it is collective
     over `group` (each rank says whether it holds any) and makes the holders' copies equal, the
-    lowest holder's (as DDP broadcasts from its first rank): ranks may seed apart. The holders
-    talk by send/recv, a new process group being collective over the whole world."""
+    lowest holder's (as DDP broadcasts from its first rank), which the sum keeps equal. The
+    holders talk by send/recv, a new process group being collective over the whole world."""
 
     def __init__(self, weights: list[nn.Parameter], group: dist.ProcessGroup):
         holds = [False] * dist.get_world_size(group)
@@ -135,11 +166,13 @@ class TiedGradients:
 class PipelineRank:
     """This rank's stage of a pipeline of the ranks of `group` (default: the world), running
     its actions of `ranks` (each group rank's, from `schedule`). Given: the stage's `layers`,
-    run in order; `loss_fn(output, targets)` after them on the last stage (the step's loss: its
-    mean over the micro-batches); the `shape` of one micro-batch's activations between stages
-    and their `dtype` (default: the layers' weights'); `tied`, weights that may be on another
-    stage too (a tied embedding and head: pass the same list on every rank), whose copies
-    `TiedGradients` starts equal and whose gradients it sums; `autocast_dtype` for the forwards.
+    cut from one model (rank 0's on every rank: `broadcast_parameters` before the cut), run in
+    order by `run_layers`, each as `call_layer(layer, x)` if given, else `layer(x)`;
+    `loss_fn(output, targets)` after them on the last stage (the step's loss: its mean over the
+    micro-batches); the `shape` of one micro-batch's activations between stages and their
+    `dtype` (default: the layers' weights'); `tied`, weights that may be on another stage too (a
+    tied embedding and head: pass the same list on every rank), whose copies `TiedGradients`
+    starts equal and whose gradients it sums; `autocast_dtype` for the forwards.
     Keeps each micro-batch's input and output until its backward. A receive is posted where
     `simulate` places it, into a buffer of its own, and waited for when the action that needs
     it starts; a send goes out as soon as its tensor is ready and is waited for at the end of
@@ -151,8 +184,9 @@ class PipelineRank:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  ranks: list[list[Action]], shape: Sequence[int], dtype: torch.dtype | None = None,
                  group: dist.ProcessGroup | None = None, tied: Sequence[nn.Parameter] = (),
+                 call_layer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
                  autocast_dtype: torch.dtype | None = None, record_timeline: bool = False):
-        self.layers, self.loss_fn = nn.ModuleList(layers), loss_fn
+        self.layers, self.loss_fn, self.call_layer = nn.ModuleList(layers), loss_fn, call_layer
         weight = next(self.layers.parameters())
         self.device, self.shape, self.dtype = weight.device, tuple(shape), dtype or weight.dtype
         self.autocast_dtype, self.record_timeline = autocast_dtype, record_timeline
@@ -206,9 +240,7 @@ class PipelineRank:
         start = self.now()
         with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
-            out = x
-            for layer in self.layers:
-                out = layer(out)
+            out = run_layers(self.layers, x, self.call_layer, self.stage)
             if self.stage == self.last:
                 out = self.loss_fn(out, targets)
         if self.stage == self.last:
@@ -303,6 +335,7 @@ def main():
     topo = common.setup(args)
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
+    broadcast_parameters(model)  # the whole model on every rank: rank 0's, whatever the seed
     params, tied = sum(q.numel() for q in model.parameters()), tied_weights(model)
     tied_bytes = sum(w.numel() * w.element_size() for w in tied)  # 0: an untied head
     shape = (args.batch_size // m, args.seq_len, common.input_embedding(model).embedding_dim)
