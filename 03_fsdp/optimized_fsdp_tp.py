@@ -41,9 +41,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -74,6 +77,22 @@ def tp_problem(args: argparse.Namespace, tp: int, world: int) -> str | None:
                     f"a --tp that divides {width}")
     return None
 
+
+
+def default_tp(args: argparse.Namespace, world: int, node: int, stages: int = 1) -> int | None:
+    """--tp's default: the largest tp >= 2 that divides a node's `node` processes (a TP group
+    stays on one node's links) and that --size's model splits on a stage's `world / stages`
+    ranks (tp_problem: heads, KV heads, ...), leaving dp >= 2 where the world has room for it,
+    dp 1 where not; None where no tp >= 2 fits."""
+    fits = [t for t in range(node, 1, -1) if node % t == 0 and world % (stages * t) == 0
+            and tp_problem(args, t, world // stages) is None]
+    return max(fits, key=lambda t: (world // (stages * t) >= 2, t), default=None)
+
+
+def node_size(world: int) -> int:
+    """The processes a TP group may span: a node's GPUs on CUDA; on CPU 2, where more would
+    only share the same cores."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torch.cuda.is_available() else 2
 
 # Copied from 03_fsdp/optimized_fsdp.py: same_weights_on_every_rank
 def same_weights_on_every_rank(model: torch.nn.Module, mesh: DeviceMesh) -> None:
@@ -115,26 +134,44 @@ class SplitQKVAttention(nn.Module):
         return self.proj(self.attention(q, k, v).transpose(1, 2).flatten(2))
 
 
+class GatheredSequenceParallel(ParallelStyle):
+    """SequenceParallel for a norm whose output feeds column-wise matrices: each rank normalizes
+    its own positions, then the output is all-gathered along the sequence and kept a Replicate
+    DTensor, so the matrices' input gradients add up to one partial sum, reduce-scattered once.
+    The gather is the norm's output, not the next module's input: attention and MLP get the whole
+    sequence however the layer calls them, positionally (the project's models) or by keyword
+    (HuggingFace's `self_attn(hidden_states=...)`)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        SequenceParallel()._apply(module, device_mesh)
+        return PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                   use_local_output=False)._apply(module, device_mesh)
+
+
+def block_input() -> PrepareModuleInput:
+    """A block's input as its sequence shard, a local tensor: the embedding's DTensor (the whole
+    sequence's shape, see ends_plan) before the first block, the previous block's shard after."""
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                              use_local_output=True)
+
+
 def gpt_block_plan() -> dict:
     """The TP + sequence-parallel plan of one GPT block (after SplitQKVAttention)."""
-    return {"ln1": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(Shard(1),),
-                                       desired_input_layouts=(Replicate(),)),
+    return {"": block_input(), "ln1": GatheredSequenceParallel(),
             "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
             "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-            "ln2": SequenceParallel(),
-            "fc": ColwiseParallel(input_layouts=Shard(1)),
+            "ln2": GatheredSequenceParallel(), "fc": ColwiseParallel(),
             "fc_proj": RowwiseParallel(output_layouts=Shard(1))}
 
 
 def llama_layer_plan() -> dict:
-    """torchtitan's plan of a Llama layer under HuggingFace's names."""
-    gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return {"input_layernorm": SequenceParallel(), "self_attn": gathered,
+    """torchtitan's plan of a Llama layer under HuggingFace's names: HuggingFace's
+    LlamaDecoderLayer and common.Llama's alike."""
+    return {"": block_input(), "input_layernorm": GatheredSequenceParallel(),
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
             "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "post_attention_layernorm": SequenceParallel(), "mlp": gathered,
+            "post_attention_layernorm": GatheredSequenceParallel(),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))}
 
@@ -142,14 +179,19 @@ def llama_layer_plan() -> dict:
 def ends_plan(embeddings: list[str], norm: str | None, head: str | None) -> dict:
     """The model's ends (those it has: a pipeline stage may hold none): token (and position)
     tables row-wise, their lookups reduce-scattered along the sequence (a position table's
-    output is (T, d): its dim 0); the final norm sequence-parallel; the head column-wise from
-    the sequence shards, its logits gathered whole so the model's own loss runs unchanged."""
-    plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(i))
+    output is (T, d): its dim 0) and kept DTensors of the whole sequence's shape, so that a
+    model that builds positions and its causal mask from the embedding's length (HuggingFace's
+    LlamaModel) builds them whole; the final norm sequence-parallel; the head column-wise from
+    the gathered sequence, its logits left split by vocabulary (a Shard(-1) DTensor): the loss
+    runs under loss_parallel(), and no rank holds B x T x vocabulary logits."""
+    plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(i),
+                                  use_local_output=False)
             for i, name in zip((1, 0), embeddings, strict=False)}
     if norm:
-        plan[norm] = SequenceParallel()
+        plan[norm] = SequenceParallel(use_local_output=True)
     if head:
-        plan[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        plan[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                     use_local_output=False)
     return plan
 
 
@@ -181,6 +223,44 @@ def shard_over_dp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh
     reduce_scatter_by_all_to_all_on_gloo(model, dp_mesh)
 
 
+
+def split_problem(blocks: list[nn.Module], block_plan: dict, tp: int) -> str | None:
+    """Why `tp` ranks cannot each take whole heads and an even share of the MLP from the plan's
+    column-wise matrices (counted in heads where their module has a `head_dim`: HuggingFace's
+    attention and the project's), or cannot find a module the plan names; None if they can."""
+    for key, style in block_plan.items():
+        try:
+            linear = blocks[0].get_submodule(key)
+        except AttributeError:
+            return (f"the plan names {key!r}, which {type(blocks[0]).__name__} lacks: pass a "
+                    f"plan in its own module names")
+        if isinstance(style, ColwiseParallel):
+            head_dim = getattr(blocks[0].get_submodule(key.rpartition(".")[0]), "head_dim", None)
+            width, what = ((linear.out_features // head_dim, "heads") if head_dim else
+                           (linear.out_features, "units"))
+            if width % tp:
+                return (f"tp {tp} does not split the {width} {what} of {key}: pass a mesh whose "
+                        f"tp dim divides {width}")
+    return None
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], block_plan: dict,
+                ends: dict, mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool = True) -> nn.Module:
+    """The composition in one call, torchtitan's order: tensor parallelism over mesh["tp"] (each
+    of `blocks` by `block_plan`, the root by `ends`; skipped at tp 1), then fully_shard over
+    mesh["dp"] on each block and the root (`mp_policy`: FSDP's dtypes, default fp32). Every rank
+    must hold the same weights first (same_weights_on_every_rank): each keeps its own slice of
+    what it holds."""
+    tp = mesh["tp"].size()
+    if tp > 1:
+        if why := split_problem(blocks, block_plan, tp):
+            raise ValueError(why)
+        tensor_parallel(model, blocks, block_plan, ends, mesh["tp"])
+    shard_over_dp(model, blocks, mesh["dp"], mp_policy or MixedPrecisionPolicy(),
+                  reshard_after_forward)
+    return model
+
 # Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
 class AllToAllReduceScatter:
     """FSDP2's ReduceScatter interface (`allocate`, `__call__`) on common.reduce_scatter: an
@@ -207,33 +287,39 @@ def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMes
 
 
 def theory(model: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int) -> dict:
-    """State and bytes per step from the shapes, for the layout above, taken after TP and before
-    FSDP: each parameter's tp piece (its local shape), padded by FSDP to dp rows along dim 0."""
+    """State and bytes per step from the shapes of the parallelized model: each parameter's tp
+    piece (its shape split by its placement on tp, the mesh's last dim), padded by FSDP to dp
+    rows along dim 0."""
     size, nbytes = common.SIZES[args.size], 2 if args.dtype == "bf16" else 4
     d, seq, batch = size.d_model, args.seq_len, tp * args.batch_size  # a dp rank's batch
 
+    def split_over_tp(p):
+        return tp > 1 and p.placements[-1].is_shard()
+
     def piece(p):  # the parameter's share after TP, padded to dp rows
-        local = p.to_local() if isinstance(p, DTensor) else p
-        return math.ceil(local.shape[0] / dp) * dp * math.prod(local.shape[1:])
+        shape = list(p.shape)
+        if split_over_tp(p):
+            shape[p.placements[-1].dim] //= tp
+        return math.ceil(shape[0] / dp) * dp * math.prod(shape[1:])
 
     params = list(model.parameters())
     # the norms' weights, replicated over tp, each rank's gradient from its tokens: all-reduced
     # (a row-wise Linear's bias is replicated too, but its gradient is the whole batch's already)
     norms = [p for m in model.modules() if not isinstance(m, nn.Linear)
-             for p in m.parameters(recurse=False) if not isinstance(p, DTensor) or
-             not p.placements[0].is_shard()]
+             for p in m.parameters(recurse=False) if not split_over_tp(p)]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     dp_share = (dp - 1) / dp
     gathered = sum(piece(p) * (2 if id(p) in in_blocks else 1) for p in params) * nbytes
     dp_bytes = dp_share * (gathered + 4 * sum(piece(p) for p in params))  # fp32 reduce-scatter
-    split = {id(p) for p in params if isinstance(p, DTensor) and p.placements[0].is_shard()}
-    replicated = [p for p in params if id(p) not in split]
+    replicated = [p for p in params if not split_over_tp(p)]
     stream = (tp - 1) / tp * batch * seq * d * nbytes  # one gather or scatter of the activations
-    logits = (tp - 1) / tp * batch * seq * size.vocab_size * nbytes
     positions = 2 * (tp - 1) / tp * seq * d * nbytes if args.model == "gpt" else 0
+    # loss_parallel's softmax over the vocabulary shards: per token, fp32, an all-reduce of the
+    # largest logit, one of the sum of exponentials and one of the target's logit
+    loss = 3 * common.ring_allreduce_mb(4 * batch * seq, tp) * 2**20
     # per block 8 (4 forward, 4 backward); the embedding's scatter and the head's gather, each
     # with its backward twin; the norms' gradients
-    tp_bytes = (8 * len(blocks) + 4) * stream + logits + positions + \
+    tp_bytes = (8 * len(blocks) + 4) * stream + loss + positions + \
         common.ring_allreduce_mb(4 * sum(p.numel() for p in norms), tp) * 2**20
     total = sum(p.numel() for p in params)
     return {"state_mb": 16 * sum(piece(p) for p in params) / dp / 2**20,
@@ -294,8 +380,9 @@ def main():
         "resnet": "a ResNet has no attention heads or MLP matrices for tensor parallelism to "
                   "split: FSDP x TP runs --model gpt or llama"})
     parser.add_argument("--tp", type=common.int_at_least(1), default=None,
-                        help="tensor-parallel degree, the inner mesh dim (default: 2 on CPU; on "
-                             "CUDA a node's GPUs, leaving dp >= 2); dp = world / tp")
+                        help="tensor-parallel degree, the inner mesh dim (default: the largest "
+                             "that divides the heads, the KV heads and a node's GPUs, 2 on CPU, "
+                             "leaving dp >= 2); dp = world / tp")
     parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
                         metavar="MAX", help="clip the gradient to this 2-norm over the whole "
                         "mesh before each step (default: no clipping)")
@@ -309,29 +396,24 @@ def main():
     world = common.launch_world_size()
     if (args.checkpoint_every != 10 or args.resume) and not args.checkpoint_dir:
         parser.error("--checkpoint-every and --resume need --checkpoint-dir: add one")
-    if args.tp is None:
-        if world < 4:
-            raise common.Skip(f"a 2-D mesh needs dp >= 2 and tp >= 2, {world} processes have "
-                              f"no room: launch 4 or more (or give --tp)")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # a node's GPUs, dp >= 2
-        args.tp = min(local, world // 2) if torch.cuda.is_available() else 2
-    if why := tp_problem(args, args.tp, world):
+    tp = args.tp or default_tp(args, world, node_size(world))
+    if not args.tp and (tp is None or world // tp < 2):
+        raise common.Skip(f"a 2-D mesh needs dp >= 2 and tp >= 2 (a divisor of a node's "
+                          f"{node_size(world)} processes and of the heads), {world} processes "
+                          f"have no room: launch 4 or more (or give --tp)")
+    if why := tp_problem(args, tp, world):
         parser.error(why)
-    dp, tp = world // args.tp, args.tp
+    dp = world // tp
     topo = common.setup(args)
     mesh = build_mesh(topo.device.type, world, tp)
     # a dp rank's batch is its tp ranks' per-rank batches together: the global batch is DDP's
     model, batches = common.workload(argparse.Namespace(**{**vars(args), "batch_size": tp *
                                                            args.batch_size}),
                                      topo, dp_rank=mesh.get_local_rank("dp"), dp_world=dp)
-    blocks = common.transformer_blocks(model)
     same_weights_on_every_rank(model, mesh)
-    block_plan, ends = decoder_plans(model)
-    if tp > 1:
-        tensor_parallel(model, blocks, block_plan, ends, mesh["tp"])
-    predicted = theory(model, blocks, args, dp, tp)
+    blocks, (block_plan, ends) = common.transformer_blocks(model), decoder_plans(model)
     bf16 = args.dtype == "bf16"
-    shard_over_dp(model, blocks, mesh["dp"], MixedPrecisionPolicy(
+    parallelize(model, mesh, blocks, block_plan, ends, MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = load_latest_checkpoint(model, opt, args.checkpoint_dir) if args.resume else 0
@@ -342,23 +424,23 @@ def main():
     def train_step(inputs, targets):
         nonlocal done
         opt.zero_grad(set_to_none=True)
-        loss = model(inputs, targets)
-        loss.backward()
+        with loss_parallel():  # the logits stay split by vocabulary, and so does their gradient
+            loss = model(inputs, targets)
+            loss.backward()
         if args.clip_grad_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
         opt.step()
         done += 1
         if args.checkpoint_dir and done % args.checkpoint_every == 0:
             save_checkpoint(model, opt, args.checkpoint_dir, done, topo)
-        return loss
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss  # tp 1: a tensor
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     common.record(args, topo, stats, baseline="baseline_fsdp", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, mesh={"dp": dp, "tp": tp},
                   comm_mb_by_dim=comm_by_dim(stats, mesh), resumed_from=start,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
-                  theory=predicted)
-
+                  theory=theory(model, blocks, args, dp, tp))
 
 if __name__ == "__main__":
     common.run_main(main)

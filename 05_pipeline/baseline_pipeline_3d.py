@@ -10,11 +10,14 @@ composition is whether it trains the same model to the same losses as plain data
 on the same ranks and batch, and what it costs or saves beside it.
 Run:        torchrun --nproc_per_node=8 05_pipeline/baseline_pipeline_3d.py --size small
 Look for:   `make pipeline report`: losses equal to optimized_pipeline_3d's; its state MB (16 x
-            params on every rank) against the 3-D run's 16 x params / (pp x dp x tp).
+            params on every rank) against the 3-D run's 16 x params / (pp x dp x tp). Where the
+            world holds no default 3-D mesh (1-2 GPUs), it skips with the 3-D run's reason.
 Theory:     state 16 x params bytes per rank; each rank sends 2(N-1)/N x 4 x params bytes a
             step (ring all-reduce).
 """
 
+import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +27,56 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: tp_problem
+def tp_problem(args: argparse.Namespace, tp: int, world: int) -> str | None:
+    """Why a (world / tp) x tp mesh cannot train --size's decoder: a TP rank needs whole heads
+    (the Llama: whole KV heads) and an even share of the MLP, the vocabulary and the sequence.
+    No padding: a checkpoint's shapes must not depend on --tp."""
+    if world % tp:
+        return f"--tp {tp} does not divide the {world} processes: use a divisor of {world}"
+    size = common.SIZES[args.size]
+    widths = {"heads": size.n_heads, "MLP units": 4 * size.d_model,
+              "vocabulary": size.vocab_size, "sequence positions": args.seq_len}
+    if args.model == "llama":
+        widths.update({"KV heads": size.n_kv_heads,
+                       "MLP units": common.llama_ffn_dim(size.d_model)})
+    for what, width in widths.items():
+        if width % tp:
+            return (f"--tp {tp} does not divide the {width} {what} of --size {args.size}: use "
+                    f"a --tp that divides {width}")
+    return None
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: default_tp
+def default_tp(args: argparse.Namespace, world: int, node: int, stages: int = 1) -> int | None:
+    """--tp's default: the largest tp >= 2 that divides a node's `node` processes (a TP group
+    stays on one node's links) and that --size's model splits on a stage's `world / stages`
+    ranks (tp_problem: heads, KV heads, ...), leaving dp >= 2 where the world has room for it,
+    dp 1 where not; None where no tp >= 2 fits."""
+    fits = [t for t in range(node, 1, -1) if node % t == 0 and world % (stages * t) == 0
+            and tp_problem(args, t, world // stages) is None]
+    return max(fits, key=lambda t: (world // (stages * t) >= 2, t), default=None)
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: node_size
+def node_size(world: int) -> int:
+    """The processes a TP group may span: a node's GPUs on CUDA; on CPU 2, where more would
+    only share the same cores."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torch.cuda.is_available() else 2
+
+
+def default_3d_tp(args: argparse.Namespace, world: int, pp: int = 2) -> int:
+    """The tp of the 3-D run's default mesh, pp x dp x tp with tp >= 2 (default_tp's), or Skip
+    where `world` processes hold none: the 3-D run skips then, and its baseline with it, for the
+    same reason (a DDP row with no 3-D row beside it compares nothing)."""
+    node = node_size(world)
+    if tp := default_tp(args, world, node, stages=pp):
+        return tp
+    raise common.Skip(f"a 3-D mesh of pp {pp} x dp x tp >= 2 (tp dividing a node's {node} "
+                      f"processes and the heads) does not fit {world} processes: launch a "
+                      f"multiple of {2 * pp} (or give optimized_pipeline_3d.py --tp 1)")
 
 
 # Copied from 02_compression/baseline_compression.py: wrap_ddp
@@ -45,6 +98,7 @@ def main():
                         "each step, with torch.nn.utils.clip_grad_norm_ (default: no clipping)")
     parser.set_defaults(steps=8, warmup=3)  # optimized_pipeline_3d.py's
     args = parser.parse_args()
+    default_3d_tp(args, common.launch_world_size())  # skips where the 3-D run skips
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     model = wrap_ddp(model, topo, bucket_mb=25.0)

@@ -42,9 +42,12 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -57,18 +60,19 @@ SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
 
-def mesh_problem(args: argparse.Namespace, world: int, batch: int) -> str | None:
-    """Why `world` ranks cannot form a pp x dp x tp mesh for --size's decoder (a dp rank's
-    `batch` sequences in --microbatches), or None; within a stage, tp_problem's."""
-    pp, tp, size = args.pp, args.tp, common.SIZES[args.size]
+def mesh_problem(args: argparse.Namespace, world: int, tp: int, m: int, batch: int
+                 ) -> str | None:
+    """Why `world` ranks cannot form a --pp x dp x `tp` mesh for --size's decoder (a dp rank's
+    `batch` sequences in `m` micro-batches), or None; within a stage, tp_problem's."""
+    pp, size = args.pp, common.SIZES[args.size]
     if world % (pp * tp):
         return (f"--pp {pp} x --tp {tp} = {pp * tp} does not divide the {world} processes: "
                 f"launch a multiple of {pp * tp}")
     if pp > size.n_layers + 2:
         return f"--pp {pp} is more stages than --size's {size.n_layers + 2} layers: lower --pp"
-    if batch % args.microbatches:
-        return (f"a dp rank's {batch} sequences do not split into --microbatches "
-                f"{args.microbatches}: use a divisor of {batch}")
+    if batch % m:
+        return (f"a dp rank's {batch} sequences do not split into --microbatches {m}: use a "
+                f"divisor of {batch}")
     return tp_problem(args, tp, world // pp)
 
 
@@ -90,6 +94,37 @@ def tp_problem(args: argparse.Namespace, tp: int, world: int) -> str | None:
             return (f"--tp {tp} does not divide the {width} {what} of --size {args.size}: use "
                     f"a --tp that divides {width}")
     return None
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: default_tp
+def default_tp(args: argparse.Namespace, world: int, node: int, stages: int = 1) -> int | None:
+    """--tp's default: the largest tp >= 2 that divides a node's `node` processes (a TP group
+    stays on one node's links) and that --size's model splits on a stage's `world / stages`
+    ranks (tp_problem: heads, KV heads, ...), leaving dp >= 2 where the world has room for it,
+    dp 1 where not; None where no tp >= 2 fits."""
+    fits = [t for t in range(node, 1, -1) if node % t == 0 and world % (stages * t) == 0
+            and tp_problem(args, t, world // stages) is None]
+    return max(fits, key=lambda t: (world // (stages * t) >= 2, t), default=None)
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: node_size
+def node_size(world: int) -> int:
+    """The processes a TP group may span: a node's GPUs on CUDA; on CPU 2, where more would
+    only share the same cores."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torch.cuda.is_available() else 2
+
+
+# Copied from 05_pipeline/baseline_pipeline_3d.py: default_3d_tp
+def default_3d_tp(args: argparse.Namespace, world: int, pp: int = 2) -> int:
+    """The tp of the 3-D run's default mesh, pp x dp x tp with tp >= 2 (default_tp's), or Skip
+    where `world` processes hold none: the 3-D run skips then, and its baseline with it, for the
+    same reason (a DDP row with no 3-D row beside it compares nothing)."""
+    node = node_size(world)
+    if tp := default_tp(args, world, node, stages=pp):
+        return tp
+    raise common.Skip(f"a 3-D mesh of pp {pp} x dp x tp >= 2 (tp dividing a node's {node} "
+                      f"processes and the heads) does not fit {world} processes: launch a "
+                      f"multiple of {2 * pp} (or give optimized_pipeline_3d.py --tp 1)")
 
 
 # Copied from 03_fsdp/optimized_fsdp.py: same_weights_on_every_rank
@@ -128,28 +163,48 @@ class SplitQKVAttention(nn.Module):
         return self.proj(self.attention(q, k, v).transpose(1, 2).flatten(2))
 
 
+# Copied from 03_fsdp/optimized_fsdp_tp.py: GatheredSequenceParallel
+class GatheredSequenceParallel(ParallelStyle):
+    """SequenceParallel for a norm whose output feeds column-wise matrices: each rank normalizes
+    its own positions, then the output is all-gathered along the sequence and kept a Replicate
+    DTensor, so the matrices' input gradients add up to one partial sum, reduce-scattered once.
+    The gather is the norm's output, not the next module's input: attention and MLP get the whole
+    sequence however the layer calls them, positionally (the project's models) or by keyword
+    (HuggingFace's `self_attn(hidden_states=...)`)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        SequenceParallel()._apply(module, device_mesh)
+        return PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                   use_local_output=False)._apply(module, device_mesh)
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: block_input
+def block_input() -> PrepareModuleInput:
+    """A block's input as its sequence shard, a local tensor: the embedding's DTensor (the whole
+    sequence's shape, see ends_plan) before the first block, the previous block's shard after."""
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                              use_local_output=True)
+
+
 # Copied from 03_fsdp/optimized_fsdp_tp.py: gpt_block_plan
 def gpt_block_plan() -> dict:
     """The TP + sequence-parallel plan of one GPT block (after SplitQKVAttention)."""
-    return {"ln1": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(Shard(1),),
-                                       desired_input_layouts=(Replicate(),)),
+    return {"": block_input(), "ln1": GatheredSequenceParallel(),
             "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
             "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-            "ln2": SequenceParallel(),
-            "fc": ColwiseParallel(input_layouts=Shard(1)),
+            "ln2": GatheredSequenceParallel(), "fc": ColwiseParallel(),
             "fc_proj": RowwiseParallel(output_layouts=Shard(1))}
 
 
 # Copied from 03_fsdp/optimized_fsdp_tp.py: llama_layer_plan
 def llama_layer_plan() -> dict:
-    """torchtitan's plan of a Llama layer under HuggingFace's names."""
-    gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return {"input_layernorm": SequenceParallel(), "self_attn": gathered,
+    """torchtitan's plan of a Llama layer under HuggingFace's names: HuggingFace's
+    LlamaDecoderLayer and common.Llama's alike."""
+    return {"": block_input(), "input_layernorm": GatheredSequenceParallel(),
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
             "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "post_attention_layernorm": SequenceParallel(), "mlp": gathered,
+            "post_attention_layernorm": GatheredSequenceParallel(),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))}
 
@@ -158,14 +213,19 @@ def llama_layer_plan() -> dict:
 def ends_plan(embeddings: list[str], norm: str | None, head: str | None) -> dict:
     """The model's ends (those it has: a pipeline stage may hold none): token (and position)
     tables row-wise, their lookups reduce-scattered along the sequence (a position table's
-    output is (T, d): its dim 0); the final norm sequence-parallel; the head column-wise from
-    the sequence shards, its logits gathered whole so the model's own loss runs unchanged."""
-    plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(i))
+    output is (T, d): its dim 0) and kept DTensors of the whole sequence's shape, so that a
+    model that builds positions and its causal mask from the embedding's length (HuggingFace's
+    LlamaModel) builds them whole; the final norm sequence-parallel; the head column-wise from
+    the gathered sequence, its logits left split by vocabulary (a Shard(-1) DTensor): the loss
+    runs under loss_parallel(), and no rank holds B x T x vocabulary logits."""
+    plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(i),
+                                  use_local_output=False)
             for i, name in zip((1, 0), embeddings, strict=False)}
     if norm:
-        plan[norm] = SequenceParallel()
+        plan[norm] = SequenceParallel(use_local_output=True)
     if head:
-        plan[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        plan[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                     use_local_output=False)
     return plan
 
 
@@ -197,6 +257,46 @@ def shard_over_dp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh
                     reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
     reduce_scatter_by_all_to_all_on_gloo(model, dp_mesh)
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: split_problem
+def split_problem(blocks: list[nn.Module], block_plan: dict, tp: int) -> str | None:
+    """Why `tp` ranks cannot each take whole heads and an even share of the MLP from the plan's
+    column-wise matrices (counted in heads where their module has a `head_dim`: HuggingFace's
+    attention and the project's), or cannot find a module the plan names; None if they can."""
+    for key, style in block_plan.items():
+        try:
+            linear = blocks[0].get_submodule(key)
+        except AttributeError:
+            return (f"the plan names {key!r}, which {type(blocks[0]).__name__} lacks: pass a "
+                    f"plan in its own module names")
+        if isinstance(style, ColwiseParallel):
+            head_dim = getattr(blocks[0].get_submodule(key.rpartition(".")[0]), "head_dim", None)
+            width, what = ((linear.out_features // head_dim, "heads") if head_dim else
+                           (linear.out_features, "units"))
+            if width % tp:
+                return (f"tp {tp} does not split the {width} {what} of {key}: pass a mesh whose "
+                        f"tp dim divides {width}")
+    return None
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: parallelize
+def parallelize(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], block_plan: dict,
+                ends: dict, mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool = True) -> nn.Module:
+    """The composition in one call, torchtitan's order: tensor parallelism over mesh["tp"] (each
+    of `blocks` by `block_plan`, the root by `ends`; skipped at tp 1), then fully_shard over
+    mesh["dp"] on each block and the root (`mp_policy`: FSDP's dtypes, default fp32). Every rank
+    must hold the same weights first (same_weights_on_every_rank): each keeps its own slice of
+    what it holds."""
+    tp = mesh["tp"].size()
+    if tp > 1:
+        if why := split_problem(blocks, block_plan, tp):
+            raise ValueError(why)
+        tensor_parallel(model, blocks, block_plan, ends, mesh["tp"])
+    shard_over_dp(model, blocks, mesh["dp"], mp_policy or MixedPrecisionPolicy(),
+                  reshard_after_forward)
+    return model
 
 
 # Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
@@ -290,28 +390,33 @@ def stage_plans(layers: list[nn.Module]) -> tuple[list[nn.Module], dict, dict]:
 
 
 def theory(stage: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int, m: int,
-           first: bool, last: bool, tied: list[nn.Parameter]) -> dict:
-    """This rank's state and bytes per step, from its stage's shapes after TP, before FSDP:
-    each weight's tp piece, padded to dp rows along dim 0; `tied`, the stage's tied weight
-    (its shard's gradient all-reduced with the other end's: a pair, so once)."""
+           micro: int, first: bool, last: bool, tied: list[nn.Parameter]) -> dict:
+    """This rank's state and bytes per step, from its parallelized stage's shapes: each weight's
+    tp piece (split by its placement on tp), padded to dp rows along dim 0; `micro` sequences
+    a micro-batch; `tied`, the stage's tied weight (its shard's gradient all-reduced with the
+    other end's: a pair, so once)."""
     size, nbytes = common.SIZES[args.size], 2 if args.dtype == "bf16" else 4
-    d, seq, micro = size.d_model, args.seq_len, args.microbatch
+    d, seq = size.d_model, args.seq_len
+
+    def split_over_tp(p):
+        return tp > 1 and p.placements[-1].is_shard()
 
     def piece(p):
-        local = p.to_local() if isinstance(p, DTensor) else p
-        return math.ceil(local.shape[0] / dp) * dp * math.prod(local.shape[1:])
+        shape = list(p.shape)
+        if split_over_tp(p):
+            shape[p.placements[-1].dim] //= tp
+        return math.ceil(shape[0] / dp) * dp * math.prod(shape[1:])
 
     params = list(stage.parameters())
     norms = [p for mod in stage.modules() if not isinstance(mod, nn.Linear)
-             for p in mod.parameters(recurse=False)
-             if not isinstance(p, DTensor) or not p.placements[0].is_shard()]
+             for p in mod.parameters(recurse=False) if not split_over_tp(p)]
     stream = (tp - 1) / tp * micro * seq * d * nbytes
     per_micro = 8 * len(blocks) * stream
     if first:
         per_micro += 2 * stream + (2 * (tp - 1) / tp * seq * d * nbytes
                                    if args.model == "gpt" else 0)
-    if last:
-        per_micro += 2 * stream + (tp - 1) / tp * micro * seq * size.vocab_size * nbytes
+    if last:  # the head's input gathered, and loss_parallel's 3 all-reduces of fp32 per token
+        per_micro += 2 * stream + 3 * 2 * (tp - 1) / tp * 4 * micro * seq
     # the norms' gradients: partial sums accumulated over the micro-batches, all-reduced once
     tp_bytes = m * per_micro + 2 * (tp - 1) / tp * 4 * sum(p.numel() for p in norms)
     # FSDP: one gather (kept to the last backward) and one fp32 reduce-scatter a step
@@ -331,8 +436,9 @@ def main():
     parser.add_argument("--pp", type=common.int_at_least(1), default=2,
                         help="pipeline stages, the outer mesh dim (default: 2)")
     parser.add_argument("--tp", type=common.int_at_least(1), default=None,
-                        help="tensor-parallel degree, the inner mesh dim (default: 2 on CPU; on "
-                             "CUDA a node's GPUs, leaving dp >= 2); dp = world / (pp x tp)")
+                        help="tensor-parallel degree, the inner mesh dim (default: the largest "
+                             "that divides the heads, the KV heads and a node's GPUs, 2 on CPU, "
+                             "leaving dp >= 2 where the world has room); dp = world / (pp x tp)")
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
     parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
                         metavar="MAX", help="clip the gradient to this 2-norm over the whole "
@@ -341,86 +447,76 @@ def main():
                         help="micro-batches m a dp rank's batch is split into (default: 2 pp)")
     parser.set_defaults(steps=8, warmup=3)  # the folder's: eight runs in `make pipeline`
     args = parser.parse_args()
-    world = common.launch_world_size()
-    if args.tp is None:  # a node's GPUs, dp >= 2
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        args.tp = max(1, min(local, world // (2 * args.pp))) if torch.cuda.is_available() else 2
-    pp, tp = args.pp, args.tp
-    if world < 2 * pp * tp:
-        raise common.Skip(f"a 3-D mesh of pp {pp} x tp {tp} with dp >= 2 needs "
-                          f"{2 * pp * tp} processes, {world} were launched: launch "
-                          f"{2 * pp * tp} (or lower --pp/--tp)")
-    size, dp = common.SIZES[args.size], world // (pp * tp)
-    args.microbatches = args.microbatches or 2 * pp
+    world, pp = common.launch_world_size(), args.pp
+    tp = args.tp or default_3d_tp(args, world, pp)
+    m = args.microbatches or 2 * pp
     batch = pp * tp * args.batch_size  # a dp rank's: the global batch is DDP's on this world
-    if why := mesh_problem(args, world, batch):
+    if why := mesh_problem(args, world, tp, m, batch):
         parser.error(why)
-    args.microbatch = batch // args.microbatches
+    size, dp, micro = common.SIZES[args.size], world // (pp * tp), batch // m
     topo = common.setup(args)
     mesh = init_device_mesh(topo.device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    s, m = mesh.get_local_rank("pp"), args.microbatches
+    s = mesh.get_local_rank("pp")
     model, batches = common.workload(argparse.Namespace(**{**vars(args), "batch_size": batch}),
                                      topo, dp_rank=mesh.get_local_rank("dp"), dp_world=dp)
+    # global rank 0's whole model on every rank before the cut, as DDP starts: each stage's
+    # layers (and a tied weight's two ends) then hold the same weights, however ranks were seeded
+    same_weights_on_every_rank(model, mesh)
     params, tied = sum(q.numel() for q in model.parameters()), tied_weights(model)
     first, last = s == 0, s == pp - 1
     pairs = pair_group(mesh) if tied else None
-    for w in tied:  # the last stage's copy starts from the first's, as ranks seeded apart need
-        if first or last:
-            dist.broadcast(w.detach(), dist.get_global_rank(pairs, 0), group=pairs)
     layers = plain_layers(model.pipeline_stages(pp)[s], last)
     stage = nn.Sequential(*layers)
     del model
     # where this stage holds the tied weight: TP and FSDP replace the Parameter, not its place
     holders = [(mod, name) for mod in stage.modules()
                for name, p in mod.named_parameters(recurse=False) if any(p is w for w in tied)]
-    same_weights_on_every_rank(stage, mesh["dp", "tp"])
     blocks, block_plan, ends = stage_plans(layers)
-    if tp > 1:
-        tensor_parallel(stage, blocks, block_plan, ends, mesh["tp"])
-    predicted = theory(stage, blocks, args, dp, tp, m, first, last,
-                       [getattr(mod, name) for mod, name in holders])
     bf16 = args.dtype == "bf16"
-    shard_over_dp(stage, blocks, mesh["dp"], MixedPrecisionPolicy(
+    parallelize(stage, mesh, blocks, block_plan, ends, MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None),
         reshard_after_forward=False)
     dtype = torch.bfloat16 if bf16 else torch.float32
     # the boundary's shape: a micro-batch's sequence shard (requires_grad: its gradient flows back)
-    boundary = torch.empty(args.microbatch, args.seq_len // tp, size.d_model, dtype=dtype,
+    boundary = torch.empty(micro, args.seq_len // tp, size.d_model, dtype=dtype,
                            device=topo.device, requires_grad=True)
-    tokens = torch.zeros(args.microbatch, args.seq_len, dtype=torch.long, device=topo.device)
-    logits = torch.empty(args.microbatch, args.seq_len, size.vocab_size, dtype=dtype,
-                         device=topo.device)
+    tokens = torch.zeros(micro, args.seq_len, dtype=torch.long, device=topo.device)
+    logits = torch.empty(micro, args.seq_len, size.vocab_size, dtype=dtype, device=topo.device)
     pipe_stage = PipelineStage(stage, s, pp, topo.device, input_args=tokens if first else boundary,
                                output_args=logits if last else boundary,
                                group=mesh.get_group("pp"))
     pipe = SCHEDULES[args.schedule](pipe_stage, m, loss_fn=cross_entropy)
     opt = torch.optim.AdamW(stage.parameters(), lr=args.lr)
     dp_group = mesh.get_group("dp")
+    tied_here = [getattr(mod, name) for mod, name in holders]
 
     def train_step(inputs, targets):
         opt.zero_grad(set_to_none=True)
         losses = []
-        pipe.step(*([inputs] if first else []),
-                  **({"target": targets, "losses": losses} if last else {}))
+        with loss_parallel():  # the last stage's logits stay split by vocabulary
+            pipe.step(*([inputs] if first else []),
+                      **({"target": targets, "losses": losses} if last else {}))
         for mod, name in holders:  # the embedding's + the head's gradient shard
             dist.all_reduce(getattr(mod, name).grad.to_local(), group=pairs)
         if args.clip_grad_norm:
             params = list(stage.parameters())
-            tied_here = [getattr(mod, name) for mod, name in holders] if last and not first \
-                else []
-            clip_grad_norm_over_stages(params, [p for p in params
-                                                if not any(p is t for t in tied_here)],
-                                       args.clip_grad_norm, mesh.get_group("pp"))
+            counted = [p for p in params if not (last and not first and
+                                                 any(p is t for t in tied_here))]
+            clip_grad_norm_over_stages(params, counted, args.clip_grad_norm,
+                                       mesh.get_group("pp"))
         opt.step()
         if not last:
             return torch.zeros((), device=topo.device)
-        loss = torch.stack(losses).mean().detach()
+        loss = torch.stack([loss.full_tensor() if isinstance(loss, DTensor) else loss
+                            for loss in losses]).mean().detach()
         dist.all_reduce(loss, group=dp_group)  # each dp rank's batch: the global batch's mean
         return loss / dp
 
     loss_rank = int(mesh.mesh[-1].flatten()[0])
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(stage, opt),
                                loss_rank=loss_rank)
+    predicted = theory(stage, blocks, args, dp, tp, m, micro, first, last,
+                       [getattr(mod, name) for mod, name in holders])
     groups = {dim: [mesh.get_group(dim).group_name] for dim in mesh.mesh_dim_names}
     if pairs is not None:
         groups["pp"].append(pairs.group_name)
@@ -437,7 +533,6 @@ def main():
                   schedule=args.schedule, microbatches=m, stages=pp,
                   clip_grad_norm=args.clip_grad_norm,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], theory=predicted)
-
 
 if __name__ == "__main__":
     common.run_main(main)
