@@ -11,8 +11,10 @@ has produced them (accumulating over backward passes until the step), freeing th
 then. The root unit (embeddings, final norm, head), used at both ends of the step, stays
 gathered from forward's start to backward's end, as FSDP2's root does. `step()` updates the
 owned slices in place and frees any bucket still gathered (the root after an evaluation
-between backward and step), so the next forward gathers the new values. --clip-grad-norm as
-in ZeRO-1.
+between backward and step), so the next forward gathers the new values. Under bf16 autocast
+(--dtype bf16) the gathers deliver bf16 weights, as FSDP2's param_dtype, which autocast uses as
+they are: it saves no bf16 copy of its own that freeing a bucket would not free. The fp32 shards
+stay the master; gradients are reduced in fp32. --clip-grad-norm as in ZeRO-1.
 Why it helps: memory per rank falls to 16 bytes per fp32 parameter / N, plus about two blocks
 and the root in full, so a model N times larger than one rank's memory trains; the price, one
 more all-gather of the parameters a step (1.5x ZeRO-2's traffic), prefetching hides where it can.
@@ -21,8 +23,9 @@ Look for:   `make zero report`: state MB = theory.state_mb, losses equal to base
             float rounding, the lowest peak of the three; optimized_zero_pytorch.py --stage 3
             runs FSDP2's fully_shard on the same blocks beside it.
 Theory:     per rank bP/N + bP/N + 2bP/N = 4bP/N bytes (params, grads, optimizer), b = bytes
-            per value (4 in fp32), plus padding and the blocks gathered at a time; sent per step
-            (N-1)/N x b x (3 x the blocks' parameters + 2 x the root's): two all-gathers and a
+            per value (4 in fp32), plus padding and at most the root and two blocks gathered
+            (`gathered_mb`, c bytes a value: 2 under bf16, else b); sent per step (N-1)/N x
+            (c x (2 x the blocks' parameters + the root's) + b x P): two all-gathers and a
             reduce-scatter, against ZeRO-2's 2(N-1)/N x bP (plus the buffers' broadcast).
 """
 
@@ -116,32 +119,34 @@ def broadcast_buffers(model: nn.Module, group: dist.ProcessGroup | None) -> None
             b.detach().copy_(value.view_as(b))
 
 
-def shard_params(buckets: list[Bucket], group: dist.ProcessGroup | None
+def shard_params(buckets: list[Bucket], group: dist.ProcessGroup | None,
+                 param_dtype: torch.dtype | None = None
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Keep this rank's slice of every bucket in one buffer of 1/N of the model, in the
     parameters' dtype, the values the group's first rank holds (ranks start alike, as in DDP);
-    each parameter becomes a view into its bucket's unsharded buffer, whose storage is freed
-    until gathered. Made with `p.data = ...`, the views keep their own autograd version
-    counters, so refilling the storage does not trip the check on the weights autograd saved
-    for backward (a plain slice shares the buffer's counter; FSDP2 refills under
-    torch.autograd._unsafe_preserve_version_counter instead)."""
+    each parameter becomes a view into its bucket's unsharded buffer, in `param_dtype` (default:
+    the parameters' own), whose storage is freed until gathered. Made with `p.data = ...`, the
+    views keep their own autograd version counters, so refilling the storage does not trip the
+    check on the weights autograd saved for backward (a plain slice shares the buffer's counter;
+    FSDP2 refills under torch.autograd._unsafe_preserve_version_counter instead)."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     dtype, device = flat_dtype(buckets), buckets[0].params[0].device
     param_shards = torch.zeros(sum(b.numel for b in buckets) // n, dtype=dtype, device=device)
     unsharded = []
     for bucket in buckets:
         flat = torch.zeros(bucket.numel, dtype=dtype, device=device)
+        full = torch.empty(bucket.numel, dtype=param_dtype or dtype, device=device)
         offset = 0
         for p in bucket.params:
             view = slice(offset, offset + p.numel())
             flat[view].copy_(p.detach().flatten())
-            p.data = flat[view].view_as(p)
+            p.data = full[view].view_as(p)
             offset += p.numel()
         dist.broadcast(flat, first_rank(group), group=group)
         k = bucket.numel // n
         bucket.shard(param_shards, n).copy_(flat[rank * k:(rank + 1) * k])
-        flat.untyped_storage().resize_(0)
-        unsharded.append(flat)
+        full.untyped_storage().resize_(0)
+        unsharded.append(full)
     return param_shards, unsharded
 
 
@@ -207,8 +212,10 @@ class ParamGatherer:
         if i in self.pending or buffer.untyped_storage().nbytes():
             return
         buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        self.pending[i] = common.all_gather_single(buffer, self.shards[i].detach(),
-                                                   group=self.group, async_op=True)
+        # each rank's slice cast to the compute dtype before it is sent (a 1/N copy): the
+        # gather moves and holds bf16 where the shards are fp32
+        self.pending[i] = common.all_gather_single(
+            buffer, self.shards[i].detach().to(buffer.dtype), group=self.group, async_op=True)
 
     def gather(self, i: int, prefetch: int | None = None) -> None:
         """Bucket i's parameters in full when this returns; the next one's on their way."""
@@ -241,9 +248,10 @@ class ParamGatherer:
 
 class GradReducer:
     """Backward hooks that keep only this rank's slice of the gradient. As soon as backward has
-    produced a parameter's gradient it is copied into its bucket's buffer, and the parameter's
-    .grad becomes a view there (the tensor autograd made is freed). When a bucket's last
-    gradient is in, the bucket is reduce-scattered at once, while backward goes on with the
+    produced a parameter's gradient it is copied into its bucket's buffer, in the shards' dtype
+    (fp32 under a bf16 gather: FSDP2's reduce_dtype), and the parameter's .grad becomes a view
+    there, or None where the dtypes differ (the tensor autograd made is freed). When a bucket's
+    last gradient is in, the bucket is reduce-scattered at once, while backward goes on with the
     buckets before it, into the gradient of this rank's shard, or, if an earlier backward since
     zero_grad left one there, into a fresh slice added to it on arrival (accumulation). Once
     done, the bucket, the full gradient of its parameters, is dropped; by the end of each
@@ -277,12 +285,13 @@ class GradReducer:
         self.drop_reduced()
         bucket = self.buckets[i]
         if i not in self.buffers:
-            self.buffers[i] = torch.empty(bucket.numel, dtype=p.dtype, device=p.device)
+            self.buffers[i] = torch.empty(bucket.numel, dtype=self.shards[i].dtype,
+                                          device=p.device)
             self.buffers[i][sum(q.numel() for q in bucket.params):].zero_()  # the padding
             self.copied[i] = 0
         grad = self.buffers[i][offset:offset + p.numel()].view_as(p)
         grad.copy_(p.grad)
-        p.grad = grad
+        p.grad = grad if grad.dtype == p.dtype else None
         self.copied[i] += 1
         if self.copied[i] == len(bucket.params):
             shard = self.shards[i]
@@ -332,8 +341,13 @@ class ZeRO3(torch.optim.AdamW):
     or more `loss.backward()` (each reduce-scatters its gradients; the owned slices accumulate),
     `step()`. `blocks`: the model's repeated modules in forward order (e.g.
     common.transformer_blocks(model)); every other parameter forms the root unit. Every
-    collective runs on `group` (default: the world). The parameters keep their dtype; no fp32
-    master copy is kept.
+    collective runs on `group` (default: the world). The shards, their gradients and AdamW's
+    state keep the parameters' dtype (a bf16 model stays bf16). `param_dtype` (FSDP2's
+    MixedPrecisionPolicy.param_dtype; default: the parameters' own) is the dtype the all-gather
+    delivers the parameters in, and forward and backward compute with: under bf16 autocast pass
+    torch.bfloat16, so that autocast finds the weights in its dtype and saves no copy of its own
+    for backward (a copy that freeing the bucket would not free); the fp32 shards stay the
+    master, and the gradients are reduce-scattered in fp32 (FSDP2's reduce_dtype).
 
     The model's .grad are None between backward passes (the gradient lives in the shards'),
     so `model.zero_grad()` changes nothing: call this object's `zero_grad()` (a backward after
@@ -343,11 +357,11 @@ class ZeRO3(torch.optim.AdamW):
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], lr: float = 1e-3,
                  group: dist.ProcessGroup | None = None, max_grad_norm: float | None = None,
-                 **adamw):
+                 param_dtype: torch.dtype | None = None, **adamw):
         self.group, self.max_grad_norm = group, max_grad_norm
         self.rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.buckets = partition(units_in_gradient_order(model, blocks), world)
-        self.param_shards, self.unsharded = shard_params(self.buckets, group)
+        self.param_shards, self.unsharded = shard_params(self.buckets, group, param_dtype)
         if list(model.buffers()):
             broadcast_buffers(model, group)
             model.register_forward_pre_hook(lambda *_: broadcast_buffers(model, group))
@@ -371,6 +385,27 @@ class ZeRO3(torch.optim.AdamW):
         self.reducer.needs_zero_grad = True
 
 
+def theory(buckets: list[Bucket], n: int, value_bytes: int, gather_bytes: int,
+           buffers_mb: float) -> dict:
+    """Per rank, from the shapes. State: the shards, their gradients and AdamW's two moments,
+    `value_bytes` a value (from the parameter count: the buckets' padding, under N values a
+    bucket, is `padding_mb_max`). Sent per step: each block's bucket all-gathered twice and the
+    root's once, `gather_bytes` a value (the compute dtype), every bucket reduce-scattered in
+    `value_bytes`, all padding included, and the buffers' broadcast. Held in full at once: at
+    most the root and two blocks, in the compute dtype (`gathered_mb`, beyond the shards)."""
+    mb = value_bytes * sum(p.numel() for b in buckets for p in b.params) / 2**20
+    *blocks, root = (b.numel for b in buckets)
+    gathers = [2] * len(blocks) + [1]  # the root's stay gathered from forward to backward
+    two_blocks = max((a + b for a, b in zip(blocks, blocks[1:], strict=False)), default=sum(blocks))
+    return {"params_mb": mb / n, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
+            "state_mb": 4 * mb / n,
+            "comm_mb": sum((g * gather_bytes + value_bytes) * (n - 1) / n * b.numel / 2**20
+                           for g, b in zip(gathers, buckets, strict=True))
+            + (n - 1) / n * buffers_mb,
+            "gathered_mb": gather_bytes * (root + two_blocks) / 2**20,
+            "padding_mb_max": value_bytes * (n - 1) * len(buckets) / 2**20}
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
@@ -380,14 +415,11 @@ def main():
     args = parser.parse_args()
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
-    n = topo.world_size
-    # State from the model's shapes and dtype, not from the buckets: they add padding, under N
-    # values a bucket (`padding_mb_max`). Every value of every bucket is sent, padding included.
-    bytes_per = next(model.parameters()).element_size()
-    mb = bytes_per * sum(p.numel() for p in model.parameters()) / 2**20
+    param_dtype = torch.bfloat16 if args.dtype == "bf16" else None  # what autocast computes in
     buffers_mb = sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20
+    value_bytes = next(model.parameters()).element_size()  # before ZeRO3 gathers in param_dtype
     opt = ZeRO3(model, common.transformer_blocks(model), lr=args.lr,
-                max_grad_norm=args.clip_grad_norm)
+                max_grad_norm=args.clip_grad_norm, param_dtype=param_dtype)
 
     def train_step(inputs, targets):
         opt.zero_grad(set_to_none=True)
@@ -397,21 +429,19 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    gathers = [2] * len(opt.buckets[:-1]) + [1]  # per bucket and step; the root's stay gathered
-    theory = {"params_mb": mb / n, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
-              "state_mb": 4 * mb / n,
-              "comm_mb": sum((g + 1) * (n - 1) / n * bytes_per * b.numel / 2**20
-                             for g, b in zip(gathers, opt.buckets, strict=True))
-              + (n - 1) / n * buffers_mb,
-              "padding_mb_max": bytes_per * (n - 1) * len(opt.buckets) / 2**20}
+    predicted = theory(opt.buckets, topo.world_size, value_bytes,
+                       opt.unsharded[0].element_size(), buffers_mb)
     measured = common.state_split_mb(model, opt)
+    # On CPU the peak's split by kind: the parameters held in full there, beyond the shards
+    gathered = {"gathered_mb": round(stats.memory["params"] - measured["params_mb"], 3)} \
+        if stats.memory and "params" in stats.memory else {}
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
-                  comm_mb=stats.comm_mb, theory=theory, stage=3,
+                  comm_mb=stats.comm_mb, theory=predicted, stage=3,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
-                  **measured)
+                  **measured, **gathered)
     if args.summary:
         common.print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
-                             theory=theory)
+                             theory=predicted)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ torch.distributed.optim.ZeroRedundancyOptimizer around AdamW: DDP all-reduces th
 gradient, each rank runs AdamW on the parameters assigned to it (whole tensors, spread over the
 ranks greedily by size) and broadcasts them to the others. `--stage 3` applies FSDP2's
 `fully_shard` to each transformer block and then to the model (the embeddings and final norm):
-the same units as optimized_zero3.py's buckets, with FSDP2's own prefetching.
+the same units as optimized_zero3.py's buckets, with FSDP2's own prefetching, and under bf16
+autocast the same dtypes (MixedPrecisionPolicy: gathered in bf16, reduced in fp32).
 Why it is here: a technique written by hand is checked against the library's. The losses must
 match the hand-written stage's to float rounding (tests/test_zero.py checks it), and
 `make zero report` puts the step time, peak memory and bytes sent side by side.
@@ -19,7 +20,8 @@ Theory:     P = parameter count (4 bytes a value in fp32). Stage 1: per rank 4P 
             all-reduced plus (N-1)/N x 4P broadcast (counted as a pipelined broadcast), 1.5x
             the hand-written ZeRO-1's reduce-scatter + all-gather, and DDP's broadcast of the
             buffers, if any. Stage 3: per rank 16P/N bytes; sent (N-1)/N x 4 bytes x (3 x the
-            blocks' parameters + 2 x the root's, which FSDP2 keeps gathered to backward's end).
+            blocks' parameters + 2 x the root's, which FSDP2 keeps gathered to backward's end;
+            under bf16 the all-gathers move 2 bytes a value).
 """
 
 import sys
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -68,15 +70,19 @@ def same_weights_on_every_rank(model: torch.nn.Module, mesh: DeviceMesh) -> None
 
 
 def pytorch_zero3(model: nn.Module, blocks: list[nn.Module], lr: float,
-                  group: dist.ProcessGroup | None = None):
+                  group: dist.ProcessGroup | None = None, param_dtype: torch.dtype | None = None):
     """FSDP2 on each block, then on the model for what is left (embeddings, final norm, head:
     the root unit of the hand-written stages), over `group` (None: the world) as a 1-D mesh,
-    every rank starting from the group's first rank's weights, as under DDP."""
-    mesh = DeviceMesh.from_group(group or dist.group.WORLD, next(model.parameters()).device.type)
+    every rank starting from the group's first rank's weights, as under DDP. `param_dtype` as
+    ZeRO3's: gathered in it, reduced in the parameters' own dtype."""
+    param = next(model.parameters())
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, param.device.type)
     same_weights_on_every_rank(model, mesh)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                     reduce_dtype=param.dtype if param_dtype else None)
     for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     return model, opt, opt
 
@@ -103,7 +109,8 @@ def main():
     if args.stage == 1:
         model, opt, counted_opt = pytorch_zero1(model, topo, args.lr)
     else:
-        model, opt, counted_opt = pytorch_zero3(model, blocks, args.lr)
+        model, opt, counted_opt = pytorch_zero3(
+            model, blocks, args.lr, param_dtype=torch.bfloat16 if args.dtype == "bf16" else None)
 
     def train_step(inputs, targets):
         opt.zero_grad(set_to_none=True)
@@ -121,10 +128,12 @@ def main():
                   "state_mb": 2 * mb + 2 * mb / n,
                   "comm_mb": 3 * (n - 1) / n * mb + (n - 1) / n * buffers_mb}
     else:
-        # Each value is all-gathered twice and reduce-scattered once; the root's stay gathered.
-        moved = 3 * in_blocks + 2 * (param_count - in_blocks)
+        # Each value is all-gathered twice (in 2 bytes under bf16) and reduce-scattered once;
+        # the root's are gathered once: they stay gathered.
+        gather_bytes = 2 if args.dtype == "bf16" else bytes_per
+        moved = gather_bytes * (2 * in_blocks + param_count - in_blocks) + bytes_per * param_count
         theory = {"params_mb": mb / n, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
-                  "state_mb": 4 * mb / n, "comm_mb": (n - 1) / n * bytes_per * moved / 2**20}
+                  "state_mb": 4 * mb / n, "comm_mb": (n - 1) / n * moved / 2**20}
     measured = common.state_split_mb(model, counted_opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=counted_opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=args.stage,

@@ -8,11 +8,18 @@ Then the ZeRO1/2/3 objects as a user's trainer calls them, in-process on the tin
 same spawns of 2 and 3 ranks): a plain zero_grad/backward/step loop and 2-micro-batch
 accumulation against DDP (with no_sync), ranks seeded apart, a bf16 model staying bf16, ranks
 {0, 1} of 3 as a sub-group against a world of 2, the model's own zero_grad(), an evaluation
-forward between backward and step, the ResNet's BatchNorm buffers, and the README's "Use it in
-your trainer" lines as written; and PyTorch's own ZeRO (optimized_zero_pytorch.py's units) on
-ranks seeded apart.
+forward between backward and step, the ResNet's BatchNorm buffers; PyTorch's own ZeRO
+(optimized_zero_pytorch.py's units) on ranks seeded apart; ZeRO-3 under bf16 autocast against
+its theory (bytes by dtype, the peak's parameters, what forward keeps for backward); and the
+README's "Use it in your trainer" lines as written, for each stage, on a tiny transformers
+LlamaForCausalLM (tests/hf_llama.py: sdpa and eager, untied and tied, and bf16) against
+PyTorch's DDP on the same model.
 """
 
+import copy
+import dataclasses
+import functools
+import gc
 import os
 import sys
 
@@ -369,17 +376,116 @@ def zero3_shards(group=None) -> dict:
 
 
 
-def run_readme_snippet() -> dict:
-    """The README's lines, as written, on a differently seeded tiny Llama per rank."""
+def kept_for_backward(forward) -> tuple[torch.Tensor, int]:
+    """forward()'s result and the bytes of live tensors it leaves behind, for backward: counted
+    by PyTorch's MemTracker, as common.peak_tensor_memory counts (every op's outputs, the
+    storages ZeRO-3 resizes)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    gc.collect()
+    tracker, cpu = MemTracker(), torch.device("cpu")
+    tracker.track_external(*[o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)])
+    with tracker:
+        before = tracker.get_tracker_snapshot()[cpu]["Total"]
+        out = forward()
+        return out, tracker.get_tracker_snapshot()[cpu]["Total"] - before
+
+
+def zero3_under_bf16_autocast() -> dict:
+    """ZeRO-3 gathering in bf16 (param_dtype) on a tiny Llama of 4 blocks under bf16 autocast,
+    one sequence a rank (bf16 is slow on this CPU): after a first step, one step's bytes sent by
+    collective and dtype, what its forward leaves for backward, and a step's peak split; beside
+    them the theory, and what the same forward on a plain bf16 copy of the model leaves (its
+    activations: its weights were live before)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    model = common.Llama(dataclasses.replace(SIZE, n_layers=4), autocast_dtype=torch.bfloat16)
+    plain = copy.deepcopy(model).to(torch.bfloat16)
+    opt = ZERO[3](model, common.transformer_blocks(model), lr=LR, param_dtype=torch.bfloat16)
+    tokens = common.global_token_batch(SIZE, SIZE.seq_len, world, 0, seed=0)
+    x, y = (common.rank_slice(t, rank, world) for t in (tokens[:, :-1], tokens[:, 1:]))
+
+    def step():
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+
+    step()  # AdamW's state exists from here on
+    opt.zero_grad()
+    with common.CollectiveBytes() as sent:
+        loss, kept = kept_for_backward(lambda: model(x, y))
+        loss.backward()
+    opt.step()
+    _, peak = common.peak_tensor_memory(step, (model, opt), torch.device("cpu"))
+    return {"kept": kept, "kept_by_plain_bf16": kept_for_backward(lambda: plain(x, y))[1],
+            "root_numel": opt.buckets[-1].numel, "sent": sent.by_kind, "peak": peak,
+            "params_mb": common.state_split_mb(model, opt)["params_mb"],
+            "theory": STAGES[3].theory(opt.buckets, world, 4, 2, 0.0),
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "shard_dtypes": sorted({str(p.dtype) for p in opt.shards})}
+
+
+def readme_block(stage: int) -> str:
+    """The README's "Use it in your trainer" lines, written for ZeRO2, for `stage`: ZeRO1 and
+    ZeRO3 are called the same way, ZeRO3 without wait_for_params (as the README says)."""
+    block = readme_python_block(README)
+    block = block.replace("ZeRO2", f"ZeRO{stage}").replace("zero2", f"zero{stage}")
+    if stage == 3:
+        block = "\n".join(line for line in block.splitlines()
+                          if not line.startswith("opt.wait_for_params()"))
+    return block
+
+
+def on_a_hf_llama(kind, attn: str = "sdpa", tied: bool = False, dtype=torch.float32) -> dict:
+    """The README's lines as written (kind: a ZeRO stage), or PyTorch's DDP (kind "ddp": the
+    reference), on a tiny transformers LlamaForCausalLM seeded by rank: each step's loss and the
+    loss after training, averaged over the ranks, and the dtypes of the weights and of the
+    optimizer's parameters and state."""
+    import hf_llama  # transformers: imported by the processes that use it, not every spawn
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(rank)
+    model = hf_llama.tiny_llama(attn, tied, dtype)
+    *batches, (eval_x, eval_y) = hf_llama.token_batches(STEPS + 1, rank, world)
+    if kind == "ddp":  # the loss before a step is the one after the last: the evaluation
+        *losses, final = hf_llama.ddp_losses(model, [*batches, (eval_x, eval_y)], lr=LR)
+        return {"losses": losses, "final": final}
     sys.path.insert(0, str(FOLDER))
-    rank = torch.distributed.get_rank()
-    *batches, (eval_x, eval_y) = group_batches(None)
-    model = tiny_llama(seed=rank)
-    scope = {"model": model, "batches": batches}
-    exec(readme_python_block(README), scope)
-    assert isinstance(scope["opt"], torch.optim.Optimizer)  # the block ran
+    scope, losses = {"model": model}, []
+
+    def each_step():  # the loop's batches; each step's loss read once the step is done
+        for batch in batches:
+            yield batch
+            losses.append(scope["loss"].item())
+
+    scope["batches"] = each_step()
+    exec(readme_block(kind), scope)
     with torch.no_grad():
-        return {"final": model(eval_x, eval_y).item()}
+        losses.append(hf_llama.hf_loss(model, eval_x, eval_y).item())
+    mean = torch.tensor(losses, dtype=torch.float64)
+    torch.distributed.all_reduce(mean)
+    opt = scope["opt"]
+    dtypes = {p.dtype for p in model.parameters()} | {
+        t.dtype for g in opt.param_groups for t in g["params"]} | {
+        v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"}
+    return {"losses": (mean[:-1] / world).tolist(), "final": (mean[-1] / world).item(),
+            "dtypes": sorted(map(str, dtypes))}
+
+
+def readme_scenarios() -> dict:
+    """The README's lines for each stage on each of hf_llama.VARIANTS, and in bf16, beside
+    DDP's run of the same model: one reference a variant, shared by the three stages."""
+    import hf_llama
+
+    calls = {}
+    for attn, tied in [*hf_llama.VARIANTS, ("bf16", False)]:
+        variant = dict(attn="sdpa", dtype=torch.bfloat16) if attn == "bf16" else dict(
+            attn=attn, tied=tied)
+        name = attn if attn == "bf16" else f"{attn} {'tied' if tied else 'untied'}"
+        for kind in ("ddp", 1, 2, 3):
+            calls[f"readme {kind} {name}"] = functools.partial(on_a_hf_llama, kind, **variant)
+    return calls
 
 
 def scenarios(world: int, rank: int) -> dict:
@@ -402,7 +508,8 @@ def scenarios(world: int, rank: int) -> dict:
         for k in (1, 3):
             calls[f"pytorch{k} seeded by rank"] = lambda k=k: train(f"pytorch{k}", seed=rank)
         calls["zero3 shards"] = zero3_shards
-        calls["readme"] = run_readme_snippet
+        calls["zero3 bf16 autocast"] = zero3_under_bf16_autocast
+        calls.update(readme_scenarios())
     return calls
 
 
@@ -536,10 +643,42 @@ def test_zero3_keeps_one_slice_per_rank_and_frees_the_full_parameters(units_run)
         assert torch.equal(joined[:values.numel()], values) and not joined[values.numel():].any()
 
 
-def test_the_readmes_lines_train_like_ddp(units_run):
-    """The README's "Use it in your trainer" block, run as written on 2 ranks whose models were
-    seeded apart: the same weights after training as DDP's."""
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_readmes_lines_train_a_hf_llama_like_ddp(units_run, stage):
+    """The README's "Use it in your trainer" block, run as written on a tiny transformers
+    LlamaForCausalLM (sdpa with an untied head, eager with a tied one) on 2 ranks whose models
+    were seeded apart: each step's loss and the loss after training are DDP's, to 1e-5."""
+    import hf_llama
+
     runs = units_run(2)
+    for attn, tied in hf_llama.VARIANTS:
+        name = f"{attn} {'tied' if tied else 'untied'}"
+        got, want = result(runs, f"readme {stage} {name}"), result(runs, f"readme ddp {name}")
+        assert len(got["losses"]) == STEPS and got["dtypes"] == ["torch.float32"]
+        assert_trains_like(got, want)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_readmes_lines_keep_a_bf16_hf_llama_bf16(units_run, stage):
+    runs = units_run(2)
+    got, want = result(runs, f"readme {stage} bf16"), result(runs, "readme ddp bf16")
+    assert got["dtypes"] == ["torch.bfloat16"]  # weights, shards, AdamW's moments
+    assert_trains_like(got, want, rel=2e-2)  # bf16 sums in another order
+
+
+def test_zero3_under_bf16_autocast_holds_and_sends_what_its_theory_says(units_run):
+    """Gathered in bf16 (param_dtype), the weights forward uses are the gathered ones: what
+    forward leaves for backward is the root unit, in bf16, and the activations a plain bf16 model
+    keeps, no bf16 copy of any weight (with fp32 gathers autocast saved one of every Linear
+    weight, which freeing the gathered blocks did not free); the peak holds the shards and at
+    most the root and two blocks in bf16; the all-gathers send bf16, the reduce-scatters fp32,
+    as the theory's bytes."""
     for rank in (0, 1):
-        got = result(runs, "readme", rank)["final"]
-        assert relative_diff([got], [result(runs, "ddp", rank)["final"]]) <= 1e-5
+        got = result(units_run(2), "zero3 bf16 autocast", rank)
+        assert got["kept"] == got["kept_by_plain_bf16"] + 2 * got["root_numel"]
+        theory = got["theory"]
+        assert got["peak"]["params"] - got["params_mb"] == pytest.approx(theory["gathered_mb"])
+        # on gloo the reduce-scatter is an all-to-all (common.reduce_scatter)
+        assert set(got["sent"]) == {"allgather bfloat16", "alltoall float32"}
+        assert sum(got["sent"].values()) / 2**20 == pytest.approx(theory["comm_mb"])
+        assert got["dtypes"] == ["torch.bfloat16"] and got["shard_dtypes"] == ["torch.float32"]
