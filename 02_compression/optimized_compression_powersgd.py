@@ -66,6 +66,29 @@ def worth_compressing(matrix: torch.Tensor, rank: int) -> bool:
     return min(n, m, rank) * (n + m) * MIN_COMPRESSION_RATE < n * m
 
 
+def highest_compressing_rank(model: torch.nn.Module,
+                             uncompressed: Collection[torch.Tensor] = ()) -> int:
+    """The highest rank at which every matrix of `model` that any rank compresses, bar the
+    `uncompressed` (by identity), is sent as a rank-r product: the smallest such matrix decides.
+    A rank above it sends that matrix whole; one above every matrix's runs as plain DDP. 1 for a
+    model with no matrix worth compressing at any rank (the hook then says so)."""
+    kept_whole, ranks = {id(p) for p in uncompressed}, []
+    for p in model.parameters():
+        n, m = as_matrix(p).shape
+        highest = (n * m - 1) // (MIN_COMPRESSION_RATE * (n + m))  # the last r worth_compressing
+        if p.requires_grad and id(p) not in kept_whole and highest >= 1:
+            ranks.append(highest)
+    return min(ranks, default=1)
+
+
+def no_matrix_compressed(rank: int) -> str:
+    """What a PowerSGD run that compresses nothing says, once, in its log and its record."""
+    return (f"PowerSGD at rank {rank} compresses no matrix of this model (n x m is sent as a "
+            f"product only where r(n + m) is under 1/{MIN_COMPRESSION_RATE} of n*m): every "
+            f"gradient is sent whole, as plain DDP; pass a lower rank (--rank), at most "
+            f"highest_compressing_rank(model)")
+
+
 def initial_qs(matrices: list[torch.Tensor], rank: int, seed: int) -> list[torch.Tensor]:
     """Random m x r starting factors, the same on every rank (drawn from a seeded generator),
     in each matrix's dtype."""
@@ -92,6 +115,7 @@ class PowerSGDState:
     step: int = 0
     sent_bytes: float = 0  # to peers, this step
     collectives: int = 0  # issued this step
+    compressed_matrices: int = 0  # sent as rank-r products, this step
     residual: dict = field(default_factory=dict)  # bucket -> what the approximation dropped
     qs: dict = field(default_factory=dict)  # bucket -> this step's Q factors, the next one's start
     world_size: int = field(init=False)  # of `group`
@@ -170,7 +194,7 @@ def powersgd_hook(state: PowerSGDState,
     """DDP communication hook: plain fp32 all-reduce for `start_iter` steps, then PowerSGD."""
     grad = bucket.buffer()
     if bucket.index() == 0:
-        state.sent_bytes = state.collectives = 0  # a new step
+        state.sent_bytes = state.collectives = state.compressed_matrices = 0  # a new step
     if state.step < state.start_iter:
         state.sent_bytes += 2 * (state.world_size - 1) / state.world_size * grad.nbytes
         state.collectives += 1
@@ -179,11 +203,16 @@ def powersgd_hook(state: PowerSGDState,
             lambda f: f.value()[0])
     else:
         params = bucket.parameters()
-        fut = powersgd_allreduce(
-            state, bucket.index(), grad, [p.shape for p in params],
-            [id(p) not in state.kept_whole and worth_compressing(as_matrix(p), state.rank)
-             for p in params])
+        compress = [id(p) not in state.kept_whole and worth_compressing(as_matrix(p), state.rank)
+                    for p in params]
+        state.compressed_matrices += sum(compress)
+        fut = powersgd_allreduce(state, bucket.index(), grad, [p.shape for p in params],
+                                 compress)
     if bucket.is_last():
+        # a rank too high for the model's matrices would otherwise run as plain DDP, silently
+        if (state.step == state.start_iter and not state.compressed_matrices
+                and dist.get_rank(state.group) == 0):
+            print(no_matrix_compressed(state.rank), flush=True)
         state.step += 1
     return fut
 
@@ -248,7 +277,8 @@ def main():
                         help="gradient bucket size in MiB (DDP's default: 25)")
     parser.add_argument("--rank", type=common.int_at_least(1), default=32,
                         help="rank r of the approximation P Q^T (default 32: the lowest of 4 to "
-                             "64 that holds the loss tolerance at `small`, README)")
+                             "64 that holds the loss tolerance at `small`, README; too high for "
+                             "`tiny`'s matrices, where the run says it compresses none)")
     parser.add_argument("--start-iter", type=common.int_at_least(2), default=None,
                         help="plain fp32 steps before compression: at least 2 (DDP rebuilds its "
                              "buckets in them) and at most --warmup - 2, so that the last warm-up "
@@ -297,6 +327,9 @@ def main():
                   uncompressed=[name for name, p in named.items() if id(p) in state.kept_whole],
                   start_iter=args.start_iter,
                   collectives_per_step=state.collectives,
+                  compressed_matrices=state.compressed_matrices,
+                  **({} if state.compressed_matrices else
+                     {"compressed_matrices_reason": no_matrix_compressed(args.rank)}),
                   compression=fp32_mb / comm_mb if comm_mb else None,
                   **({"loss_tolerance_final_rel": FINAL_LOSS_TOLERANCE} if args.long_run
                      else {"loss_tolerance": LOSS_TOLERANCE[args.dtype]}),

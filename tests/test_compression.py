@@ -2,11 +2,13 @@
 
 The collective checks run once per world size in spawned gloo processes (a module-scoped
 fixture); each rank-0 process saves its measurements and the tests assert on them here. The
-README's "Use it in your trainer" lines run as they are in 2 more spawned processes.
+README's two "Use it in your trainer" blocks (PowerSGD, INT8) run as they are in 2 more spawned
+processes, on a tiny HuggingFace Llama (tests/hf_llama.py) against PyTorch's DDP.
 """
 
+import contextlib
 import copy
-import dataclasses
+import io
 import math
 import os
 import re
@@ -86,6 +88,21 @@ def test_a_message_carries_values_then_fp32_scale_bytes_in_one_int8_row_per_peer
                                                    ((1024, 256), 128, False)])
 def test_worth_compressing_needs_half_the_values_or_fewer(shape, rank, compress):
     assert powersgd.worth_compressing(powersgd.as_matrix(torch.zeros(shape)), rank) == compress
+
+
+def test_highest_compressing_rank_is_the_smallest_matrixs_last_rank_worth_compressing():
+    model = common.Llama(common.SIZES["tiny"])
+    whole = [model.model.embed_tokens.weight, model.lm_head.weight]
+    rank = powersgd.highest_compressing_rank(model, whole)
+    assert rank == 10  # the 32 x 64 key and value projections: 2r(32 + 64) < 32 * 64
+    kept = {id(p) for p in whole}
+    matrices = [powersgd.as_matrix(p) for p in model.parameters() if p.dim() == 2
+                and id(p) not in kept]
+    assert all(powersgd.worth_compressing(m, rank) for m in matrices)
+    assert not all(powersgd.worth_compressing(m, rank + 1) for m in matrices)
+    # `small` (hidden size 256): the README's rank 32 compresses every matrix
+    assert powersgd.highest_compressing_rank(common.Llama(common.SIZES["small"]), whole) == 42
+    assert powersgd.highest_compressing_rank(torch.nn.Linear(4, 2)) == 1  # nothing to compress
 
 
 def test_compression_theory_counts_matrices_and_uncompressed_tensors_from_the_shapes():
@@ -249,6 +266,23 @@ def gradients_with_the_embedding_and_head_whole(model: torch.nn.Module, rank: in
             zip(compressed.module.named_parameters(), plain.module.parameters(), strict=True)}
 
 
+def a_rank_too_high(rank: int) -> tuple[list[int], list[str]]:
+    """Three steps of tiny's Llama under DDP with PowerSGD at rank 32 (its widest matrix, 192 x
+    64, compresses up to rank 23), compressing from the second: the matrices compressed each step,
+    and what each rank of the group printed."""
+    model = DDP(common.Llama(common.SIZES["tiny"]))
+    state = powersgd.PowerSGDState(32, start_iter=1, seed=0)
+    model.register_comm_hook(state, powersgd.powersgd_hook)
+    tokens = torch.randint(128, (2, 33), generator=torch.Generator().manual_seed(rank))
+    counts, printed = [], [None] * dist.get_world_size()
+    with contextlib.redirect_stdout(io.StringIO()) as log:
+        for _ in range(3):
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            counts.append(state.compressed_matrices)
+    dist.all_gather_object(printed, log.getvalue())
+    return counts, printed
+
+
 def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> None:
     """Run on every rank of a spawned gloo group; rank 0 saves what the tests assert."""
     torch.set_num_threads(1)
@@ -335,6 +369,7 @@ def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> N
     torch.manual_seed(0)
     found["whole_gpt"] = gradients_with_the_embedding_and_head_whole(common.GPT(size, 32), rank)
     found["whole_llama"] = gradients_with_the_embedding_and_head_whole(common.Llama(size), rank)
+    found["too_high"] = a_rank_too_high(rank)
 
     # The units on a sub-group, ranks {0, 1} of a world of 3 (rank 2 idle), as on a world of 2.
     if world == 2:
@@ -454,6 +489,16 @@ def test_powersgd_keeps_the_embedding_and_head_whole_by_identity_tied_or_not(col
             assert (got - plain).abs().max() > 1e-4, name
 
 
+def test_powersgd_at_a_rank_too_high_for_every_matrix_says_so_once_on_the_first_rank(
+        collectives):
+    world, found = collectives
+    counts, printed = found["too_high"]
+    assert counts == [0, 0, 0]  # a plain step, then two sent whole: plain DDP
+    assert printed[0] == powersgd.no_matrix_compressed(32) + "\n"  # once, at the first
+    assert "rank 32 compresses no matrix" in printed[0] and "--rank" in printed[0]
+    assert printed[1:] == [""] * (world - 1)
+
+
 def test_the_units_on_ranks_0_and_1_of_three_give_what_they_give_on_a_world_of_two(spawned):
     two, three = spawned(2)["pair"], spawned(3)["pair"]
     assert set(two) == set(three) == {"int8", "int8_sent", "powersgd", "powersgd_sent"}
@@ -461,52 +506,97 @@ def test_the_units_on_ranks_0_and_1_of_three_give_what_they_give_on_a_world_of_t
         assert torch.equal(two[name], three[name]), name
 
 
-# --- The README's "Use it in your trainer" ------------------------------------------------------
-# A Llama with matrices wide enough for the README's rank 32 to compress them (tiny's 64 is not)
-TRAINER_SIZE = dataclasses.replace(common.SIZES["tiny"], d_model=256, n_layers=1)
-TRAINER_STEPS = 6  # the snippet's 2 plain steps, then 4 compressed
+# --- The README's "Use it in your trainer", on a HuggingFace Llama ------------------------------
+TRAINER_STEPS = 4  # the snippets' 2 plain steps, then 2 compressed
+BF16_STEPS = 3  # the plain steps and one compressed, in bf16
+# (section heading, the recipe's loss tolerance in fp32): PowerSGD's, then INT8's
+SECTIONS = [("## Use it in your trainer", powersgd.LOSS_TOLERANCE["fp32"]),
+            ("## Use INT8 in your trainer", int8.LOSS_TOLERANCE["fp32"])]
 
 
+def group_mean(losses: list[float]) -> list[float]:
+    """Each step's loss averaged over the ranks: what hf_llama.ddp_losses returns."""
+    total = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
 
 
-def train_with_the_readme_lines(rank: int, world: int, port: int, out_file: str) -> None:
-    """A trainer of one's own: its ranks seed the model differently, run the README's lines, then
-    train beside plain DDP from the same weights."""
+def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_file: str) -> None:
+    """Trainers of one's own: each joins the group (the README's `common.setup()`), runs one of
+    the README's blocks on a tiny LlamaForCausalLM its ranks seeded differently, and leaves; both
+    hooks in fp32 for each of hf_llama.VARIANTS, beside PyTorch's DDP on the same model and
+    global batch; then PowerSGD's once in bf16."""
+    import hf_llama  # here: `transformers` costs every process that imports it seconds
+
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.path.insert(0, str(FOLDER))  # where the trainer copied the recipe
-    torch.manual_seed(rank)
-    model = common.Llama(TRAINER_SIZE)
-    reference = copy.deepcopy(model)
-    lines = {"model": model}
-    exec(readme_python_block(FOLDER / "README.md"), lines)
-    model, state, plain = lines["model"], lines["state"], DDP(reference)
-    losses = {"readme": [], "plain": []}
-    for name, ddp in (("readme", model), ("plain", plain)):
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-        for step in range(TRAINER_STEPS):
-            tokens = common.global_token_batch(TRAINER_SIZE, 32, 2 * world, step, 0)
-            tokens = common.rank_slice(tokens, rank, world)
-            opt.zero_grad(set_to_none=True)
-            loss = ddp(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
-            opt.step()
-            losses[name].append(loss.item())
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    sys.path.insert(0, str(FOLDER))  # where the trainer copied the recipes
+    batches = hf_llama.token_batches(TRAINER_STEPS, rank, world)
+    trainers = [(heading, attn, tied, torch.float32) for heading, _ in SECTIONS
+                for attn, tied in hf_llama.VARIANTS]
+    trainers.append((SECTIONS[0][0], "sdpa", False, torch.bfloat16))
+    found, ddp = {}, {}
+    for (heading, attn, tied, dtype), port in zip(trainers, ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        torch.manual_seed(rank)
+        model = hf_llama.tiny_llama(attn, tied, dtype)
+        reference = copy.deepcopy(model)
+        bf16 = dtype == torch.bfloat16
+        lines = {"model": model, "batches": batches[:BF16_STEPS] if bf16 else batches}
+        exec(readme_python_block(FOLDER / "README.md", heading), lines)
+        state = lines.get("state")
+        if bf16:
+            found["bf16"] = ({str(t.dtype) for p in lines["model"].parameters()
+                              for t in (p, p.grad)}, state.compressed_matrices)
+        else:
+            if (attn, tied) not in ddp:  # the same reference for both hooks
+                ddp[attn, tied] = hf_llama.ddp_losses(reference, batches)
+            found[heading, attn, tied] = {
+                "readme": group_mean(lines["losses"]), "ddp": ddp[attn, tied],
+                **({"rank": state.rank, "compressed": state.compressed_matrices} if state else {})}
+        dist.destroy_process_group()
     if rank == 0:
-        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        whole = {id(model.module.model.embed_tokens.weight), id(model.module.lm_head.weight)}
-        torch.save({**losses, "sent": state.sent_bytes, "grad_bytes": grad_bytes,
-                    "whole": state.kept_whole == whole, "steps": state.step}, out_file)
-    dist.destroy_process_group()
+        torch.save(found, out_file)
 
 
-def test_the_readme_lines_train_a_llama_like_ddp_within_the_tolerance(tmp_path):
-    out = tmp_path / "found.pt"
-    mp.spawn(train_with_the_readme_lines, args=(2, common.free_port(), str(out)), nprocs=2)
-    found = torch.load(out)
-    assert found["whole"] and found["steps"] == TRAINER_STEPS
-    diffs = [abs(a - b) for a, b in zip(found["readme"], found["plain"], strict=True)]
-    assert max(diffs[:2]) <= 1e-5  # the plain steps, then compressed ones within the tolerance
-    assert 0 < max(diffs) <= powersgd.LOSS_TOLERANCE["fp32"]
-    assert found["readme"][-1] < found["readme"][0]
-    assert found["sent"] < found["grad_bytes"] / 2  # the last step's bytes: compressed
+@pytest.fixture(scope="module")
+def readme_runs(tmp_path_factory):
+    """What the README trainers' rank 0 found, by (heading, attention, tied) and "bf16". The
+    module's other spawned processes never import `transformers`: only this one's worker does."""
+    from hf_llama import VARIANTS
+
+    out = tmp_path_factory.mktemp("readme") / "found.pt"
+    ports = [common.free_port() for _ in range(len(SECTIONS) * len(VARIANTS) + 1)]
+    mp.spawn(train_with_the_readme_lines, args=(2, ports, str(out)), nprocs=2)
+    return torch.load(out)
+
+
+def of_section(readme_runs: dict, heading: str) -> dict:
+    """(attention, tied) -> what the trainer of `heading`'s block found, for each variant."""
+    return {key[1:]: found for key, found in readme_runs.items() if key[0] == heading}
+
+
+@pytest.mark.parametrize("heading, tolerance", SECTIONS, ids=["powersgd", "int8"])
+def test_the_readme_lines_train_a_hf_llama_like_ddp_within_the_tolerance(readme_runs, heading,
+                                                                         tolerance):
+    variants = of_section(readme_runs, heading)
+    assert set(variants) == {("sdpa", False), ("eager", True)}
+    for variant, found in variants.items():
+        readme, ddp = found["readme"], found["ddp"]
+        diffs = [abs(a - b) for a, b in zip(readme, ddp, strict=True)]
+        assert max(diffs[:2]) <= 1e-5 * ddp[0], variant  # the plain steps, then compressed ones
+        assert 0 < max(diffs) <= tolerance, variant
+        assert readme[-1] < readme[0], variant
+
+
+def test_the_readme_picks_a_rank_that_compresses_every_matrix_of_a_narrow_model(readme_runs):
+    """Hidden size 64: rank 32 would compress nothing; the README's rank is the 32 x 64 key
+    and value projections' highest (10), and every layer's 7 matrices are products."""
+    for variant, found in of_section(readme_runs, SECTIONS[0][0]).items():
+        assert found["rank"] == 10, variant
+        assert found["compressed"] == 7 * common.SIZES["tiny"].n_layers, variant
+
+
+def test_the_readme_lines_keep_bf16_weights_and_gradients_bf16(readme_runs):
+    dtypes, compressed = readme_runs["bf16"]
+    assert dtypes == {"torch.bfloat16"} and compressed == 7 * common.SIZES["tiny"].n_layers

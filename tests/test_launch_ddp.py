@@ -2,7 +2,8 @@
 
 Each launch costs 10-20 s of start-up on a 2-core machine, so every script runs once (a
 module-scoped fixture) and the assertions share those runs; the attention pair runs the Llama.
-The README's "Use it in your trainer" lines run as they are in 2 spawned gloo processes.
+The README's "Use it in your trainer" lines run as they are in 2 spawned gloo processes, on a
+tiny HuggingFace Llama (tests/hf_llama.py) against PyTorch's DDP.
 """
 
 import copy
@@ -12,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import hf_llama
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,7 +27,6 @@ from helpers import (
     assert_skipped_with_why,
     assert_within_its_tolerance,
     finish,
-    load_recipe,
     only_record,
     readme_python_block,
 )
@@ -211,49 +212,70 @@ def test_the_attention_pair_skips_a_model_without_attention(script, tmp_path):
                             tmp_path)
 
 
-# --- The README's "Use it in your trainer" ------------------------------------------------------
+# --- The README's "Use it in your trainer", on a HuggingFace Llama ------------------------------
 TRAINER_STEPS = 4
+BF16_STEPS = 2  # enough to step bf16 weights with bf16 gradients
 
 
+def group_mean(losses: list[float]) -> list[float]:
+    """Each step's loss averaged over the ranks: what hf_llama.ddp_losses returns."""
+    total = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
 
 
-def train_with_the_readme_lines(rank: int, world: int, port: int, out_file: str) -> None:
-    """A trainer of one's own: its ranks seed the model differently, run the README's lines, then
-    train beside baseline_ddp's hand-written broadcast and all-reduce from the same weights."""
+def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_file: str) -> None:
+    """Trainers of one's own: each joins the group (the README's `common.setup()`), runs the
+    README's lines on a tiny LlamaForCausalLM its ranks seeded differently, and leaves; in fp32
+    for each of hf_llama.VARIANTS beside PyTorch's DDP on the same model and global batch, then
+    once in bf16."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     sys.path.insert(0, str(DDP))  # where the trainer copied the recipe
-    size = common.SIZES["tiny"]
-    torch.manual_seed(rank)
-    model = common.Llama(size)
-    reference = copy.deepcopy(model)
-    lines = {"model": model}
-    exec(readme_python_block(DDP / "README.md"), lines)
-    baseline = load_recipe(DDP / "baseline_ddp.py")
-    baseline.broadcast_parameters(reference)
-    losses = {"readme": [], "by_hand": []}
-    for name, trained in (("readme", lines["model"]), ("by_hand", reference)):
-        opt = torch.optim.AdamW(trained.parameters(), lr=1e-3)
-        for step in range(TRAINER_STEPS):
-            tokens = common.global_token_batch(size, 32, 2 * world, step, 0)
-            tokens = common.rank_slice(tokens, rank, world)
-            opt.zero_grad(set_to_none=True)
-            loss = trained(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
-            if trained is reference:
-                baseline.allreduce_gradients(reference)
-            opt.step()
-            losses[name].append(loss.item())
+    block = readme_python_block(DDP / "README.md")
+    batches = hf_llama.token_batches(TRAINER_STEPS, rank, world)
+    trainers = [(*variant, torch.float32) for variant in hf_llama.VARIANTS]
+    found = {}
+    for (attn, tied, dtype), port in zip([*trainers, ("sdpa", False, torch.bfloat16)], ports,
+                                         strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        torch.manual_seed(rank)
+        model = hf_llama.tiny_llama(attn, tied, dtype)
+        reference = copy.deepcopy(model)
+        bf16 = dtype == torch.bfloat16
+        lines = {"model": model, "batches": batches[:BF16_STEPS] if bf16 else batches}
+        exec(block, lines)
+        if bf16:
+            found["bf16"] = {str(t.dtype) for p in lines["model"].parameters()
+                             for t in (p, p.grad)}
+        else:
+            found[attn, tied] = {"readme": group_mean(lines["losses"]),
+                                 "ddp": hf_llama.ddp_losses(reference, batches),
+                                 "buckets": len(common.ddp_bucket_bytes(lines["model"]))}
+        dist.destroy_process_group()
     if rank == 0:
-        buckets = common.ddp_bucket_bytes(lines["model"])
-        torch.save({**losses, "buckets": len(buckets)}, out_file)
-    dist.destroy_process_group()
+        torch.save(found, out_file)
 
 
-def test_the_readme_lines_train_a_llama_like_the_hand_written_all_reduce(tmp_path):
+def test_the_readme_lines_train_a_hf_llama_like_ddp_and_keep_bf16_weights(tmp_path):
     out = tmp_path / "found.pt"
-    mp.spawn(train_with_the_readme_lines, args=(2, common.free_port(), str(out)), nprocs=2)
+    ports = [common.free_port() for _ in range(len(hf_llama.VARIANTS) + 1)]
+    mp.spawn(train_with_the_readme_lines, args=(2, ports, str(out)), nprocs=2)
     found = torch.load(out)
-    assert report.max_loss_diff(found["readme"], found["by_hand"]) <= 1e-5
-    assert found["readme"][-1] < found["readme"][0]
-    assert found["buckets"] > 1  # buckets of one decoder layer's gradients
+    for variant in hf_llama.VARIANTS:
+        readme, ddp = found[variant]["readme"], found[variant]["ddp"]
+        assert max(abs(a - b) / b for a, b in zip(readme, ddp, strict=True)) <= 1e-5, variant
+        assert readme[-1] < readme[0]
+        assert found[variant]["buckets"] > 1  # buckets of one decoder layer's gradients
+    assert found["bf16"] == {"torch.bfloat16"}
+
+
+def test_the_top_readmes_loop_is_the_one_the_ddp_compression_and_fsdp_blocks_end_in():
+    """The front door's loop is run by the tests of the folder blocks that end in it."""
+    loop = readme_python_block(common.ROOT / "README.md", "## Use a recipe in your own trainer")
+    assert "model(input_ids=inputs).logits" in loop and "labels=" not in loop
+    trainer, int8 = "## Use it in your trainer", "## Use INT8 in your trainer"
+    for folder, heading in [("01_ddp", trainer), ("02_compression", trainer),
+                            ("02_compression", int8), ("03_fsdp", trainer)]:
+        block = readme_python_block(common.ROOT / folder / "README.md", heading)
+        assert block.endswith(loop), (folder, heading)
