@@ -954,8 +954,9 @@ def fsdp_tp_sent(layout: Layout, dp: int, tp: int, dtype: str = "fp32", micro_ba
     tp (in a node): per layer 4 all-gathers and 4 reduce-scatters of the group's activations
     (sequence parallelism: gathered before attention and the MLP, scattered after, and the
     backward's twins); at the ends 4 more (the embedding's scatter, the head's input gather,
-    and twins), the head's logits gathered whole ((t-1)/t x t.b.s.V), a position table's lookup
-    (2 (t-1)/t x s.h) and the norms' gradients all-reduced, 2 (t-1)/t x 4 x N.
+    and twins), the loss over logits split by vocabulary (loss_parallel: 3 all-reduces of 4
+    bytes a token, 2 (t-1)/t x 3 x 4 x t.b.s), a position table's lookup (2 (t-1)/t x s.h) and
+    the norms' gradients all-reduced, 2 (t-1)/t x 4 x N.
     dp (across nodes): (dp-1)/dp x [w x (2 blocks + root) + 4 x (blocks + root)] of each
     weight's TP piece: FULL_SHARD gathers a block twice, the root (tables, head) once, and
     reduce-scatters every gradient once."""
@@ -964,7 +965,7 @@ def fsdp_tp_sent(layout: Layout, dp: int, tp: int, dtype: str = "fp32", micro_ba
     positions = 2 * (tp - 1) / tp * layout.seq * layout.hidden * w if layout.position_table \
         else 0.0
     tp_bytes = (8 * layout.layers + 4) * stream + positions \
-        + tp_activation_bytes(tp, micro_batch, layout.seq, layout.vocab, w) \
+        + 2 * 3 * tp_activation_bytes(tp, micro_batch, layout.seq, 1, 4) \
         + 2 * (tp - 1) / tp * 4 * layout.norms
     blocks = (layout.blocks - layout.replicated) / tp + layout.replicated
     root = (layout.embedding + layout.head) / tp
@@ -992,7 +993,7 @@ def pp_fsdp_tp_state(layout: Layout, pp: int, dp: int, tp: int, dtype: str = "fp
 def pp_fsdp_tp_sent(layout: Layout, pp: int, dp: int, tp: int, microbatches: int,
                     dtype: str = "fp32", micro_batch: int = 1) -> dict[str, float]:
     """PP x FSDP x TP, bytes the first stage's GPU sends a step, by mesh dim (what the script
-    records for rank 0; the last stage gathers the logits where the first scatters its tables).
+    records for rank 0; the last stage runs loss_parallel where the first scatters its tables).
     pp: m micro-batches' activations, each GPU its 1/t sequence shard of the group's t x b
     sequences (b.s.h x w), and a tied token table's gradient shard all-reduced with the last
     stage's (4 x V.h / (dp t)). tp: m x the stage's TP terms a micro-batch (8 a layer, the
@@ -1038,10 +1039,10 @@ def composed_row(args: argparse.Namespace, layout: Layout, checkpointing: bool, 
     holds gathered (FSDP x TP: a block and the next's prefetch; the pipeline keeps its stage
     gathered for the whole step); activations: sequence parallelism leaves each GPU 1/t of its
     group's t x micro-batch sequences, one micro-batch's worth (a pipeline's first stage: its
-    layers, min(pp, m) micro-batches in flight under 1F1B), but the logits gathered whole, t
-    micro-batches' worth (the last stage's, counted with the first's activations: a bound)."""
+    layers, min(pp, m) micro-batches in flight under 1F1B); the logits stay split by
+    vocabulary (loss_parallel), a GPU's V/t of its group's t x micro-batch sequences: one
+    micro-batch's whole logits, as activations_per_gpu counts them."""
     dp, mb, w = args.gpus // (pp * tp), args.micro_batch, STATE_BYTES[args.dtype][0]
-    logits_gathered = 8 * layout.seq * (tp - 1) * mb * layout.vocab  # beyond one GPU's own
     if pp == 1:
         m, mesh = 1, f"dp {dp} x tp {tp}"
         state = fsdp_tp_state(layout, dp, tp, args.dtype)
@@ -1060,10 +1061,10 @@ def composed_row(args: argparse.Namespace, layout: Layout, checkpointing: bool, 
         acts = activations_per_gpu(layout.layers, layout.seq, mb, layout.hidden, layout.vocab,
                                    args.dtype, checkpointing, math.ceil(layout.layers / pp),
                                    min(pp, m))
-    total = state + gathered + acts + logits_gathered
+    total = state + gathered + acts
     return {"strategy": "FSDP x TP" if pp == 1 else "PP x FSDP x TP",
             "checkpointing": checkpointing, "state": state,
-            "activations": gathered + acts + logits_gathered, "total": total,
+            "activations": gathered + acts, "total": total,
             "fits": total <= args.gpu_mem * GB, "sent": sum(sent.values()), "by_dim": sent,
             "network": sent["dp"] + sent.get("pp", 0.0) if args.gpus > args.gpus_per_node
             else 0.0, "mesh": mesh, "bubble": (pp - 1) / (m + pp - 1),
