@@ -68,7 +68,9 @@ class ProcessGroupCollectives:
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype autocast would multiply in: a custom Function's matmuls cast by hand, so that
-    backward (outside autocast) sees the same dtypes."""
+    backward (outside autocast) sees the same dtypes. Its backward casts the incoming gradient
+    to it too (the saved weight's dtype): under bf16 autocast that gradient can come in fp32,
+    and the matmuls, the fused CUDA kernels too, take one dtype."""
     kind = x.device.type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
@@ -89,6 +91,7 @@ class ColumnParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gathered, weight = ctx.saved_tensors
+        dy = dy.to(weight.dtype)  # forward's dtype (compute_dtype)
         dx = ctx.comm.matmul_reduce_scatter(dy, weight)
         return dx, dy.t() @ gathered, dy.sum(0) if ctx.needs_input_grad[2] else None, None
 
@@ -108,6 +111,7 @@ class RowParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
+        dy = dy.to(weight.dtype)  # forward's dtype (compute_dtype)
         gathered, dx = ctx.comm.all_gather_matmul(dy.contiguous(), weight)
         return dx, gathered.t() @ x, None
 
@@ -166,7 +170,8 @@ class TensorParallelLlamaLayer(nn.Module):
     and gate, up column-parallel (each trio or pair one gather: their rows side by side), o and
     down row-parallel. A rank holds whole KV groups: KV heads that do not divide by N split
     unevenly, as the GPT's heads; more ranks than KV heads are skipped before setup.
-    `attention(q, k, v)`: causal, on (batch, heads, seq, head_dim); rotary is common's."""
+    `attention(q, k, v)`: causal, on (batch, heads, seq, head_dim), each KV head repeated for
+    its query heads (common.causal_sdpa takes them as they are); rotary is common's."""
 
     def __init__(self, layer: nn.Module, comm, attention: Callable = common.causal_sdpa):
         super().__init__()
@@ -196,7 +201,8 @@ class TensorParallelLlamaLayer(nn.Module):
         q, k, v = (t.reshape(seq_len, batch, -1, self.head_dim).permute(1, 2, 0, 3)
                    for t in qkv.split([w.shape[0] for w in weights], dim=-1))
         q, k = common.apply_rotary(q), common.apply_rotary(k)  # the whole sequence: 0..T-1
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        if self.attention is not common.causal_sdpa:  # SDPA groups the KV heads itself
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         y = self.attention(q, k, v).permute(2, 0, 1, 3).reshape(seq_len * batch, -1)
         x = x + RowParallel.apply(y, attn.o_proj.weight, self.comm)
         gate, up = ColumnParallel.apply(self.post_attention_layernorm(x), torch.cat(

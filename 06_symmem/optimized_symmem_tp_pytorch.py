@@ -78,7 +78,7 @@ def padded_like(linear: nn.Linear, rows: int, cols: int) -> nn.Linear:
                          None if linear.bias is None else linear.bias.detach(), rows, cols)
 
 
-class SplitQKVAttention(nn.Module):
+class PaddedHeadsQKVAttention(nn.Module):
     """common's CausalSelfAttention with q, k, v as three Linears and the heads padded with zero
     ones to a multiple of `world`; its head count is whatever its q's local rows hold."""
 
@@ -101,7 +101,7 @@ class SplitQKVAttention(nn.Module):
 def parallelize_block(block: common.Block, mesh) -> None:
     """The TP + SP plan of one GPT block (torchtitan's, for this block's module names)."""
     world, d = mesh.size(), block.fc.in_features
-    block.attn = SplitQKVAttention(block.attn, world)
+    block.attn = PaddedHeadsQKVAttention(block.attn, world)
     units = -(-block.fc.out_features // world) * world
     block.fc, block.fc_proj = padded_like(block.fc, units, d), padded_like(block.fc_proj, d, units)
     parallelize_module(block, mesh, {

@@ -8,7 +8,10 @@ to the unsplit Llama, more ranks than KV heads `skipped`. The training object
 (SymmetricMemoryAdamW) equal to DDP with `no_sync` under a plain loop and 2-step accumulation,
 ranks seeded differently, the model's zero_grad too, BatchNorm buffers as DDP keeps them; a
 backward after step() without its zero_grad() refused; a bf16 Llama kept bf16, as DDP in bf16;
-on ranks {0, 1} of 3 equal to a world of 2; the README's lines run."""
+on ranks {0, 1} of 3 equal to a world of 2. TP's autograd Functions multiply in forward's dtype
+in backward too. Both README "Use it in your trainer" blocks, exactly as written, train a
+transformers LlamaForCausalLM (sdpa and eager, tied and untied, ranks seeded apart) as PyTorch's
+DDP does, a bf16 one kept bf16."""
 
 import argparse
 import os
@@ -16,10 +19,12 @@ import signal
 import sys
 from pathlib import Path
 
+import hf_llama
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 import common
 from helpers import TINY, assert_within_its_tolerance, load_recipe, readme_python_block
@@ -247,6 +252,39 @@ class _Alone:
         return a @ b
 
 
+class _OneDtype(_Alone):
+    """_Alone refusing what the fused CUDA kernels refuse: a matmul of two dtypes."""
+
+    def all_gather_matmul(self, shard, b):
+        assert shard.dtype == b.dtype, f"all_gather_matmul of {shard.dtype} by {b.dtype}"
+        return super().all_gather_matmul(shard, b)
+
+    def matmul_reduce_scatter(self, a, b):
+        assert a.dtype == b.dtype, f"matmul_reduce_scatter of {a.dtype} by {b.dtype}"
+        return super().matmul_reduce_scatter(a, b)
+
+
+@pytest.mark.parametrize("script", ["baseline_symmem_tp", "optimized_symmem_tp"])
+def test_backward_multiplies_in_forwards_dtype_when_the_gradient_comes_in_fp32(script):
+    """Under bf16 autocast both Functions multiply in bf16 and save bf16 weights; the gradient
+    autograd hands their backward may be fp32 (it was, on an H100, into the fused kernels):
+    backward casts it, and every matmul sees one dtype."""
+    tp = load_recipe(FOLDER / f"{script}.py")
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, requires_grad=True)
+    weight, bias = torch.randn(4, 8, requires_grad=True), torch.randn(4, requires_grad=True)
+    dy = torch.randn(6, 4)  # fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outputs = [tp.ColumnParallel.apply(x, weight, bias, _OneDtype()),
+                   tp.RowParallel.apply(x, weight, _OneDtype())]
+    expected_dx = dy.bfloat16().float() @ weight.detach().bfloat16().float()
+    for y in outputs:
+        assert y.dtype == torch.bfloat16
+        dx, dw, *_ = y.grad_fn.apply(dy)  # the Function's backward, as autograd calls it
+        assert dx.dtype == dw.dtype == torch.bfloat16
+        torch.testing.assert_close(dx.float(), expected_dx, rtol=2**-7, atol=1e-2)
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_a_world_of_one_computes_the_model_unsplit(family):
     """The slicing, the sequence-major layout and both autograd functions, against common.GPT
@@ -278,62 +316,64 @@ def test_a_world_of_one_computes_the_model_unsplit(family):
                              for norm in ("input_layernorm", "post_attention_layernorm"))}
 
 
-def _train_the_readme_lines(rank: int, world: int, port: int, members: list[int], out: str
-                            ) -> None:
-    """The README's tensor-parallel lines, as they are, on the tiny Llama over the group of
-    `members` (the other ranks idle); each rank seeded by its rank, so the lines must start
-    them from the first's weights. Rank 0 saves the final loss of the whole batch and the
-    head's weights."""
+def _losses_before_each_step(loss_of, batches, losses: list, group=None):
+    """`batches`, each yielded once `loss_of(inputs, targets)` (no grad, summed over the group)
+    is appended to `losses`: the loss of the weights a step starts from, on its batch, as DDP
+    reports it."""
+    for inputs, targets in batches:
+        with torch.no_grad():
+            loss = loss_of(inputs, targets)
+        dist.all_reduce(loss, group=group)
+        losses.append(loss.item())
+        yield inputs, targets
+
+
+README_STEPS = 3
+
+
+def _train_the_readme_tp_lines(rank: int, world: int, port: int, members: list[int], out: str
+                               ) -> None:
+    """The README's tensor-parallel lines, as they are, on a tiny transformers Llama of each
+    hf_llama.VARIANTS over the group of `members` (the other ranks idle); each rank seeded by
+    its rank, so the lines must start them from the first's weights. Rank 0 saves each step's
+    loss of the whole batch, and PyTorch's DDP's on the same model, group and global batch."""
     _start(rank, world, port)
     group = dist.new_group(members)
     if rank not in members:
         dist.destroy_process_group()
         return
     baseline = load_recipe(FOLDER / "baseline_symmem_tp.py")
-    size = common.SIZES["tiny"]
-    torch.manual_seed(rank)
-    model = common.Llama(size)
-    batches = _whole_batches(size)
-    lines = {**vars(baseline), "model": model, "group": group, "batches": batches}
-    exec(readme_python_block(FOLDER / "README.md",
-                              "### Tensor parallelism: `TensorParallelDecoder`"), lines)
-    with torch.no_grad():
-        loss = lines["tp_model"](*batches[0])
-    dist.all_reduce(loss, group=group)
+    me, n = members.index(rank), len(members)
+    saved = {}
+    for attn, tied in hf_llama.VARIANTS:
+        torch.manual_seed(rank)
+        model = hf_llama.tiny_llama(attn, tied)
+        ddp = hf_llama.ddp_losses(model, hf_llama.token_batches(README_STEPS, me, n), group=group)
+        whole = hf_llama.token_batches(README_STEPS, 0, 1, per_rank=2 * n)  # every rank: all
+        losses = []
+        lines = {**vars(baseline), "model": model, "group": group}
+        lines["batches"] = _losses_before_each_step(
+            lambda x, y, lines=lines: lines["tp_model"](x, y), whole, losses, group)
+        exec(readme_python_block(FOLDER / "README.md",
+                                  "### Tensor parallelism: `TensorParallelDecoder`"), lines)
+        saved[attn, tied] = {"tp": losses, "ddp": ddp}
     if rank == 0:
-        torch.save({"loss": loss, "head": model.lm_head.weight.detach().clone()}, out)
+        torch.save(saved, out)
     dist.destroy_process_group()
 
 
-
-
-def _whole_batches(size: common.Size) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Three steps' global batches of 4 sequences: TP feeds every rank the whole batch."""
-    tokens = [common.global_token_batch(size, size.seq_len, 4, step, seed=0) for step in range(3)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
-
-
-def test_the_readme_tensor_parallel_lines_train_the_unsplit_llama_on_a_group(checks):
-    """Exactly the README's lines, ranks seeded apart: on 2 ranks as the unsplit Llama trains
-    (AdamW on the whole batch), and on ranks {0, 1} of 3 (rank 2 idle) to the same bits as on
-    2 ranks."""
-    size = common.SIZES["tiny"]
-    torch.manual_seed(0)
-    model = common.Llama(size)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = _whole_batches(size)
-    for tokens, targets in batches:
-        opt.zero_grad()
-        model(tokens, targets).backward()
-        opt.step()
-    with torch.no_grad():
-        expected = model(*batches[0])
+def test_the_readme_tensor_parallel_lines_train_a_hf_llama_as_ddp_does_on_a_group(checks):
+    """Exactly the README's lines on a transformers LlamaForCausalLM as it comes (sdpa and an
+    untied head, eager and a tied one), ranks seeded apart: each step's loss DDP's on the same
+    model and global batch (1e-5 relative) on 2 ranks, and on ranks {0, 1} of 3 (rank 2 idle)
+    the same bits as on 2."""
     pair, subgroup = (torch.load(passed(checks(world), "tp readme") / "tp-readme.pt")
                       for world in (2, 3))
-    assert pair["loss"].item() == pytest.approx(expected.item(), rel=1e-5)
-    assert torch.allclose(pair["head"], model.lm_head.weight, atol=1e-5)
-    assert torch.equal(subgroup["loss"], pair["loss"])
-    assert torch.equal(subgroup["head"], pair["head"])
+    assert set(pair) == set(hf_llama.VARIANTS)
+    for variant, run in pair.items():
+        assert len(run["tp"]) == README_STEPS and run["tp"][-1] < run["tp"][0], variant
+        assert run["tp"] == pytest.approx(run["ddp"], rel=1e-5), variant
+        assert subgroup[variant]["tp"] == run["tp"], variant
 
 
 def test_heads_and_units_padded_for_dtensor_compute_the_same_and_stay_zero():
@@ -343,7 +383,7 @@ def test_heads_and_units_padded_for_dtensor_compute_the_same_and_stay_zero():
     block = common.Block(size.d_model, size.n_heads, common.causal_sdpa)
     x = torch.randn(2, 8, size.d_model)
     expected = block.attn(x)
-    padded = pytorch_tp.SplitQKVAttention(block.attn, world=3)  # 4 heads -> 6
+    padded = pytorch_tp.PaddedHeadsQKVAttention(block.attn, world=3)  # 4 heads -> 6
     assert padded.q.out_features == 6 * size.d_model // size.n_heads
     got = padded(x)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
@@ -649,23 +689,48 @@ def test_the_object_on_ranks_0_and_1_of_three_equals_a_world_of_two(checks):
 
 
 
-def _readme_lines(rank: int, world: int, port: int) -> None:
+def _readme_lines(rank: int, world: int, port: int, out: str) -> None:
+    """The README's SymmetricMemoryAdamW lines, as they are, on a tiny transformers Llama of
+    each hf_llama.VARIANTS (ranks seeded apart) and on a bf16 one, beside PyTorch's DDP on the
+    same model and global batch; rank 0 saves each step's losses and the bf16 run's dtypes."""
     recipe = _join(rank, world, port)
-    batches = _batches(rank, world)
-    model = _tiny_llama(seed=rank)
-    lines = readme_python_block(
+    block = readme_python_block(
         FOLDER / "README.md", "### Shared-memory data parallelism: `SymmetricMemoryAdamW`")
-    assert "SymmetricMemoryAdamW(model" in lines and "opt.step()" in lines
-    exec(lines,
-         {"SymmetricMemoryAdamW": recipe.SymmetricMemoryAdamW, "model": model, "group": None,
-          "batches": batches, "accum": 2})
-    torch.testing.assert_close(_flat(model), _with_ddp(_tiny_llama(seed=rank), batches, 2),
-                               rtol=1e-5, atol=1e-6)
+    batches = hf_llama.token_batches(README_STEPS, rank, world)
+    saved = {}
+    for attn, tied, dtype in [(*variant, torch.float32) for variant in hf_llama.VARIANTS] + [
+            ("sdpa", False, torch.bfloat16)]:
+        torch.manual_seed(rank)
+        model = hf_llama.tiny_llama(attn, tied, dtype)
+        ddp = hf_llama.ddp_losses(model, batches)
+        losses = []
+        lines = {"SymmetricMemoryAdamW": recipe.SymmetricMemoryAdamW, "F": F, "model": model,
+                 "group": None, "accum": 2}
+        lines["batches"] = _losses_before_each_step(
+            lambda x, y, model=model: hf_llama.hf_loss(model, x, y) / world, batches, losses)
+        exec(block, lines)
+        saved[attn, tied, dtype] = {
+            "ours": losses, "ddp": ddp,
+            "dtypes": {t.dtype for p in model.parameters() for t in (p, p.grad)} | {
+                v.dtype for state in lines["opt"].optimizer.state.values()
+                for k, v in state.items() if k != "step"}}
+    if rank == 0:
+        torch.save(saved, out)
     dist.destroy_process_group()
 
 
-def test_the_readme_lines_train_a_llama_as_ddp_does(checks):
-    passed(checks(2), "readme")
+def test_the_readme_lines_train_a_hf_llama_as_ddp_does_and_keep_bf16_weights(checks):
+    """Exactly the README's lines (2 micro-batches a step) on a transformers LlamaForCausalLM
+    (sdpa and an untied head, eager and a tied one), ranks seeded apart: each step's loss DDP's
+    on the same model and global batch, 1e-5 relative; a bf16 model's weights, gradients and
+    AdamW moments stay bf16, its losses DDP's in bf16 to bf16's rounding."""
+    runs = torch.load(passed(checks(2), "readme") / "readme.pt")
+    assert {variant[:2] for variant in runs} == {*hf_llama.VARIANTS}
+    for (attn, tied, dtype), run in runs.items():
+        assert len(run["ours"]) == README_STEPS and run["ours"][-1] < run["ours"][0]
+        assert run["dtypes"] == {dtype}, (attn, tied)
+        rel = 1e-5 if dtype == torch.float32 else 5e-3
+        assert run["ours"] == pytest.approx(run["ddp"], rel=rel), (attn, tied, dtype)
 
 
 def _train_llama(rank: int, world: int, port: int, results: str) -> None:
@@ -703,7 +768,7 @@ CHECKS = {  # name: {world size: call(rank, world, port, out)}
         r, w, port)},
     "two nodes": {2: lambda r, w, port, out: _two_nodes(r, w, port)},
     "training": {3: lambda r, w, port, out: _train_three(r, w, port, f"{out}/training.jsonl")},
-    "tp readme": {world: lambda r, w, port, out: _train_the_readme_lines(
+    "tp readme": {world: lambda r, w, port, out: _train_the_readme_tp_lines(
         r, w, port, [0, 1], f"{out}/tp-readme.pt") for world in (2, 3)},
     "dtensor llama": {2: lambda r, w, port, out: _dtensor_llama_against_unsplit(r, w, port)},
     "against ddp": {2: lambda r, w, port, out: _against_ddp(r, w, port)},
@@ -711,7 +776,7 @@ CHECKS = {  # name: {world size: call(rank, world, port, out)}
     "bf16": {2: lambda r, w, port, out: _in_bf16(r, w, port)},
     "object on a group": {world: lambda r, w, port, out: _on_a_group(
         r, w, port, [0, 1], f"{out}/object.pt") for world in (2, 3)},
-    "readme": {2: lambda r, w, port, out: _readme_lines(r, w, port)},
+    "readme": {2: lambda r, w, port, out: _readme_lines(r, w, port, f"{out}/readme.pt")},
     "training the llama": {2: lambda r, w, port, out: _train_llama(r, w, port,
                                                                    f"{out}/llama.jsonl")},
 }
