@@ -96,7 +96,7 @@ def simulate(ranks: list[list[Action]], seconds: list[dict[str, float]] | None =
     return 1 - busy / (p * max(clock)), max(max(counts) for counts in held), posts
 
 
-# Copied from 05_pipeline/baseline_pipeline.py: broadcast_parameters
+# Copied from 01_ddp/baseline_ddp.py: broadcast_parameters
 def broadcast_parameters(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Make every rank of `group` (None: the world) start from the group's first rank's weights
     and buffers (a tied weight is sent once)."""

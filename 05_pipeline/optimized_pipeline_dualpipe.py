@@ -161,7 +161,7 @@ def simulate_split(ranks: list[list[SplitAction]], seconds: list[dict[str, float
     return 1 - busy / (p * max(clock)), max(max(counts) for counts in held), posts
 
 
-# Copied from 05_pipeline/baseline_pipeline.py: broadcast_parameters
+# Copied from 01_ddp/baseline_ddp.py: broadcast_parameters
 def broadcast_parameters(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Make every rank of `group` (None: the world) start from the group's first rank's weights
     and buffers (a tied weight is sent once)."""
@@ -341,7 +341,7 @@ class TwoStagePipelineRank:
 class TwinGradients:
     """Rank r of `group` (default: the world) and its twin, rank p-1-r, hold the same two
     stages, `params` (in the same order on both). Building it makes the twins' weights equal,
-    the lower twin's (as DDP broadcasts from its first rank): ranks may seed apart. `sum` then
+    the lower twin's (as DDP broadcasts from its first rank), which the sum keeps equal. `sum`
     adds this rank's and its twin's gradients and losses, each from half of the micro-batches:
     one exchange. By send/recv: a new process group would be collective over the whole world."""
 

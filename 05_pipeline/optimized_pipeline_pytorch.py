@@ -19,6 +19,7 @@ Theory:     the schedules' own: bubble (p-1)/(m+p-1) for GPipe and 1F1B, activat
             or min(p, m) (1F1B) micro-batches in flight; torch records no timeline to measure them.
 """
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -37,6 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "dualpipev": ScheduleDualPipeV}
+
+
+# Copied from 01_ddp/baseline_ddp.py: broadcast_parameters
+def broadcast_parameters(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Make every rank of `group` (None: the world) start from the group's first rank's weights
+    and buffers (a tied weight is sent once)."""
+    first = dist.get_global_rank(group or dist.group.WORLD, 0)
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        dist.broadcast(tensor.detach(), src=first, group=group)
 
 
 # Copied from 05_pipeline/baseline_pipeline.py: cross_entropy
@@ -87,6 +97,7 @@ def main():
     topo = common.setup(args)
     p, m = topo.world_size, args.microbatches
     model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
+    broadcast_parameters(model)  # the whole model on every rank: rank 0's, whatever the seed
     params, tied = sum(q.numel() for q in model.parameters()), tied_weights(model)
     stages = model.pipeline_stages(n_stages)
     mine = [topo.rank, 2 * p - 1 - topo.rank] if v else [topo.rank]  # stage indices
@@ -105,8 +116,6 @@ def main():
     # a weight tied across stages is on the first and last rank (the V's: both on rank 0)
     tied_group = dist.new_group([0, p - 1]) if tied and not v else None  # by every rank
     tied = [w for w in tied if not v and any(w is q for q in held.parameters())]
-    for w in tied:  # both copies start from the first stage's, as ranks seeded apart need
-        dist.broadcast(w.detach(), src=0, group=tied_group)
     opt = torch.optim.AdamW(held.parameters(), lr=args.lr)
 
     def train_step(tokens, targets):
