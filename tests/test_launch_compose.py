@@ -1,24 +1,34 @@
 """Composed parallelism at `tiny`: 03_fsdp/optimized_fsdp_tp.py on a (dp 2, tp 2) mesh of 4 CPU
-processes and 05_pipeline/optimized_pipeline_3d.py on (pp 2, dp 2, tp 2) of 8, each against DDP
-on the same global batch, GPT and Llama, clipping the gradient; a DCP checkpoint saved at (dp 2,
-tp 2) resumed at (dp 1, tp 4) and as plain FSDP over 4 ranks with the uninterrupted run's losses.
+processes and 05_pipeline/optimized_pipeline_3d.py on (pp 2, dp 2, tp 2) and (pp 2, dp 4, tp 1)
+of 8 and (pp 2, dp 1, tp 2) of 4, each against DDP on the same global batch, GPT and Llama,
+clipping the gradient; a DCP checkpoint saved at (dp 2, tp 2) resumed at (dp 1, tp 4) and as
+plain FSDP over 4 ranks with DDP's losses. The READMEs' 2-D and 3-D lines on a HuggingFace
+LlamaForCausalLM (tests/hf_llama.py) against PyTorch's DDP; the default tp; the 3-D baseline
+skipping with the 3-D run.
 
-The runs of a world are forked from one Python (`report.py smoke`, as `make smoke` runs them):
-torch imported once, not once a rank, which on 2 cores is most of a launch's time."""
+The runs of a world are forked from one Python (`report.py smoke`, as `make smoke` runs them;
+the README lines' ranks from this one): torch imported once, not once a rank, which on 2 cores
+is most of a launch's time."""
 
+import json
 import multiprocessing
 import os
 import subprocess
 import sys
+from argparse import Namespace
 
+import hf_llama
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
+from transformers import LlamaForCausalLM
 
 import common
 import report
 from helpers import (
     assert_bad_input_is_one_line,
+    assert_skipped_with_why,
     assert_within_its_tolerance,
     cpu_env,
     load_recipe,
@@ -27,6 +37,7 @@ from helpers import (
 
 FSDP_TP = common.ROOT / "03_fsdp" / "optimized_fsdp_tp.py"
 PIPELINE_3D = common.ROOT / "05_pipeline" / "optimized_pipeline_3d.py"
+BASELINE_3D = common.ROOT / "05_pipeline" / "baseline_pipeline_3d.py"
 CLIP = "--clip-grad-norm 0.5"
 SAVED_AT = 3  # the 2-D run saves after step 3 of its 5 (3 timed after 2 warm-up)
 
@@ -55,8 +66,10 @@ def on_4_ranks(tmp_path_factory):
             f"03_fsdp/optimized_fsdp_tp.py --tp 4 {CLIP} {saved} --resume --steps 4 --warmup 1",
             f"03_fsdp/optimized_fsdp_tp.py --tp 1 {CLIP} {saved} --resume --steps 4 --warmup 1",
             f"03_fsdp/baseline_fsdp.py --model llama {CLIP}",
-            f"03_fsdp/optimized_fsdp_tp.py --model llama {CLIP}"]
-    return dict(zip(["ddp", "2d", "tp4", "fsdp", "ddp llama", "2d llama"],
+            f"03_fsdp/optimized_fsdp_tp.py --model llama {CLIP}",
+            # pp 2 x tp 2 leaves dp 1; a dp rank's batch, pp x tp x 4, is the 4 x 4 of DDP's
+            f"05_pipeline/optimized_pipeline_3d.py --model llama {CLIP}"]
+    return dict(zip(["ddp", "2d", "tp4", "fsdp", "ddp llama", "2d llama", "3d llama"],
                     forked_runs(runs, 4, out), strict=True))
 
 
@@ -67,8 +80,8 @@ def on_8_ranks(tmp_path_factory):
     flags = f"{CLIP} --batch-size 2"
     runs = [f"05_pipeline/baseline_pipeline_3d.py {flags}",
             f"05_pipeline/optimized_pipeline_3d.py {flags}",
-            f"05_pipeline/optimized_pipeline_3d.py --model llama {flags}"]
-    return dict(zip(["ddp", "3d", "3d llama"],
+            f"05_pipeline/optimized_pipeline_3d.py --tp 1 {flags}"]
+    return dict(zip(["ddp", "3d", "3d tp1"],
                     forked_runs(runs, 8, tmp_path_factory.mktemp("compose8")), strict=True))
 
 
@@ -80,11 +93,20 @@ def assert_measured_is_theory(rec: dict) -> None:
         assert rec["comm_mb_by_dim"][dim] == pytest.approx(predicted, rel=0.01, abs=2e-3), dim
 
 
+def assert_trains_like_ddp(losses: list[float], ddp: list[float]) -> None:
+    """The same losses as DDP's on the same global batch, to 1e-5 relative (fp32)."""
+    assert len(losses) == len(ddp)
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ddp, strict=True)), \
+        (losses, ddp)
+
+
 @pytest.mark.parametrize("model", ["", " llama"])
 def test_fsdp_x_tp_trains_like_ddp_with_the_state_and_bytes_of_its_theory(on_4_ranks, model):
     rec, ddp = on_4_ranks[f"2d{model}"], on_4_ranks[f"ddp{model}"]
     assert rec["mesh"] == {"dp": 2, "tp": 2} and rec["clip_grad_norm"] == 0.5
     assert_within_its_tolerance(rec, ddp)
+    assert_trains_like_ddp(rec["losses"], ddp["losses"])
+    # the logits stay split by vocabulary: the tp bytes hold no gather of them (theory has none)
     assert_measured_is_theory(rec)
     assert rec["comm_mb_by_dim"]["dp"] > 0 and rec["comm_mb_by_dim"]["tp"] > 0
     # each rank holds about a quarter of DDP's state: what TP replicates (the norms) aside
@@ -95,25 +117,34 @@ def test_fsdp_x_tp_trains_like_ddp_with_the_state_and_bytes_of_its_theory(on_4_r
                                           ("fsdp", {"dp": 4, "tp": 1})])
 def test_a_checkpoint_saved_at_dp2_tp2_resumes_at_another_layout(on_4_ranks, layout, mesh):
     """DCP reshards on load: the (dp 2, tp 2) run's shards, read at (dp 1, tp 4) or as plain
-    FSDP over 4 ranks, continue with the losses of the run that was never stopped."""
+    FSDP over 4 ranks, continue with the losses of the run that was never stopped, and of DDP:
+    the meshes (1, 4) and (4, 1) train like DDP."""
     saver, resumed = on_4_ranks["2d"], on_4_ranks[layout]
     assert resumed["mesh"] == mesh and resumed["resumed_from"] == SAVED_AT
     uninterrupted = saver["losses"][SAVED_AT:]
     assert len(resumed["losses"]) == len(uninterrupted) == 2
     assert report.max_loss_diff(resumed["losses"], uninterrupted) <= resumed["loss_tolerance"]
+    assert_trains_like_ddp(resumed["losses"], on_4_ranks["ddp"]["losses"][SAVED_AT:])
     assert_measured_is_theory(resumed)
 
 
-@pytest.mark.parametrize("model", ["", " llama"])
-def test_pipeline_x_fsdp_x_tp_trains_like_ddp(on_8_ranks, on_4_ranks, model):
-    rec = on_8_ranks[f"3d{model}"]
-    assert rec["mesh"] == {"pp": 2, "dp": 2, "tp": 2} and rec["microbatches"] == 4
-    assert_within_its_tolerance(rec, on_8_ranks["ddp"] if not model else on_4_ranks["ddp llama"])
+@pytest.mark.parametrize("run, mesh, ddp", [
+    ("3d", {"pp": 2, "dp": 2, "tp": 2}, "ddp"),
+    ("3d tp1", {"pp": 2, "dp": 4, "tp": 1}, "ddp"),
+    ("3d llama", {"pp": 2, "dp": 1, "tp": 2}, "ddp llama")])
+def test_pipeline_x_fsdp_x_tp_trains_like_ddp(on_8_ranks, on_4_ranks, run, mesh, ddp):
+    """Any mesh whose product is the world, dims of 1 included: against DDP on the same global
+    batch (8 ranks x 2 sequences, or 4 x 4)."""
+    rec = {**on_4_ranks, **on_8_ranks}[run]
+    base = on_8_ranks["ddp"] if rec["world_size"] == 8 else on_4_ranks[ddp]
+    assert rec["mesh"] == mesh and rec["microbatches"] == 4
+    assert_within_its_tolerance(rec, base)
+    assert_trains_like_ddp(rec["losses"], base["losses"])
     assert_measured_is_theory(rec)
-    assert all(rec["comm_mb_by_dim"][dim] > 0 for dim in ("pp", "dp", "tp"))
+    assert all(rec["comm_mb_by_dim"][dim] > 0 for dim, n in mesh.items() if n > 1)
     assert rec["theory"]["bubble_uniform"] == pytest.approx(1 / 5)
-    # against DDP's 16 bytes a parameter on every rank: about an eighth, the embedding's stage
-    assert rec["state_mb"] < on_8_ranks["ddp"]["state_mb"] / 6
+    # against DDP's 16 bytes a parameter on every rank: about 1 / (dp x tp) of the first stage
+    assert rec["state_mb"] < base["state_mb"] / (0.75 * mesh["dp"] * mesh["tp"] * 2)
 
 
 def test_the_ddp_baseline_of_the_3d_run_is_ddp(on_8_ranks, on_4_ranks):
@@ -136,43 +167,141 @@ def test_a_mesh_that_cannot_be_built_is_refused_in_one_line(script, flags, world
                                  WORLD_SIZE=world)
 
 
-def _readme_lines_on_a_2d_mesh(rank: int, world: int, port: int, snippet: str) -> None:
+def test_the_default_tp_divides_the_heads_the_kv_heads_and_a_node():
+    """On an 8-GPU host the Llama's 2 KV heads allow tp 2 (a tp of 4 would refuse tiny); the
+    GPT's 4 heads allow 4, with dp 2. The 3-D mesh on 4 GPUs: pp 2 x dp 1 x tp 2; on 2 none."""
+    fsdp_tp, tiny = load_recipe(FSDP_TP), {"size": "tiny", "seq_len": 32}
+    llama, gpt = Namespace(model="llama", **tiny), Namespace(model="gpt", **tiny)
+    assert fsdp_tp.default_tp(llama, world=8, node=8) == 2
+    assert fsdp_tp.default_tp(gpt, world=8, node=8) == 4
+    assert fsdp_tp.default_tp(gpt, world=4, node=4) == 2  # dp 2 before tp 4 at dp 1
+    assert fsdp_tp.default_tp(gpt, world=16, node=8, stages=2) == 4
+    assert fsdp_tp.default_tp(gpt, world=4, node=4, stages=2) == 2
+    assert fsdp_tp.default_tp(gpt, world=2, node=2, stages=2) is None
+
+
+@pytest.mark.parametrize("script", [BASELINE_3D, PIPELINE_3D])
+def test_the_3d_baseline_skips_where_the_3d_run_skips(script, tmp_path, monkeypatch):
+    """On 2 processes (a 1-2 GPU host's `make pipeline`) no pp 2 x tp 2 mesh fits: the 3-D run
+    skips, and its DDP baseline with it, for the same reason."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert_skipped_with_why(script, ["--size", "tiny"], "a 3-D mesh of pp 2 x dp x tp >= 2",
+                            tmp_path)
+
+
+def test_a_tp_that_splits_no_whole_heads_or_a_plan_of_other_names_is_one_line():
+    fsdp_tp = load_recipe(FSDP_TP)
+    layers = list(hf_llama.tiny_llama().model.layers)
+    assert fsdp_tp.split_problem(layers, fsdp_tp.llama_layer_plan(), 2) is None
+    assert fsdp_tp.split_problem(layers, fsdp_tp.llama_layer_plan(), 4) == (
+        "tp 4 does not split the 2 heads of self_attn.k_proj: pass a mesh whose tp dim "
+        "divides 2")
+    gpt = common.GPT(common.SIZES["tiny"], 32)
+    assert fsdp_tp.split_problem(list(gpt.blocks), fsdp_tp.llama_layer_plan(), 2) == (
+        "the plan names 'input_layernorm', which Block lacks: pass a plan in its own module "
+        "names")
+
+
+# --- the READMEs' lines on a HuggingFace Llama, ranks forked from this process ------------------
+README_STEPS = 3
+
+
+def _readme_ranks(rank: int, world: int, port: int, out: str) -> None:
+    """One rank: the 2-D lines (tp 2) and, on 4 ranks, the 3-D lines (pp 2 x dp 1 x tp 2), each
+    on a tiny LlamaForCausalLM per variant drawn from this rank's own seed, beside PyTorch's DDP
+    on the same model and global batch (2 sequences a rank); on 4 ranks one bf16 run of the
+    2-D lines. What each gave goes to out/rank<r>.json."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    common.setup(timeout_s=60)
-    size, dp_rank, dp = common.SIZES["tiny"], rank // 2, world // 2  # tp 2, the inner dim
-    whole = [common.global_token_batch(size, size.seq_len, 8, step, 0) for step in range(3)]
-    batches = [(common.rank_slice(t[:, :-1], dp_rank, dp), common.rank_slice(t[:, 1:], dp_rank, dp))
-               for t in whole]
-    torch.manual_seed(rank)  # ranks seeded apart: the lines start them from rank 0's weights
-    namespace = {**vars(load_recipe(FSDP_TP)), "model": common.Llama(size), "batches": batches}
-    exec(snippet, namespace)
-    torch.manual_seed(0)  # the reference: rank 0's model, one process, the whole batch
-    model = common.Llama(size)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    reference = []
-    for tokens in whole:
-        opt.zero_grad(set_to_none=True)
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        reference.append(loss.item())
-    losses = torch.tensor(namespace["losses"])  # each dp rank's batch: their mean is the batch's
-    dist.all_reduce(losses)
-    assert (losses / world - torch.tensor(reference)).abs().max() <= 1e-5, (losses, reference)
+    common.setup(timeout_s=120)
+    two_d = readme_python_block(common.ROOT / "03_fsdp" / "README.md",
+                                "### Use it in your trainer, on a 2-D mesh")
+    three_d = readme_python_block(common.ROOT / "05_pipeline" / "README.md",
+                                  "### Use it in your trainer, on a 3-D mesh")
+    units_2d, units_3d = vars(load_recipe(FSDP_TP)), vars(load_recipe(PIPELINE_3D))
+    dp_rank, dp = rank // 2, world // 2  # the 2-D lines' tp 2, the inner dim
+    done = {}
+
+    def seeded_apart(attn: str, tied: bool, dtype=torch.float32) -> LlamaForCausalLM:
+        torch.manual_seed(rank)  # the lines start every rank from rank 0's weights
+        return hf_llama.tiny_llama(attn, tied, dtype)
+
+    def world_mean(losses: list[float]) -> list[float]:
+        summed = torch.tensor(losses, dtype=torch.float64)
+        dist.all_reduce(summed)
+        return (summed / world).tolist()
+
+    variants = hf_llama.VARIANTS if world == 4 else hf_llama.VARIANTS[:1]
+    for attn, tied in variants:
+        model = seeded_apart(attn, tied)
+        ddp = hf_llama.ddp_losses(model, hf_llama.token_batches(README_STEPS, rank, world))
+        lines = {**units_2d, "model": model, "batches": hf_llama.token_batches(
+            README_STEPS, dp_rank, dp, per_rank=2 * world // dp)}
+        exec(two_d, lines)
+        with torch.no_grad():  # finding 3: no rank holds the whole vocabulary's logits
+            logits = model(input_ids=lines["batches"][0][0]).logits
+        done[f"2d {attn}"] = {
+            "losses": world_mean(lines["losses"]), "ddp": ddp,
+            "logits": [type(logits).__name__, [str(p) for p in logits.placements],
+                       list(logits.to_local().shape)]}
+        if world == 4:
+            lines = {**units_3d, "model": seeded_apart(attn, tied),
+                     "batches": hf_llama.token_batches(README_STEPS, 0, 1, per_rank=2 * world)}
+            exec(three_d, lines)
+            done[f"3d {attn}"] = {"losses": lines["losses"], "ddp": ddp}
+    if world == 4:
+        model = seeded_apart("sdpa", False, torch.bfloat16)
+        lines = {**units_2d, "model": model, "batches": hf_llama.token_batches(
+            1, dp_rank, dp, per_rank=2 * world // dp)}
+        exec(two_d, lines)
+        done["bf16"] = {"dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+                        "losses": lines["losses"]}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(done, f)
     dist.destroy_process_group()
 
 
-def test_the_readmes_2d_lines_train_a_llama_seeded_apart_like_one_process():
-    snippet = readme_python_block(common.ROOT / "03_fsdp" / "README.md",
-                                  "### Use it in your trainer, on a 2-D mesh")
-    assert 'mesh_dim_names=("dp", "tp")' in snippet and "list(model.model.layers)" in snippet
-    port, fork = common.free_port(), multiprocessing.get_context("fork")
-    ranks = [fork.Process(target=_readme_lines_on_a_2d_mesh, args=(r, 4, port, snippet))
-             for r in range(4)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=240)
-    assert [p.exitcode for p in ranks] == [0] * 4
+@pytest.fixture(scope="module")
+def readme_ranks(tmp_path_factory):
+    """The README lines' ranks: 4 (dp 2 x tp 2, and pp 2 x dp 1 x tp 2), then 6 (dp 3 x tp 2);
+    each rank's results by world."""
+    out, fork, found = tmp_path_factory.mktemp("readmes"), multiprocessing.get_context("fork"), {}
+    for world in (4, 6):
+        port = common.free_port()
+        ranks = [fork.Process(target=_readme_ranks, args=(r, world, port, str(out / str(world))))
+                 for r in range(world)]
+        (out / str(world)).mkdir()
+        for p in ranks:
+            p.start()
+        for p in ranks:
+            p.join(timeout=300)
+        assert [p.exitcode for p in ranks] == [0] * world
+        found[world] = [json.loads((out / str(world) / f"rank{r}.json").read_text())
+                        for r in range(world)]
+    return found
+
+
+@pytest.mark.parametrize("world, attn", [(4, "sdpa"), (4, "eager"), (6, "sdpa")])
+def test_the_readmes_2d_lines_train_a_hf_llama_seeded_apart_like_ddp(readme_ranks, world, attn):
+    """sdpa with an untied head, eager (causal only through HuggingFace's mask) with a tied one,
+    on (dp 2, tp 2) and (dp 3, tp 2); the head's logits a Shard(-1) DTensor, each rank its
+    vocabulary's half."""
+    for rank in readme_ranks[world]:
+        run = rank[f"2d {attn}"]
+        assert_trains_like_ddp(run["losses"], run["ddp"])
+        # a dp rank's 4 sequences of 32 tokens, half of the 128 words' logits
+        assert run["logits"] == ["DTensor", [str(Shard(2))], [4, 32, 64]]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_the_readmes_3d_lines_train_a_hf_llama_seeded_apart_like_ddp(readme_ranks, attn):
+    last = [rank[f"3d {attn}"] for rank in readme_ranks[4][2:]]  # pp rank 1: ranks 2 and 3
+    assert all(not rank[f"3d {attn}"]["losses"] for rank in readme_ranks[4][:2])
+    for run in last:
+        assert_trains_like_ddp(run["losses"], run["ddp"])
+
+
+def test_the_readmes_2d_lines_keep_bf16_weights_bf16(readme_ranks):
+    for rank in readme_ranks[4]:
+        assert rank["bf16"]["dtypes"] == ["torch.bfloat16"]
+        assert all(torch.isfinite(torch.tensor(rank["bf16"]["losses"])))
