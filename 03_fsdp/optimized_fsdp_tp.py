@@ -1,18 +1,19 @@
 """FSDP2 x tensor parallelism on a 2-D device mesh ("dp", "tp"): how models past one node train.
 
 What it does: the ranks form a dp x tp grid, tp innermost (neighbouring ranks: one node's GPUs).
-First tensor parallelism over "tp", torchtitan's plan: in each block q, k, v and the MLP's input
-matrices column-wise, the output projections row-wise, the norms sequence-parallel (activations
-between blocks split along the sequence: all-gathered before attention and the MLP,
-reduce-scattered after); the token (and position) tables row-wise, the head column-wise, its
-logits gathered for the loss. Then FSDP2 over "dp": fully_shard on each block and on the root,
-so each weight, already split tp ways, is sharded dp ways more. Every parameter ends a 2-D
-DTensor, so gradient clipping takes one norm over the whole mesh. The GPT's fused qkv becomes
-three Linears (an even split of it would hand rank 0 all of q); its tied head stays tied.
+parallelize() composes, torchtitan's order. First tensor parallelism over "tp": in each block
+q, k, v and the MLP's input matrices column-wise, the output projections row-wise, the norms
+sequence-parallel (activations between blocks split along the sequence: each norm's output
+all-gathered, the projections' reduce-scattered); the token (and position) tables row-wise, the
+head column-wise, its logits split by vocabulary for a loss under loss_parallel(). Then FSDP2
+over "dp": fully_shard on each block and the root, so each weight, already split tp ways, is
+sharded dp ways more: every parameter ends a 2-D DTensor, and gradient clipping takes one norm
+over the mesh. The GPT's fused qkv becomes three Linears (an even split of it would hand rank 0
+all of q); its tied head stays tied. The plans fit HuggingFace's Llama as it comes.
 Why it helps: TP divides every block's weights AND its activations by tp at the price of
 activation traffic each layer (fast links only); FSDP divides what is left by dp at the price of
 weight traffic once a step (slow links are fine). Why this order: fully_shard must see the TP
-DTensors to shard their local pieces (torchtitan applies TP, then FSDP).
+DTensors to shard their local pieces.
 Run:        torchrun --nproc_per_node=4 03_fsdp/optimized_fsdp_tp.py --size small --tp 2
             (--tp 1: plain FSDP over every rank; --checkpoint-dir/--checkpoint-every/--resume:
             DCP checkpoints that load at any other --tp and world)
@@ -20,8 +21,9 @@ Look for:   `make fsdp report`: beside baseline_fsdp (DDP, same world and global
             same losses, state MB near 16 x params / (dp x tp), comm MB split by mesh dim.
 Theory:     state 16 bytes x (each weight's tp piece, padded to dp) / dp. tp: per block 4
             all-gathers and 4 reduce-scatters of (tp-1)/tp x the dp rank's batch x T x d
-            activations, the norms' gradients all-reduced, the ends' gathers; dp: FSDP's
-            (dp-1)/dp x (2 gathers a block + 1 of the root + 1 reduce-scatter) of the tp pieces.
+            activations, the ends' 4, loss_parallel's 3 all-reduces of 4 bytes a token, the
+            norms' gradients; dp: (dp-1)/dp x (2 gathers a block + 1 of the root + 1
+            reduce-scatter) of the tp pieces.
 """
 
 import argparse

@@ -1,26 +1,26 @@
 """Pipeline x FSDP2 x tensor parallelism on a 3-D device mesh ("pp", "dp", "tp"): 3-D parallelism.
 
-What it does: the ranks form a pp x dp x tp grid, tp innermost. The decoder's layers are cut
-into pp stages as the other pipeline scripts cut them; stage s runs on the ranks whose pp
-coordinate is s. Inside a stage, 03_fsdp/optimized_fsdp_tp.py's composition, unchanged: tensor
-parallelism over "tp" (q, k, v and the MLP's input matrices column-wise, output projections
-row-wise, norms sequence-parallel; the first stage's tables row-wise, the last's head
-column-wise), then fully_shard over "dp" on each block and the stage. torch.distributed
-.pipelining runs the stages: `PipelineStage` on the "pp" group, `Schedule1F1B` (--schedule
-gpipe: ScheduleGPipe) over m micro-batches. Between stages go each tp rank's sequence shard of
-the residual stream: 1/tp of the activations. FSDP keeps each block gathered from its first
-micro-batch's forward to its last's backward and reduce-scatters once a step (the schedule
-tells it which backward is last). The GPT's tied embedding and head, on the first and last
-stages, have their gradient shards summed over the pair (as the folder's other scripts do).
+What it does: the ranks form a pp x dp x tp grid, tp innermost. Every rank takes global rank
+0's whole model, then the decoder's layers are cut into pp stages as the other pipeline scripts
+cut them; stage s runs on the ranks whose pp coordinate is s. Each stage goes through
+03_fsdp/optimized_fsdp_tp.py's parallelize(), a marked copy (as torchtitan hands its
+parallelize_fn to the pipeline builder): tensor parallelism over "tp", then fully_shard over
+"dp" on each block and the stage. torch.distributed.pipelining runs the stages:
+`PipelineStage` on the "pp" group, `Schedule1F1B` (--schedule gpipe: ScheduleGPipe) over m
+micro-batches, the last stage's loss under loss_parallel() (logits split by vocabulary).
+Between stages go each tp rank's sequence shard of the residual stream: 1/tp of the
+activations. FSDP keeps each block gathered from its first micro-batch's forward to its last's
+backward and reduce-scatters once a step. The GPT's tied embedding and head, on the first and
+last stages, have their gradient shards summed over the pair. Any mesh whose product is the
+world trains, dims of 1 included.
 Why: each dim divides a different cost: pp the layers (activations cross a stage boundary
 once a micro-batch: cheap, any link), tp each layer's weights and activations (traffic every
 layer: fast links), dp what is left (weight traffic once a step). It is how models past one
 node's memory train (torchtitan's Llama 3 405B: pp x FSDP x TP 8).
 Run:        torchrun --nproc_per_node=8 05_pipeline/optimized_pipeline_3d.py --size small
-            (--pp 2 --tp 2 by default on CPU: dp = world / (pp x tp))
+            (--pp 2, tp the largest dividing the heads and a node, 2 on CPU; dp the rest)
 Look for:   `make pipeline report`: beside baseline_pipeline_3d (DDP on the same world and global
-            batch: the folder's naive baseline is model-parallel only) the same losses, state
-            MB near 16 x params / (pp x dp x tp), comm MB split by mesh dim beside theory.
+            batch) the same losses, state MB near 16 x params / (pp x dp x tp), comm MB by dim.
 Theory:     bubble (pp-1)/(m+pp-1). Rank 0 sends a step: pp, each micro-batch's activation
             shard (and the tied gradient shard); tp, 8 gathers or scatters a block and those of
             its ends, per micro-batch; dp, one gather and one reduce-scatter of its stage.
