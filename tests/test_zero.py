@@ -19,7 +19,6 @@ PyTorch's DDP on the same model.
 import copy
 import dataclasses
 import functools
-import gc
 import os
 import sys
 
@@ -376,33 +375,36 @@ def zero3_shards(group=None) -> dict:
 
 
 
-def kept_for_backward(forward) -> tuple[torch.Tensor, int]:
+def kept_for_backward(forward, resized: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
     """forward()'s result and the bytes of live tensors it leaves behind, for backward: counted
-    by PyTorch's MemTracker, as common.peak_tensor_memory counts (every op's outputs, the
-    storages ZeRO-3 resizes)."""
+    by PyTorch's MemTracker, as common.peak_tensor_memory counts (every op's outputs, and the
+    storages of `resized`, ZeRO-3's unsharded buffers, as it resizes them)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    gc.collect()
-    tracker, cpu = MemTracker(), torch.device("cpu")
-    tracker.track_external(*[o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)])
+    tracker = MemTracker()
+    tracker.track_external(*resized)
+
+    def live() -> int:
+        return tracker.get_tracker_snapshot().get(torch.device("cpu"), {}).get("Total", 0)
+
     with tracker:
-        before = tracker.get_tracker_snapshot()[cpu]["Total"]
+        before = live()
         out = forward()
-        return out, tracker.get_tracker_snapshot()[cpu]["Total"] - before
+        return out, live() - before
 
 
 def zero3_under_bf16_autocast() -> dict:
     """ZeRO-3 gathering in bf16 (param_dtype) on a tiny Llama of 4 blocks under bf16 autocast,
-    one sequence a rank (bf16 is slow on this CPU): after a first step, one step's bytes sent by
-    collective and dtype, what its forward leaves for backward, and a step's peak split; beside
-    them the theory, and what the same forward on a plain bf16 copy of the model leaves (its
-    activations: its weights were live before)."""
+    one sequence of 8 tokens a rank (bf16 is slow on this CPU): after a first step, one step's
+    bytes sent by collective and dtype, what its forward leaves for backward, and a step's peak
+    split; beside them the theory, and what the same forward on a plain bf16 copy of the model
+    leaves (its activations: its weights were live before)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     model = common.Llama(dataclasses.replace(SIZE, n_layers=4), autocast_dtype=torch.bfloat16)
     plain = copy.deepcopy(model).to(torch.bfloat16)
     opt = ZERO[3](model, common.transformer_blocks(model), lr=LR, param_dtype=torch.bfloat16)
-    tokens = common.global_token_batch(SIZE, SIZE.seq_len, world, 0, seed=0)
+    tokens = common.global_token_batch(SIZE, 8, world, 0, seed=0)
     x, y = (common.rank_slice(t, rank, world) for t in (tokens[:, :-1], tokens[:, 1:]))
 
     def step():
@@ -414,11 +416,11 @@ def zero3_under_bf16_autocast() -> dict:
     step()  # AdamW's state exists from here on
     opt.zero_grad()
     with common.CollectiveBytes() as sent:
-        loss, kept = kept_for_backward(lambda: model(x, y))
+        loss, kept = kept_for_backward(lambda: model(x, y), opt.unsharded)
         loss.backward()
     opt.step()
     _, peak = common.peak_tensor_memory(step, (model, opt), torch.device("cpu"))
-    return {"kept": kept, "kept_by_plain_bf16": kept_for_backward(lambda: plain(x, y))[1],
+    return {"kept": kept, "kept_by_plain_bf16": kept_for_backward(lambda: plain(x, y), [])[1],
             "root_numel": opt.buckets[-1].numel, "sent": sent.by_kind, "peak": peak,
             "params_mb": common.state_split_mb(model, opt)["params_mb"],
             "theory": STAGES[3].theory(opt.buckets, world, 4, 2, 0.0),
