@@ -80,7 +80,6 @@ def tp_problem(args: argparse.Namespace, tp: int, world: int) -> str | None:
     return None
 
 
-
 def default_tp(args: argparse.Namespace, world: int, node: int, stages: int = 1) -> int | None:
     """--tp's default: the largest tp >= 2 that divides a node's `node` processes (a TP group
     stays on one node's links) and that --size's model splits on a stage's `world / stages`
@@ -95,6 +94,7 @@ def node_size(world: int) -> int:
     """The processes a TP group may span: a node's GPUs on CUDA; on CPU 2, where more would
     only share the same cores."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torch.cuda.is_available() else 2
+
 
 # Copied from 03_fsdp/optimized_fsdp.py: same_weights_on_every_rank
 def same_weights_on_every_rank(model: torch.nn.Module, mesh: DeviceMesh) -> None:
@@ -183,8 +183,9 @@ def ends_plan(embeddings: list[str], norm: str | None, head: str | None) -> dict
     tables row-wise, their lookups reduce-scattered along the sequence (a position table's
     output is (T, d): its dim 0) and kept DTensors of the whole sequence's shape, so that a
     model that builds positions and its causal mask from the embedding's length (HuggingFace's
-    LlamaModel) builds them whole; the final norm sequence-parallel; the head column-wise from
-    the gathered sequence, its logits left split by vocabulary (a Shard(-1) DTensor): the loss
+    LlamaModel) builds them whole; the final norm sequence-parallel, its output a plain local
+    shard (HuggingFace slices it before the head); the head column-wise from the gathered
+    sequence, its logits left split by vocabulary (a Shard(-1) DTensor): the loss
     runs under loss_parallel(), and no rank holds B x T x vocabulary logits."""
     plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(i),
                                   use_local_output=False)
@@ -223,7 +224,6 @@ def shard_over_dp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh
                     reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
     reduce_scatter_by_all_to_all_on_gloo(model, dp_mesh)
-
 
 
 def split_problem(blocks: list[nn.Module], block_plan: dict, tp: int) -> str | None:

@@ -215,8 +215,9 @@ def ends_plan(embeddings: list[str], norm: str | None, head: str | None) -> dict
     tables row-wise, their lookups reduce-scattered along the sequence (a position table's
     output is (T, d): its dim 0) and kept DTensors of the whole sequence's shape, so that a
     model that builds positions and its causal mask from the embedding's length (HuggingFace's
-    LlamaModel) builds them whole; the final norm sequence-parallel; the head column-wise from
-    the gathered sequence, its logits left split by vocabulary (a Shard(-1) DTensor): the loss
+    LlamaModel) builds them whole; the final norm sequence-parallel, its output a plain local
+    shard (HuggingFace slices it before the head); the head column-wise from the gathered
+    sequence, its logits left split by vocabulary (a Shard(-1) DTensor): the loss
     runs under loss_parallel(), and no rank holds B x T x vocabulary logits."""
     plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(i),
                                   use_local_output=False)
