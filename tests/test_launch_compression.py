@@ -7,7 +7,8 @@ on the GPT the hand-written PowerSGD compressing every matrix beside PyTorch's
 hook (optimized_compression_powersgd_pytorch), both hand-written hooks with several buckets at
 an odd world size, and PyTorch's hook where it cannot run. PowerSGD runs at rank 8, the hand-written
 default's share of the model width (32 of `small`'s 256, 8 of `tiny`'s 64): the defaults (32,
-and PyTorch's script's 64) would compress nothing at `tiny`.
+and PyTorch's script's 64) would compress nothing at `tiny`, which one more run, a world of one
+at the hand-written default, says in its log and its record.
 """
 
 import math
@@ -24,6 +25,7 @@ from helpers import (
     TINY,
     assert_bad_input_is_one_line,
     assert_within_its_tolerance,
+    cpu_env,
     finish,
     load_recipe,
     only_record,
@@ -93,6 +95,32 @@ def test_powersgd_with_the_llamas_embedding_and_head_sent_whole_holds_its_tolera
     assert_within_its_tolerance(rec, base)
     every_matrix = POWERSGD.compression_theory(common.Llama(common.SIZES["tiny"]), 8, [])
     assert rec["compression"] > 2 and rec["theory"]["compression"] < every_matrix
+
+
+def test_powersgd_records_how_many_matrices_it_compressed(runs):
+    layers = common.SIZES["tiny"].n_layers
+    # the Llama's 7 matrices a layer (its embedding and head sent whole); the GPT's 4 a block
+    # and its two embeddings, the token one tied to the head
+    for name, matrices in [("powersgd", 7 * layers), ("powersgd_every_matrix", 4 * layers + 2)]:
+        rec = runs[name]
+        assert rec["compressed_matrices"] == matrices, name
+        assert "compressed_matrices_reason" not in rec, name
+
+
+def test_powersgd_at_a_rank_too_high_for_the_model_says_so_once_and_in_its_record(tmp_path):
+    """The default rank 32 at `tiny` (hidden size 64, widest matrix 192 x 64): nothing is
+    compressed; a world of one, whose DDP still calls the hook."""
+    results = tmp_path / "results.jsonl"
+    run = subprocess.run([sys.executable, str(FOLDER / "optimized_compression_powersgd.py"),
+                          *TINY, *LLAMA, "--warmup", "4", "--steps", "1", "--results",
+                          str(results)], cwd=common.ROOT, capture_output=True, text=True,
+                         timeout=LAUNCH_TIMEOUT, env=cpu_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    rec = only_record(results)
+    said = POWERSGD.no_matrix_compressed(32)
+    assert (rec["status"], rec["compressed_matrices"]) == ("ok", 0)
+    assert rec["compressed_matrices_reason"] == said
+    assert run.stdout.splitlines().count(said) == 1
 
 
 def test_powersgds_long_run_states_a_final_loss_tolerance_instead_of_a_per_step_one(runs):
