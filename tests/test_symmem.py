@@ -19,7 +19,6 @@ import signal
 import sys
 from pathlib import Path
 
-import hf_llama
 import pytest
 import torch
 import torch.distributed as dist
@@ -337,6 +336,8 @@ def _train_the_readme_tp_lines(rank: int, world: int, port: int, members: list[i
     hf_llama.VARIANTS over the group of `members` (the other ranks idle); each rank seeded by
     its rank, so the lines must start them from the first's weights. Rank 0 saves each step's
     loss of the whole batch, and PyTorch's DDP's on the same model, group and global batch."""
+    import hf_llama  # transformers: imported where used, not by every spawned rank
+
     _start(rank, world, port)
     group = dist.new_group(members)
     if rank not in members:
@@ -367,6 +368,8 @@ def test_the_readme_tensor_parallel_lines_train_a_hf_llama_as_ddp_does_on_a_grou
     untied head, eager and a tied one), ranks seeded apart: each step's loss DDP's on the same
     model and global batch (1e-5 relative) on 2 ranks, and on ranks {0, 1} of 3 (rank 2 idle)
     the same bits as on 2."""
+    import hf_llama
+
     pair, subgroup = (torch.load(passed(checks(world), "tp readme") / "tp-readme.pt")
                       for world in (2, 3))
     assert set(pair) == set(hf_llama.VARIANTS)
@@ -693,6 +696,8 @@ def _readme_lines(rank: int, world: int, port: int, out: str) -> None:
     """The README's SymmetricMemoryAdamW lines, as they are, on a tiny transformers Llama of
     each hf_llama.VARIANTS (ranks seeded apart) and on a bf16 one, beside PyTorch's DDP on the
     same model and global batch; rank 0 saves each step's losses and the bf16 run's dtypes."""
+    import hf_llama
+
     recipe = _join(rank, world, port)
     block = readme_python_block(
         FOLDER / "README.md", "### Shared-memory data parallelism: `SymmetricMemoryAdamW`")
@@ -724,6 +729,8 @@ def test_the_readme_lines_train_a_hf_llama_as_ddp_does_and_keep_bf16_weights(che
     (sdpa and an untied head, eager and a tied one), ranks seeded apart: each step's loss DDP's
     on the same model and global batch, 1e-5 relative; a bf16 model's weights, gradients and
     AdamW moments stay bf16, its losses DDP's in bf16 to bf16's rounding."""
+    import hf_llama
+
     runs = torch.load(passed(checks(2), "readme") / "readme.pt")
     assert {variant[:2] for variant in runs} == {*hf_llama.VARIANTS}
     for (attn, tied, dtype), run in runs.items():
