@@ -617,11 +617,11 @@ def test_the_readme_trains_huggingfaces_model_from_its_logits_as_written():
 def test_bf16_weights_stay_bf16_and_train_like_ddp(hf_llama_trained):
     """GPipe on HuggingFace's Llama in bf16 weights (no autocast): the weights, and so the
     activations sent between stages, stay bf16; the losses are DDP's on the same bf16 model to
-    bf16's rounding (one micro-batch at a time sums in another order)."""
+    bf16's rounding (2e-5 here: one micro-batch at a time sums in another order)."""
     for rank in (0, 1):
         assert {w.dtype for w in hf_llama_trained[rank]["bf16"]["weights"]} == {torch.bfloat16}
     losses = hf_llama_trained[-1]["bf16"]["losses"]
-    assert max_relative_difference(losses, hf_llama_trained[0]["bf16 ddp"]) <= 2e-2
+    assert max_relative_difference(losses, hf_llama_trained[0]["bf16 ddp"]) <= 1e-3
 
 
 def test_layers_the_runtime_cannot_call_stop_it_with_one_line_naming_call_layer(
