@@ -375,14 +375,15 @@ def zero3_shards(group=None) -> dict:
 
 
 
-def kept_for_backward(forward, resized: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+def kept_for_backward(forward, *tracked) -> tuple[torch.Tensor, int]:
     """forward()'s result and the bytes of live tensors it leaves behind, for backward: counted
-    by PyTorch's MemTracker, as common.peak_tensor_memory counts (every op's outputs, and the
-    storages of `resized`, ZeRO-3's unsharded buffers, as it resizes them)."""
+    by PyTorch's MemTracker, as common.peak_tensor_memory counts (every op's outputs, storages
+    as resized). `tracked`: the modules, optimizers and tensors that live before, whose storages
+    forward may view or resize (a view of an untracked one would count as new)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
-    tracker.track_external(*resized)
+    tracker.track_external(*tracked)
 
     def live() -> int:
         return tracker.get_tracker_snapshot().get(torch.device("cpu"), {}).get("Total", 0)
@@ -416,11 +417,12 @@ def zero3_under_bf16_autocast() -> dict:
     step()  # AdamW's state exists from here on
     opt.zero_grad()
     with common.CollectiveBytes() as sent:
-        loss, kept = kept_for_backward(lambda: model(x, y), opt.unsharded)
+        loss, kept = kept_for_backward(lambda: model(x, y), model, opt, opt.param_shards,
+                                       *opt.unsharded)
         loss.backward()
     opt.step()
     _, peak = common.peak_tensor_memory(step, (model, opt), torch.device("cpu"))
-    return {"kept": kept, "kept_by_plain_bf16": kept_for_backward(lambda: plain(x, y), [])[1],
+    return {"kept": kept, "kept_by_plain_bf16": kept_for_backward(lambda: plain(x, y), plain)[1],
             "root_numel": opt.buckets[-1].numel, "sent": sent.by_kind, "peak": peak,
             "params_mb": common.state_split_mb(model, opt)["params_mb"],
             "theory": STAGES[3].theory(opt.buckets, world, 4, 2, 0.0),
