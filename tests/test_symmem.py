@@ -332,10 +332,11 @@ README_STEPS = 3
 
 def _train_the_readme_tp_lines(rank: int, world: int, port: int, members: list[int], out: str
                                ) -> None:
-    """The README's tensor-parallel lines, as they are, on a tiny transformers Llama of each
-    hf_llama.VARIANTS over the group of `members` (the other ranks idle); each rank seeded by
-    its rank, so the lines must start them from the first's weights. Rank 0 saves each step's
-    loss of the whole batch, and PyTorch's DDP's on the same model, group and global batch."""
+    """The README's tensor-parallel lines, as they are, over the group of `members` (the other
+    ranks idle) on a tiny transformers Llama of each hf_llama.VARIANTS, beside PyTorch's DDP on
+    the same model, group and global batch, and on common.Llama; each rank seeded by its rank,
+    so the lines must start them from the first's weights. Rank 0 saves each step's loss of the
+    whole batch (and DDP's)."""
     import hf_llama  # transformers: imported where used, not by every spawned rank
 
     _start(rank, world, port)
@@ -345,37 +346,52 @@ def _train_the_readme_tp_lines(rank: int, world: int, port: int, members: list[i
         return
     baseline = load_recipe(FOLDER / "baseline_symmem_tp.py")
     me, n = members.index(rank), len(members)
+    whole = hf_llama.token_batches(README_STEPS, 0, 1, per_rank=2 * n)  # every rank: all of it
     saved = {}
-    for attn, tied in hf_llama.VARIANTS:
+    for variant in [*hf_llama.VARIANTS, "common.Llama"]:
         torch.manual_seed(rank)
-        model = hf_llama.tiny_llama(attn, tied)
-        ddp = hf_llama.ddp_losses(model, hf_llama.token_batches(README_STEPS, me, n), group=group)
-        whole = hf_llama.token_batches(README_STEPS, 0, 1, per_rank=2 * n)  # every rank: all
+        if variant == "common.Llama":
+            model, ddp = common.Llama(common.SIZES["tiny"]), None
+        else:
+            model = hf_llama.tiny_llama(*variant)
+            ddp = hf_llama.ddp_losses(model, hf_llama.token_batches(README_STEPS, me, n),
+                                      group=group)
         losses = []
         lines = {**vars(baseline), "model": model, "group": group}
         lines["batches"] = _losses_before_each_step(
             lambda x, y, lines=lines: lines["tp_model"](x, y), whole, losses, group)
         exec(readme_python_block(FOLDER / "README.md",
                                   "### Tensor parallelism: `TensorParallelDecoder`"), lines)
-        saved[attn, tied] = {"tp": losses, "ddp": ddp}
+        saved[variant] = {"tp": losses, "ddp": ddp}
     if rank == 0:
         torch.save(saved, out)
     dist.destroy_process_group()
 
 
 def test_the_readme_tensor_parallel_lines_train_a_hf_llama_as_ddp_does_on_a_group(checks):
-    """Exactly the README's lines on a transformers LlamaForCausalLM as it comes (sdpa and an
-    untied head, eager and a tied one), ranks seeded apart: each step's loss DDP's on the same
-    model and global batch (1e-5 relative) on 2 ranks, and on ranks {0, 1} of 3 (rank 2 idle)
-    the same bits as on 2."""
+    """Exactly the README's lines, ranks seeded apart, on a transformers LlamaForCausalLM as it
+    comes (sdpa and an untied head, eager and a tied one): each step's loss DDP's on the same
+    model and global batch (1e-5 relative); on common.Llama, the unsplit Llama's trained on the
+    whole batch. On 2 ranks, and on ranks {0, 1} of 3 (rank 2 idle) to the same bits."""
     import hf_llama
 
+    torch.manual_seed(0)
+    model = common.Llama(common.SIZES["tiny"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    unsplit = []
+    for tokens, targets in hf_llama.token_batches(README_STEPS, 0, 1, per_rank=4):
+        opt.zero_grad()
+        loss = model(tokens, targets)
+        loss.backward()
+        opt.step()
+        unsplit.append(loss.item())
     pair, subgroup = (torch.load(passed(checks(world), "tp readme") / "tp-readme.pt")
                       for world in (2, 3))
-    assert set(pair) == set(hf_llama.VARIANTS)
+    assert set(pair) == {*hf_llama.VARIANTS, "common.Llama"}
     for variant, run in pair.items():
+        expected = unsplit if variant == "common.Llama" else run["ddp"]
         assert len(run["tp"]) == README_STEPS and run["tp"][-1] < run["tp"][0], variant
-        assert run["tp"] == pytest.approx(run["ddp"], rel=1e-5), variant
+        assert run["tp"] == pytest.approx(expected, rel=1e-5), variant
         assert subgroup[variant]["tp"] == run["tp"], variant
 
 
