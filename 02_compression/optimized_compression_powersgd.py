@@ -68,7 +68,7 @@ def worth_compressing(matrix: torch.Tensor, rank: int) -> bool:
 
 def highest_compressing_rank(model: torch.nn.Module,
                              uncompressed: Collection[torch.Tensor] = ()) -> int:
-    """The highest rank at which every matrix of `model` that any rank compresses, bar the
+    """The highest rank r at which every matrix of `model` that rank 1 would compress, bar the
     `uncompressed` (by identity), is sent as a rank-r product: the smallest such matrix decides.
     A rank above it sends that matrix whole; one above every matrix's runs as plain DDP. 1 for a
     model with no matrix worth compressing at any rank (the hook then says so)."""

@@ -263,6 +263,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], blo
                   reshard_after_forward)
     return model
 
+
 # Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
 class AllToAllReduceScatter:
     """FSDP2's ReduceScatter interface (`allocate`, `__call__`) on common.reduce_scatter: an
@@ -443,6 +444,7 @@ def main():
                   comm_mb_by_dim=comm_by_dim(stats, mesh), resumed_from=start,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
                   theory=theory(model, blocks, args, dp, tp))
+
 
 if __name__ == "__main__":
     common.run_main(main)

@@ -12,7 +12,7 @@ Between stages go each tp rank's sequence shard of the residual stream: 1/tp of 
 activations. FSDP keeps each block gathered from its first micro-batch's forward to its last's
 backward and reduce-scatters once a step. The GPT's tied embedding and head, on the first and
 last stages, have their gradient shards summed over the pair. Any mesh whose product is the
-world trains, dims of 1 included.
+world trains, a dp or tp of 1 included.
 Why: each dim divides a different cost: pp the layers (activations cross a stage boundary
 once a micro-batch: cheap, any link), tp each layer's weights and activations (traffic every
 layer: fast links), dp what is left (weight traffic once a step). It is how models past one
@@ -534,6 +534,7 @@ def main():
                   schedule=args.schedule, microbatches=m, stages=pp,
                   clip_grad_norm=args.clip_grad_norm,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], theory=predicted)
+
 
 if __name__ == "__main__":
     common.run_main(main)
