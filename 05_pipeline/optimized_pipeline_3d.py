@@ -456,6 +456,11 @@ def main():
         parser.error(why)
     size, dp, micro = common.SIZES[args.size], world // (pp * tp), batch // m
     topo = common.setup(args)
+    # a default mesh with dp 1 (4 GPUs: pp 2 x tp 2) is 3-D in name only: say so, and what fixes it
+    no_dp = (f"pp {pp} x dp 1 x tp {tp}: no data-parallel dim; a dp of 2 needs "
+             f"{2 * pp * tp} processes" if dp == 1 and not args.tp else None)
+    if no_dp:
+        common.log(topo, no_dp)
     mesh = init_device_mesh(topo.device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     s = mesh.get_local_rank("pp")
     model, batches = common.workload(argparse.Namespace(**{**vars(args), "batch_size": batch}),
@@ -532,7 +537,7 @@ def main():
                   comm_mb_by_dim={dim: round(sum(sent.get(g, 0.0) for g in names), 3)
                                   for dim, names in groups.items()},
                   schedule=args.schedule, microbatches=m, stages=pp,
-                  clip_grad_norm=args.clip_grad_norm,
+                  clip_grad_norm=args.clip_grad_norm, mesh_note=no_dp,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], theory=predicted)
 
 
