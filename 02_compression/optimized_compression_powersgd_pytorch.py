@@ -163,6 +163,15 @@ def main():
     resolve_start_iter(parser, args)
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
+    # the hook sends a matrix whole where the rank would not shrink it: at too high a rank it
+    # runs as plain DDP, which the log and the record say rather than a table hiding it
+    compressed = sum(worth_compressing(as_matrix(p), args.rank) for p in model.parameters())
+    nothing_compressed = None if compressed else (
+        f"powerSGD_hook at rank {args.rank} compresses no matrix of this model (n x m is sent as "
+        f"a product only where r(n + m) is under 1/{MIN_COMPRESSION_RATE} of n*m): every "
+        f"gradient is sent whole, as plain DDP; pass a lower --rank")
+    if nothing_compressed:
+        common.log(topo, nothing_compressed)
     model = wrap_ddp(model, topo, args.bucket_mb)
     state = torch_powersgd.PowerSGDState(
         process_group=None, matrix_approximation_rank=args.rank,
@@ -187,6 +196,8 @@ def main():
     common.record(args, topo, stats, baseline="baseline_compression", model=model.module,
                   optimizer=opt, comm_mb=comm_mb, impl="torch", uncompressed=[],
                   start_iter=args.start_iter, collectives_per_step=3 * len(buckets),
+                  compressed_matrices=compressed,
+                  **({"compressed_matrices_reason": nothing_compressed} if not compressed else {}),
                   compression=fp32_mb / comm_mb if comm_mb else None,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype],
                   theory={"comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size)

@@ -100,8 +100,9 @@ def test_powersgd_with_the_llamas_embedding_and_head_sent_whole_holds_its_tolera
 def test_powersgd_records_how_many_matrices_it_compressed(runs):
     layers = common.SIZES["tiny"].n_layers
     # the Llama's 7 matrices a layer (its embedding and head sent whole); the GPT's 4 a block
-    # and its two embeddings, the token one tied to the head
-    for name, matrices in [("powersgd", 7 * layers), ("powersgd_every_matrix", 4 * layers + 2)]:
+    # and its two embeddings, the token one tied to the head (PyTorch's hook: every matrix too)
+    for name, matrices in [("powersgd", 7 * layers), ("powersgd_every_matrix", 4 * layers + 2),
+                           ("powersgd_torch", 4 * layers + 2)]:
         rec = runs[name]
         assert rec["compressed_matrices"] == matrices, name
         assert "compressed_matrices_reason" not in rec, name
