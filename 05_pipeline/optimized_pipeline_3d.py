@@ -289,7 +289,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], blo
     of `blocks` by `block_plan`, the root by `ends`; skipped at tp 1), then fully_shard over
     mesh["dp"] on each block and the root (`mp_policy`: FSDP's dtypes, default fp32). Every rank
     must hold the same weights first (same_weights_on_every_rank): each keeps its own slice of
-    what it holds."""
+    what it holds, so ranks that differ are refused in one line."""
+    # A cheap check that they do: each parameter's sum and norm in float64 (the same weights give
+    # the same bits); their max over dp, then over tp, is the max over the ranks holding this
+    # model (a 3-D mesh's stages hold other layers), that of their negatives minus the min.
+    held = torch.stack([torch.stack([p.detach().sum(dtype=torch.float64),
+                                     torch.linalg.vector_norm(p.detach(), dtype=torch.float64)])
+                        for p in model.parameters()])
+    extremes = torch.cat([held, -held])
+    for dim in ("dp", "tp"):
+        dist.all_reduce(extremes, dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    if not torch.equal(extremes[:len(held)], -extremes[len(held):]):
+        raise ValueError("the mesh's ranks hold different weights: call "
+                         "same_weights_on_every_rank(model, mesh) before parallelize")
     tp = mesh["tp"].size()
     if tp > 1:
         if why := split_problem(blocks, block_plan, tp):
