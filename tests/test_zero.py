@@ -681,7 +681,12 @@ def test_zero3_under_bf16_autocast_holds_and_sends_what_its_theory_says(units_ru
         got = result(units_run(2), "zero3 bf16 autocast", rank)
         assert got["kept"] == got["kept_by_plain_bf16"] + 2 * got["root_numel"]
         theory = got["theory"]
-        assert got["peak"]["params"] - got["params_mb"] == pytest.approx(theory["gathered_mb"])
+        # the gathered weights at the step's peak: at most the root and two blocks in bf16 (fp32
+        # gathers held twice that); which of them are still live when the peak falls depends on
+        # when gloo's reduce-scatters complete, so the bound is the theory, not each run's value
+        gathered = got["peak"]["params"] - got["params_mb"]
+        root_mb = 2 * got["root_numel"] / 2**20
+        assert root_mb <= gathered <= theory["gathered_mb"] * (1 + 1e-6), (gathered, theory)
         # on gloo the reduce-scatter is an all-to-all (common.reduce_scatter)
         assert set(got["sent"]) == {"allgather bfloat16", "alltoall float32"}
         assert sum(got["sent"].values()) / 2**20 == pytest.approx(theory["comm_mb"])
