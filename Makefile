@@ -197,7 +197,7 @@ MESH_ONLY := 03_fsdp/optimized_fsdp_tp.py 05_pipeline/baseline_pipeline_3d.py \
 
 # One run of $$script with $$flags under torchrun: its whole output in a log named after the
 # run's setup (size, world, link, node), progress and summary lines on the terminal. A failing
-# run shows its own error line (`report.py mark-failed` finds it, and records the run when it
+# run shows its own error line (`python -m report mark-failed` finds it, and records the run when it
 # could not record itself) and fails the target once the others ran. Only node 0 holds rank 0,
 # which prints and records; other nodes keep their own logs.
 # $$nproc: processes per node, NPROC unless a mesh run sets its own.
@@ -211,7 +211,7 @@ $(SHAPED) $(TORCHRUN) $$script $(SCRIPT_FLAGS) $$flags 2>&1 | tee $$log \
 	| { grep --line-buffered -E '^(step |[a-z0-9_]+: |skipped: |one step|rank +[0-9]+ \|)'; true; }; \
 code=$${PIPESTATUS[0]}; \
 if [ $$code -ne 0 ]; then status=1; \
-	echo "FAILED: $$script$$flags: $$($(PY) report.py mark-failed $$script --since $$since \
+	echo "FAILED: $$script$$flags: $$($(PY) -m report mark-failed $$script --since $$since \
 		--exit-code $$code --log $$log --world-size $(WORLD) \
 		$(if $(filter-out 0,$(NODE_RANK)),--no-record) -- $(SCRIPT_FLAGS) $$flags) (log: $$log)"; \
 fi
@@ -260,7 +260,7 @@ SMOKE_RUNS = $(foreach f,$(FOLDERS),$(sort $(wildcard $(f)/baseline_*.py)) \
 	$(sort $(wildcard $(f)/optimized_*.py)) $(EXTRA_RUNS_$(word 2,$(subst _, ,$(f)))))
 smoke: preflight
 	@rm -rf outputs/smoke
-	@$(PY) report.py smoke --nproc $(NPROC) $(if $(filter-out 0,$(GPUS)),--timeout 2400) --flags "--size tiny $(if $(MODEL),--model $(MODEL)) --steps 2 --warmup 4 --timeout 60" \
+	@$(PY) -m report smoke --nproc $(NPROC) $(if $(filter-out 0,$(GPUS)),--timeout 2400) --flags "--size tiny $(if $(MODEL),--model $(MODEL)) --steps 2 --warmup 4 --timeout 60" \
 		-- $(SMOKE_RUNS)
 
 # A host whose GPUs torch cannot use (a driver older than torch's CUDA build, say) would
@@ -274,16 +274,16 @@ ifneq ($(GPUS),0)
 endif
 
 report: install
-	@$(PY) report.py
+	@$(PY) -m report
 
 traces: install
-	@$(PY) report.py traces
+	@$(PY) -m report traces
 
 plan: install
-	@$(PY) report.py plan $(ARGS)
+	@$(PY) -m report plan $(ARGS)
 
 list: install
-	@$(PY) report.py list
+	@$(PY) -m report list
 
 # The suite is the CPU suite: GPUs hidden from it and from every process it launches.
 test: install

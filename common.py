@@ -1,6 +1,6 @@
 """Shared plumbing for every recipe, so that their comparisons are fair: the same model and data
 order, the same clock, the same memory count. Techniques never live here; one recipe plus this
-file is enough to run it. What reads results back (report, charts, planner) is report.py.
+file is enough to run it. What reads results back (report, charts, planner) is the report/ package.
 
 Sections, in reading order:
     Sizes and the workload   presets, the GPT and Llama decoders, a ResNet, the parts a technique
@@ -1231,7 +1231,7 @@ def state_split_mb(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
 @contextlib.contextmanager
 def step_range(i: int, device: torch.device, named: bool):
     """Step `i` as a range: `ProfilerStep#i` in a trace (`named`: the name torch.profiler, HTA and
-    report.py's breakdown split iterations by) and, on CUDA, NVTX `step i` for `nsys profile`."""
+    report/traces.py split iterations by) and, on CUDA, NVTX `step i` for `nsys profile`."""
     with contextlib.ExitStack() as stack:
         if named:
             stack.enter_context(torch.profiler.record_function(f"ProfilerStep#{i}"))
@@ -1454,7 +1454,7 @@ def append_record(path: Path, record: dict) -> None:
 
 
 def load_results(path: Path) -> list[dict]:
-    """Every record of a results file: for `--summary` here, and for report.py."""
+    """Every record of a results file: for `--summary` here, and for report/."""
     if not path.exists():
         return []
     records = []

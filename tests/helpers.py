@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 
 import common
-import report
+from report import results_table
 
 TINY = ["--size", "tiny", "--steps", "6", "--warmup", "2", "--timeout", "60"]
 LAUNCH_TIMEOUT = 240  # seconds for one launch, start-up included
@@ -50,11 +50,11 @@ def only_record(results: Path) -> dict:
 def assert_within_its_tolerance(rec: dict, base: dict) -> None:
     """Every step's loss within the tolerance the run's script states, against its baseline's
     run: what the report prints as `ok` rather than `over tolerance`."""
-    diff = report.max_loss_diff(rec["losses"], base["losses"])
+    diff = results_table.max_loss_diff(rec["losses"], base["losses"])
     assert diff is not None and rec["loss_tolerance"] is not None, (rec["script"], diff)
     assert diff <= rec["loss_tolerance"], \
         f"{rec['script']}: max loss difference {diff:.3g} over its {rec['loss_tolerance']:g}"
-    assert not report.over_tolerance(rec, base)
+    assert not results_table.over_tolerance(rec, base)
 
 
 def load_recipe(path: Path) -> ModuleType:

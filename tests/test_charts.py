@@ -1,4 +1,4 @@
-"""report.py's charts: what each one draws (its bars, their lengths, colours and labels, the
+"""report/charts.py: what each chart draws (its bars, their lengths, colours and labels, the
 words beside them), from the records of a real `make all SIZE=small` run (2 CPU processes;
 tests/fixtures/records_small.jsonl) and from made-up pairs; and what happens when a folder has
 none."""
@@ -10,7 +10,7 @@ import pytest
 from matplotlib.colors import to_hex
 
 import common
-import report
+from report import charts, cli, results_table
 
 FIXTURE = common.ROOT / "tests" / "fixtures" / "records_small.jsonl"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -44,22 +44,22 @@ def rows_of(ax) -> list[str]:
 
 # --- the real run ----------------------------------------------------------------------------
 def test_the_speedup_chart_draws_each_compared_pair_of_a_real_run(records):
-    speed, memory = report.draw_charts(records)["speedup.png"].axes
-    pairs = report.compared_pairs(records)
-    assert rows_of(speed) == [f"{r['folder']}  {report._script_label(r)}" for r, _ in pairs]
+    speed, memory = charts.draw_charts(records)["speedup.png"].axes
+    pairs = results_table.compared_pairs(records)
+    assert rows_of(speed) == [f"{r['folder']}  {results_table.script_label(r)}" for r, _ in pairs]
     assert [w for w, _ in bars(speed).values()] == pytest.approx(
         [b["step_ms"] / r["step_ms"] for r, b in pairs])
     assert [w for w, _ in bars(memory).values()] == pytest.approx(
         [r["peak_mem_mb"] / b["peak_mem_mb"] for r, b in pairs])
     row = {label: y for y, label in enumerate(rows_of(speed))}
     # 374.4 ms / 241.9 ms: a win; int8 compression is slower on 2 cores: a loss
-    assert bars(speed)[row["01_ddp  optimized_ddp"]][1] == report.GREEN
+    assert bars(speed)[row["01_ddp  optimized_ddp"]][1] == charts.GREEN
     assert words(speed)[row["01_ddp  optimized_ddp"]] == " 1.55x"
     int8 = row["02_compression  optimized_compression_int8"]
-    assert bars(speed)[int8][1] == report.RED and words(speed)[int8] == " 0.79x"
+    assert bars(speed)[int8][1] == charts.RED and words(speed)[int8] == " 0.79x"
     # PowerSGD's losses strayed 1.46 from the baseline's, past its 0.2: neither bar is a result
     powersgd = row["02_compression  optimized_compression_powersgd"]
-    assert bars(speed)[powersgd][1] == bars(memory)[powersgd][1] == report.GREY
+    assert bars(speed)[powersgd][1] == bars(memory)[powersgd][1] == charts.GREY
     assert words(speed)[powersgd] == " 0.92x over tolerance"
     assert words(memory)[powersgd] == " 1.15x over tolerance"
 
@@ -67,7 +67,7 @@ def test_the_speedup_chart_draws_each_compared_pair_of_a_real_run(records):
 def test_no_ratio_is_written_across_the_one_line(records):
     """A label starts right of its bar or of the 1.0 line, whichever ends later: a 0.98x is not
     printed across the line it is measured against."""
-    for ax in report.draw_charts(records)["speedup.png"].axes:
+    for ax in charts.draw_charts(records)["speedup.png"].axes:
         ratios = [t for t in ax.texts if t.get_text().strip()[:1].isdigit()
                   or t.get_text().strip().startswith("~")]
         assert ratios and all(t.get_position()[0] >= 1.0 for t in ratios)
@@ -75,19 +75,19 @@ def test_no_ratio_is_written_across_the_one_line(records):
 
 
 def test_the_other_charts_draw_what_the_real_run_recorded(records):
-    charts = report.draw_charts(records)
-    assert list(charts) == list(report.CHARTS)
-    runs = report.latest_runs(records)
+    drawn = charts.draw_charts(records)
+    assert list(drawn) == list(charts.CHARTS)
+    runs = results_table.latest_runs(records)
 
-    (wire,) = charts["compression_bytes.png"].axes
+    (wire,) = drawn["compression_bytes.png"].axes
     compression = [r for r in runs if r["folder"] == "02_compression"]
     assert rows_of(wire) == [r["script"] for r in compression]
     assert [w for w, _ in bars(wire).values()] == [r["comm_mb"] for r in compression]
 
     timelines = [r for r in runs if r["folder"] == "05_pipeline" and r.get("timeline")]
-    lanes = charts["pipeline_timelines.png"].axes
+    lanes = drawn["pipeline_timelines.png"].axes
     assert [ax.get_title() for ax in lanes] == [
-        f"{report._script_label(r)} ({r['schedule']}, {r['microbatches']} micro-batch"
+        f"{results_table.script_label(r)} ({r['schedule']}, {r['microbatches']} micro-batch"
         f"{'es' * (r['microbatches'] != 1)} over {r['stages']} stages; cpu, world 2, size small):"
         f" measured bubble {r['bubble']:.3f}" for r in timelines]
     # one box per forward, backward or weight-gradient action of every rank
@@ -95,14 +95,14 @@ def test_the_other_charts_draw_what_the_real_run_recorded(records):
         sum(len(lane) for lane in r["timeline"]) for r in timelines]
 
     sweeps = [r for r in runs if "sweep" in r]
-    for ax in charts["symmem_busbw.png"].axes:
+    for ax in drawn["symmem_busbw.png"].axes:
         assert [list(line.get_ydata()) for line in ax.get_lines()] == [
             [row["busbw_gbps"] for row in r["sweep"] if row["op"] == ax.get_title()]
             for r in sweeps]
 
 
 def test_the_pipeline_panels_name_their_setup_and_share_one_time_axis(records):
-    lanes = report.draw_charts(records)["pipeline_timelines.png"].axes
+    lanes = charts.draw_charts(records)["pipeline_timelines.png"].axes
     assert lanes[0].get_title() == ("baseline_pipeline (naive, 1 micro-batch over 2 stages; "
                                     "cpu, world 2, size small): measured bubble 0.501")
     assert "dualpipev, 8 micro-batches over 4 stages; cpu, world 2" in lanes[3].get_title()
@@ -135,8 +135,8 @@ def test_nothing_on_the_speedup_chart_overlaps_at_any_number_of_rows(records, ro
     # inches tall, where the title fell into the left panel's (tight_layout holds it 2% of the
     # height below the top)
     on_gpu = [dict(r, device="NVIDIA H100 80GB HBM3", world_size=1) for r in records]
-    pairs = report.compared_pairs(records + on_gpu[:len(records) * (setups - 1)])[:rows]
-    fig = report.draw_charts([run for pair in pairs for run in pair])["speedup.png"]
+    pairs = results_table.compared_pairs(records + on_gpu[:len(records) * (setups - 1)])[:rows]
+    fig = charts.draw_charts([run for pair in pairs for run in pair])["speedup.png"]
     speed, memory = fig.axes
     assert len(rows_of(speed)) == rows
     fig.draw_without_rendering()
@@ -151,15 +151,15 @@ def test_nothing_on_the_speedup_chart_overlaps_at_any_number_of_rows(records, ro
 
 
 def test_write_charts_saves_each_drawn_chart_as_a_png(records, tmp_path):
-    written = report.write_charts(records, tmp_path)
-    assert [p.name for p in written] == list(report.CHARTS)
+    written = charts.write_charts(records, tmp_path)
+    assert [p.name for p in written] == list(charts.CHARTS)
     assert all(path.read_bytes().startswith(PNG_MAGIC) for path in written)
     assert not plt.get_fignums()  # saved and closed
 
 
 def test_the_speedup_chart_pairs_exactly_what_the_table_compares(records):
-    pairs = report.compared_pairs(records)
-    table = report.render_report(records)
+    pairs = results_table.compared_pairs(records)
+    table = results_table.render_report(records)
     compared = [line for line in table.splitlines() if line.startswith("| optimized")
                 and line.split("|")[7].strip().endswith("x")]
     assert len(pairs) == len(compared) == 21
@@ -168,20 +168,20 @@ def test_the_speedup_chart_pairs_exactly_what_the_table_compares(records):
 
 def test_the_report_links_the_charts_it_wrote(tmp_path):
     out = tmp_path / "report.md"
-    assert report.main(["--results", str(FIXTURE), "--out", str(out)]) == 0
+    assert cli.main(["--results", str(FIXTURE), "--out", str(out)]) == 0
     text = out.read_text()
-    for name in report.CHARTS:
+    for name in charts.CHARTS:
         assert f"](charts/{name})" in text and (tmp_path / "charts" / name).exists()
 
 
 def test_records_without_a_folders_data_draw_no_chart_for_it(records, tmp_path):
     only_ddp = [r for r in records if r["folder"] == "01_ddp"]
-    assert list(report.draw_charts(only_ddp)) == ["speedup.png"]
+    assert list(charts.draw_charts(only_ddp)) == ["speedup.png"]
     failed = [dict(r, status="skipped", reason="needs CUDA") for r in records]
-    assert report.draw_charts(failed) == {}
+    assert charts.draw_charts(failed) == {}
     out = tmp_path / "empty.md"
     (tmp_path / "empty.jsonl").write_text(json.dumps(failed[0]) + "\n")
-    report.main(["--results", str(tmp_path / "empty.jsonl"), "--out", str(out)])
+    cli.main(["--results", str(tmp_path / "empty.jsonl"), "--out", str(out)])
     assert "## Charts" not in out.read_text()
 
 
@@ -204,7 +204,7 @@ def test_a_pair_the_table_does_not_compare_says_why_where_its_bars_would_be():
                _run("optimized_ddp_flash", "baseline_ddp_flash"),
                _run("optimized_ddp_bf16", "baseline_ddp", batch_size=8),
                _run("optimized_ddp_lone", "baseline_ddp_lone")]
-    speed, memory = report.draw_charts(records)["speedup.png"].axes
+    speed, memory = charts.draw_charts(records)["speedup.png"].axes
     assert rows_of(speed) == ["01_ddp  optimized_ddp", "01_ddp  optimized_ddp_bf16",
                               "01_ddp  optimized_ddp_flash", "01_ddp  optimized_ddp_lone"]
     assert list(bars(speed)) == list(bars(memory)) == [0]  # one pair, drawn
@@ -218,26 +218,26 @@ def test_a_run_over_its_tolerance_is_not_drawn_as_a_win():
     base = _run("baseline_ddp")
     faster = _run("optimized_ddp", "baseline_ddp", step_ms=50.0, peak_mem_mb=400.0,
                   losses=[5.0, 4.5], loss_tolerance=0.1)
-    speed, memory = report.draw_charts([base, faster])["speedup.png"].axes
-    assert bars(speed) == {0: (2.0, report.GREY)} and bars(memory) == {0: (0.5, report.GREY)}
+    speed, memory = charts.draw_charts([base, faster])["speedup.png"].axes
+    assert bars(speed) == {0: (2.0, charts.GREY)} and bars(memory) == {0: (0.5, charts.GREY)}
     assert words(speed) == {0: " 2.00x over tolerance"}
     within = dict(faster, loss_tolerance=0.6)
-    speed, memory = report.draw_charts([base, within])["speedup.png"].axes
-    assert bars(speed) == {0: (2.0, report.GREEN)} and bars(memory) == {0: (0.5, report.GREEN)}
+    speed, memory = charts.draw_charts([base, within])["speedup.png"].axes
+    assert bars(speed) == {0: (2.0, charts.GREEN)} and bars(memory) == {0: (0.5, charts.GREEN)}
     assert words(speed) == {0: " 2.00x"}
 
 
 def test_a_speedup_within_the_runs_spread_is_grey_and_marked_and_a_busy_host_named():
     base = _run("baseline_ddp", step_ms_iqr=[95.0, 130.0])
     overlapping = _run("optimized_ddp", "baseline_ddp", step_ms=80.0, step_ms_iqr=[75.0, 96.0])
-    (speed, _) = report.draw_charts([base, overlapping])["speedup.png"].axes
-    assert bars(speed) == {0: (1.25, report.GREY)} and words(speed) == {0: " ~1.25x"}
+    (speed, _) = charts.draw_charts([base, overlapping])["speedup.png"].axes
+    assert bars(speed) == {0: (1.25, charts.GREY)} and words(speed) == {0: " ~1.25x"}
     apart = dict(overlapping, step_ms_iqr=[75.0, 90.0])
-    (speed, _) = report.draw_charts([base, apart])["speedup.png"].axes
-    assert bars(speed) == {0: (1.25, report.GREEN)} and words(speed) == {0: " 1.25x"}
+    (speed, _) = charts.draw_charts([base, apart])["speedup.png"].axes
+    assert bars(speed) == {0: (1.25, charts.GREEN)} and words(speed) == {0: " 1.25x"}
     # 2 ranks on 2 cores, the load near 3 after the baseline's timed steps: one task too many
     busy_base = dict(base, load_avg=[2.1, 3.1], cpus=2)
-    (speed, _) = report.draw_charts([busy_base, apart])["speedup.png"].axes
+    (speed, _) = charts.draw_charts([busy_base, apart])["speedup.png"].axes
     assert words(speed) == {0: " 1.25x (busy host)"}
 
 
@@ -246,12 +246,12 @@ def test_a_world_of_one_sweep_keeps_the_baselines_rows_and_draws_its_algbw():
     records = [_sweep("baseline_symmem_allreduce", None, ["all_reduce", "all_gather"]),
                _sweep("optimized_symmem_allreduce", "baseline_symmem_allreduce", ["all_reduce"],
                       transport="cuda symmetric memory")]
-    table = report.render_report(records)
+    table = results_table.render_report(records)
     gathered = [line for line in table.splitlines() if line.startswith("| all_gather")]
     assert len(gathered) == 2 and all("baseline_symmem_allreduce" in line for line in gathered)
-    charts = report.draw_charts(records)
-    assert list(charts) == ["symmem_busbw.png"]
-    gather, reduce = charts["symmem_busbw.png"].axes
+    drawn = charts.draw_charts(records)
+    assert list(drawn) == ["symmem_busbw.png"]
+    gather, reduce = drawn["symmem_busbw.png"].axes
     assert gather.get_ylabel() == "algbw GB/s"  # a world of one's busbw is 0
     assert [line.get_label() for line in reduce.get_lines()] == [
         "baseline_symmem_allreduce (process group)",
@@ -271,8 +271,8 @@ def _sweep(script, baseline, ops, world=1, transport=None):
 
 def test_runs_on_different_setups_are_labelled_each_with_its_own(records):
     on_gpu = [dict(r, device="NVIDIA H100", world_size=1) for r in records[:2]]
-    title, suffixes = report._setups(records[:2] + on_gpu)
+    title, suffixes = charts._setups(records[:2] + on_gpu)
     assert title == "runs on several setups"
     assert suffixes[0] == " [cpu, world 2, size small]"
     assert suffixes[-1] == " [NVIDIA H100, world 1, size small]"
-    assert report._setups(records[:2]) == ("cpu, world 2, size small", ["", ""])
+    assert charts._setups(records[:2]) == ("cpu, world 2, size small", ["", ""])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import common
-import report
+from report import cli, results_table, runs
 
 
 def tiny_args(*extra: str) -> argparse.Namespace:
@@ -415,7 +415,7 @@ def test_report_shows_ok_failed_and_skipped_rows():
         _row("optimized_ddp_flash", "baseline_ddp_flash", status="skipped",
              reason="needs CUDA"),
     ]
-    text = report.render_report(records)
+    text = results_table.render_report(records)
     table = [line for line in text.splitlines() if line.startswith("|")]
     assert len(table) == 2 + 4  # header, rule, one row per script (latest record only)
     assert len({line.count("|") for line in table}) == 1  # no cell breaks the markdown table
@@ -431,18 +431,18 @@ def test_report_shows_ok_failed_and_skipped_rows():
 def test_a_loss_difference_over_tolerance_is_the_rows_status():
     records = [_row("baseline_ddp"),
                _row("optimized_ddp", "baseline_ddp", losses=[5.0, 4.5], loss_tolerance=1e-4)]
-    (row,) = [line for line in report.render_report(records).splitlines()
+    (row,) = [line for line in results_table.render_report(records).splitlines()
               if line.startswith("| optimized_ddp")]
     assert "5.00e-01 (> 0.0001)" in row and row.rstrip(" |").endswith("over tolerance")
-    assert report.over_tolerance(records[1], records[0])
-    assert not report.over_tolerance({**records[1], "loss_tolerance": 0.6}, records[0])
-    assert not report.over_tolerance(records[1], None)  # nothing to compare with
+    assert results_table.over_tolerance(records[1], records[0])
+    assert not results_table.over_tolerance({**records[1], "loss_tolerance": 0.6}, records[0])
+    assert not results_table.over_tolerance(records[1], None)  # nothing to compare with
 
 
 def test_report_does_not_compare_runs_with_other_settings():
     records = [_row("baseline_ddp", batch_size=4),
                _row("optimized_ddp", "baseline_ddp", batch_size=8, step_ms=50.0)]
-    text = report.render_report(records)
+    text = results_table.render_report(records)
     assert "not compared: baseline ran with other batch_size" in text
     assert "2.00x" not in text
 
@@ -456,7 +456,7 @@ def test_a_baseline_that_did_not_run_is_what_its_optimized_rows_say():
                _row("optimized_ddp_flash", "baseline_ddp_flash", **flags),
                _row("optimized_ddp_lone", "baseline_ddp_lone", **flags)]
     rows = {line.split("|")[1].strip(): line for line in
-            report.render_report(records).splitlines() if line.startswith("| optimized")}
+            results_table.render_report(records).splitlines() if line.startswith("| optimized")}
     assert rows["optimized_ddp"].rstrip(" |").endswith("ok; not compared: baseline failed")
     assert rows["optimized_ddp_flash"].rstrip(" |").endswith(
         "ok; not compared: baseline skipped")
@@ -482,7 +482,7 @@ def test_a_run_is_compared_with_its_baselines_run_of_the_same_flags_else_its_def
                _row("optimized_zero1", "baseline_zero", step_ms=50.0, clip_grad_norm=1.0,
                     variant="--clip-grad-norm 1.0")]
     rows = {line.split("|")[1].strip(): line for line in
-            report.render_report(records).splitlines() if line.startswith("| optimized")}
+            results_table.render_report(records).splitlines() if line.startswith("| optimized")}
     speedups = {label: row.split("|")[7].strip() for label, row in rows.items()}
     assert speedups == {"optimized_symmem_training --batch-size 1 --seq-len 32": "2.00x",
                         "optimized_symmem_training --replicated-optimizer": "1.25x",
@@ -496,7 +496,7 @@ def test_a_run_is_compared_with_its_baselines_run_of_the_same_flags_else_its_def
     records.append(_row("optimized_symmem_training", "baseline_symmem_training", step_ms=40.0,
                         **{**heavy, "variant": heavy["variant"] + " --replicated-optimizer"}))
     rows = {line.split("|")[1].strip(): line for line in
-            report.render_report(records).splitlines() if line.startswith("| optimized")}
+            results_table.render_report(records).splitlines() if line.startswith("| optimized")}
     for label in ("optimized_symmem_training --batch-size 1 --seq-len 32",
                   "optimized_symmem_training --batch-size 1 --seq-len 32 --replicated-optimizer"):
         assert rows[label].rstrip(" |").endswith("not compared: baseline failed"), label
@@ -511,7 +511,7 @@ def test_a_run_is_compared_with_its_baselines_run_of_the_same_flags_else_its_def
     (None, [95.0, 130.0], False),  # recorded before spreads were: not marked either way
 ])
 def test_a_speedup_is_within_noise_when_the_runs_middle_halves_overlap(ours, theirs, noise):
-    assert report.within_noise(_row("optimized_ddp", "baseline_ddp", step_ms_iqr=ours),
+    assert results_table.within_noise(_row("optimized_ddp", "baseline_ddp", step_ms_iqr=ours),
                                _row("baseline_ddp", step_ms_iqr=theirs)) is noise
 
 
@@ -527,7 +527,7 @@ def test_a_speedup_is_within_noise_when_the_runs_middle_halves_overlap(ours, the
 ])
 def test_a_host_is_busy_when_its_load_exceeds_its_cores_or_the_runs_own_ranks(
         load, cpus, world, nnodes, busy):
-    assert report.busy_host(_row("baseline_ddp", load_avg=load, cpus=cpus, world_size=world,
+    assert results_table.busy_host(_row("baseline_ddp", load_avg=load, cpus=cpus, world_size=world,
                                  nnodes=nnodes)) is busy
 
 
@@ -537,34 +537,34 @@ def test_a_speedup_within_the_runs_spread_and_a_busy_host_are_marked_and_explain
                  load_avg=[2.1, 2.3], cpus=2)
 
     def table(*records):
-        text = report.render_report(list(records))
+        text = results_table.render_report(list(records))
         rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")]
                 for line in text.splitlines() if line.startswith("| ")}
         return rows, text
 
     rows, text = table(base, apart)
     assert rows["optimized_ddp"][7] == "1.25x" and rows["optimized_ddp"][-2] == "ok"
-    assert report.NOISE_NOTE not in text  # the note comes with a mark only
+    assert results_table.NOISE_NOTE not in text  # the note comes with a mark only
     rows, text = table(base, dict(apart, step_ms_iqr=[75.0, 96.0]))  # overlaps [95, 130]
-    assert rows["optimized_ddp"][7] == "~1.25x" and report.NOISE_NOTE in text
+    assert rows["optimized_ddp"][7] == "~1.25x" and results_table.NOISE_NOTE in text
     rows, text = table(dict(base, load_avg=[2.1, 3.1]), apart)
     assert rows["baseline_ddp"][-2] == "ok (busy host)" and rows["optimized_ddp"][-2] == "ok"
-    assert report.NOISE_NOTE in text
+    assert results_table.NOISE_NOTE in text
 
 
 def test_report_cli_survives_an_empty_and_a_truncated_file(tmp_path):
     results = tmp_path / "results.jsonl"
     out = tmp_path / "report.md"
-    cmd = [sys.executable, str(common.ROOT / "report.py"), "--results", str(results),
-           "--out", str(out)]
-    assert "No results yet" in subprocess.run(cmd, capture_output=True, text=True).stdout
+    cmd = [sys.executable, "-m", "report", "--results", str(results), "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT)
+    assert "No results yet" in run.stdout
     results.write_text(json.dumps(_row("baseline_ddp")) + "\n" + '{"folder": "01_dd')
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT)
     assert run.returncode == 0 and "baseline_ddp" in out.read_text()
 
 
 def test_list_names_every_script_with_its_summary():
-    text = report.list_scripts()
+    text = cli.list_scripts()
     scripts = sorted(common.ROOT.glob("[0-9][0-9]_*/*.py"))
     assert len(scripts) > 20
     for script in scripts:
@@ -577,12 +577,13 @@ def test_mark_failed_adds_a_row_only_when_the_run_left_none(tmp_path):
     log.write_text("Traceback (most recent call last):\n  ...\nValueError: bad\n"
                    "rank 1 failed: ValueError: bad\n" + TORCHRUN_SUMMARY.format(code=1))
     script = common.ROOT / "01_ddp" / "baseline_ddp.py"
-    cmd = [sys.executable, str(common.ROOT / "report.py"), "mark-failed", str(script),
+    cmd = [sys.executable, "-m", "report", "mark-failed", str(script),
            "--since", "0", "--world-size", "2", "--exit-code", "1", "--log", str(log),
            "--", "--size", "tiny", "--results", str(results)]
-    first = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    first = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                           cwd=common.ROOT)
     assert first.stdout == "rank 1 failed: ValueError: bad\n"
-    assert report.mark_failed(script, ["--size", "tiny", "--results", str(results)], 0, 1, log,
+    assert runs.mark_failed(script, ["--size", "tiny", "--results", str(results)], 0, 1, log,
                               2) == "rank 1 failed: ValueError: bad"
     rows = common.load_results(results)
     assert len(rows) == 1  # the first call's row now counts as this run's record
@@ -596,7 +597,7 @@ def test_mark_failed_keeps_the_row_of_a_run_that_recorded_itself_then_crashed(tm
     log.write_text(TORCHRUN_SUMMARY.format(code=-6))  # aborted in teardown, after recording
     rec = {**_row("baseline_ddp"), "time": "2100-01-01T00:00:00+00:00", "variant": None}
     results.write_text(json.dumps(rec) + "\n")
-    line = report.mark_failed(common.ROOT / "01_ddp" / "baseline_ddp.py",
+    line = runs.mark_failed(common.ROOT / "01_ddp" / "baseline_ddp.py",
                               ["--results", str(results)], 0, 1, log, 2)
     assert line == "rank 1 was killed by signal 6, after recording ok"
     assert [r["status"] for r in common.load_results(results)] == ["ok"]
@@ -606,7 +607,7 @@ def test_mark_failed_records_a_run_whose_flags_its_script_refused(tmp_path):
     """`ARGS='--size huge'`: the recorder reads the flags leniently instead of failing too."""
     results, log = tmp_path / "results.jsonl", tmp_path / "run.log"
     log.write_text("baseline_ddp.py: error: argument --size: invalid choice: 'huge'\n")
-    report.mark_failed(common.ROOT / "01_ddp" / "baseline_ddp.py",
+    runs.mark_failed(common.ROOT / "01_ddp" / "baseline_ddp.py",
                        ["--size", "huge", "--results", str(results)], 0, 2, log, 2)
     (row,) = common.load_results(results)
     assert (row["status"], row["size"]) == ("failed", "huge")
@@ -645,7 +646,7 @@ Root Cause (first observed failure):
     ("", 139, "a rank exited with code 139"),
 ])
 def test_a_failed_runs_line_is_its_scripts_own_error(output, code, line):
-    assert report.failure_line(output, code) == line
+    assert runs.failure_line(output, code) == line
 
 
 # --- outcomes ---------------------------------------------------------------------------------
@@ -670,7 +671,7 @@ def test_run_main_records_a_skip_and_a_failure(tmp_path, monkeypatch, capfd):
     assert (failed["status"], failed["reason"]) == ("failed", "RuntimeError: NCCL error")
     assert (failed["folder"], failed["script"]) == ("03_fsdp", "optimized_fsdp")
     assert failed["size"] == "tiny" and failed["device"] == "cpu"
-    assert "skipped: needs CUDA for FP8" in report.render_report([skipped])
+    assert "skipped: needs CUDA for FP8" in results_table.render_report([skipped])
 
 
 def test_a_diverged_run_is_an_error_not_a_result(monkeypatch):
@@ -712,8 +713,8 @@ def test_a_record_keeps_its_step_spread_its_hosts_load_and_the_versions_that_cha
     assert q1 <= rec["step_ms"] <= q3 <= rec["step_ms_p90"] + 1e-3
     assert rec["torchao"] == importlib.metadata.version("torchao")
     assert rec["torchvision"] == importlib.metadata.version("torchvision")
-    # every key a record carries is in the schema `report.py --help` prints
-    named = set(re.findall(r"[a-z_0-9]+", report.RESULTS_SCHEMA))
+    # every key a record carries is in the schema `python -m report --help` prints
+    named = set(re.findall(r"[a-z_0-9]+", cli.RESULTS_SCHEMA))
     assert set(rec) <= named, set(rec) - named
 
 
@@ -732,7 +733,7 @@ def test_report_compares_rows_only_on_the_same_link_and_shows_measured_beside_th
     records = [_row("baseline_ddp"), _row("baseline_ddp", link="1gbit", step_ms=400.0),
                _row("optimized_ddp", "baseline_ddp", link="1gbit", step_ms=200.0,
                     compression=3.9, theory={"comm_mb": 0.5, "compression": 3.94})]
-    text = report.render_report(records)
+    text = results_table.render_report(records)
     optimized = next(line for line in text.splitlines() if "| optimized_ddp " in line)
     assert "tiny @1gbit" in optimized and "2.00x" in optimized  # 400 ms / 200 ms, not 100 / 200
     assert "compression=3.94 (measured 3.9)" in optimized
@@ -747,7 +748,7 @@ def test_report_compares_rows_only_on_the_same_link_and_shows_measured_beside_th
 def test_another_batch_or_sequence_length_names_the_runs_variant(flags, variant):
     assert common.parser(None).parse_args(["--size", "small", *flags]).variant == variant
     # as the Makefile's bookkeeping finds a run's record from its flags, the script's own after
-    assert report._flags_of(["--size", "small", *flags, "--replicated-optimizer"])[1] == \
+    assert runs._flags_of(["--size", "small", *flags, "--replicated-optimizer"])[1] == \
         " ".join(filter(None, [variant, "--replicated-optimizer"]))
 
 

@@ -22,8 +22,8 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-import report
 from helpers import load_recipe, readme_python_block
+from report import results_table
 
 FOLDER = common.ROOT / "02_compression"
 int8 = load_recipe(FOLDER / "optimized_compression_int8.py")
@@ -197,16 +197,16 @@ def test_the_long_powersgd_row_is_compared_with_the_long_baseline_by_its_final_l
                       baseline="baseline_compression", variant="--rank 8 --long-run",
                       loss_tolerance=None,
                       loss_tolerance_final_rel=powersgd.FINAL_LOSS_TOLERANCE)
-    by_key = {common.run_key(r) + (report._script_label(r),): r for r in (short, base)}
-    assert report.baseline_run(rec, by_key) is base  # the 100-step one, not the 25-step one
-    assert report.why_not_compared(rec, base) is None  # the same steps and warm-up
+    by_key = {common.run_key(r) + (results_table.script_label(r),): r for r in (short, base)}
+    assert results_table.baseline_run(rec, by_key) is base  # the 100-step one, not the 25-step one
+    assert results_table.why_not_compared(rec, base) is None  # the same steps and warm-up
     # 1.0 apart at step 2, far over a per-step bound, and 4.2% at the end: within 5%
-    assert report.max_loss_diff(rec["losses"], base["losses"]) == pytest.approx(1.0)
-    assert not report.over_tolerance(rec, base)
-    assert report.over_tolerance({**rec, "losses": [7.0, 4.0, 1.27]}, base)  # 5.8% over
-    assert report.over_tolerance({**rec, "losses": [7.0, 4.0, 1.13]}, base)  # 5.8% under
+    assert results_table.max_loss_diff(rec["losses"], base["losses"]) == pytest.approx(1.0)
+    assert not results_table.over_tolerance(rec, base)
+    assert results_table.over_tolerance({**rec, "losses": [7.0, 4.0, 1.27]}, base)  # 5.8% over
+    assert results_table.over_tolerance({**rec, "losses": [7.0, 4.0, 1.13]}, base)  # 5.8% under
     per_step = {**rec, "loss_tolerance": 0.2, "loss_tolerance_final_rel": None}
-    assert report.over_tolerance(per_step, base)  # the other kind: the largest step's 1.0
+    assert results_table.over_tolerance(per_step, base)  # the other kind: the largest step's 1.0
 
 
 # --- Both hooks on real process groups ------------------------------------------------------------

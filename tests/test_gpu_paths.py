@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import common
-import report
 from helpers import load_recipe
+from report.runs import smoke
 
 SCRIPTS = sorted(common.ROOT.glob("0[1-6]_*/*.py"))
 # The Makefile's extra runs: a script and its flags (see EXTRA_RUNS_* there).
@@ -384,7 +384,7 @@ def test_the_smoke_never_touches_cuda_in_the_process_it_forks_from(tmp_path, mon
 
     for name in ("is_available", "get_device_name", "device_count", "init"):
         monkeypatch.setattr(torch.cuda, name, touched)
-    assert report.smoke(["09_x/optimized_raises.py"], 1, ["--size", "tiny"], tmp_path / "out",
+    assert smoke(["09_x/optimized_raises.py"], 1, ["--size", "tiny"], tmp_path / "out",
                         timeout=60) == 1
     (rec,) = common.load_results(tmp_path / "out" / "results.jsonl")
     assert rec["status"] == "failed" and "exited with code 1" in rec["reason"]

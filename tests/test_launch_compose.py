@@ -7,7 +7,7 @@ LlamaForCausalLM (tests/hf_llama.py), in fp32 and in bf16 weights, against PyTor
 parallelize refusing ranks that hold different weights; the default tp; the 3-D baseline
 skipping with the 3-D run.
 
-The runs of a world are forked from one Python (`report.py smoke`, as `make smoke` runs them;
+The runs of a world are forked from one Python (`python -m report smoke`, as `make smoke` runs them;
 the README lines' ranks from this one): torch imported once, not once a rank, which on 2 cores
 is most of a launch's time."""
 
@@ -26,7 +26,6 @@ from torch.distributed.tensor import Shard
 from transformers import LlamaForCausalLM
 
 import common
-import report
 from helpers import (
     assert_bad_input_is_one_line,
     assert_skipped_with_why,
@@ -35,6 +34,7 @@ from helpers import (
     load_recipe,
     readme_python_block,
 )
+from report import results_table
 
 FSDP_TP = common.ROOT / "03_fsdp" / "optimized_fsdp_tp.py"
 PIPELINE_3D = common.ROOT / "05_pipeline" / "optimized_pipeline_3d.py"
@@ -47,7 +47,7 @@ def forked_runs(runs: list[str], nproc: int, out) -> list[dict]:
     """Each run (a script and its flags) at `nproc` ranks, tiny, 3 timed steps after 2 warm-up
     unless its flags say otherwise; their records, in order."""
     done = subprocess.run(
-        [sys.executable, str(common.ROOT / "report.py"), "--out", str(out / "report.md"),
+        [sys.executable, "-m", "report", "--out", str(out / "report.md"),
          "smoke", "--nproc", str(nproc), "--timeout", "300",
          "--flags", "--size tiny --steps 3 --warmup 2 --timeout 120", "--", *runs],
         cwd=common.ROOT, capture_output=True, text=True, timeout=900, env=cpu_env())
@@ -124,7 +124,8 @@ def test_a_checkpoint_saved_at_dp2_tp2_resumes_at_another_layout(on_4_ranks, lay
     assert resumed["mesh"] == mesh and resumed["resumed_from"] == SAVED_AT
     uninterrupted = saver["losses"][SAVED_AT:]
     assert len(resumed["losses"]) == len(uninterrupted) == 2
-    assert report.max_loss_diff(resumed["losses"], uninterrupted) <= resumed["loss_tolerance"]
+    diff = results_table.max_loss_diff(resumed["losses"], uninterrupted)
+    assert diff <= resumed["loss_tolerance"]
     assert_trains_like_ddp(resumed["losses"], on_4_ranks["ddp"]["losses"][SAVED_AT:])
     assert_measured_is_theory(resumed)
 
@@ -154,7 +155,8 @@ def test_pipeline_x_fsdp_x_tp_trains_like_ddp(on_8_ranks, on_4_ranks, run, mesh,
 def test_the_ddp_baseline_of_the_3d_run_is_ddp(on_8_ranks, on_4_ranks):
     """05's baseline_pipeline_3d at 8 ranks x 2 sequences trains as 03's baseline_fsdp at 4 x 4:
     the same global batch."""
-    assert report.max_loss_diff(on_8_ranks["ddp"]["losses"], on_4_ranks["ddp"]["losses"]) <= 1e-5
+    assert results_table.max_loss_diff(on_8_ranks["ddp"]["losses"],
+                                       on_4_ranks["ddp"]["losses"]) <= 1e-5
 
 
 @pytest.mark.parametrize("script, flags, world, hint", [
@@ -329,7 +331,7 @@ def test_the_readmes_lines_keep_bf16_weights_bf16_and_train_like_ddp_in_bf16(rea
     for rank in readme_ranks[4] if lines == "2d" else readme_ranks[4][2:]:  # 3-D: the last stage
         run = rank[f"{lines} bf16"]
         assert len(run["losses"]) == len(run["ddp"]) == README_STEPS
-        assert report.max_loss_diff(run["losses"], run["ddp"]) <= BF16_TOLERANCE, run
+        assert results_table.max_loss_diff(run["losses"], run["ddp"]) <= BF16_TOLERANCE, run
 
 
 def test_parallelize_refuses_ranks_that_hold_different_weights_in_one_line(readme_ranks):

@@ -19,7 +19,6 @@ import sys
 import pytest
 
 import common
-import report
 from helpers import (
     LAUNCH_TIMEOUT,
     TINY,
@@ -31,6 +30,7 @@ from helpers import (
     only_record,
     torchrun,
 )
+from report import results_table
 
 FOLDER = common.ROOT / "02_compression"
 POWERSGD = load_recipe(FOLDER / "optimized_compression_powersgd.py")
@@ -132,14 +132,14 @@ def test_powersgds_long_run_states_a_final_loss_tolerance_instead_of_a_per_step_
     assert rec["loss_tolerance_final_rel"] == POWERSGD.FINAL_LOSS_TOLERANCE == 0.05
     assert "loss_tolerance_final_rel" not in short and short["loss_tolerance"] == 0.2
     assert rec["losses"] == short["losses"]  # the flag changes the steps and the judging only
-    assert not report.over_tolerance(rec, base)
+    assert not results_table.over_tolerance(rec, base)
 
 
 def test_hand_written_powersgd_gives_pytorchs_losses_and_bytes(runs):
     hand, torch_hook = runs["powersgd_every_matrix"], runs["powersgd_torch"]
     assert (hand["impl"], torch_hook["impl"]) == ("hand", "torch")
     assert hand["uncompressed"] == torch_hook["uncompressed"] == []
-    assert report.max_loss_diff(hand["losses"], torch_hook["losses"]) <= 1e-5
+    assert results_table.max_loss_diff(hand["losses"], torch_hook["losses"]) <= 1e-5
     assert hand["comm_mb"] == pytest.approx(torch_hook["comm_mb"], rel=1e-6)
     assert hand["collectives_per_step"] == 2 and torch_hook["collectives_per_step"] == 3
 

@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import common
-import report
 from helpers import (
     LAUNCH_TIMEOUT,
     assert_bad_input_is_one_line,
@@ -32,6 +31,7 @@ from helpers import (
 )
 from helpers import TINY as STEPS
 from helpers import torchrun as torchrun_script
+from report import results_table, traces
 
 DDP = common.ROOT / "01_ddp"
 LLAMA = ["--model", "llama"]
@@ -107,7 +107,7 @@ def test_baseline_all_reduces_every_parameter_tensor_and_ddp_buckets_them(runs):
 def test_ddp_pair_losses_match_to_float_rounding(runs):
     optimized, base = runs["optimized_ddp"][0], runs["baseline_ddp"][0]
     assert_within_its_tolerance(optimized, base)
-    assert report.max_loss_diff(optimized["losses"], base["losses"]) <= 1e-5
+    assert results_table.max_loss_diff(optimized["losses"], base["losses"]) <= 1e-5
 
 
 def test_attention_pair_losses_match_within_stated_tolerance(runs):
@@ -133,7 +133,7 @@ def test_accumulation_with_small_buckets_trains_like_the_full_batch(runs, tmp_pa
     finish(torchrun("optimized_ddp.py", results, "--accum", "2", "--bucket-mb", "0.05"))
     rec = only_record(results)
     assert rec["accum"] == 2
-    assert report.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
+    assert results_table.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
     assert rec["theory"]["comm_mb_without_no_sync"] == pytest.approx(2 * rec["comm_mb"],
                                                                      rel=1e-3)
     # 0.4 MB of gradients in 0.05 MiB buckets: the buckets DDP rebuilt and sends, not its one
@@ -144,7 +144,7 @@ def test_accumulation_with_small_buckets_trains_like_the_full_batch(runs, tmp_pa
 
 def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
     """Plain `python script.py` (a world of one) with batch 2b against 2 ranks with batch b;
-    its --trace shows the baseline's one all-reduce per gradient tensor, and report.py's
+    its --trace shows the baseline's one all-reduce per gradient tensor, and report/traces.py's
     breakdown of each traced step adds up to it."""
     results = tmp_path / "results.jsonl"
     run = subprocess.run([sys.executable, str(DDP / "baseline_ddp.py"), *STEPS, "--trace",
@@ -155,20 +155,20 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rec = only_record(results)
     assert rec["world_size"] == 1 and rec["comm_mb"] == 0
-    assert report.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
+    assert results_table.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
     assert rec["variant"] == "--batch-size 8"  # another workload than the 2-rank run's
     (trace_file,) = (tmp_path / "traces").glob("01_ddp_baseline_ddp*_rank0.json")
     trace = json.loads(trace_file.read_text())
     all_reduces = [e for e in trace["traceEvents"] if e.get("name") == "gloo:all_reduce"]
     assert len(all_reduces) == 2 * rec["collectives_per_step"]  # two traced warm-up steps
-    steps = report.step_breakdown(trace)
+    steps = traces.step_breakdown(trace)
     assert len(steps) == 2
     for step in steps:  # the four parts cover the step: nothing counted twice or lost
         parts = [step[k] for k in ("compute", "exposed", "hidden", "idle")]
         assert min(parts) >= 0 and sum(parts) == pytest.approx(step["wall"], rel=0.02)
         # both kinds of time were found; their sizes depend on the machine's load, so no ratio
         assert step["compute"] > 0 and step["exposed"] > 0
-    assert report.comm_pattern(trace)["all_reduce"]["count"] == 2 * rec["collectives_per_step"]
+    assert traces.comm_pattern(trace)["all_reduce"]["count"] == 2 * rec["collectives_per_step"]
 
 
 @pytest.mark.parametrize("flags, model, dtype", [(["--model", "resnet"], "resnet", "fp32"),

@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import common
-import report
 from helpers import (
     assert_bad_input_is_one_line,
     assert_skipped_with_why,
@@ -35,6 +34,7 @@ from helpers import (
     readme_python_block,
     torchrun,
 )
+from report import results_table
 
 FOLDER = common.ROOT / "03_fsdp"
 LONG = ["--steps", "58"]  # 60 steps with the 2 of warm-up
@@ -184,7 +184,7 @@ def test_a_checkpointing_run_records_its_saves_and_trains_like_optimized_fsdp(ru
     assert first["strategy"] == runs["hybrid"]["strategy"] == "hybrid_full_shard"
     assert_records_state_and_bytes_as_its_theory_predicts(first)  # no save in the counted step
     assert first["loss_tolerance"] == runs["hybrid"]["loss_tolerance"]
-    assert report.max_loss_diff(first["losses"], ddp_of["hybrid"]["losses"][:4]) <= \
+    assert results_table.max_loss_diff(first["losses"], ddp_of["hybrid"]["losses"][:4]) <= \
         first["loss_tolerance"]  # against DDP, as its report row is
     assert again["checkpoint_every"] == 3 and len(again["checkpoint_ms"]) == 1  # after the 6th
 
@@ -309,7 +309,7 @@ def test_fp8_trains_within_its_tolerance_and_gathers_fewer_bytes(ablation):
     assert both["fp8"]["scaling"] == "tensorwise" and len(both["fp8"]["layers"]) == 14
     assert not any("lm_head" in name for name in both["fp8"]["layers"])  # the untied head
     assert_within_its_tolerance(both, exact)  # FSDP's losses (the test above)
-    assert report.max_loss_diff(both["losses"], exact["losses"]) > 0  # it did cast to float8
+    assert results_table.max_loss_diff(both["losses"], exact["losses"]) > 0  # it did cast to float8
     assert both["gathered_mb"]["uint8"] > 0  # float8 weights travel as bytes
     assert sum(both["gathered_mb"].values()) < 0.6 * sum(exact["gathered_mb"].values())
 

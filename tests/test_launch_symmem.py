@@ -11,7 +11,6 @@ import pytest
 import torch.multiprocessing as mp
 
 import common
-import report
 from helpers import (
     TINY,
     assert_bad_input_is_one_line,
@@ -23,6 +22,7 @@ from helpers import (
     only_record,
     torchrun,
 )
+from report import results_table
 
 FOLDER = common.ROOT / "06_symmem"
 SWEEP = ["--sizes", "4K,64K,1M", "--iters", "3"]
@@ -92,7 +92,7 @@ def test_a_sweep_records_every_op_and_size_checked_with_its_busbw(runs, script):
 
 
 def test_the_report_sets_the_two_sweeps_side_by_side(runs):
-    text = report.render_report([runs["baseline_symmem_allreduce"],
+    text = results_table.render_report([runs["baseline_symmem_allreduce"],
                                  runs["optimized_symmem_allreduce"]])
     rows = [line for line in text.splitlines() if line.startswith("| all_reduce")]
     assert len(rows) == 3 and all("baseline_symmem_allreduce" in r and r.rstrip(" |").endswith("x")

@@ -48,9 +48,11 @@ DIES = '''
 
 
 def project_copy(root, folder: str, scripts: dict[str, str]):
-    """The Makefile, common.py and report.py with one numbered folder of the given scripts."""
-    for name in ["Makefile", "common.py", "report.py"]:
+    """The Makefile, common.py and report/ with one numbered folder of the given scripts."""
+    for name in ["Makefile", "common.py"]:
         shutil.copy(common.ROOT / name, root)
+    shutil.copytree(common.ROOT / "report", root / "report",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     (root / folder).mkdir()
     for name, text in scripts.items():
         (root / folder / name).write_text(text)

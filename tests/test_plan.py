@@ -1,4 +1,4 @@
-"""report.py's strategy planner: its formulas, its verdicts, its one-line errors, and its fp32
+"""report/planner.py: its formulas, its verdicts, its one-line errors, and its fp32
 per-rank state against what each folder measured in a real run (tests/fixtures)."""
 
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import common
-import report
+from report import planner
 
 FIXTURE = common.ROOT / "tests" / "fixtures" / "records_small.jsonl"
 # Each script whose kept state is one of the planned strategies. Not planned: DualPipe (every
@@ -30,7 +30,7 @@ STRATEGY_OF = {
 
 
 def plan(*flags):
-    return subprocess.run([sys.executable, str(common.ROOT / "report.py"), "plan", *flags],
+    return subprocess.run([sys.executable, "-m", "report", "plan", *flags], cwd=common.ROOT,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -44,7 +44,7 @@ def test_the_planned_state_is_what_each_folder_measured():
             continue
         size = common.SIZES[rec["size"]]
         embedding = size.vocab_size * size.d_model + rec["seq_len"] * size.d_model
-        planned = report.state_per_gpu(STRATEGY_OF[label], rec["params"], rec["world_size"],
+        planned = planner.state_per_gpu(STRATEGY_OF[label], rec["params"], rec["world_size"],
                                        "fp32", embedding=embedding)
         assert planned / 2**20 == pytest.approx(rec["state_mb"], rel=0.05), label
         checked.add(label)
@@ -77,7 +77,7 @@ def test_the_planned_bytes_are_what_each_folder_counted():
         # parallelism: every layer's, for one GPU's share of the batch
         size = common.SIZES[rec["size"]]
         tokens = rec["batch_size"] * rec["seq_len"]
-        planned = report.sent_per_gpu(
+        planned = planner.sent_per_gpu(
             BYTES_OF[label], rec["params"], rec["world_size"], "fp32",
             stage_output_bytes=tokens * size.d_model * 4,
             tied_params=size.vocab_size * size.d_model,
@@ -92,54 +92,54 @@ def test_the_planned_bytes_are_what_each_folder_counted():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_sharding_divides_what_it_shards(dtype):
     p, n = 1e9, 8
-    ddp = report.state_per_gpu("DDP", p, n, dtype)
+    ddp = planner.state_per_gpu("DDP", p, n, dtype)
     assert ddp == 16 * p  # both count 16 bytes a parameter, split differently
-    assert report.state_per_gpu("ZeRO-3", p, n, dtype) == ddp / n
-    assert report.state_per_gpu("DDP", p, n, dtype) > report.state_per_gpu("ZeRO-1", p, n, dtype) \
-        > report.state_per_gpu("ZeRO-2", p, n, dtype) > report.state_per_gpu("ZeRO-3", p, n, dtype)
-    assert report.state_per_gpu("FSDP hybrid", p, 16, dtype, per_node=8) == ddp / 8
+    assert planner.state_per_gpu("ZeRO-3", p, n, dtype) == ddp / n
+    stages = [planner.state_per_gpu(s, p, n, dtype) for s in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")]
+    assert stages == sorted(stages, reverse=True) and len(set(stages)) == 4
+    assert planner.state_per_gpu("FSDP hybrid", p, 16, dtype, per_node=8) == ddp / 8
 
 
 def test_bytes_sent_follow_the_ring_formulas():
     p, n = 1e9, 4
-    assert report.sent_per_gpu("DDP", p, n, "fp32") == pytest.approx(2 * 3 / 4 * 4 * p)
-    assert report.sent_per_gpu("ZeRO-3", p, n, "fp32") == \
-        pytest.approx(1.5 * report.sent_per_gpu("DDP", p, n, "fp32"))
-    assert report.sent_per_gpu("DDP", p, 1, "fp32") == 0
+    assert planner.sent_per_gpu("DDP", p, n, "fp32") == pytest.approx(2 * 3 / 4 * 4 * p)
+    assert planner.sent_per_gpu("ZeRO-3", p, n, "fp32") == \
+        pytest.approx(1.5 * planner.sent_per_gpu("DDP", p, n, "fp32"))
+    assert planner.sent_per_gpu("DDP", p, 1, "fp32") == 0
     # the busiest stage: a middle one sends activations forward and gradients back, an end one
     # activations one way and the tied table's gradient (4 bytes a value in fp32)
-    assert report.sent_per_gpu("pipeline", p, n, "fp32", stage_output_bytes=10) == 20
-    assert report.sent_per_gpu("pipeline", p, n, "fp32", stage_output_bytes=10,
+    assert planner.sent_per_gpu("pipeline", p, n, "fp32", stage_output_bytes=10) == 20
+    assert planner.sent_per_gpu("pipeline", p, n, "fp32", stage_output_bytes=10,
                                tied_params=5) == 30
-    assert report.sent_per_gpu("pipeline", p, 2, "fp32", stage_output_bytes=10) == 10
-    assert report.sent_per_gpu("pipeline", p, 1, "fp32", stage_output_bytes=10) == 0
+    assert planner.sent_per_gpu("pipeline", p, 2, "fp32", stage_output_bytes=10) == 10
+    assert planner.sent_per_gpu("pipeline", p, 1, "fp32", stage_output_bytes=10) == 0
 
 
 def test_tensor_parallelism_moves_activations_not_parameters():
     p, stream, tables = 1e9, 1e6, 1e7
-    tp = report.sent_per_gpu("TP", p, 4, "fp32", stream=stream, replicated=tables)
+    tp = planner.sent_per_gpu("TP", p, 4, "fp32", stream=stream, replicated=tables)
     # 4 all-gathers and 4 reduce-scatters of the 4 GPUs' batch a layer, 3/4 of each, and the
     # tables' gradients all-reduced
     assert tp == pytest.approx(3 / 4 * (8 * 4 * stream * 4 + 2 * 4 * tables))
-    assert report.sent_per_gpu("TP", 2 * p, 4, "fp32", stream=stream, replicated=tables) == tp
-    assert report.sent_per_gpu("TP", p, 1, "fp32", stream=stream, replicated=tables) == 0
+    assert planner.sent_per_gpu("TP", 2 * p, 4, "fp32", stream=stream, replicated=tables) == tp
+    assert planner.sent_per_gpu("TP", p, 1, "fp32", stream=stream, replicated=tables) == 0
     # inside one node TP x DP is TP; across two, each GPU's gradients cross to its other replica
-    assert report.sent_per_gpu("TP x DP", p, 8, "fp32", stream=stream, replicated=tables) == \
-        report.sent_per_gpu("TP", p, 8, "fp32", stream=stream, replicated=tables)
-    across = report.sent_per_gpu("TP x DP", p, 16, "fp32", stream=stream, replicated=tables)
-    assert across == pytest.approx(report.sent_per_gpu("TP", p, 8, "fp32", stream=stream,
+    assert planner.sent_per_gpu("TP x DP", p, 8, "fp32", stream=stream, replicated=tables) == \
+        planner.sent_per_gpu("TP", p, 8, "fp32", stream=stream, replicated=tables)
+    across = planner.sent_per_gpu("TP x DP", p, 16, "fp32", stream=stream, replicated=tables)
+    assert across == pytest.approx(planner.sent_per_gpu("TP", p, 8, "fp32", stream=stream,
                                                        replicated=tables)
                                    + 2 * 1 / 2 * 4 * ((p - tables) / 8 + tables))
-    assert report.state_per_gpu("TP", p, 8, embedding=tables) == 16 * ((p - tables) / 8 + tables)
-    assert report.state_per_gpu("TP x DP", p, 16, embedding=tables) == \
-        report.state_per_gpu("TP", p, 8, embedding=tables)
+    assert planner.state_per_gpu("TP", p, 8, embedding=tables) == 16 * ((p - tables) / 8 + tables)
+    assert planner.state_per_gpu("TP x DP", p, 16, embedding=tables) == \
+        planner.state_per_gpu("TP", p, 8, embedding=tables)
 
 
 def test_checkpointing_shrinks_activations():
     kw = {"layers": 32, "seq": 4096, "batch": 1, "hidden": 4096, "vocab": 32000, "dtype": "bf16"}
-    full = report.activations_per_gpu(checkpointing=False, **kw)
-    assert report.activations_per_gpu(checkpointing=True, **kw) < full / 4
-    assert report.activations_per_gpu(checkpointing=False, **{**kw, "dtype": "fp32"}) > full
+    full = planner.activations_per_gpu(checkpointing=False, **kw)
+    assert planner.activations_per_gpu(checkpointing=True, **kw) < full / 4
+    assert planner.activations_per_gpu(checkpointing=False, **{**kw, "dtype": "fp32"}) > full
 
 
 def test_a_7b_model_on_8_gpus_of_80_gb():
@@ -176,10 +176,10 @@ def test_bad_input_is_one_line(flags, hint):
 MESH_FIXTURE = common.ROOT / "tests" / "fixtures" / "records_mesh.jsonl"
 
 
-def mesh_layout(rec: dict) -> report.Layout:
+def mesh_layout(rec: dict) -> planner.Layout:
     """The planner's picture of the decoder a record trained, from its size preset and model."""
     size = common.SIZES[rec["size"]]
-    layout = report.llama_layout if rec["model"] == "llama" else report.gpt_layout
+    layout = planner.llama_layout if rec["model"] == "llama" else planner.gpt_layout
     return layout(rec["params"], size.n_layers, size.d_model, size.vocab_size, rec["seq_len"])
 
 
@@ -195,8 +195,8 @@ def test_the_composed_layouts_are_what_their_scripts_measured():
         layout, mesh, dtype = mesh_layout(rec), rec["mesh"], rec["dtype"]
         if rec["script"] == "optimized_fsdp_tp":
             # each rank's batch_size sequences: the TP group works on tp of them together
-            state = report.fsdp_tp_state(layout, mesh["dp"], mesh["tp"], dtype)
-            sent = report.fsdp_tp_sent(layout, mesh["dp"], mesh["tp"], dtype,
+            state = planner.fsdp_tp_state(layout, mesh["dp"], mesh["tp"], dtype)
+            sent = planner.fsdp_tp_sent(layout, mesh["dp"], mesh["tp"], dtype,
                                        micro_batch=rec["batch_size"])
         else:
             # a dp rank's pp x tp x batch_size sequences in m micro-batches, a TP group's each:
@@ -204,8 +204,8 @@ def test_the_composed_layouts_are_what_their_scripts_measured():
             m = rec["microbatches"]
             micro_batch, rest = divmod(mesh["pp"] * rec["batch_size"], m)
             assert rest == 0, "the planner counts whole sequences a GPU"
-            state = report.pp_fsdp_tp_state(layout, mesh["pp"], mesh["dp"], mesh["tp"], dtype)
-            sent = report.pp_fsdp_tp_sent(layout, mesh["pp"], mesh["dp"], mesh["tp"], m, dtype,
+            state = planner.pp_fsdp_tp_state(layout, mesh["pp"], mesh["dp"], mesh["tp"], dtype)
+            sent = planner.pp_fsdp_tp_sent(layout, mesh["pp"], mesh["dp"], mesh["tp"], m, dtype,
                                           micro_batch=micro_batch)
         label = f"{rec['script']} --model {rec['model']}"
         assert state / 2**20 == pytest.approx(rec["state_mb"], rel=0.05), label
@@ -218,11 +218,11 @@ def test_the_composed_layouts_are_what_their_scripts_measured():
 
 
 def test_tp_over_one_gpu_is_fsdp():
-    layout = report.llama_layout(7e9, 32, 4096, 32000, 4096)
-    assert report.fsdp_tp_state(layout, 8, 1) == report.state_per_gpu("FSDP full", 7e9, 8)
-    assert report.fsdp_tp_sent(layout, 8, 1)["tp"] == 0
+    layout = planner.llama_layout(7e9, 32, 4096, 32000, 4096)
+    assert planner.fsdp_tp_state(layout, 8, 1) == planner.state_per_gpu("FSDP full", 7e9, 8)
+    assert planner.fsdp_tp_sent(layout, 8, 1)["tp"] == 0
     # sharding over pp x dp x tp: the first stage's blocks 1/pp of them, its table split dp x tp
-    three_d = report.pp_fsdp_tp_state(layout, 2, 4, 8)
+    three_d = planner.pp_fsdp_tp_state(layout, 2, 4, 8)
     assert three_d == pytest.approx(16 * ((7e9 - 2 * 32000 * 4096 - 65 * 4096) / 64
                                           + 32000 * 4096 / 32 + 65 * 4096 / 8))
 

@@ -1,4 +1,4 @@
-"""report.py's trace breakdown: hand-made traces with a known answer, on CPU (gloo's threads)
+"""report/traces.py: hand-made traces with a known answer, on CPU (gloo's threads)
 and GPU (kernels; one checked against HolisticTraceAnalysis's own figures), the names of
 collectives, and the table over a folder of per-rank traces."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import report
+from report import traces
 
 
 def op(name, ts, dur, tid=1, cat="cpu_op", **args):
@@ -31,7 +31,7 @@ CPU_TRACE = {"traceEvents": [
 def test_a_cpu_step_splits_into_the_known_four_parts():
     # compute [0,30] and [50,70]; communication [30,60] (the call, then gloo's transfer):
     # hidden [50,60] = 10, compute alone 40, exposed 20, idle the rest [70,100] = 30
-    (step,) = report.step_breakdown(CPU_TRACE)
+    (step,) = traces.step_breakdown(CPU_TRACE)
     assert step["step"] == "ProfilerStep#3" and step["wall"] == pytest.approx(0.1)
     assert (step["compute"], step["hidden"], step["exposed"], step["idle"]) == \
         pytest.approx((0.040, 0.010, 0.020, 0.030))
@@ -46,7 +46,7 @@ def test_a_gpu_step_reads_the_kernels_not_the_threads():
         op("Memcpy DtoD", 85, 5, tid=7, cat="gpu_memcpy")]}
     # compute [0,50]; data movement [40,80] and the copy [85,90] (HTA's non-compute); no
     # correlation ids, so the step is its CPU range
-    (step,) = report.step_breakdown(trace)
+    (step,) = traces.step_breakdown(trace)
     assert (step["compute"], step["hidden"], step["exposed"], step["idle"]) == \
         pytest.approx((0.040, 0.010, 0.035, 0.015))
 
@@ -96,7 +96,7 @@ HTA_ON_GPU_TRACE = {"idle": 15.47, "compute": 61.63, "non_compute": 22.9}
 
 
 def test_a_gpu_trace_agrees_with_hta_within_5_points():
-    steps = report.step_breakdown(gpu_trace())
+    steps = traces.step_breakdown(gpu_trace())
     total = {k: sum(s[k] for s in steps[:-1]) for k in ("wall", "compute", "hidden",
                                                          "exposed", "idle")}
     ours = {"idle": total["idle"], "compute": total["compute"] + total["hidden"],
@@ -108,13 +108,13 @@ def test_a_gpu_trace_agrees_with_hta_within_5_points():
     assert steps[0]["wall"] == pytest.approx(12.0)
     for s in steps:
         assert s["compute"] + s["hidden"] + s["exposed"] + s["idle"] == pytest.approx(s["wall"])
-    assert report.gpu_step_windows(*report._events_and_steps(gpu_trace()))[0][0] == 1032
+    assert traces.gpu_step_windows(*traces._events_and_steps(gpu_trace()))[0][0] == 1032
 
 
 def test_the_four_parts_add_up_to_each_step_of_a_two_step_trace():
     second = [dict(e, ts=e["ts"] + 200) for e in CPU_TRACE["traceEvents"][:6]]
     second[0]["name"] = "ProfilerStep#4"
-    steps = report.step_breakdown({"traceEvents": CPU_TRACE["traceEvents"] + second})
+    steps = traces.step_breakdown({"traceEvents": CPU_TRACE["traceEvents"] + second})
     assert [s["step"] for s in steps] == ["ProfilerStep#3", "ProfilerStep#4"]
     for s in steps:
         assert s["compute"] + s["hidden"] + s["exposed"] + s["idle"] == pytest.approx(s["wall"])
@@ -123,7 +123,7 @@ def test_the_four_parts_add_up_to_each_step_of_a_two_step_trace():
 
 def test_a_trace_without_steps_is_refused():
     with pytest.raises(ValueError, match="ProfilerStep"):
-        report.step_breakdown({"traceEvents": [op("aten::mm", 0, 5)]})
+        traces.step_breakdown({"traceEvents": [op("aten::mm", 0, 5)]})
 
 
 @pytest.mark.parametrize("name, kind", [
@@ -135,14 +135,14 @@ def test_a_trace_without_steps_is_refused():
     ("nccl:all_reduce", "all_reduce"), ("c10d::alltoall_base_", "all_to_all"),
     ("aten::mm", None), ("ProfilerStep#1", None)])
 def test_collectives_are_named_by_kind_whoever_runs_them(name, kind):
-    assert report.collective_kind(name) == kind
+    assert traces.collective_kind(name) == kind
 
 
 def test_the_communication_pattern_counts_calls_bytes_and_transfer_time():
     # a collective's range on the training thread is its call, not a transfer on gloo's thread
     trace = {"traceEvents": CPU_TRACE["traceEvents"] +
              [op("gloo:all_reduce", 30, 10, cat="user_annotation")]}
-    pattern = report.comm_pattern(trace)
+    pattern = traces.comm_pattern(trace)
     # the transfer after the step is not this step's
     assert pattern == {"all_reduce": {"count": 1, "bytes": 4 * 8 * 4, "ms": pytest.approx(0.025)}}
 
@@ -157,8 +157,8 @@ def test_a_message_is_the_calls_input_whichever_argument_and_thread_it_is():
                                                      "Input type": ["float", "float", "", ""]}),
         op("c10d::_reduce_scatter_base_", 20, 5, **{"Input Dims": [[4], [8], []],
                                                    "Input type": ["c10::BFloat16"] * 2 + [""]})]}
-    assert len(report.step_breakdown(trace)) == 1
-    pattern = report.comm_pattern(trace)
+    assert len(traces.step_breakdown(trace)) == 1
+    pattern = traces.comm_pattern(trace)
     assert (pattern["all_gather"]["count"], pattern["all_gather"]["bytes"]) == (1, 4 * 4)
     assert pattern["reduce_scatter"]["bytes"] == 8 * 2
 
@@ -171,7 +171,7 @@ def test_a_kernel_running_after_its_steps_cpu_range_is_that_steps_transfer():
         op("cudaLaunchKernel", 90, 2, cat="cuda_runtime", correlation=1),
         op("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 120, 30, tid=8, cat="kernel",
            correlation=1, stream=8)]}
-    assert report.comm_pattern(trace)["all_reduce"] == {"count": 1, "bytes": 32,
+    assert traces.comm_pattern(trace)["all_reduce"] == {"count": 1, "bytes": 32,
                                                        "ms": pytest.approx(0.030)}
 
 
@@ -180,14 +180,14 @@ def test_the_traces_table_has_a_row_per_script_and_rank(tmp_path):
         (tmp_path / f"01_ddp_optimized_ddp_rank{rank}.json").write_text(json.dumps(CPU_TRACE))
     (tmp_path / "05_pipeline_optimized_pipeline_1f1b_timeline.json").write_text("{}")  # not a rank
     (tmp_path / "04_zero_optimized_zero1_rank0.json").write_text('{"traceEvents": [')  # cut short
-    text = report.render_traces(tmp_path)
+    text = traces.render_traces(tmp_path)
     assert "Not read: 04_zero_optimized_zero1_rank0.json (Expecting value" in text
     rows = [line for line in text.splitlines() if line.startswith("| 01_ddp_optimized_ddp")]
     assert len(rows) == 4  # breakdown and collectives, two ranks each
     for row in rows[:2]:
         assert [c.strip() for c in row.split("|")[3:-1]] == \
             ["0.1", "0.04 (40%)", "0.02 (20%)", "0.01 (10%)", "0.03 (30%)"]
-    assert report.render_traces(tmp_path / "none") == ""
+    assert traces.render_traces(tmp_path / "none") == ""
 
 
 def _traced(folder, names, ranks=(0, 1)):
@@ -208,7 +208,7 @@ def test_the_traces_table_keeps_each_pair_together_with_no_records(tmp_path):
                        "01_ddp_optimized_ddp_flash", "04_zero_optimized_zero_pytorch--stage3",
                        "04_zero_optimized_zero1", "04_zero_baseline_zero"])
     _traced(tmp_path, ["01_ddp_baseline_ddp"], ranks=(10, 2))
-    rows = _scripts_and_ranks(report.render_traces(tmp_path))
+    rows = _scripts_and_ranks(traces.render_traces(tmp_path))
     # by name: optimized_ddp_flash beside baseline_ddp_flash (the longest baseline it starts
     # with), not baseline_ddp; ranks by number, 10 after 2
     assert rows == [("01_ddp_baseline_ddp", r) for r in (0, 1, 2, 10)] + [
@@ -226,7 +226,7 @@ def test_the_traces_table_pairs_runs_as_their_records_say(tmp_path):
          "variant": None},
         {"folder": "04_zero", "script": "optimized_zero_pytorch", "baseline": "baseline_zero",
          "variant": "--stage 3"}]
-    rows = [name for name, rank in _scripts_and_ranks(report.render_traces(tmp_path, records))
+    rows = [name for name, rank in _scripts_and_ranks(traces.render_traces(tmp_path, records))
             if rank == 0]
     assert rows == ["01_ddp_baseline_ddp", "01_ddp_optimized_ddp", "01_ddp_optimized_ddp_flash",
                     "01_ddp_baseline_ddp_flash", "04_zero_optimized_zero_pytorch--stage3"]

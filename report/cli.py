@@ -1,0 +1,189 @@
+"""Everything that reads results rather than training: the report, the per-rank trace
+breakdown, the charts and the strategy planner. Recipes never import this package; it imports
+`common` only to read the results file the recipes write.
+
+    python -m report                 # outputs/results.jsonl -> table, outputs/report.md, charts
+    python -m report traces          # where each traced step's time went, per script and rank
+    python -m report plan --params 7e9 --gpus 8 --gpu-mem 80  # which strategy fits, its bytes
+    python -m report list            # every script with the first line of its docstring
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import common
+from report.charts import write_charts
+from report.planner import STATE_BYTES, layout_of, render_cases, render_plan, tp_degree
+from report.results_table import render_report
+from report.runs import mark_failed, smoke
+from report.traces import render_traces
+
+if TYPE_CHECKING:  # matplotlib is imported when a chart is drawn, not for the table
+    pass
+
+
+
+def list_scripts(root: Path = common.ROOT) -> str:
+    lines, width = [], max(len(s.name) for s in root.glob("[0-9][0-9]_*/*.py"))
+    for folder in sorted(root.glob("[0-9][0-9]_*/")):
+        lines += ["", f"{folder.name}/"]
+        for script in sorted(folder.glob("*.py")):
+            doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+            summary = " ".join(doc.split("\n\n")[0].split())  # its first line, wrapped or not
+            lines.append(f"  {script.name:<{width}} {summary}")
+    return "\n".join(lines[1:])
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: the results schema (`--help` prints it), the subcommands
+# ---------------------------------------------------------------------------------------------
+RESULTS_SCHEMA = """\
+results schema: each run appends one JSON object (rank 0) to outputs/results.jsonl.
+Every record:
+  folder, script        e.g. 01_ddp, optimized_ddp
+  baseline              the script this one is compared with (null for a baseline)
+  variant               the flags that make it another run of its script (null: defaults)
+  status, reason        ok | skipped (why) | failed (the script's own error line); the report
+                        adds `over tolerance` when max loss difference > loss_tolerance
+  time, host            when (ISO 8601, UTC) and on which host it ran
+  size, model, world_size, nnodes, link, backend, device
+                        the setup; link is LINK's rate (null: unshaped)
+  torch, torchao, torchvision, cuda, nccl
+                        versions that change results (null where absent or unused)
+A training run (status ok) also:
+  params                model parameters, all ranks together
+  step_ms, step_ms_p90, step_ms_iqr
+                        median, p90 and [q1, q3] of the timed steps' milliseconds
+  tokens_per_s | samples_per_s
+                        global throughput
+  peak_mem_mb, memory   the busiest rank's peak over the measured step (live tensor MB on
+                        CPU, with its split by kind; the allocator's on CUDA)
+  peak_rss_mb | reserved_mb
+                        the process's resident peak (CPU) or the allocator's reserve (CUDA)
+  state_mb              the busiest rank's parameters + gradients + optimizer state
+  comm_mb               MB a rank sends per step, counted where the script hands tensors over
+  losses, loss_tolerance | loss_tolerance_final_rel
+                        every step's loss; the largest per-step difference from the baseline
+                        allowed, or (a long lossy run) how far the final loss may be from the
+                        baseline's final loss, as a fraction of it
+  theory                what the technique predicts, computed, beside the measured keys
+  steps, warmup, batch_size, seq_len, dtype, seed, lr, startup_s, warmup_s
+  load_avg, cpus        the host's 1-minute load at the first timed step and after the last,
+                        and its logical cores
+A collectives sweep has `sweep`: one {op, bytes, ms, algbw_gbps, busbw_gbps} per op and size.
+A script adds what its technique measures (compression, bubble, timeline, optim_mb, ...).
+"""
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """Bad flags end with one line that names what to change, as the recipes' do."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: Sequence[str]) -> int:
+    cli = OneLineErrors(prog="python -m report", description=__doc__.split("\n\n")[0],
+                        epilog=RESULTS_SCHEMA, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_argument("--results", type=Path, default=common.RESULTS)
+    cli.add_argument("--out", type=Path, default=common.RESULTS.parent / "report.md")
+    sub = cli.add_subparsers(dest="command", parser_class=OneLineErrors)
+    sub.add_parser("report", help="the results table (the default)")
+    sub.add_parser("traces", help="where each traced step's time went, per script and rank")
+    sub.add_parser("list", help="every script with the first line of its docstring")
+    plan = sub.add_parser("plan", help="which strategy fits a model on a cluster, and its bytes")
+    plan.add_argument("--params", type=common.positive_float,
+                      help="model parameters, e.g. 7e9 (required, as --gpus and --gpu-mem are)")
+    plan.add_argument("--gpus", type=common.int_at_least(1))
+    plan.add_argument("--gpu-mem", type=common.positive_float, help="GB of memory per GPU")
+    plan.add_argument("--gpus-per-node", type=common.int_at_least(1), default=8,
+                      help="FSDP hybrid shards within a node, TP stays within one (default 8)")
+    plan.add_argument("--layers", type=common.int_at_least(1), default=32)
+    plan.add_argument("--hidden", type=common.int_at_least(1), default=4096)
+    plan.add_argument("--vocab", type=common.int_at_least(1), default=32000)
+    plan.add_argument("--seq-len", type=common.int_at_least(1), default=4096)
+    plan.add_argument("--micro-batch", type=common.int_at_least(1), default=1,
+                      help="sequences per GPU per forward")
+    plan.add_argument("--micro-batches", type=common.int_at_least(1), default=None,
+                      help="a pipeline's micro-batches per step (default 4 x gpus; PP x FSDP x "
+                           "TP: 2 x pp)")
+    plan.add_argument("--dtype", choices=sorted(STATE_BYTES), default="bf16")
+    plan.add_argument("--llama", action="store_true", help="a Llama's layout: untied head, "
+                      "rotary positions (no position table), RMSNorm, no biases (default GPT-2's)")
+    plan.add_argument("--pp", type=common.int_at_least(2), default=None,
+                      help="PP x FSDP x TP's stages (default: the fewest at which it fits)")
+    plan.add_argument("--cases", action="store_true", help="the decision matrix's worked cases "
+                      "(ResNet-50, GPT-2 1.5B, LLaMA-7B, LLaMA-70B): what the planner picks and "
+                      "why; the other flags are not read")
+    fail = sub.add_parser("mark-failed", help="(the Makefile's) a run ended non-zero: print its "
+                          "error line, and record it if the run could not", epilog="Give the "
+                          "script's own flags after --, to record its size and find its results "
+                          "file.")
+    fail.add_argument("script", type=Path)
+    fail.add_argument("--since", type=float, required=True, help="epoch seconds the run began")
+    fail.add_argument("--exit-code", type=int, required=True)
+    fail.add_argument("--log", type=Path, required=True, help="the run's output")
+    fail.add_argument("--world-size", type=int, default=1)
+    fail.add_argument("--no-record", action="store_true", help="print only (not node 0)")
+    run = sub.add_parser("smoke", help="(`make smoke`) every run once, one line each",
+                         epilog="Give the runs (a script and its flags, quoted) after --.")
+    run.add_argument("--nproc", type=int, required=True)
+    run.add_argument("--flags", default="", help="flags for every run")
+    run.add_argument("--timeout", type=float, default=300, help="seconds a run may take")
+    # after `--`: the failed run's flags, or smoke's runs (which argparse would read as flags)
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, rest = cli.parse_args(argv[:split]), argv[split + 1:]
+    if args.command == "smoke":
+        return smoke(rest, args.nproc, args.flags.split(), args.out.parent / "smoke", args.timeout)
+    if args.command == "mark-failed":
+        print(mark_failed(args.script, rest, args.since, args.exit_code, args.log,
+                          args.world_size, record=not args.no_record))
+        return 0
+    if args.command == "plan":
+        if args.cases:
+            print(render_cases())
+            return 0
+        if missing := [flag for flag in ("--params", "--gpus", "--gpu-mem")
+                       if getattr(args, flag[2:].replace("-", "_")) is None]:
+            plan.error(f"the following arguments are required: {', '.join(missing)} (or give "
+                       "--cases)")
+        layout = layout_of(args)
+        if args.params <= layout.embedding + layout.head:
+            tables = "2 x --vocab x --hidden" if args.llama else \
+                "--vocab x --hidden + --seq-len x --hidden"
+            plan.error(f"--params {args.params:g} is no more than the embeddings ({tables} = "
+                       f"{layout.embedding + layout.head:g}): raise --params or lower "
+                       "--vocab/--hidden")
+        tp = tp_degree(args.gpus, args.gpus_per_node)
+        if args.pp and (args.gpus // tp % args.pp or args.pp > args.layers):
+            plan.error(f"--pp {args.pp} does not divide the {args.gpus // tp} GPUs that TP "
+                       f"{tp} (in a node) leaves of --gpus {args.gpus}, or exceeds --layers "
+                       f"{args.layers}: use a divisor of {args.gpus // tp} up to {args.layers}")
+        print(render_plan(args))
+        return 0
+    if args.command == "list":
+        print(list_scripts())
+        return 0
+    records = common.load_results(args.results)
+    traces = render_traces(args.results.parent / "traces", records)
+    if args.command == "traces":
+        print(traces or f"No traces in {args.results.parent / 'traces'}: run with --trace "
+                        "(make all TRACE=1) first.")
+        return 0
+    charts = write_charts(records, args.out.parent / "charts")
+    links = ["## Charts", ""] + [f"![{path.stem}](charts/{path.name})" for path in charts]
+    text = "\n".join(filter(None, [render_report(records), traces,
+                                   "\n".join(links) + "\n" if charts else ""]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    return 0

@@ -1,0 +1,298 @@
+"""The results table: the latest run of each script, grouped by folder, each optimized row beside
+its baseline (speedup, memory ratio, largest loss difference, theory beside measurement). Also
+how a record is read back: its pairing, its tolerance, whether its host was busy."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from tabulate import tabulate
+
+import common
+
+if TYPE_CHECKING:  # matplotlib is imported when a chart is drawn, not for the table
+    pass
+
+
+
+def max_loss_diff(losses: list[float] | None, baseline_losses: list[float] | None
+                  ) -> float | None:
+    """The largest per-step loss difference from the baseline's run (None: not comparable)."""
+    if not losses or not baseline_losses or len(losses) != len(baseline_losses):
+        return None
+    return max(abs(a - b) for a, b in zip(losses, baseline_losses, strict=True))
+
+
+def over_tolerance(rec: dict, base: dict | None) -> bool:
+    """Whether a run's losses strayed from its baseline's further than the tolerance its script
+    states: its status is then `over tolerance`, not `ok`. The record says which kind:
+    `loss_tolerance`, the largest per-step difference, or `loss_tolerance_final_rel`, the final
+    loss's distance from the baseline's final loss as a fraction of it (a long lossy run, judged
+    by where it ends)."""
+    losses = rec.get("losses")
+    diff = max_loss_diff(losses, (base or {}).get("losses"))
+    if diff is not None and rec.get("loss_tolerance_final_rel") is not None:
+        final = base["losses"][-1]
+        return abs(losses[-1] - final) > rec["loss_tolerance_final_rel"] * abs(final)
+    tolerance = rec.get("loss_tolerance")
+    return diff is not None and tolerance is not None and diff > tolerance
+
+
+# ---------------------------------------------------------------------------------------------
+# The results table: latest run of each script, grouped by folder, optimized rows beside their
+# baseline.
+# ---------------------------------------------------------------------------------------------
+def script_label(rec: dict) -> str:
+    """The script, and its flags where they differ from the defaults."""
+    return " ".join(filter(None, [rec.get("script"), rec.get("variant")]))
+
+
+def latest_runs(records: list[dict]) -> list[dict]:
+    """The last record of each (folder, script and variant, size, model, world, device, link)."""
+    latest = {}
+    for rec in records:
+        latest[common.run_key(rec) + (script_label(rec),)] = rec
+    return list(latest.values())
+
+
+def _fmt(value, spec: str = ",.1f") -> str:
+    return "" if value is None else format(value, spec)
+
+
+def _size_label(rec: dict) -> str:
+    """The size, the model unless it is the GPT, and the link where LINK shaped it."""
+    model, link = rec.get("model"), rec.get("link")
+    return " ".join([str(rec.get("size"))] + ([model] if model not in (None, "gpt") else [])
+                    + ([f"@{link}"] if link else []))
+
+
+# An optimized row is compared with its baseline only if these settings match too.
+COMPARED = ("dtype", "batch_size", "seq_len", "steps", "warmup", "seed", "lr", "nnodes",
+            "clip_grad_norm")
+
+
+def why_not_compared(rec: dict, base: dict | None) -> str | None:
+    """Why a run that names a baseline has no speedup beside it (None: it has one, or it is a
+    baseline). `base` is the baseline's latest run on the same setup. A baseline that failed
+    says so: its record, written before its flags were known, lacks the settings compared."""
+    if rec.get("baseline") is None:
+        return None
+    if rec.get("status") != "ok":
+        return str(rec.get("status"))
+    if base is None:
+        return f"no {rec['baseline']} run on this setup"
+    if base.get("status") != "ok":
+        return f"baseline {base.get('status')}"
+    unlike = [k for k in COMPARED if rec.get(k) != base.get(k)]
+    return f"baseline ran with other {', '.join(unlike)}" if unlike else None
+
+
+def _flag_groups(variant: str | None) -> set[str]:
+    """A variant's flags, each with its values: "--stage 3 --clip-grad-norm 0.5" -> two."""
+    return set(re.findall(r"--\S+(?: (?!--)\S+)*", variant or ""))
+
+
+def baseline_run(rec: dict, by_key: dict) -> dict | None:
+    """The run `rec` is compared with: of its baseline's runs on the same setup, the one whose
+    flags are the most of `rec`'s (06's `--batch-size 1 --seq-len 32` beside its
+    `--replicated-optimizer`, a flag the baseline lacks), whatever its status, so that a row
+    says why it is not compared (`baseline failed`) rather than pick another run."""
+    ours = _flag_groups(rec.get("variant"))
+    theirs = [run for run in by_key.values() if run.get("script") == rec.get("baseline")
+              and common.run_key(run) == common.run_key(rec)
+              and _flag_groups(run.get("variant")) <= ours]
+    return max(theirs, key=lambda run: len(_flag_groups(run.get("variant"))), default=None)
+
+
+# A spoiled comparison says so. Both tests read what a run records (`step_ms_iqr`, `load_avg`,
+# `cpus`); a record from before they existed is marked neither way.
+def within_noise(rec: dict, base: dict) -> bool:
+    """`~`: the middle halves of the two runs' step times ([q1, q3]) overlap, so the speedup is
+    smaller than the step-to-step spread within either run."""
+    ours, theirs = rec.get("step_ms_iqr"), base.get("step_ms_iqr")
+    return bool(ours and theirs) and ours[0] <= theirs[1] and theirs[0] <= ours[1]
+
+
+# Runnable tasks beyond the host's cores (or the run's own ranks) that mark a host busy. Less
+# than one, so that a single busy process beside 2 ranks on 2 cores (a load near 3) is caught;
+# above zero, so that the run's own helper threads (gloo's, autograd's), which wake only
+# briefly, are not. Chosen from how the load average counts, not calibrated on measured runs.
+BUSY_MARGIN = 0.5
+
+
+def busy_host(rec: dict) -> bool:
+    """`(busy host)`: the host's 1-minute load average, at the first timed step or after the
+    last (the larger), was above max(its cores, the run's ranks on it) + BUSY_MARGIN. The run's
+    ranks alone fill the cores on CPU (`common.setup` gives each cores / ranks threads; more
+    ranks than cores run one thread each) and keep one thread each busy on GPU, so load beyond
+    that is other work taking cores from the timed steps. The average lags by about a minute:
+    a burst shorter than that barely shows, and load from just before the run still does."""
+    load, cpus = rec.get("load_avg"), rec.get("cpus")
+    if not load or not cpus:
+        return False
+    ranks_here = rec.get("world_size", 1) // (rec.get("nnodes") or 1)
+    return max(load) > max(cpus, ranks_here) + BUSY_MARGIN
+
+
+NOISE_NOTE = ("~ before a speedup: within noise, the two runs' middle halves of step times "
+              "(q1 to q3) overlap. (busy host): the host's 1-minute load average at the run's "
+              "first or last timed step was above its cores (or the run's own ranks, where "
+              f"more) + {BUSY_MARGIN}, so other work took cores from the timed steps: its times, "
+              "and the speedups they enter, are not the technique's; rerun on a quiet host.")
+
+
+def _report_row(rec: dict, base: dict | None) -> list[str]:
+    status = rec.get("status", "?")
+    if status != "ok":
+        return [script_label(rec), _size_label(rec), rec.get("world_size"), rec.get("device"),
+                *[""] * 9, f"{status}: {rec.get('reason') or ''}"]
+    throughput = rec.get("tokens_per_s") or rec.get("samples_per_s")
+    speedup = mem_ratio = dloss = ""
+    why = why_not_compared(rec, base)
+    if why is None and base is not None:
+        noise = "~" if within_noise(rec, base) else ""
+        speedup = f"{noise}{base['step_ms'] / rec['step_ms']:.2f}x"
+        mem_ratio = f"{rec['peak_mem_mb'] / base['peak_mem_mb']:.2f}x"
+        diff = max_loss_diff(rec.get("losses"), base.get("losses"))
+        final_rel = rec.get("loss_tolerance_final_rel")
+        if diff is not None and final_rel is not None:  # a long run, judged by where it ends
+            gap = rec["losses"][-1] / base["losses"][-1] - 1
+            dloss = f"final {gap:+.1%} " + ("(ok)" if abs(gap) <= final_rel
+                                            else f"(> {final_rel:.0%})")
+        elif diff is not None:
+            tol = rec.get("loss_tolerance")
+            verdict = "" if tol is None else (" (ok)" if diff <= tol else f" (> {tol:g})")
+            dloss = f"{diff:.2e}{verdict}"
+        if over_tolerance(rec, base):
+            status = "over tolerance"
+    status += " (busy host)" if busy_host(rec) else ""
+    status += f"; not compared: {why}" if why else ""
+    theory = _theory_cell(rec)
+    return [script_label(rec), _size_label(rec), _world_label(rec), rec.get("device"),
+            f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _fmt(throughput, ",.0f"),
+            speedup, _fmt(rec.get("peak_mem_mb"), ",.0f"), mem_ratio,
+            _fmt(rec.get("state_mb")), _fmt(rec.get("comm_mb"), ",.2f"), dloss, theory, status]
+
+
+def optimized_runs(records: list[dict]) -> list[tuple[dict, dict | None]]:
+    """(run, its baseline's latest run on the same setup or None) of every training run that
+    names a baseline, as the table pairs them; by folder and script."""
+    runs = latest_runs(records)
+    by_key = {common.run_key(r) + (script_label(r),): r for r in runs}
+    found = [(rec, baseline_run(rec, by_key)) for rec in runs
+             if rec.get("baseline") is not None and "sweep" not in rec]
+    return sorted(found, key=lambda pair: (str(pair[0]["folder"]), script_label(pair[0])))
+
+
+def compared_pairs(records: list[dict]) -> list[tuple[dict, dict]]:
+    """(optimized, baseline) of every training run the table compares: both ok, same settings."""
+    return [(rec, base) for rec, base in optimized_runs(records)
+            if why_not_compared(rec, base) is None]
+
+
+def _world_label(rec: dict) -> str:
+    """The world, and its mesh where a run records one: `8 (pp 2 x dp 2 x tp 2)`."""
+    mesh = rec.get("mesh")
+    if not isinstance(mesh, dict):
+        return str(rec.get("world_size"))
+    return f"{rec.get('world_size')} ({' x '.join(f'{d} {n}' for d, n in mesh.items())})"
+
+
+def _number(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else f"{value}"
+
+
+def _theory_cell(rec: dict) -> str:
+    """Each predicted figure, with the measured one beside it where the record has it under the
+    same name and the table has no column for it (e.g. compression)."""
+    cells = []
+    for key, predicted in (rec.get("theory") or {}).items():
+        if isinstance(predicted, dict):  # by mesh dim: each predicted, then what was measured
+            measured = rec[key] if isinstance(rec.get(key), dict) else {}
+            cells.append(f"{key}: " + ", ".join(
+                f"{dim} {_number(value)}" + (f" (measured {_number(measured[dim])})"
+                                             if dim in measured else "")
+                for dim, value in predicted.items()))
+            continue
+        cell = f"{key}={_number(predicted)}"
+        if key not in ("comm_mb", "peak_mem_mb", "state_mb") and \
+                isinstance(rec.get(key), (int, float)):
+            cell += f" (measured {_number(rec[key])})"
+        cells.append(cell)
+    return "; ".join(cells)
+
+
+REPORT_HEADERS = ["script", "size", "world", "device", "step ms (p90)", "tok/s (img/s)",
+                  "speedup", "peak MB", "mem vs base", "state MB", "comm MB/step",
+                  "max Δloss", "theory", "status"]
+
+
+SWEEP_HEADERS = ["op", "bytes", "world", "device", "baseline", "ms", "busbw GB/s", "script",
+                 "ms ", "busbw GB/s ", "speedup"]
+
+
+def _sweep_table(sweeps: list[dict], by_key: dict) -> str:
+    """Collectives benchmarks: each optimized sweep beside its baseline's, size by size."""
+    table = []
+    for rec in sweeps:
+        if rec.get("baseline") is None:
+            continue
+        base = baseline_run(rec, by_key)
+        theirs = {(r["op"], r["bytes"]): r for r in (base or {}).get("sweep", [])}
+        for row in rec["sweep"]:
+            other = theirs.pop((row["op"], row["bytes"]), None)
+            table.append([row["op"], f"{row['bytes']:,}", rec.get("world_size"),
+                          rec.get("device"), script_label(base) if base else "",
+                          _fmt(other and other["ms"], ",.3f"),
+                          _fmt(other and other["busbw_gbps"], ",.2f"), script_label(rec),
+                          f"{row['ms']:,.3f}", f"{row['busbw_gbps']:,.2f}",
+                          f"{other['ms'] / row['ms']:.2f}x" if other else ""])
+        # what only the baseline swept (on CUDA symmetric memory runs all-reduce alone)
+        table += [[op, f"{nbytes:,}", rec.get("world_size"), rec.get("device"),
+                   script_label(base), f"{other['ms']:,.3f}", f"{other['busbw_gbps']:,.2f}",
+                   script_label(rec), "", "", ""] for (op, nbytes), other in theirs.items()]
+    for rec in sweeps:  # a baseline nothing was compared with still shows its figures
+        if rec.get("baseline") is None and not any(
+                r.get("baseline") == rec.get("script") and common.run_key(r) == common.run_key(rec)
+                for r in sweeps):
+            table += [[row["op"], f"{row['bytes']:,}", rec.get("world_size"), rec.get("device"),
+                       script_label(rec), f"{row['ms']:,.3f}", f"{row['busbw_gbps']:,.2f}",
+                       "", "", "", ""] for row in rec["sweep"]]
+    return tabulate(table, SWEEP_HEADERS, tablefmt="github") + \
+        "\n\nbusbw = bytes / time x 2(N-1)/N (all-reduce), (N-1)/N (all-gather, " \
+        "reduce-scatter), 1 (send/recv); speedup = baseline time / this time."
+
+
+def render_report(records: list[dict]) -> str:
+    """Markdown: one table per folder; baselines first, each optimized row after its baseline."""
+    runs = latest_runs(records)
+    if not runs:
+        return "No results yet: run `make all` (or `make ddp`) first.\n"
+    by_key = {common.run_key(r) + (script_label(r),): r for r in runs}
+    out = ["# Distributed Training Playbook: results", ""]
+    for folder in sorted({str(r.get("folder")) for r in runs}):
+        rows = sorted((r for r in runs if str(r.get("folder")) == folder),
+                      key=lambda r: (str(r.get("size")), str(r.get("model")), r.get("link") or "",
+                                     r.get("world_size") or 0, str(r.get("device")),
+                                     (r.get("baseline") or r.get("script") or ""),
+                                     r.get("baseline") is not None, r.get("variant") or ""))
+        sweeps = [r for r in rows if "sweep" in r]
+        table = [_report_row(r, baseline_run(r, by_key) if r.get("baseline") else None)
+                 for r in rows if r not in sweeps]
+        out += [f"## {folder}", ""]
+        if table:
+            out += [tabulate(table, REPORT_HEADERS, tablefmt="github"), ""]
+        if sweeps:
+            out += [_sweep_table(sweeps, by_key), ""]
+    if any("sweep" not in r for r in runs):
+        out += ["speedup = baseline step time / this step time (same size, world, device and "
+                "link); mem vs base = peak memory ratio; max Δloss = largest per-step loss "
+                "difference from the baseline, checked against the script's stated tolerance "
+                "(`final +x%`: a long run's final loss against its baseline's, checked against "
+                "its stated relative tolerance).",
+                ""]
+    if any(busy_host(r) for r in runs) or \
+            any(within_noise(rec, base) for rec, base in compared_pairs(records)):
+        out += [NOISE_NOTE, ""]
+    return "\n".join(out)
