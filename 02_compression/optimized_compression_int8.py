@@ -41,6 +41,8 @@ import common  # noqa: E402
 # seeds and sizes. Under bf16 autocast that difference also flips activations' bf16 rounding,
 # and the two runs drift apart by bf16's resolution, as exact techniques do in bf16 (5e-2).
 LOSS_TOLERANCE = {"fp32": 0.01, "bf16": 5e-2}
+# No planner row: compression changes the bytes DDP sends, not where state lives.
+PLANNED = []
 # Values per piece on CPU (2 MB of fp32): each pass over a piece (add the gradient, quantize,
 # dequantize, subtract) finds it in cache, where the last pass left it, not in main memory;
 # much smaller pieces pay Python's per-call cost more often. A GPU streams whole chunks.

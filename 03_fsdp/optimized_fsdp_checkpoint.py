@@ -44,6 +44,8 @@ import common  # noqa: E402
 # gathers bf16 weights where DDP autocasts fp32 ones: they round differently, so the losses may
 # drift by bf16's resolution.
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+# No planner row of its own: activation checkpointing is the planner's `act. ckpt` column.
+PLANNED = []
 
 
 # Copied from 03_fsdp/optimized_fsdp.py: build_mesh

@@ -41,6 +41,8 @@ import common  # noqa: E402
 # Exact in fp32: the same sums, in another order at most. Under bf16 autocast (GPU) such
 # last-bit differences grow through the low-precision steps, as for FSDP in 03_fsdp.
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+# No planner row: PyTorch's ZeRO, the same state and bytes as the hand-written stages' rows.
+PLANNED = []
 
 
 def pytorch_zero1(model: nn.Module, topo: common.Topology, lr: float,

@@ -43,6 +43,10 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
 ONE_SHOT_MAX = 256 * 1024  # bytes: above, two-shot reads less than one-shot's N slots
 LINE = 8  # int64s per flag: one 64-byte cache line each
 SPIN_POLLS = 300  # flag reads (tens of microseconds) before a waiting rank yields its core
+# A sweep of collectives: no training, so no losses to hold to the baseline's.
+LOSS_TOLERANCE = None
+# No planner row: a collectives benchmark places no model's state.
+PLANNED = []
 
 
 class SizeViews:

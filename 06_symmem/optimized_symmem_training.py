@@ -48,6 +48,8 @@ LINE = 8  # int64s per flag: one 64-byte cache line each
 # last-bit differences flip activations' bf16 rounding and the losses drift by bf16's
 # resolution, as for the other exact techniques in bf16.
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+# No planner row: one host's shared memory, where the planner plans GPUs and links between them.
+PLANNED = []
 
 
 class GradientSegment:
