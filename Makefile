@@ -20,6 +20,10 @@ NPROC ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
 NNODES ?= 1
 NODE_RANK ?= 0
 MASTER_ADDR ?= 127.0.0.1
+# MASTER_PORT given: every run listens there. Not given, a single-node run (NNODES=1, RDZV unset)
+# takes a free port of its own (two `make` runs on one host would both want 29500); across nodes
+# and with RDZV it is 29500, which every node must agree on.
+PORT_GIVEN := $(filter-out undefined,$(origin MASTER_PORT))
 MASTER_PORT ?= 29500
 SIZE ?= small
 # MODEL=llama: every script on the Llama-style decoder (resnet: the CNN where it applies); unset,
@@ -108,7 +112,8 @@ RDZV ?=
 ifeq ($(RDZV),c10d)
 RENDEZVOUS := --rdzv-backend=c10d --rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT) --rdzv-id=playbook
 else ifeq ($(RDZV),)
-RENDEZVOUS := --node_rank=$(NODE_RANK) --master_addr=$(MASTER_ADDR) --master_port=$(MASTER_PORT)
+FREE_PORT := $(if $(PORT_GIVEN)$(filter-out 1,$(NNODES)),,yes)
+RENDEZVOUS := --node_rank=$(NODE_RANK) --master_addr=$(MASTER_ADDR) --master_port=$$port
 else
 $(error RDZV=$(RDZV) is not a rendezvous this Makefile knows: use RDZV=c10d, or leave it unset)
 endif
@@ -147,7 +152,7 @@ help:
 	@echo "  make clean          remove outputs/;  make distclean also removes .venv"
 	@echo
 	@echo "Variables: NPROC=$(NPROC) NNODES=$(NNODES) NODE_RANK=$(NODE_RANK)" \
-		"MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT)"
+		"MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(if $(FREE_PORT),(a free one a run),$(MASTER_PORT))"
 	@echo "           SIZE=$(SIZE) (tiny|small|medium|large) MODEL=$(MODEL) (gpt|llama|resnet)" \
 		"STEPS=$(STEPS) ARGS='$(ARGS)'" \
 		"PYTHON=$(PY) LINK=$(LINK) (e.g. 1gbit: a rate-limited loopback) TRACE=$(TRACE)"
@@ -192,6 +197,9 @@ MESH_RUNS_fsdp := 03_fsdp/baseline_fsdp.py 03_fsdp/optimized_fsdp_tp.py
 MESH_RUNS_pipeline := 05_pipeline/baseline_pipeline_3d.py 05_pipeline/optimized_pipeline_3d.py
 MESH_NPROC_fsdp := $(if $(filter-out 0,$(GPUS)),$(NPROC),4)
 MESH_NPROC_pipeline := $(if $(filter-out 0,$(GPUS)),$(NPROC),8)
+# said on a mesh run's launch line where its processes are not NPROC
+MESH_WHY_fsdp := on CPU the dp x tp mesh runs at dp 2 x tp 2
+MESH_WHY_pipeline := on CPU the pp x dp x tp mesh runs at pp 2 x dp 2 x tp 2
 MESH_ONLY := 03_fsdp/optimized_fsdp_tp.py 05_pipeline/baseline_pipeline_3d.py \
 	05_pipeline/optimized_pipeline_3d.py
 
@@ -202,11 +210,16 @@ MESH_ONLY := 03_fsdp/optimized_fsdp_tp.py 05_pipeline/baseline_pipeline_3d.py \
 # which prints and records; other nodes keep their own logs.
 # $$nproc: processes per node, NPROC unless a mesh run sets its own.
 WORLD = $$(( nproc * $(NNODES) ))
+# common.free_port without importing torch (2 s a run): a port nothing on 127.0.0.1 listens on.
+FREE_PORT_OF_HOST := $(PY) -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); \
+	print(s.getsockname()[1])'
 LOG_SETUP = .$(SIZE)$(if $(MODEL),.$(MODEL)).w$(WORLD)$(if $(LINK),.$(LINK))$(if $(filter-out 1,$(NNODES)),.node$(NODE_RANK))
 define launch
 log=outputs/logs/$$(basename $$script .py)$$(echo $$flags | tr -d ' ')$(LOG_SETUP).log; \
 since=$$(date +%s); \
-echo "== $$script$$flags: $(NNODES) node(s) x $$nproc process(es), size $(SIZE)$(if $(MODEL), $(MODEL))$(if $(LINK),$(comma) link $(LINK)) -> $$log"; \
+port=$(if $(FREE_PORT),$$($(FREE_PORT_OF_HOST)),$(MASTER_PORT)); \
+echo "== $$script$$flags: $(NNODES) node(s) x $$nproc process(es)$$([ $$nproc = $(NPROC) ] || \
+	echo " (NPROC=$(NPROC) -> $$nproc: $(MESH_WHY_$@))"), size $(SIZE)$(if $(MODEL), $(MODEL))$(if $(LINK),$(comma) link $(LINK)) -> $$log"; \
 $(SHAPED) $(TORCHRUN) $$script $(SCRIPT_FLAGS) $$flags 2>&1 | tee $$log \
 	| { grep --line-buffered -E '^(step |[a-z0-9_]+: |skipped: |one step|rank +[0-9]+ \|)'; true; }; \
 code=$${PIPESTATUS[0]}; \

@@ -29,12 +29,32 @@ _SCRIPT_ERROR = re.compile(r"^(\S+\.py: error: .*|rank \d+ failed: .*)$", re.M)
 _FIRST_DEATH = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.*)$", re.M)
+_BUSY_PORT = re.compile(r"port: (\d+)\b.*EADDRINUSE")
+
+
+def launcher_error(output: str) -> str | None:
+    """torchrun's own failure, before any rank started (a traceback through torchrun and no
+    rank's failure listed), in one line; a busy port says how to choose another."""
+    if "distributed/run.py" not in output or "ChildFailedError" in output \
+            or not (errors := _EXCEPTION_LINE.findall(output)):
+        return None
+    name, message = errors[-1]
+    if busy := _BUSY_PORT.search(message):
+        return f"port {busy[1]} is busy (another run on this host?), no rank started: " \
+            f"choose another with MASTER_PORT=<n> (unset, a one-node run takes a free one)"
+    return f"torchrun failed before any rank started: {name}: {message}"
+
+
 def failure_line(output: str, exit_code: int) -> str:
     """A failed run's cause in one line, from its output: the script's own error (a refused
-    flag, or the line `run_main` prints before a traceback), else what torchrun saw of the
-    first rank to die (a crash, a kill), else the exit code."""
+    flag, or the line `run_main` prints before a traceback), else torchrun's own (a busy
+    port: no rank started), else what torchrun saw of the first rank to die (a crash, a
+    kill), else the exit code."""
     if found := _SCRIPT_ERROR.search(output):
         return found.group(1)
+    if launcher := launcher_error(output):
+        return launcher
     # torchrun lists the other ranks' failures first, then the "Root Cause" (the first to die)
     found = _FIRST_DEATH.search(output, max(0, output.find("Root Cause")))
     who, code = (f"rank {found[1]}", int(found[2])) if found else ("a rank", exit_code)

@@ -651,7 +651,33 @@ def test_a_failed_runs_line_is_its_scripts_own_error(output, code, line):
 
 # --- outcomes ---------------------------------------------------------------------------------
 def test_run_main_records_a_skip_and_a_failure(tmp_path, monkeypatch, capfd):
+# torchrun's own failure: its static rendezvous could not listen on MASTER_PORT (another run
+# holds it), so no rank started and no rank's failure is listed (torch 2.x's log, trimmed)
+TORCHRUN_BUSY_PORT = (
+    "*****************************************\n"
+    "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, ...\n"
+    "*****************************************\n"
+    "Traceback (most recent call last):\n"
+    '  File "<frozen runpy>", line 198, in _run_module_as_main\n'
+    '  File ".venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1138, in main\n'
+    "    run(args)\n"
+    '  File ".venv/lib/python3.11/site-packages/torch/distributed/elastic/rendezvous/'
+    'static_tcp_rendezvous.py", line 67, in next_rendezvous\n'
+    "    self._store = TCPStore(  # type: ignore[call-arg]\n"
+    "                  ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+    "torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
+    "network address. port: {port}, useIpv6: false, code: -98, name: {name}, message: address "
+    "already in use\n")
+
+
     results = tmp_path / "results.jsonl"
+    (TORCHRUN_BUSY_PORT.format(port=29500, name="EADDRINUSE"), 1,
+     "port 29500 is busy (another run on this host?), no rank started: choose another with "
+     "MASTER_PORT=<n> (unset, a one-node run takes a free one)"),
+    (TORCHRUN_BUSY_PORT.format(port=29500, name="EACCES"), 1,  # any other failure of torchrun's
+     "torchrun failed before any rank started: DistNetworkError: The server socket has failed "
+     "to listen on any local network address. port: 29500, useIpv6: false, code: -98, name: "
+     "EACCES, message: address already in use"),
     monkeypatch.setitem(common._RUN, "args", tiny_args("--results", str(results)))
     monkeypatch.setitem(common._RUN, "topo", cpu_topology())
     monkeypatch.setattr(sys, "argv", [str(tmp_path / "03_fsdp" / "optimized_fsdp.py")])

@@ -4,9 +4,11 @@ anything starts; NPROC follows the GPUs the host shows; a host whose GPUs torch 
 in one line; `make smoke` gives a line per script; LINK really slows the ranks' loopback and
 refuses on GPUs."""
 
+import contextlib
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -197,6 +199,62 @@ def test_restarts_and_c10d_rendezvous_pass_through_to_torchrun(tmp_path):
     dry = subprocess.run(["make", "-n", "ddp", f"PYTHON={sys.executable}", "RESTARTS=1",
                           "RDZV=c10d"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert "--max-restarts=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:" in dry.stdout
+
+
+PORT_PROBE = '''
+    """Says which port torchrun's rendezvous listens on; nothing else."""
+    import os
+
+    if os.environ["RANK"] == "0":
+        print("baseline_probe: port", os.environ["MASTER_PORT"])
+'''
+
+
+def test_a_one_node_run_takes_a_free_port_and_a_busy_given_one_is_one_line(tmp_path):
+    """Two `make` runs on one host: the default run does not take 29500 (held here, or by
+    someone else) but a free port; a MASTER_PORT the user gave that is busy is the row's line."""
+    project_copy(tmp_path, "09_probe", {"baseline_probe.py": textwrap.dedent(PORT_PROBE)})
+    make = ["make", "--no-print-directory", "probe", f"PYTHON={sys.executable}", "NPROC=1",
+            "SIZE=tiny"]
+    with socket.socket() as default, socket.socket() as busy:
+        with contextlib.suppress(OSError):  # already busy: as good
+            default.bind(("127.0.0.1", 29500))
+            default.listen()
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        free = subprocess.run(make, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        given = subprocess.run([*make, f"MASTER_PORT={port}"], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=120)
+    assert free.returncode == 0, free.stdout + free.stderr
+    (line,) = [out for out in free.stdout.splitlines() if out.startswith("baseline_probe:")]
+    assert line.split()[-1] != "29500"
+    assert given.returncode != 0
+    (failed,) = [out for out in given.stdout.splitlines() if out.startswith("FAILED")]
+    assert f"port {port} is busy (another run on this host?), no rank started: choose " \
+        "another with MASTER_PORT=<n>" in failed, given.stdout
+    (rec,) = common.load_results(tmp_path / "outputs" / "results.jsonl")
+    assert rec["status"] == "failed" and rec["reason"].startswith(f"port {port} is busy")
+
+
+def test_a_mesh_run_at_other_than_nproc_processes_says_so_on_its_launch_line(tmp_path):
+    """`make fsdp NPROC=3` on CPU: the dp x tp runs take 4 processes, and their `==` lines say
+    why; the folder's own runs, at NPROC, say nothing."""
+    probe = "print('probe: ran')\n"
+    project_copy(tmp_path, "03_fsdp", {"baseline_fsdp.py": probe, "optimized_fsdp_tp.py": probe})
+    run = subprocess.run(["make", "--no-print-directory", "fsdp", f"PYTHON={sys.executable}",
+                          "CPU=1", "NPROC=3", "SIZE=tiny"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    launches = [line for line in run.stdout.splitlines() if line.startswith("== ")]
+    why = " (NPROC=3 -> 4: on CPU the dp x tp mesh runs at dp 2 x tp 2), size tiny"
+    assert launches == [
+        "== 03_fsdp/baseline_fsdp.py: 1 node(s) x 3 process(es), size tiny -> "
+        "outputs/logs/baseline_fsdp.tiny.w3.log",
+        f"== 03_fsdp/baseline_fsdp.py: 1 node(s) x 4 process(es){why} -> "
+        "outputs/logs/baseline_fsdp.tiny.w4.log",
+        f"== 03_fsdp/optimized_fsdp_tp.py: 1 node(s) x 4 process(es){why} -> "
+        "outputs/logs/optimized_fsdp_tp.tiny.w4.log"], run.stdout
 
 
 def test_model_passes_to_every_script_and_names_its_logs(tmp_path):
