@@ -1476,7 +1476,9 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
            model: nn.Module, optimizer: torch.optim.Optimizer | None, comm_mb: float | None,
            theory: dict, loss_tolerance: float | None = None, dp_world: int | None = None,
            **extra) -> dict:
-    """Append this run's result (rank 0) and print its summary; `dp_world` as `timed_steps`'."""
+    """Append this run's result (rank 0) and print its summary; `dp_world` as `timed_steps`'.
+    `note=`: what the host changed of the run's settings (a mesh without dp, weights not
+    gathered in float8), in one line: the summary line ends with it, the report shows it."""
     items = items_per_step(args, dp_world or topo.world_size)
     # The report shows the busiest rank: on CPU the one with the most live tensor bytes, and the
     # most state (a pipeline's ranks hold stages of different sizes).
@@ -1522,8 +1524,8 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
               f"(p90 {stats.step_ms_p90:.1f}), {items / (stats.step_ms / 1e3):,.0f} {unit}, "
               f"peak {'alloc' if topo.device.type == 'cuda' else 'tensors'} "
               f"{rec['peak_mem_mb']:,.0f} MB, "
-              f"state {rec['state_mb']:.1f} MB{comm}, final mean loss {stats.losses[-1]:.4f}",
-              flush=True)
+              f"state {rec['state_mb']:.1f} MB{comm}, final mean loss {stats.losses[-1]:.4f}"
+              + (f"; {rec['note']}" if rec.get("note") else ""), flush=True)
     return rec
 
 

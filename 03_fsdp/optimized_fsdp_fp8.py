@@ -27,6 +27,7 @@ Theory:     a GPT block saves 17 x d_model values a token (input, LayerNorm outp
 
 import argparse
 import importlib.util
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -72,6 +73,20 @@ def shared_weights(model: torch.nn.Module) -> set[int]:
     return {weight for weight, holders in held.items() if holders > 1}
 
 
+def float8_gather_note(rows: dict[str, int], shard_ranks: int, dtype: str = "--dtype"
+                       ) -> str | None:
+    """Why FSDP gathers no weight in float8 on `shard_ranks` ranks, given each float8 linear's
+    rows by name (None: it does): torchao does not pad a float8 shard (pytorch/ao#3982), so one
+    weight whose rows do not split evenly sends every weight in `dtype`, cast after."""
+    uneven = [name for name, n in rows.items() if n % shard_ranks]
+    if not uneven:
+        return None
+    return (f"no weight gathered in float8: {len(uneven)} of {len(rows)} float8 weights (e.g. "
+            f"{uneven[0]}, {rows[uneven[0]]} rows) do not split evenly over {shard_ranks} ranks "
+            f"(torchao pads no float8 shard), so all travel in {dtype}; a world that divides "
+            f"{math.gcd(*rows.values())} gathers float8")
+
+
 def convert_to_fp8(model: torch.nn.Module, keep: list[torch.nn.Module], shard_ranks: int
                    ) -> tuple[list[str], bool]:
     """Swap the eligible linears for torchao's Float8Linear, except the modules in `keep` (the
@@ -84,12 +99,16 @@ def convert_to_fp8(model: torch.nn.Module, keep: list[torch.nn.Module], shard_ra
 
     kept_whole = {id(m.weight) for m in keep} | shared_weights(model)
     converted = [name for name, m in model.named_modules() if fp8_eligible(m, kept_whole)]
-    gather_fp8 = all(model.get_submodule(name).out_features % shard_ranks == 0
-                     for name in converted)
+    gather_fp8 = float8_gather_note(rows_of(model, converted), shard_ranks) is None
     convert_to_float8_training(
         model, module_filter_fn=lambda module, _: fp8_eligible(module, kept_whole),
         config=Float8LinearConfig(enable_fsdp_float8_all_gather=gather_fp8))
     return converted, gather_fp8
+
+
+def rows_of(model: torch.nn.Module, linears: list[str]) -> dict[str, int]:
+    """Each named linear's rows (out_features): how FSDP splits its weight over the ranks."""
+    return {name: model.get_submodule(name).out_features for name in linears}
 
 
 def checkpoint_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module]
@@ -233,8 +252,11 @@ def main():
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     gathered = {kind.split()[1]: round(mb, 3) for kind, mb in
                 (stats.comm_mb_by_kind or {}).items() if kind.startswith("allgather")}
+    # the host's world decides what FSDP gathers in float8: said in the summary and the report
+    note = float8_gather_note(rows_of(model, converted), topo.world_size, args.dtype)
     common.record(args, topo, stats, baseline="optimized_fsdp", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, gathered_mb=gathered, checkpointing=checkpointing,
+                  note=note,
                   activation_mb=(stats.memory or {}).get("activations"),  # CPU's split
                   compile=compile_blocks, clip_grad_norm=args.clip_grad_norm,
                   loss_tolerance=LOSS_TOLERANCE["fp8" if fp8 else (args.dtype, compile_blocks)],

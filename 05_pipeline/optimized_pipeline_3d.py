@@ -549,7 +549,7 @@ def main():
                   comm_mb_by_dim={dim: round(sum(sent.get(g, 0.0) for g in names), 3)
                                   for dim, names in groups.items()},
                   schedule=args.schedule, microbatches=m, stages=pp,
-                  clip_grad_norm=args.clip_grad_norm, mesh_note=no_dp,
+                  clip_grad_norm=args.clip_grad_norm, note=no_dp,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], theory=predicted)
 
 

@@ -11,6 +11,7 @@ from report.results_table import (
     latest_runs,
     optimized_runs,
     over_tolerance,
+    row_label,
     script_label,
     why_not_compared,
     within_noise,
@@ -37,26 +38,36 @@ def _setups(recs: list[dict]) -> tuple[str, list[str]]:
 
 
 GREEN, RED, GREY = "#55a868", "#c44e52", "#8c8c8c"
+BUSY_HATCH = "////"  # a speedup timed on a busy host: not the technique's (results_table)
+
+
+def _ratio_label(ax, y: float, ratio: float, text: str) -> None:
+    """`text` at the end of the bar `ratio` long. A bar shorter than 1.0 ends left of the 1.0
+    line: its label, which starts there, covers the line with a white box drawn above it, so
+    that the line never runs through the figures."""
+    box = dict(facecolor="white", edgecolor="none", pad=0.5) if ratio < 1.0 else None
+    ax.text(ratio, y, text, va="center", fontsize=8, bbox=box, zorder=3)
 
 
 def _speedup_chart(plt, records: list[dict]) -> Figure | None:
     """Speedup and memory ratio of every optimized run over its baseline: green better, red
     worse, grey neither (over tolerance: it does not train the same model; `~`: within noise);
-    `(busy host)` where either run of the pair was. A run with no pair says why where its bars
+    a speedup hatched, with `(busy host)`, where either run of the pair was timed on a busy
+    host. Each ratio is written at its bar's end. A run with no pair says why where its bars
     would be."""
     rows = optimized_runs(records)
     compared = [why_not_compared(rec, base) is None for rec, base in rows]
     if not any(compared):
         return None
     setup, suffixes = _setups([r for r, _ in rows])
-    labels = [f"{r['folder']}  {script_label(r)}" + (f" @{r['link']}" if r.get("link") else "")
+    labels = [f"{r['folder']}  {row_label(r)}" + (f" @{r['link']}" if r.get("link") else "")
               + suffix for (r, _), suffix in zip(rows, suffixes, strict=True)]
     # constrained layout sets the suptitle above the panels' titles at any height (tight_layout
     # keeps it 2% of the height below the top, into the titles of a tall figure) and keeps the
     # left panel's last tick label off the right panel's first
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.42 * len(rows) + 1.6), sharey=True,
                              layout="constrained")
-    speedups, memories = [], []
+    speedups, memories, any_busy = [], [], False
     for y, ((rec, base), paired) in enumerate(zip(rows, compared, strict=True)):
         if not paired:
             axes[0].text(0, y, f" not compared: {why_not_compared(rec, base)}", va="center",
@@ -65,23 +76,24 @@ def _speedup_chart(plt, records: list[dict]) -> Figure | None:
         speedup, memory = base["step_ms"] / rec["step_ms"], rec["peak_mem_mb"] / base["peak_mem_mb"]
         over, noise = over_tolerance(rec, base), within_noise(rec, base)
         busy = " (busy host)" if busy_host(rec) or busy_host(base) else ""
+        any_busy |= bool(busy)
         tail = " over tolerance" if over else ""
-        axes[0].barh(y, speedup, color=GREY if over or noise else GREEN if speedup >= 1 else RED)
-        # a label starts right of its bar or of the 1.0 line, whichever ends later: never on it
-        axes[0].text(max(speedup, 1.0), y, f" {'~' if noise else ''}{speedup:.2f}x{busy}{tail}",
-                     va="center", fontsize=8)
+        axes[0].barh(y, speedup, color=GREY if over or noise else GREEN if speedup >= 1 else RED,
+                     hatch=BUSY_HATCH if busy else None, edgecolor="white" if busy else None)
+        _ratio_label(axes[0], y, speedup, f" {'~' if noise else ''}{speedup:.2f}x{busy}{tail}")
         axes[1].barh(y, memory, color=GREY if over else GREEN if memory <= 1 else RED)
-        axes[1].text(max(memory, 1.0), y, f" {memory:.2f}x{tail}", va="center", fontsize=8)
+        _ratio_label(axes[1], y, memory, f" {memory:.2f}x{tail}")
         speedups.append(speedup)
         memories.append(memory)
     for ax, values, title in ((axes[0], speedups, "speedup over its baseline (step time)"),
                               (axes[1], memories, "peak memory / its baseline's")):
         ax.axvline(1.0, color="black", linewidth=0.8)
         ax.set_title(title, fontsize=10)
-        ax.set_xlim(0, max([*values, 1.0]) * 1.2)
+        ax.set_xlim(0, max([*values, 1.0]) * (1.4 if any_busy and ax is axes[0] else 1.2))
     axes[0].set_yticks(range(len(labels)), labels, fontsize=8)
     axes[0].invert_yaxis()
-    fig.suptitle(f"{setup}: green is better, red worse; grey: over tolerance, or within noise (~)")
+    fig.suptitle(f"{setup}: green is better, red worse; grey: over tolerance, or within noise (~)"
+                 + ("; hatched: timed on a busy host" if any_busy else ""))
     return fig
 
 

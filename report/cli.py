@@ -74,6 +74,9 @@ A training run (status ok) also:
                         allowed, or (a long lossy run) how far the final loss may be from the
                         baseline's final loss, as a fraction of it
   theory                what the technique predicts, computed, beside the measured keys
+  note                  what the host changed of the run's settings, in one line, where it did
+                        (a mesh without dp, no weight gathered in float8 at this world): the
+                        summary line ends with it, the report's status shows it
   steps, warmup, batch_size, seq_len, dtype, seed, lr, startup_s, warmup_s
   load_avg, cpus        the host's 1-minute load at the first timed step and after the last,
                         and its logical cores

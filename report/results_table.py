@@ -48,6 +48,15 @@ def script_label(rec: dict) -> str:
     return " ".join(filter(None, [rec.get("script"), rec.get("variant")]))
 
 
+def row_label(rec: dict) -> str:
+    """A row's name in the table and the charts: its script label, and `vs <its baseline>`
+    where that is not one of its folder's `baseline_*` scripts (03's FP8 row is compared with
+    optimized_fsdp, though it sits after baseline_fsdp's rows)."""
+    baseline = rec.get("baseline")
+    ours = f" vs {baseline}" if baseline and not baseline.startswith("baseline_") else ""
+    return script_label(rec) + ours
+
+
 def latest_runs(records: list[dict]) -> list[dict]:
     """The last record of each (folder, script and variant, size, model, world, device, link)."""
     latest = {}
@@ -145,7 +154,7 @@ NOISE_NOTE = ("~ before a speedup: within noise, the two runs' middle halves of 
 def _report_row(rec: dict, base: dict | None) -> list[str]:
     status = rec.get("status", "?")
     if status != "ok":
-        return [script_label(rec), _size_label(rec), rec.get("world_size"), rec.get("device"),
+        return [row_label(rec), _size_label(rec), rec.get("world_size"), rec.get("device"),
                 *[""] * 9, f"{status}: {rec.get('reason') or ''}"]
     throughput = rec.get("tokens_per_s") or rec.get("samples_per_s")
     speedup = mem_ratio = dloss = ""
@@ -168,8 +177,9 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
             status = "over tolerance"
     status += " (busy host)" if busy_host(rec) else ""
     status += f"; not compared: {why}" if why else ""
+    status += f"; {rec['note']}" if rec.get("note") else ""  # what the host changed of the run
     theory = _theory_cell(rec)
-    return [script_label(rec), _size_label(rec), _world_label(rec), rec.get("device"),
+    return [row_label(rec), _size_label(rec), _world_label(rec), rec.get("device"),
             f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _fmt(throughput, ",.0f"),
             speedup, _fmt(rec.get("peak_mem_mb"), ",.0f"), mem_ratio,
             _fmt(rec.get("state_mb")), _fmt(rec.get("comm_mb"), ",.2f"), dloss, theory, status]

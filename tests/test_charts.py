@@ -46,7 +46,9 @@ def rows_of(ax) -> list[str]:
 def test_the_speedup_chart_draws_each_compared_pair_of_a_real_run(records):
     speed, memory = charts.draw_charts(records)["speedup.png"].axes
     pairs = results_table.compared_pairs(records)
-    assert rows_of(speed) == [f"{r['folder']}  {results_table.script_label(r)}" for r, _ in pairs]
+    assert rows_of(speed) == [f"{r['folder']}  {results_table.row_label(r)}" for r, _ in pairs]
+    # compared with optimized_fsdp, not with the baseline_fsdp rows it follows: its label says so
+    assert "03_fsdp  optimized_fsdp_fp8 vs optimized_fsdp" in rows_of(speed)
     assert [w for w, _ in bars(speed).values()] == pytest.approx(
         [b["step_ms"] / r["step_ms"] for r, b in pairs])
     assert [w for w, _ in bars(memory).values()] == pytest.approx(
@@ -64,14 +66,22 @@ def test_the_speedup_chart_draws_each_compared_pair_of_a_real_run(records):
     assert words(memory)[powersgd] == " 1.15x over tolerance"
 
 
-def test_no_ratio_is_written_across_the_one_line(records):
-    """A label starts right of its bar or of the 1.0 line, whichever ends later: a 0.98x is not
-    printed across the line it is measured against."""
+def test_each_ratio_sits_at_its_bars_end_and_no_line_runs_through_one(records):
+    """A label starts at its bar's end, also a 0.42x far left of the 1.0 line; one that starts
+    left of the line is on a white box drawn above the line, so the line stops short of it."""
     for ax in charts.draw_charts(records)["speedup.png"].axes:
-        ratios = [t for t in ax.texts if t.get_text().strip()[:1].isdigit()
-                  or t.get_text().strip().startswith("~")]
-        assert ratios and all(t.get_position()[0] >= 1.0 for t in ratios)
-        assert any(w < 1.0 for w, _ in bars(ax).values())  # a bar that ends left of the line
+        ratios = {round(t.get_position()[1]): t for t in ax.texts
+                  if t.get_text().strip()[:1].isdigit() or t.get_text().strip().startswith("~")}
+        assert ratios and set(ratios) == set(bars(ax))
+        for y, (width, _) in bars(ax).items():
+            assert ratios[y].get_position()[0] == pytest.approx(width)
+        (one,) = ax.lines
+        short = [ratios[y] for y, (width, _) in bars(ax).items() if width < 1.0]
+        assert any(bars(ax)[y][0] < 0.5 for y in bars(ax))  # one far from the line
+        assert short and all(
+            t.get_bbox_patch() is not None and to_hex(t.get_bbox_patch().get_facecolor())
+            == "#ffffff" and t.get_bbox_patch().get_alpha() in (None, 1.0)
+            and t.get_zorder() > one.get_zorder() for t in short)
 
 
 def test_the_other_charts_draw_what_the_real_run_recorded(records):
@@ -237,10 +247,15 @@ def test_a_speedup_within_the_runs_spread_is_grey_and_marked_and_a_busy_host_nam
     assert bars(speed) == {0: (1.25, charts.GREEN)} and words(speed) == {0: " 1.25x"}
     # 2 ranks on 2 cores, the load near 3 after the baseline's timed steps: one task too many
     busy_base = dict(base, load_avg=[2.1, 3.1], cpus=2)
-    (speed, _) = charts.draw_charts([busy_base, apart])["speedup.png"].axes
+    assert not speed.patches[0].get_hatch() and "hatched" not in speed.figure.get_suptitle()
+    (speed, memory) = charts.draw_charts([busy_base, apart])["speedup.png"].axes
     assert words(speed) == {0: " 1.25x (busy host)"}
 
 
+    # drawn unlike a clean bar, and the title says how; a busy host does not change memory
+    assert bars(speed) == {0: (1.25, charts.GREEN)} and speed.patches[0].get_hatch()
+    assert not memory.patches[0].get_hatch()
+    assert "hatched: timed on a busy host" in speed.figure.get_suptitle()
 def test_a_world_of_one_sweep_keeps_the_baselines_rows_and_draws_its_algbw():
     # on CUDA symmetric memory sweeps all-reduce only: the baseline's other ops stay in the table
     records = [_sweep("baseline_symmem_allreduce", None, ["all_reduce", "all_gather"]),

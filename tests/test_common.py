@@ -428,6 +428,21 @@ def test_report_shows_ok_failed_and_skipped_rows():
     assert "999.0" not in text
 
 
+def test_a_row_compared_with_another_than_its_folders_baseline_names_it_and_shows_its_note():
+    """03's FP8 row sits after baseline_fsdp's rows but is compared with optimized_fsdp: its
+    script cell says so; a run's `note` (what the host changed of it) ends its status."""
+    note = "no weight gathered in float8: the 64 rows of blocks.0.fc do not split over 3 ranks"
+    records = [_row("baseline_fsdp"), _row("optimized_fsdp", "baseline_fsdp", step_ms=50.0),
+               _row("optimized_fsdp_fp8", "optimized_fsdp", step_ms=100.0, note=note)]
+    rows = {line.split("|")[1].strip(): line for line in
+            results_table.render_report(records).splitlines() if line.startswith("| optimized")}
+    assert set(rows) == {"optimized_fsdp", "optimized_fsdp_fp8 vs optimized_fsdp"}
+    fp8 = rows["optimized_fsdp_fp8 vs optimized_fsdp"]
+    assert fp8.split("|")[7].strip() == "0.50x"  # 50 ms / 100 ms: against optimized_fsdp
+    assert fp8.rstrip(" |").endswith(f"ok; {note}")
+    assert rows["optimized_fsdp"].rstrip(" |").endswith("| ok")
+
+
 def test_a_loss_difference_over_tolerance_is_the_rows_status():
     records = [_row("baseline_ddp"),
                _row("optimized_ddp", "baseline_ddp", losses=[5.0, 4.5], loss_tolerance=1e-4)]
@@ -718,7 +733,7 @@ def test_a_diverged_run_is_an_error_not_a_result(monkeypatch):
 
 
 def test_a_record_keeps_its_step_spread_its_hosts_load_and_the_versions_that_change_results(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, capsys):
     for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port())).items():
         monkeypatch.setenv(name, value)
@@ -730,7 +745,7 @@ def test_a_record_keeps_its_step_spread_its_hosts_load_and_the_versions_that_cha
         model, batches = common.workload(args, topo)
         stats = common.timed_steps(lambda x, y: model(x, y), batches, args, topo)
         rec = common.record(args, topo, stats, baseline=None, model=model, optimizer=None,
-                            comm_mb=None, theory={})
+                            comm_mb=None, theory={}, note="the host changed this run")
     finally:
         torch.distributed.destroy_process_group()
     assert rec == common.load_results(args.results)[0]
@@ -767,6 +782,9 @@ def test_report_compares_rows_only_on_the_same_link_and_shows_measured_beside_th
 
 
 @pytest.mark.parametrize("flags, variant", [
+    # what the host changed of the run ends its summary line, where the user looks
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert " ms/step " in summary and summary.endswith("; the host changed this run"), summary
     ([], None), (["--batch-size", "4", "--seq-len", "128"], None),  # small's own, given
     (["--seq-len", "32", "--batch-size", "1"], "--batch-size 1 --seq-len 32"),
     (["--lr", "0.01", "--batch-size", "2"], "--batch-size 2"),  # other shared flags do not

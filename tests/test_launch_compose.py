@@ -141,7 +141,7 @@ def test_pipeline_x_fsdp_x_tp_trains_like_ddp(on_8_ranks, on_4_ranks, run, mesh,
     base = on_8_ranks["ddp"] if rec["world_size"] == 8 else on_4_ranks[ddp]
     assert rec["mesh"] == mesh and rec["microbatches"] == 4
     # a default mesh without dp (4 ranks) says so in its record; one with dp, or a --tp given, not
-    assert (rec["mesh_note"] is not None) == (run == "3d llama"), rec["mesh_note"]
+    assert (rec["note"] is not None) == (run == "3d llama"), rec["note"]
     assert_within_its_tolerance(rec, base)
     assert_trains_like_ddp(rec["losses"], base["losses"])
     assert_measured_is_theory(rec)

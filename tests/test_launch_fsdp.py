@@ -280,6 +280,27 @@ def test_fp8_would_convert_an_untied_head_of_float8_shapes_not_kept():
     assert "lm_head" in converted
 
 
+def test_fp8_says_in_its_record_when_the_world_gathers_no_weight_in_float8():
+    """At 3 ranks most of the tiny GPT's float8 weights (64 and 256 rows) split unevenly: FSDP
+    gathers them all in --dtype, and the run's `note` (its summary line, the report) says why."""
+    rows = {"blocks.0.attn.qkv": 192, "blocks.0.attn.proj": 64, "blocks.0.fc": 256}
+    assert fp8_recipe.float8_gather_note(rows, 2) is None
+    assert fp8_recipe.float8_gather_note(rows, 4) is None
+    assert fp8_recipe.float8_gather_note(rows, 3, "fp32") == (
+        "no weight gathered in float8: 2 of 3 float8 weights (e.g. blocks.0.attn.proj, 64 rows) "
+        "do not split evenly over 3 ranks (torchao pads no float8 shard), so all travel in "
+        "fp32; a world that divides 64 gathers float8")
+    assert fp8_recipe.float8_gather_note({"fc": 96, "proj": 64}, 3).startswith(
+        "no weight gathered in float8: 1 of 2 float8 weights (e.g. proj, 64 rows)")
+    assert fp8_recipe.float8_gather_note({}, 3) is None  # --no-fp8: nothing converted
+    pytest.importorskip("torchao")
+    for world, in_float8 in [(2, True), (3, False)]:  # the same rule decides what is gathered
+        model = common.GPT(common.SIZES["tiny"], 32)
+        converted, gathered = fp8_recipe.convert_to_fp8(model, [common.output_head(model)], world)
+        note = fp8_recipe.float8_gather_note(fp8_recipe.rows_of(model, converted), world)
+        assert gathered is in_float8 and (note is None) == in_float8
+
+
 @pytest.fixture(scope="module")
 def ablation(tmp_path_factory):
     """The FP8 + checkpointing run and checkpointing alone, the Llama at 4 processes, clipped as
