@@ -232,11 +232,11 @@ endef
 
 # ARGS are every script's: read by the folder's first script's parser (its first baseline) before
 # anything starts, so that a bad flag is its one line (`baseline_zero.py: error: argument
-# --steps: ...`), not a failed row a script.
+# --steps: ...`), not a failed row a script. `--check-flags` (common.py's): parse, then exit 0.
 define check_args
-$(if $(strip $(ARGS)),PLAYBOOK_CHECK_FLAGS=1 $(PY) \
+$(if $(strip $(ARGS)),$(PY) \
 	$$(ls $$folder/baseline_*.py $$folder/optimized_*.py 2>/dev/null | head -1) \
-	$(SCRIPT_FLAGS) || exit 2,true)
+	$(SCRIPT_FLAGS) --check-flags || exit 2,true)
 endef
 
 # One folder: every baseline, then every optimized script, then its extra runs, then its mesh

@@ -5,16 +5,17 @@ file is enough to run it. What reads results back (report, charts, planner) is t
 Sections, in reading order:
     Sizes and the workload   presets, the GPT and Llama decoders, a ResNet, the parts a technique
                              is given (blocks, embedding, head), synthetic data split by rank
-    CLI                      the shared flags, one-line errors, a run's variant
-    Topology                 torchrun, srun or a world of one: device, backend, process group;
-                             whether the host's GPUs can map each other's memory
+    CLI                      the shared flags, one-line errors, a run's variant, --check-flags
+    Topology                 torchrun, srun or a world of one: device, backend, process group
     Collectives              the renamed tensor collectives, gloo's reduce-scatter done right
     Bytes sent               the bytes handed to collectives, counted or from the ring formula
-    Timing                   warm-up then timed steps, step statistics, collective sweeps
+    Timing                   warm-up then timed steps, step statistics
     Memory                   a step's peak (allocator or live tensors), state from the tensors
-    Tracing                  step ranges, NVTX, profiler traces, a pipeline's timeline
-    Records and outcomes     one JSON line per run, --summary, rank 0's log, skipped and failed
-                             runs (a world too small for a pipeline)
+    Tracing                  step ranges, NVTX, profiler traces
+    Records and outcomes     one JSON line per run, rank 0's log, skipped and failed runs
+                             (RunState: what a failure's record knows), a closed stdout
+What serves one folder lives in that folder's scripts: ZeRO's --summary in 04_zero/, a pipeline's
+timeline and world check in 05_pipeline/, the collective sweep and GPU peer access in 06_symmem/.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -552,6 +553,9 @@ def parser(doc: str | None, long_context: bool = False,
     p.add_argument("--trace", action="store_true",
                    help="profile two warm-up steps (untimed; the two before the last) into a "
                         "Chrome/Perfetto trace per rank, in the results file's traces/ folder")
+    p.add_argument("--check-flags", action="store_true",
+                   help="parse the flags and exit 0, running nothing (a bad flag exits 2 with "
+                        "its one line): what `make` does with ARGS before it launches a folder")
     p.own_flags = []  # from here on, the script's own flags: they name the run's variant
     return p
 
@@ -582,9 +586,9 @@ class RecipeParser(argparse.ArgumentParser):
 
     def parse_args(self, args: Sequence[str] | None = None, namespace=None) -> argparse.Namespace:
         ns = super().parse_args(args, namespace)
-        if os.environ.get("PLAYBOOK_CHECK_FLAGS"):  # the Makefile's check of ARGS, before a launch
+        if ns.check_flags:
             sys.exit(0)
-        _RUN["args"] = ns  # a run that skips before `setup` is recorded too
+        run_state.args = ns  # a run that skips before `setup` is recorded too
         if ns.model in self.skips:  # before the checks of a shape the run will never use
             raise Skip(self.skips[ns.model])
         shape = self.fill_shape(ns)
@@ -615,13 +619,6 @@ class RecipeParser(argparse.ArgumentParser):
             elif getattr(ns, dest) != default:
                 chosen.append(_flag(dest, getattr(ns, dest)))
         return chosen
-
-    def add_summary_flag(self) -> None:
-        """`--summary` (see `print_summary`); it prints more, so the run is no variant."""
-        self.add_argument("--summary", action="store_true",
-                          help="print each rank's parameter, gradient and optimizer MB beside "
-                               "the formula, its peak memory and the MB it sent per step")
-        self.output_only.add("summary")
 
 
 def _flag(dest: str, value) -> str:
@@ -655,21 +652,6 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 def positive_float(text: str) -> float:
     """argparse type for sizes and rates: a float > 0."""
     return _number(text, float, "a number", lambda v: v > 0, "> 0")
-
-
-def message_sizes(text: str) -> list[int]:
-    """argparse type for a sweep's message sizes: comma-separated bytes with an optional K, M or G
-    (powers of 1024), e.g. `4K,64K,16M`; each a positive whole number of fp32 values."""
-    unit = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
-    sizes = []
-    for item in text.split(","):
-        found = re.fullmatch(r"\s*(\d+\.?\d*)([KMG]?)\s*", item.upper())
-        value = int(float(found[1]) * unit[found[2]]) if found else 0
-        if value <= 0 or value % 4:
-            raise argparse.ArgumentTypeError(f"expected sizes like 4K,64K,16M, each a multiple "
-                                             f"of 4 bytes (fp32 values) and > 0, got {item!r}")
-        sizes.append(value)
-    return sizes
 
 
 # ==== Topology ====================================================================================
@@ -770,7 +752,7 @@ def setup(args: argparse.Namespace | None = None, timeout_s: float = 300,
     of one) and pick the device. A recipe passes its parsed flags, whose `--timeout` bounds every
     collective; a trainer of one's own calls `setup()` alone (`timeout_s`). A dead peer is an
     error, never a hang. `compiles`: the run compiles on CUDA (COMPILE_TIMEOUT_S at least)."""
-    _RUN["args"] = args
+    run_state.args = args
     from_srun = "RANK" not in os.environ and "SLURM_PROCID" in os.environ
     per_task = from_srun and "SLURM_GPUS_PER_TASK" in os.environ  # each task its own GPUs
     if from_srun:
@@ -798,35 +780,14 @@ def setup(args: argparse.Namespace | None = None, timeout_s: float = 300,
                             device_id=device if backend == "nccl" else None)
     topo = Topology(rank, local_rank, world, local_world, max(1, world // local_world),
                     backend, device)
-    _RUN["topo"] = topo
+    run_state.topo = topo
     return topo
-
-
-def peer_access_problem(topo: Topology) -> str | None:
-    """Why this host's GPUs cannot map each other's memory (symmetric memory), or None; all ranks
-    agree on it, as one that went on alone would wait forever in the rendezvous."""
-    if topo.nnodes > 1:
-        return "symmetric memory maps the GPUs of one host: run on one node (NNODES=1)"
-    visible = torch.cuda.device_count()
-    # under `srun --gpus-per-task=1` each rank sees one GPU, index 0: the rendezvous would map
-    # every rank's memory onto the same device ("allocations from overlapping devices")
-    hidden = visible < topo.local_world_size
-    me, used = topo.device.index, min(visible, topo.local_world_size)
-    lacking = [k for k in range(used) if k != me and not torch.cuda.can_device_access_peer(me, k)]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (hidden, lacking))
-    if any(h for h, _ in everyone):
-        return (f"a rank sees {visible} GPU(s) for the host's {topo.local_world_size} ranks "
-                "(srun --gpus-per-task?): symmetric memory maps the host's GPUs, so every rank "
-                "must see them all: srun --gpus-per-node, or torchrun")
-    if any(lacks for _, lacks in everyone):
-        return ("this host's GPUs cannot access each other's memory (no NVLink, no PCIe "
-                "peer-to-peer), which symmetric memory maps: nothing to measure here")
-    return None
 
 
 # ==== Collectives =================================================================================
 # The collectives recipes call that torch names or runs differently across releases and backends.
+# `reduce_scatter` is plumbing, not a technique: FSDP (03), ZeRO (04), the 3-D pipeline (05) and
+# 06's TP baseline call it, and on gloo each would otherwise send twice the bytes it needs.
 
 # PyTorch 2.14's names for the tensor-to-tensor all-gather and reduce-scatter (the old ones now
 # warn); older releases, such as a GPU image's preinstalled torch, have only the old names.
@@ -1063,44 +1024,6 @@ def _measured_step(step: Callable[[], torch.Tensor], memory_of: Sequence, device
                   "comm_mb_by_group": {k: v / 2**20 for k, v in sent.by_group.items()}}
 
 
-def time_calls(call: Callable[[], object], prepare: Callable[[], object],
-               check: Callable[[], bool], what: str, iters: int, warmup: int,
-               device: torch.device) -> float:
-    """Median ms of `call` over `iters` runs after `warmup`, each after `prepare` and a barrier
-    and followed by `check` (untimed, every run: a stale read fails). A run's time is the least
-    any rank measured: the last to leave the barrier waits for nobody, so its time is the call's
-    and not the barrier's skew, which would swamp a small message."""
-    times = []
-    for i in range(warmup + iters):
-        prepare()
-        _sync(device)
-        dist.barrier()
-        start = time.perf_counter()
-        call()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-        if not check():
-            raise RuntimeError(f"{what} returned a wrong result (call {i + 1})")
-    shortest = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(shortest, op=dist.ReduceOp.MIN)
-    return 1e3 * statistics.median(shortest.tolist())
-
-
-# busbw = algbw x this: the share of the message each rank's link carries (nccl-tests' convention)
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "sendrecv": lambda n: 1.0}
-
-
-def sweep_entry(op: str, nbytes: int, ms: float, world: int) -> dict:
-    """One row of a collectives sweep: algbw = bytes / time, busbw = algbw x BUS_FACTOR."""
-    algbw = nbytes / (ms / 1e3) / 1e9
-    def digits(x: float) -> float:
-        return float(f"{x:.4g}")
-    return {"op": op, "bytes": nbytes, "ms": digits(ms), "algbw_gbps": digits(algbw),
-            "busbw_gbps": digits(algbw * BUS_FACTOR[op](world))}
-
-
 # ==== Memory ======================================================================================
 # A step's peak, and the state (parameters, gradients, optimizer) from the tensors.
 def peak_memory_mb(device: torch.device) -> float:
@@ -1295,116 +1218,20 @@ def _export_trace(profiler: torch.profiler.profile, args: argparse.Namespace,
               f"(one file per rank; open in https://ui.perfetto.dev)")
 
 
-def clock_offset(topo: Topology, rounds: int = 10) -> float:
-    """What to add to this rank's `time.perf_counter()` to read rank 0's, from the quickest of
-    `rounds` round trips (NTP's estimate: rank 0 read its clock halfway): right to half of it."""
-    stamp, best = torch.zeros(1, dtype=torch.float64, device=topo.device), (math.inf, 0.0)
-
-    def receive(src: int) -> None:  # until it is here: NCCL's recv returns once it is queued
-        dist.recv(stamp, src)
-        _sync(topo.device)
-
-    for peer in range(1, topo.world_size):
-        for _ in range(rounds):
-            if topo.rank == 0:
-                receive(peer)
-                stamp.fill_(time.perf_counter())
-                dist.send(stamp, peer)
-            elif topo.rank == peer:
-                sent = time.perf_counter()
-                dist.send(stamp, 0)
-                receive(0)
-                back = time.perf_counter()
-                best = min(best, (back - sent, stamp.item() - (sent + back) / 2))
-    return best[1]
-
-
-class TimedAction(NamedTuple):
-    """One action of a pipeline rank's step: its kind (F, B, I, W), micro-batch and stage, and
-    when it started and ended (seconds, on the rank's clock until `gather_timelines`)."""
-    kind: str
-    micro: int
-    stage: int
-    start: float
-    end: float
-
-
-def gather_timelines(steps: list[tuple[float, list[TimedAction]]], held: int,
-                     args: argparse.Namespace, topo: Topology
-                     ) -> tuple[list[list[list[TimedAction]]], float, list[dict[str, float]], int]:
-    """A pipeline's timed steps from every rank: each (its start, its actions: kind, micro-batch,
-    stage, start, end) on the rank's clock, read on rank 0's (`clock_offset`) and counted from
-    the moment the step's first rank started it (no barrier: it would stop ranks overlapping one
-    step's end with the next's start). Rank 0 prints and writes the last step. Returns the steps
-    (a timeline per rank); the bubble, a step's mean idle fraction: 1 - busy time / (ranks x its
-    span); each rank's mean time per kind of action; the most micro-batches' activations a rank
-    `held`."""
-    gathered = [None] * topo.world_size
-    dist.all_gather_object(gathered, (steps, held, clock_offset(topo)))
-
-    def shifted(a: tuple, by: float) -> TimedAction:
-        a = TimedAction(*a)
-        return a._replace(start=a.start + by, end=a.end + by)
-
-    timed = []
-    for ranks in zip(*[[(start + off, [shifted(a, off) for a in actions])
-                        for start, actions in rank] for rank, _, off in gathered], strict=True):
-        reference = min(start for start, _ in ranks)
-        timed.append([[shifted(a, -reference) for a in actions] for _, actions in ranks])
-    bubble = statistics.mean(1 - sum(a.end - a.start for tl in ranks for a in tl)
-                             / (len(ranks) * max(a.end for tl in ranks for a in tl))
-                             for ranks in timed)
-    means = [{kind: statistics.mean(a.end - a.start for a in actions if a.kind == kind)
-              for kind in {a.kind for a in actions}}
-             for actions in ([TimedAction(*a) for _, acts in rank for a in acts]
-                             for rank, _, _ in gathered)]
-    log(topo, render_timeline(timed[-1]))
-    write_timeline_trace(timed[-1], args, topo)
-    return timed, bubble, means, max(n for _, n, _ in gathered)
-
-
-def render_timeline(timelines: Sequence[Sequence[TimedAction]], width: int = 96) -> str:
-    """One pipeline step as text, a row per rank: an action is its label (`F3`) then its kind
-    letter, in lower case on the rank's second stage (DualPipe's); idle time is '.'."""
-    timelines = [[TimedAction(*a) for a in tl] for tl in timelines]
-    t0 = min(a.start for tl in timelines for a in tl)
-    scale = width / (max(a.end for tl in timelines for a in tl) - t0)
-    rows = [f"one step, {1e3 * width / scale:.1f} ms, {1e3 / scale:.2f} ms a column:"]
-    for rank, tl in enumerate(timelines):
-        row, first_stage = ["."] * width, min(a.stage for a in tl)
-        for kind, micro, stage, start, end in tl:
-            kind = kind if stage == first_stage else kind.lower()
-            first = min(round((start - t0) * scale), width - 1)
-            label = f"{kind}{micro}"
-            for k in range(first, max(first + 1, min(width, round((end - t0) * scale)))):
-                row[k] = label[k - first] if k - first < len(label) else kind
-        rows.append(f"rank {rank:2d} |{''.join(row)}|")
-    return "\n".join(rows)
-
-
-def write_timeline_trace(timelines: Sequence[Sequence[TimedAction]], args: argparse.Namespace,
-                         topo: Topology) -> None:
-    """The same step as a Chrome/Perfetto trace, a track per rank, in the results' traces/."""
-    if not topo.is_main:
-        return
-    timelines = [[TimedAction(*a) for a in tl] for tl in timelines]
-    t0 = min(a.start for tl in timelines for a in tl)
-    events = [{"name": f"rank {r}", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-              for r in range(len(timelines))]
-    events += [{"name": f"{kind}{micro}", "cat": kind, "ph": "X", "pid": 0, "tid": r,
-                "ts": 1e6 * (start - t0), "dur": 1e6 * (end - start),
-                "args": {"micro-batch": micro, "stage": stage}}
-               for r, tl in enumerate(timelines) for kind, micro, stage, start, end in tl]
-    folder, script = _script_identity()
-    path = args.results.parent / "traces" / f"{folder}_{script}_timeline.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"traceEvents": events}))
-    log(topo, f"timeline of one step written to {path} (open in https://ui.perfetto.dev)")
-
-
 # ==== Records and outcomes ========================================================================
 # One JSON line per run, appended by rank 0; a run that skips or fails leaves one too.
-_RUN: dict = {}  # args and topology of this process, so run_main can record a failure
+@dataclass
+class RunState:
+    """How far this process's run got, for `run_main` to record a run that ends without a
+    result: the flags, set by the shared parser's `parse_args` (a run that skips before `setup`
+    is recorded too), and the topology, set by `setup`. Those two write it, `run_main` reads it;
+    a trainer that calls neither leaves it empty, and a failure is then not recorded."""
+
+    args: argparse.Namespace | None = None
+    topo: Topology | None = None
+
+
+run_state = RunState()  # this process's: a process runs one recipe
 
 
 def _script_identity() -> tuple[str, str]:
@@ -1454,7 +1281,7 @@ def append_record(path: Path, record: dict) -> None:
 
 
 def load_results(path: Path) -> list[dict]:
-    """Every record of a results file: for `--summary` here, and for report/."""
+    """Every record of a results file: for 04_zero's `--summary`, and for report/."""
     if not path.exists():
         return []
     records = []
@@ -1529,61 +1356,9 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     return rec
 
 
-def record_sweep(args: argparse.Namespace, topo: Topology, *, baseline: str | None,
-                 sweep: list[dict], **extra) -> dict:
-    """Append a collectives benchmark's result (rank 0): the sweep, no training fields."""
-    rec = base_record(args, topo, baseline, "ok", None)
-    rec.update(sweep=sweep, iters=args.iters, **extra)
-    if topo.is_main:
-        append_record(args.results, rec)
-        for row in sweep:
-            print(f"{rec['script']}: {row['op']:>14} {row['bytes']:>11,} B {row['ms']:9.3f} ms "
-                  f"busbw {row['busbw_gbps']:7.2f} GB/s", flush=True)
-        if args.trace:  # make all TRACE=1 passes it to every script
-            print(f"{rec['script']}: no trace written: a sweep has no training step to break "
-                  "down", flush=True)
-    return rec
-
-
-def print_summary(args: argparse.Namespace, topo: Topology, stats: Stats, *,
-                  baseline: str | None, measured: dict[str, float], theory: dict) -> None:
-    """`--summary`: per rank, the state MB counted from its tensors and the MB it sent, each
-    beside its formula, and its peak beside the baseline's last recorded run like this one."""
-    peak = stats.memory["total"] if stats.memory else peak_memory_mb(topo.device)
-    rows = [None] * topo.world_size
-    dist.all_gather_object(rows, {**measured, "peak_mb": peak, "comm_mb": stats.comm_mb})
-    if not topo.is_main:
-        return
-    from tabulate import tabulate
-
-    here = base_record(args, topo, baseline, "ok", None)
-    base = next((r for r in reversed(load_results(args.results)) if r.get("script") == baseline
-                 and r.get("status") == "ok" and run_key(r) == run_key(here)), None)
-    kinds = ["params_mb", "grads_mb", "optim_mb"]
-    table = [[rank, *[f"{row[k]:,.2f} ({theory[k]:,.2f})" for k in kinds],
-              f"{sum(row[k] for k in kinds):,.2f} ({theory['state_mb']:,.2f})",
-              f"{row['peak_mb']:,.1f}" + (f" ({base['peak_mem_mb']:,.1f})" if base else ""),
-              f"{row['comm_mb']:,.2f} ({theory['comm_mb']:,.2f})"] for rank, row in enumerate(rows)]
-    print(tabulate(table, ["rank", "params MB", "grads MB", "optim MB", "state MB", "peak MB",
-                           "comm MB/step"], tablefmt="github"))
-    compared = "" if baseline is None else f" ({baseline}'s busiest rank)" if base else \
-        f"; {baseline} has no recorded run like this one to compare with"
-    print(f"measured (formula); peak = live tensor MB at the step's peak{compared}", flush=True)
-
-
 def log(topo: Topology, message: str) -> None:
     if topo.is_main:
         print(message, flush=True)
-
-
-def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
-    """Skip a world a pipeline of `stages` cannot use: it is the host's (NPROC), not a bad flag."""
-    layers = SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
-    if world == 1:
-        raise Skip("a pipeline runs its stages on two or more processes: launch two or more")
-    if stages > layers:
-        raise Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages on "
-                   f"{world} processes: use fewer processes or a larger --size")
 
 
 class Skip(Exception):
@@ -1598,8 +1373,10 @@ class SetupError(Exception):
 def run_main(main: Callable[[], None]) -> None:
     """Run a recipe: skipped and failed runs leave a record too; the group is torn down. As the
     script itself, a run then skips the interpreter's teardown, where ranks have aborted in C++
-    after a good run ("terminate called without an active exception", gloo)."""
+    after a good run ("terminate called without an active exception", gloo). A closed stdout
+    (`... | head -5`) drops the prints that follow, not the run."""
     faulthandler.enable()
+    stdout, sys.stdout = sys.stdout, _StdoutThatDropsWhenClosed(sys.stdout)
     try:
         main()
     except Skip as why:
@@ -1620,6 +1397,8 @@ def run_main(main: Callable[[], None]) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        sys.stdout.flush()  # what is left, through the wrapper: to a closed stdout, dropped
+        sys.stdout = stdout
     main_file = getattr(sys.modules["__main__"], "__file__", None)
     if main_file and Path(main_file).resolve() == Path(sys.argv[0]).resolve():
         sys.stdout.flush()
@@ -1629,6 +1408,37 @@ def run_main(main: Callable[[], None]) -> None:
 
 def _record_outcome(status: str, reason: str) -> None:
     """Rank 0 records a run that ends without a result, also before `setup`."""
-    args, topo = _RUN.get("args"), _RUN.get("topo")
+    args, topo = run_state.args, run_state.topo
     if args is not None and launch_rank() == 0:
         append_record(args.results, base_record(args, topo, None, status, reason))
+
+
+class _StdoutThatDropsWhenClosed:
+    """sys.stdout while `run_main` runs a recipe. Once its reader has gone (`| head`), a print
+    would raise BrokenPipeError and fail a run that trains well; instead the stream's descriptor
+    is pointed at /dev/null, where what it buffered and every later print go."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._drop_the_rest()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._drop_the_rest()
+            self.stream.flush()  # what it still buffered, now into /dev/null
+
+    def _drop_the_rest(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str):  # isatty, fileno, encoding: the stream's
+        return getattr(self.stream, name)

@@ -24,6 +24,7 @@ Theory:     per rank bP + bP/N + 2bP/N bytes (params, grads, optimizer), P = par
 """
 
 
+import argparse
 import functools
 import sys
 from dataclasses import dataclass
@@ -339,12 +340,49 @@ class ZeRO2(torch.optim.AdamW):
 
 
 
+# Copied from 04_zero/baseline_zero.py: add_summary_flag
+def add_summary_flag(parser: common.RecipeParser) -> None:
+    """`--summary` (see `print_summary`); it prints more, so the run is no variant."""
+    parser.add_argument("--summary", action="store_true",
+                        help="print each rank's parameter, gradient and optimizer MB beside "
+                             "the formula, its peak memory and the MB it sent per step")
+    parser.output_only.add("summary")
+
+
+# Copied from 04_zero/baseline_zero.py: print_summary
+def print_summary(args: argparse.Namespace, topo: common.Topology, stats: common.Stats, *,
+                  baseline: str | None, measured: dict[str, float], theory: dict) -> None:
+    """`--summary`: per rank, the state MB counted from its tensors and the MB it sent, each
+    beside its formula, and its peak beside the baseline's last recorded run like this one."""
+    peak = stats.memory["total"] if stats.memory else common.peak_memory_mb(topo.device)
+    rows = [None] * topo.world_size
+    dist.all_gather_object(rows, {**measured, "peak_mb": peak, "comm_mb": stats.comm_mb})
+    if not topo.is_main:
+        return
+    from tabulate import tabulate
+
+    here = common.base_record(args, topo, baseline, "ok", None)
+    base = next((r for r in reversed(common.load_results(args.results))
+                 if r.get("script") == baseline and r.get("status") == "ok"
+                 and common.run_key(r) == common.run_key(here)), None)
+    kinds = ["params_mb", "grads_mb", "optim_mb"]
+    table = [[rank, *[f"{row[k]:,.2f} ({theory[k]:,.2f})" for k in kinds],
+              f"{sum(row[k] for k in kinds):,.2f} ({theory['state_mb']:,.2f})",
+              f"{row['peak_mb']:,.1f}" + (f" ({base['peak_mem_mb']:,.1f})" if base else ""),
+              f"{row['comm_mb']:,.2f} ({theory['comm_mb']:,.2f})"] for rank, row in enumerate(rows)]
+    print(tabulate(table, ["rank", "params MB", "grads MB", "optim MB", "state MB", "peak MB",
+                           "comm MB/step"], tablefmt="github"))
+    compared = "" if baseline is None else f" ({baseline}'s busiest rank)" if base else \
+        f"; {baseline} has no recorded run like this one to compare with"
+    print(f"measured (formula); peak = live tensor MB at the step's peak{compared}", flush=True)
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
                         metavar="MAX", help="clip the gradient to this global 2-norm before "
                         "each step (default: no clipping)")
-    parser.add_summary_flag()
+    add_summary_flag(parser)
     args = parser.parse_args()
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
@@ -377,7 +415,7 @@ def main():
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
                   **measured)
     if args.summary:
-        common.print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
+        print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
                              theory=theory)
 
 

@@ -18,9 +18,12 @@ Theory:     bubble: these lists run with the measured mean F, B, I, W times (`si
             `theory.bubble_paired`, which these runs do not show. Activations: p+1 stages'.
 """
 
+import argparse
 import collections
 import itertools
+import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -230,7 +233,7 @@ class TwoStagePipelineRank:
         self.saved_for_backward: dict[tuple[int, int], tuple] = {}  # by (micro, stage)
         self.sending: list[tuple[torch.Tensor, dist.Work]] = []  # tensors kept alive until sent
         # a step's start, its timed actions
-        self.timelines: list[tuple[float, list[common.TimedAction]]] = []
+        self.timelines: list[tuple[float, list[TimedAction]]] = []
         self.inflight_max = 0
 
     def now(self) -> float | None:
@@ -243,7 +246,7 @@ class TwoStagePipelineRank:
 
     def timed(self, kind: str, micro: int, stage: int, start: float | None) -> None:
         if start is not None:
-            action = common.TimedAction(kind, micro, stage, start, self.now())
+            action = TimedAction(kind, micro, stage, start, self.now())
             self.timelines[-1][1].append(action)
 
     def post_receive(self, kind: str, micro: int, stage: int) -> None:
@@ -391,6 +394,130 @@ def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
 
 
 
+# Copied from 05_pipeline/baseline_pipeline.py: TimedAction
+class TimedAction(NamedTuple):
+    """One action of a pipeline rank's step: its kind (F, B, I, W), micro-batch and stage, and
+    when it started and ended (seconds, on the rank's clock until `gather_timelines`)."""
+    kind: str
+    micro: int
+    stage: int
+    start: float
+    end: float
+
+
+# Copied from 05_pipeline/baseline_pipeline.py: clock_offset
+def clock_offset(topo: common.Topology, rounds: int = 10) -> float:
+    """What to add to this rank's `time.perf_counter()` to read rank 0's, from the quickest of
+    `rounds` round trips (NTP's estimate: rank 0 read its clock halfway): right to half of it."""
+    stamp, best = torch.zeros(1, dtype=torch.float64, device=topo.device), (math.inf, 0.0)
+
+    def receive(src: int) -> None:  # until it is here: NCCL's recv returns once it is queued
+        dist.recv(stamp, src)
+        if topo.device.type == "cuda":
+            torch.cuda.synchronize(topo.device)
+
+    for peer in range(1, topo.world_size):
+        for _ in range(rounds):
+            if topo.rank == 0:
+                receive(peer)
+                stamp.fill_(time.perf_counter())
+                dist.send(stamp, peer)
+            elif topo.rank == peer:
+                sent = time.perf_counter()
+                dist.send(stamp, 0)
+                receive(0)
+                back = time.perf_counter()
+                best = min(best, (back - sent, stamp.item() - (sent + back) / 2))
+    return best[1]
+
+
+# Copied from 05_pipeline/baseline_pipeline.py: gather_timelines
+def gather_timelines(steps: list[tuple[float, list[TimedAction]]], held: int,
+                     args: argparse.Namespace, topo: common.Topology
+                     ) -> tuple[list[list[list[TimedAction]]], float, list[dict[str, float]], int]:
+    """A pipeline's timed steps from every rank: each (its start, its actions: kind, micro-batch,
+    stage, start, end) on the rank's clock, read on rank 0's (`clock_offset`) and counted from
+    the moment the step's first rank started it (no barrier: it would stop ranks overlapping one
+    step's end with the next's start). Rank 0 prints and writes the last step. Returns the steps
+    (a timeline per rank); the bubble, a step's mean idle fraction: 1 - busy time / (ranks x its
+    span); each rank's mean time per kind of action; the most micro-batches' activations a rank
+    `held`."""
+    gathered = [None] * topo.world_size
+    dist.all_gather_object(gathered, (steps, held, clock_offset(topo)))
+
+    def shifted(a: tuple, by: float) -> TimedAction:
+        a = TimedAction(*a)
+        return a._replace(start=a.start + by, end=a.end + by)
+
+    timed = []
+    for ranks in zip(*[[(start + off, [shifted(a, off) for a in actions])
+                        for start, actions in rank] for rank, _, off in gathered], strict=True):
+        reference = min(start for start, _ in ranks)
+        timed.append([[shifted(a, -reference) for a in actions] for _, actions in ranks])
+    bubble = statistics.mean(1 - sum(a.end - a.start for tl in ranks for a in tl)
+                             / (len(ranks) * max(a.end for tl in ranks for a in tl))
+                             for ranks in timed)
+    means = [{kind: statistics.mean(a.end - a.start for a in actions if a.kind == kind)
+              for kind in {a.kind for a in actions}}
+             for actions in ([TimedAction(*a) for _, acts in rank for a in acts]
+                             for rank, _, _ in gathered)]
+    common.log(topo, render_timeline(timed[-1]))
+    write_timeline_trace(timed[-1], args, topo)
+    return timed, bubble, means, max(n for _, n, _ in gathered)
+
+
+# Copied from 05_pipeline/baseline_pipeline.py: render_timeline
+def render_timeline(timelines: Sequence[Sequence[TimedAction]], width: int = 96) -> str:
+    """One pipeline step as text, a row per rank: an action is its label (`F3`) then its kind
+    letter, in lower case on the rank's second stage (DualPipe's); idle time is '.'."""
+    timelines = [[TimedAction(*a) for a in tl] for tl in timelines]
+    t0 = min(a.start for tl in timelines for a in tl)
+    scale = width / (max(a.end for tl in timelines for a in tl) - t0)
+    rows = [f"one step, {1e3 * width / scale:.1f} ms, {1e3 / scale:.2f} ms a column:"]
+    for rank, tl in enumerate(timelines):
+        row, first_stage = ["."] * width, min(a.stage for a in tl)
+        for kind, micro, stage, start, end in tl:
+            kind = kind if stage == first_stage else kind.lower()
+            first = min(round((start - t0) * scale), width - 1)
+            label = f"{kind}{micro}"
+            for k in range(first, max(first + 1, min(width, round((end - t0) * scale)))):
+                row[k] = label[k - first] if k - first < len(label) else kind
+        rows.append(f"rank {rank:2d} |{''.join(row)}|")
+    return "\n".join(rows)
+
+
+# Copied from 05_pipeline/baseline_pipeline.py: write_timeline_trace
+def write_timeline_trace(timelines: Sequence[Sequence[TimedAction]], args: argparse.Namespace,
+                         topo: common.Topology) -> None:
+    """The same step as a Chrome/Perfetto trace, a track per rank, in the results' traces/."""
+    if not topo.is_main:
+        return
+    timelines = [[TimedAction(*a) for a in tl] for tl in timelines]
+    t0 = min(a.start for tl in timelines for a in tl)
+    events = [{"name": f"rank {r}", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+              for r in range(len(timelines))]
+    events += [{"name": f"{kind}{micro}", "cat": kind, "ph": "X", "pid": 0, "tid": r,
+                "ts": 1e6 * (start - t0), "dur": 1e6 * (end - start),
+                "args": {"micro-batch": micro, "stage": stage}}
+               for r, tl in enumerate(timelines) for kind, micro, stage, start, end in tl]
+    script = Path(sys.argv[0]).resolve()
+    path = args.results.parent / "traces" / f"{script.parent.name}_{script.stem}_timeline.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": events}))
+    common.log(topo, f"timeline of one step written to {path} (open in https://ui.perfetto.dev)")
+
+
+# Copied from 05_pipeline/baseline_pipeline.py: skip_unless_pipelined
+def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
+    """Skip a world a pipeline of `stages` cannot use: it is the host's (NPROC), not a bad flag."""
+    layers = common.SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
+    if world == 1:
+        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or more")
+    if stages > layers:
+        raise common.Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages "
+                          f"on {world} processes: use fewer processes or a larger --size")
+
+
 def main():
     parser = common.parser(__doc__, skips={
         "resnet": "a pipeline cuts a decoder's list of layers into stages, and a ResNet's is no "
@@ -406,7 +533,7 @@ def main():
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
-    common.skip_unless_pipelined(world, world, args.size)
+    skip_unless_pipelined(world, world, args.size)
     if world % 2:
         raise common.Skip(f"DualPipe pairs rank r with rank p-1-r, so it needs an even number "
                           f"of processes, not {world}: DualPipeV runs on any number")
@@ -436,7 +563,7 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(pipe.layers, opt),
                                loss_rank=0, dp_world=1)
-    steps, measured, means, inflight_max = common.gather_timelines(
+    steps, measured, means, inflight_max = gather_timelines(
         pipe.timelines[args.warmup:], pipe.inflight_max, args, topo)
     bubble, inflight, _ = simulate_split(schedule(p, m), means)
     paired, _, _ = simulate_split(schedule(p, m), means, paired=True)

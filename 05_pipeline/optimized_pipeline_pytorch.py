@@ -76,6 +76,17 @@ def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
     return [embedding.weight] if embedding.weight is head.weight else []
 
 
+# Copied from 05_pipeline/baseline_pipeline.py: skip_unless_pipelined
+def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
+    """Skip a world a pipeline of `stages` cannot use: it is the host's (NPROC), not a bad flag."""
+    layers = common.SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
+    if world == 1:
+        raise common.Skip("a pipeline runs its stages on two or more processes: launch two or more")
+    if stages > layers:
+        raise common.Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages "
+                          f"on {world} processes: use fewer processes or a larger --size")
+
+
 def main():
     parser = common.parser(__doc__, skips={
         "resnet": "a pipeline cuts a decoder's list of layers into stages, and a ResNet's is no "
@@ -96,7 +107,7 @@ def main():
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                      f"{args.microbatches}: use a multiple of it")
-    common.skip_unless_pipelined(world, n_stages, args.size)
+    skip_unless_pipelined(world, n_stages, args.size)
     if v and args.microbatches < n_stages:  # never the default, max(8, 2p)
         parser.error(f"ScheduleDualPipeV needs at least as many micro-batches as its {n_stages} "
                      f"stages: use --microbatches {n_stages} or more")

@@ -23,7 +23,12 @@ Theory:     busbw = algbw x 2(N-1)/N for all-reduce, (N-1)/N for all-gather and 
             comparable with a link's bandwidth whatever N); algbw = bytes / time.
 """
 
+import argparse
+import re
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,9 +76,80 @@ def collective(op: str, numel: int, topo: common.Topology):
     return call, prepare, lambda: torch.equal(result, expected)
 
 
+def message_sizes(text: str) -> list[int]:
+    """argparse type for a sweep's message sizes: comma-separated bytes with an optional K, M or G
+    (powers of 1024), e.g. `4K,64K,16M`; each a positive whole number of fp32 values."""
+    unit = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+    sizes = []
+    for item in text.split(","):
+        found = re.fullmatch(r"\s*(\d+\.?\d*)([KMG]?)\s*", item.upper())
+        value = int(float(found[1]) * unit[found[2]]) if found else 0
+        if value <= 0 or value % 4:
+            raise argparse.ArgumentTypeError(f"expected sizes like 4K,64K,16M, each a multiple "
+                                             f"of 4 bytes (fp32 values) and > 0, got {item!r}")
+        sizes.append(value)
+    return sizes
+
+
+def time_calls(call: Callable[[], object], prepare: Callable[[], object],
+               check: Callable[[], bool], what: str, iters: int, warmup: int,
+               device: torch.device) -> float:
+    """Median ms of `call` over `iters` runs after `warmup`, each after `prepare` and a barrier
+    and followed by `check` (untimed, every run: a stale read fails). A run's time is the least
+    any rank measured: the last to leave the barrier waits for nobody, so its time is the call's
+    and not the barrier's skew, which would swamp a small message."""
+    times = []
+    for i in range(warmup + iters):
+        prepare()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        if not check():
+            raise RuntimeError(f"{what} returned a wrong result (call {i + 1})")
+    shortest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(shortest, op=dist.ReduceOp.MIN)
+    return 1e3 * statistics.median(shortest.tolist())
+
+
+# busbw = algbw x this: the share of the message each rank's link carries (nccl-tests' convention)
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "sendrecv": lambda n: 1.0}
+
+
+def sweep_entry(op: str, nbytes: int, ms: float, world: int) -> dict:
+    """One row of a collectives sweep: algbw = bytes / time, busbw = algbw x BUS_FACTOR."""
+    algbw = nbytes / (ms / 1e3) / 1e9
+    def digits(x: float) -> float:
+        return float(f"{x:.4g}")
+    return {"op": op, "bytes": nbytes, "ms": digits(ms), "algbw_gbps": digits(algbw),
+            "busbw_gbps": digits(algbw * BUS_FACTOR[op](world))}
+
+
+def record_sweep(args: argparse.Namespace, topo: common.Topology, *, baseline: str | None,
+                 sweep: list[dict], **extra) -> dict:
+    """Append a collectives benchmark's result (rank 0): the sweep, no training fields."""
+    rec = common.base_record(args, topo, baseline, "ok", None)
+    rec.update(sweep=sweep, iters=args.iters, **extra)
+    if topo.is_main:
+        common.append_record(args.results, rec)
+        for row in sweep:
+            print(f"{rec['script']}: {row['op']:>14} {row['bytes']:>11,} B {row['ms']:9.3f} ms "
+                  f"busbw {row['busbw_gbps']:7.2f} GB/s", flush=True)
+        if args.trace:  # make all TRACE=1 passes it to every script
+            print(f"{rec['script']}: no trace written: a sweep has no training step to break "
+                  "down", flush=True)
+    return rec
+
+
 def main():
     parser = common.parser(__doc__)
-    parser.add_argument("--sizes", type=common.message_sizes, default="4K,64K,1M,16M",
+    parser.add_argument("--sizes", type=message_sizes, default="4K,64K,1M,16M",
                         help="message sizes in bytes, K/M/G allowed (default: 4K,64K,1M,16M)")
     parser.add_argument("--ops", default=",".join(OPS),
                         help=f"comma-separated, of {', '.join(OPS)} (default: all)")
@@ -96,10 +172,10 @@ def main():
                 continue  # smaller than one value (per rank)
             call, prepare, correct = collective(op, numel, topo)
             iters = args.iters if nbytes <= 8 * 2**20 else max(3, args.iters // 4)
-            ms = common.time_calls(call, prepare, correct, f"{op} of {nbytes} bytes", iters,
-                                   warmup=2, device=topo.device)
-            sweep.append(common.sweep_entry(op, numel * 4, ms, topo.world_size))
-    common.record_sweep(args, topo, baseline=None, sweep=sweep)
+            ms = time_calls(call, prepare, correct, f"{op} of {nbytes} bytes", iters,
+                            warmup=2, device=topo.device)
+            sweep.append(sweep_entry(op, numel * 4, ms, topo.world_size))
+    record_sweep(args, topo, baseline=None, sweep=sweep)
 
 
 if __name__ == "__main__":

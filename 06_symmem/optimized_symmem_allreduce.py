@@ -24,13 +24,17 @@ Theory:     busbw as the baseline's; one-shot moves N x bytes through each rank'
             two-shot about 2 x bytes.
 """
 
+import argparse
 import functools
 import mmap
 import os
 import platform
+import re
 import signal
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -258,9 +262,107 @@ def collective(op: str, numel: int, topo: common.Topology, seg: SharedSegment | 
     return call, prepare, lambda: torch.equal(result, expected)
 
 
+def peer_access_problem(topo: common.Topology) -> str | None:
+    """Why this host's GPUs cannot map each other's memory (symmetric memory), or None; all ranks
+    agree on it, as one that went on alone would wait forever in the rendezvous."""
+    if topo.nnodes > 1:
+        return "symmetric memory maps the GPUs of one host: run on one node (NNODES=1)"
+    visible = torch.cuda.device_count()
+    # under `srun --gpus-per-task=1` each rank sees one GPU, index 0: the rendezvous would map
+    # every rank's memory onto the same device ("allocations from overlapping devices")
+    hidden = visible < topo.local_world_size
+    me, used = topo.device.index, min(visible, topo.local_world_size)
+    lacking = [k for k in range(used) if k != me and not torch.cuda.can_device_access_peer(me, k)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (hidden, lacking))
+    if any(h for h, _ in everyone):
+        return (f"a rank sees {visible} GPU(s) for the host's {topo.local_world_size} ranks "
+                "(srun --gpus-per-task?): symmetric memory maps the host's GPUs, so every rank "
+                "must see them all: srun --gpus-per-node, or torchrun")
+    if any(lacks for _, lacks in everyone):
+        return ("this host's GPUs cannot access each other's memory (no NVLink, no PCIe "
+                "peer-to-peer), which symmetric memory maps: nothing to measure here")
+    return None
+
+
+# Copied from 06_symmem/baseline_symmem_allreduce.py: message_sizes
+def message_sizes(text: str) -> list[int]:
+    """argparse type for a sweep's message sizes: comma-separated bytes with an optional K, M or G
+    (powers of 1024), e.g. `4K,64K,16M`; each a positive whole number of fp32 values."""
+    unit = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+    sizes = []
+    for item in text.split(","):
+        found = re.fullmatch(r"\s*(\d+\.?\d*)([KMG]?)\s*", item.upper())
+        value = int(float(found[1]) * unit[found[2]]) if found else 0
+        if value <= 0 or value % 4:
+            raise argparse.ArgumentTypeError(f"expected sizes like 4K,64K,16M, each a multiple "
+                                             f"of 4 bytes (fp32 values) and > 0, got {item!r}")
+        sizes.append(value)
+    return sizes
+
+
+# Copied from 06_symmem/baseline_symmem_allreduce.py: time_calls
+def time_calls(call: Callable[[], object], prepare: Callable[[], object],
+               check: Callable[[], bool], what: str, iters: int, warmup: int,
+               device: torch.device) -> float:
+    """Median ms of `call` over `iters` runs after `warmup`, each after `prepare` and a barrier
+    and followed by `check` (untimed, every run: a stale read fails). A run's time is the least
+    any rank measured: the last to leave the barrier waits for nobody, so its time is the call's
+    and not the barrier's skew, which would swamp a small message."""
+    times = []
+    for i in range(warmup + iters):
+        prepare()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        if not check():
+            raise RuntimeError(f"{what} returned a wrong result (call {i + 1})")
+    shortest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(shortest, op=dist.ReduceOp.MIN)
+    return 1e3 * statistics.median(shortest.tolist())
+
+
+# busbw = algbw x this: the share of the message each rank's link carries (nccl-tests' convention)
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "sendrecv": lambda n: 1.0}
+
+
+# Copied from 06_symmem/baseline_symmem_allreduce.py: sweep_entry
+def sweep_entry(op: str, nbytes: int, ms: float, world: int) -> dict:
+    """One row of a collectives sweep: algbw = bytes / time, busbw = algbw x BUS_FACTOR."""
+    algbw = nbytes / (ms / 1e3) / 1e9
+    def digits(x: float) -> float:
+        return float(f"{x:.4g}")
+    return {"op": op, "bytes": nbytes, "ms": digits(ms), "algbw_gbps": digits(algbw),
+            "busbw_gbps": digits(algbw * BUS_FACTOR[op](world))}
+
+
+# Copied from 06_symmem/baseline_symmem_allreduce.py: record_sweep
+def record_sweep(args: argparse.Namespace, topo: common.Topology, *, baseline: str | None,
+                 sweep: list[dict], **extra) -> dict:
+    """Append a collectives benchmark's result (rank 0): the sweep, no training fields."""
+    rec = common.base_record(args, topo, baseline, "ok", None)
+    rec.update(sweep=sweep, iters=args.iters, **extra)
+    if topo.is_main:
+        common.append_record(args.results, rec)
+        for row in sweep:
+            print(f"{rec['script']}: {row['op']:>14} {row['bytes']:>11,} B {row['ms']:9.3f} ms "
+                  f"busbw {row['busbw_gbps']:7.2f} GB/s", flush=True)
+        if args.trace:  # make all TRACE=1 passes it to every script
+            print(f"{rec['script']}: no trace written: a sweep has no training step to break "
+                  "down", flush=True)
+    return rec
+
+
 def main():
     parser = common.parser(__doc__)
-    parser.add_argument("--sizes", type=common.message_sizes, default="4K,64K,1M,16M",
+    parser.add_argument("--sizes", type=message_sizes, default="4K,64K,1M,16M",
                         help="message sizes in bytes, K/M/G allowed (default: 4K,64K,1M,16M)")
     parser.add_argument("--ops", default=",".join(OPS),
                         help=f"comma-separated, of {', '.join(OPS)} (default: all)")
@@ -272,7 +374,7 @@ def main():
         parser.error(f"--ops {','.join(unknown)} unknown: choose from {','.join(OPS)}")
     topo = common.setup(args)
     if topo.device.type == "cuda":
-        if why := common.peer_access_problem(topo):
+        if why := peer_access_problem(topo):
             raise common.Skip(why)
         seg, ops = None, [op for op in ops if op == "all_reduce"]
     else:
@@ -289,11 +391,11 @@ def main():
                 continue  # smaller than one value (per rank)
             call, prepare, correct = collective(op, numel, topo, seg)
             iters = args.iters if nbytes <= 8 * 2**20 else max(3, args.iters // 4)
-            ms = common.time_calls(call, prepare, correct, f"{op} of {nbytes} bytes", iters,
-                                   warmup=2, device=topo.device)
-            sweep.append(common.sweep_entry(op, numel * 4, ms, topo.world_size))
-    common.record_sweep(args, topo, baseline="baseline_symmem_allreduce", sweep=sweep,
-                        transport="cuda symmetric memory" if seg is None else "/dev/shm segment")
+            ms = time_calls(call, prepare, correct, f"{op} of {nbytes} bytes", iters,
+                            warmup=2, device=topo.device)
+            sweep.append(sweep_entry(op, numel * 4, ms, topo.world_size))
+    record_sweep(args, topo, baseline="baseline_symmem_allreduce", sweep=sweep,
+                 transport="cuda symmetric memory" if seg is None else "/dev/shm segment")
 
 
 if __name__ == "__main__":

@@ -185,12 +185,12 @@ def enable_async_tp(mesh) -> None:
 def start_async_tp(topo: common.Topology, mesh) -> str | None:
     """Turn async TP on where it can run, and return None; else return why it stays off. It is
     a CUDA pass whose kernels map every GPU of the group into each one's address space: one
-    host, GPUs that reach each other's memory (common.peer_access_problem, which every rank
-    calls, as optimized_symmem_tp.py does before its fused kernels). Where it cannot, the
-    blocks still compile and DTensor's collectives run whole."""
+    host, GPUs that reach each other's memory (peer_access_problem, which every rank calls,
+    as optimized_symmem_tp.py does before its fused kernels). Where it cannot, the blocks still
+    compile and DTensor's collectives run whole."""
     if topo.device.type != "cuda":
         return "inductor's micro-pipeline TP is a CUDA pass"
-    if why := common.peer_access_problem(topo):
+    if why := peer_access_problem(topo):
         return why
     enable_async_tp(mesh)
     return None
@@ -230,6 +230,30 @@ def decoder_parts(model: common.Decoder) -> dict:
     return {"blocks": common.transformer_blocks(model), "embedding": common.input_embedding(model),
             "positions": getattr(model, "pos_emb", None), "norm": loss_head.ln_f,
             "head": loss_head.head}
+
+
+# Copied from 06_symmem/optimized_symmem_allreduce.py: peer_access_problem
+def peer_access_problem(topo: common.Topology) -> str | None:
+    """Why this host's GPUs cannot map each other's memory (symmetric memory), or None; all ranks
+    agree on it, as one that went on alone would wait forever in the rendezvous."""
+    if topo.nnodes > 1:
+        return "symmetric memory maps the GPUs of one host: run on one node (NNODES=1)"
+    visible = torch.cuda.device_count()
+    # under `srun --gpus-per-task=1` each rank sees one GPU, index 0: the rendezvous would map
+    # every rank's memory onto the same device ("allocations from overlapping devices")
+    hidden = visible < topo.local_world_size
+    me, used = topo.device.index, min(visible, topo.local_world_size)
+    lacking = [k for k in range(used) if k != me and not torch.cuda.can_device_access_peer(me, k)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (hidden, lacking))
+    if any(h for h, _ in everyone):
+        return (f"a rank sees {visible} GPU(s) for the host's {topo.local_world_size} ranks "
+                "(srun --gpus-per-task?): symmetric memory maps the host's GPUs, so every rank "
+                "must see them all: srun --gpus-per-node, or torchrun")
+    if any(lacks for _, lacks in everyone):
+        return ("this host's GPUs cannot access each other's memory (no NVLink, no PCIe "
+                "peer-to-peer), which symmetric memory maps: nothing to measure here")
+    return None
 
 
 def main():

@@ -347,6 +347,30 @@ class SymmetricMemoryAdamW:
         self.needs_zero_grad = True
 
 
+# Copied from 06_symmem/optimized_symmem_allreduce.py: peer_access_problem
+def peer_access_problem(topo: common.Topology) -> str | None:
+    """Why this host's GPUs cannot map each other's memory (symmetric memory), or None; all ranks
+    agree on it, as one that went on alone would wait forever in the rendezvous."""
+    if topo.nnodes > 1:
+        return "symmetric memory maps the GPUs of one host: run on one node (NNODES=1)"
+    visible = torch.cuda.device_count()
+    # under `srun --gpus-per-task=1` each rank sees one GPU, index 0: the rendezvous would map
+    # every rank's memory onto the same device ("allocations from overlapping devices")
+    hidden = visible < topo.local_world_size
+    me, used = topo.device.index, min(visible, topo.local_world_size)
+    lacking = [k for k in range(used) if k != me and not torch.cuda.can_device_access_peer(me, k)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (hidden, lacking))
+    if any(h for h, _ in everyone):
+        return (f"a rank sees {visible} GPU(s) for the host's {topo.local_world_size} ranks "
+                "(srun --gpus-per-task?): symmetric memory maps the host's GPUs, so every rank "
+                "must see them all: srun --gpus-per-node, or torchrun")
+    if any(lacks for _, lacks in everyone):
+        return ("this host's GPUs cannot access each other's memory (no NVLink, no PCIe "
+                "peer-to-peer), which symmetric memory maps: nothing to measure here")
+    return None
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--replicated-optimizer", action="store_true",
@@ -355,7 +379,7 @@ def main():
                              "baseline does")
     args = parser.parse_args()
     topo = common.setup(args)
-    if topo.device.type == "cuda" and (why := common.peer_access_problem(topo)):
+    if topo.device.type == "cuda" and (why := peer_access_problem(topo)):
         raise common.Skip(why)
     model, batches = common.workload(args, topo)
     opt = SymmetricMemoryAdamW(model, replicated=args.replicated_optimizer,

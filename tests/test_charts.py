@@ -10,10 +10,12 @@ import pytest
 from matplotlib.colors import to_hex
 
 import common
+from helpers import load_recipe
 from report import charts, cli, results_table
 
 FIXTURE = common.ROOT / "tests" / "fixtures" / "records_small.jsonl"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SWEEP = load_recipe(common.ROOT / "06_symmem" / "baseline_symmem_allreduce.py")  # sweep_entry
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +282,7 @@ def _sweep(script, baseline, ops, world=1, transport=None):
     return {"folder": "06_symmem", "script": script, "baseline": baseline, "status": "ok",
             "size": "small", "model": "gpt", "world_size": world, "device": "NVIDIA H100",
             "link": None, "transport": transport,
-            "sweep": [common.sweep_entry(op, b, 0.01 * b / 4096, world)
+            "sweep": [SWEEP.sweep_entry(op, b, 0.01 * b / 4096, world)
                       for op in ops for b in (4096, 2**20)]}
 
 

@@ -651,21 +651,6 @@ Root Cause (first observed failure):
 """
 
 
-@pytest.mark.parametrize("output, code, line", [
-    ("noise\noptimized_ddp.py: error: --accum 3 does not split\n" + TORCHRUN_SUMMARY.format(code=2),
-     2, "optimized_ddp.py: error: --accum 3 does not split"),
-    ("Traceback...\nRuntimeError: x\nrank 0 failed: RuntimeError: x\nrank 1 failed: Other: y\n",
-     1, "rank 0 failed: RuntimeError: x"),  # the first rank to fail, not the echoes
-    (TORCHRUN_SUMMARY.format(code=-9), 1, "rank 1 was killed by signal 9"),  # the root cause
-    (TORCHRUN_SUMMARY.format(code=3), 1, "rank 1 exited with code 3"),
-    ("", 139, "a rank exited with code 139"),
-])
-def test_a_failed_runs_line_is_its_scripts_own_error(output, code, line):
-    assert runs.failure_line(output, code) == line
-
-
-# --- outcomes ---------------------------------------------------------------------------------
-def test_run_main_records_a_skip_and_a_failure(tmp_path, monkeypatch, capfd):
 # torchrun's own failure: its static rendezvous could not listen on MASTER_PORT (another run
 # holds it), so no rank started and no rank's failure is listed (torch 2.x's log, trimmed)
 TORCHRUN_BUSY_PORT = (
@@ -685,7 +670,7 @@ TORCHRUN_BUSY_PORT = (
     "already in use\n")
 
 
-    results = tmp_path / "results.jsonl"
+@pytest.mark.parametrize("output, code, line", [
     (TORCHRUN_BUSY_PORT.format(port=29500, name="EADDRINUSE"), 1,
      "port 29500 is busy (another run on this host?), no rank started: choose another with "
      "MASTER_PORT=<n> (unset, a one-node run takes a free one)"),
@@ -693,8 +678,23 @@ TORCHRUN_BUSY_PORT = (
      "torchrun failed before any rank started: DistNetworkError: The server socket has failed "
      "to listen on any local network address. port: 29500, useIpv6: false, code: -98, name: "
      "EACCES, message: address already in use"),
-    monkeypatch.setitem(common._RUN, "args", tiny_args("--results", str(results)))
-    monkeypatch.setitem(common._RUN, "topo", cpu_topology())
+    ("noise\noptimized_ddp.py: error: --accum 3 does not split\n" + TORCHRUN_SUMMARY.format(code=2),
+     2, "optimized_ddp.py: error: --accum 3 does not split"),
+    ("Traceback...\nRuntimeError: x\nrank 0 failed: RuntimeError: x\nrank 1 failed: Other: y\n",
+     1, "rank 0 failed: RuntimeError: x"),  # the first rank to fail, not the echoes
+    (TORCHRUN_SUMMARY.format(code=-9), 1, "rank 1 was killed by signal 9"),  # the root cause
+    (TORCHRUN_SUMMARY.format(code=3), 1, "rank 1 exited with code 3"),
+    ("", 139, "a rank exited with code 139"),
+])
+def test_a_failed_runs_line_is_its_scripts_own_error(output, code, line):
+    assert runs.failure_line(output, code) == line
+
+
+# --- outcomes ---------------------------------------------------------------------------------
+def test_run_main_records_a_skip_and_a_failure(tmp_path, monkeypatch, capfd):
+    results = tmp_path / "results.jsonl"
+    monkeypatch.setattr(common.run_state, "args", tiny_args("--results", str(results)))
+    monkeypatch.setattr(common.run_state, "topo", cpu_topology())
     monkeypatch.setattr(sys, "argv", [str(tmp_path / "03_fsdp" / "optimized_fsdp.py")])
 
     def needs_cuda():
@@ -713,6 +713,39 @@ TORCHRUN_BUSY_PORT = (
     assert (failed["folder"], failed["script"]) == ("03_fsdp", "optimized_fsdp")
     assert failed["size"] == "tiny" and failed["device"] == "cpu"
     assert "skipped: needs CUDA for FP8" in results_table.render_report([skipped])
+
+
+def test_a_closed_stdout_drops_the_prints_not_the_run(tmp_path, monkeypatch):
+    """`python 01_ddp/optimized_ddp.py | head -5`: once the reader has gone a print raises
+    BrokenPipeError; the run goes on to its end, records no failure, and its stdout is back."""
+    results = tmp_path / "results.jsonl"
+    monkeypatch.setattr(common.run_state, "args", tiny_args("--results", str(results)))
+    monkeypatch.setattr(common.run_state, "topo", cpu_topology())
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "01_ddp" / "optimized_ddp.py")])
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `head` has read its lines and left
+    with open(write_end, "w") as closed_pipe:
+        monkeypatch.setattr(sys, "stdout", closed_pipe)
+        reached = []
+
+        def prints_then_finishes():
+            for step in range(3):
+                print(f"step {step}", flush=True)
+            common.log(cpu_topology(), "summary")
+            reached.append("the end")
+
+        common.run_main(prints_then_finishes)
+        assert reached == ["the end"] and sys.stdout is closed_pipe
+    assert common.load_results(results) == []
+
+
+def test_check_flags_parses_and_exits_before_the_run(tmp_path):
+    """What `make` runs with ARGS before a launch: good flags exit 0 and record nothing."""
+    results = tmp_path / "results.jsonl"
+    with pytest.raises(SystemExit) as exited:
+        common.parser(None).parse_args(["--size", "tiny", "--results", str(results),
+                                        "--check-flags"])
+    assert exited.value.code == 0 and not results.exists()
 
 
 def test_a_diverged_run_is_an_error_not_a_result(monkeypatch):
@@ -749,6 +782,9 @@ def test_a_record_keeps_its_step_spread_its_hosts_load_and_the_versions_that_cha
     finally:
         torch.distributed.destroy_process_group()
     assert rec == common.load_results(args.results)[0]
+    # what the host changed of the run ends its summary line, where the user looks
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert " ms/step " in summary and summary.endswith("; the host changed this run"), summary
     assert rec["load_avg"] == [1.25, 3.5] and rec["cpus"] == os.cpu_count()
     q1, q3 = rec["step_ms_iqr"]
     assert q1 <= rec["step_ms"] <= q3 <= rec["step_ms_p90"] + 1e-3
@@ -782,9 +818,6 @@ def test_report_compares_rows_only_on_the_same_link_and_shows_measured_beside_th
 
 
 @pytest.mark.parametrize("flags, variant", [
-    # what the host changed of the run ends its summary line, where the user looks
-    summary = capsys.readouterr().out.strip().splitlines()[-1]
-    assert " ms/step " in summary and summary.endswith("; the host changed this run"), summary
     ([], None), (["--batch-size", "4", "--seq-len", "128"], None),  # small's own, given
     (["--seq-len", "32", "--batch-size", "1"], "--batch-size 1 --seq-len 32"),
     (["--lr", "0.01", "--batch-size", "2"], "--batch-size 2"),  # other shared flags do not

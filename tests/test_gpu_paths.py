@@ -144,14 +144,18 @@ def test_records_name_the_gpu_and_the_cuda_and_nccl_versions(monkeypatch):
 
 
 # --- 11: symmetric memory ------------------------------------------------------------------------
+# peer_access_problem: the all-reduce sweep holds it, 06's other scripts copy it
+SYMMEM = load_recipe(common.ROOT / "06_symmem" / "optimized_symmem_allreduce.py")
+
+
 def test_symmetric_memory_is_skipped_without_peer_access_and_across_nodes(group, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
-    assert "cannot access each other's memory" in common.peer_access_problem(
+    assert "cannot access each other's memory" in SYMMEM.peer_access_problem(
         fake_cuda_topology(local_world=2))
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
-    assert common.peer_access_problem(fake_cuda_topology(local_world=2)) is None
-    assert "one host" in common.peer_access_problem(fake_cuda_topology(nnodes=2))
+    assert SYMMEM.peer_access_problem(fake_cuda_topology(local_world=2)) is None
+    assert "one host" in SYMMEM.peer_access_problem(fake_cuda_topology(nnodes=2))
 
 
 def test_symmetric_memory_is_skipped_where_each_rank_sees_only_its_own_gpu(group, monkeypatch):
@@ -159,7 +163,7 @@ def test_symmetric_memory_is_skipped_where_each_rank_sees_only_its_own_gpu(group
     else passes; symmetric memory's rendezvous would then fail on every rank."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
-    why = common.peer_access_problem(fake_cuda_topology(local_world=2))
+    why = SYMMEM.peer_access_problem(fake_cuda_topology(local_world=2))
     assert why is not None and "sees 1 GPU(s) for the host's 2 ranks" in why
 
 

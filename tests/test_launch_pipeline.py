@@ -25,6 +25,8 @@ from helpers import (
 )
 
 FOLDER = common.ROOT / "05_pipeline"
+# a record's timeline, read by field: the baseline holds it, the pipelines copy it
+TimedAction = load_recipe(FOLDER / "baseline_pipeline.py").TimedAction
 M = 4  # micro-batches at tiny, 2 sequences each
 DEEPER = ["--size", "small", "--seq-len", "16"]  # 8 layers: DualPipeV's 6 stages at 3 ranks
 LLAMA = ["--model", "llama"]
@@ -149,7 +151,7 @@ def test_records_carry_the_real_timeline_of_the_schedule_and_its_bubble(runs, sc
         stages = 2 * p if name == "optimized_pipeline_dualpipev" else p
         assert m == asked
     assert rec["stages"] == stages and rec["tokens_per_s"] > 0
-    timeline = [[common.TimedAction(*a) for a in actions] for actions in rec["timeline"]]
+    timeline = [[TimedAction(*a) for a in actions] for actions in rec["timeline"]]
     assert [[(a.kind, a.micro, a.stage) for a in actions] for actions in timeline] == planned
     for actions in timeline:  # on each rank's clock from the step's first start, one at a time
         assert all(0 <= a.start < a.end for a in actions)
@@ -179,7 +181,7 @@ def test_a_tied_gradient_is_summed_only_where_the_weight_is_on_two_ranks(runs):
     GPipe's GPT sums its tied weight's two gradients, the Llama's 1F1B has none to sum."""
     dualpipe = runs["dualpipe at 4 ranks llama"][0]
     def stages(rec):
-        return [sorted({common.TimedAction(*a).stage for a in actions})
+        return [sorted({TimedAction(*a).stage for a in actions})
                 for actions in rec["timeline"]]
 
     assert stages(dualpipe) == [[0, 3], [1, 2], [1, 2], [0, 3]]

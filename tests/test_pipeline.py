@@ -22,6 +22,7 @@ RECIPES = {name: load_recipe(FOLDER / f"{script}.py") for name, script in [
     ("gpipe", "optimized_pipeline_gpipe"),
     ("1f1b", "optimized_pipeline_1f1b"), ("dualpipev", "optimized_pipeline_dualpipev"),
     ("dualpipe", "optimized_pipeline_dualpipe")]}
+BASELINE = load_recipe(FOLDER / "baseline_pipeline.py")  # the timeline code the others copy
 UNIFORM = {"F": 1.0, "B": 2.0}  # a backward costs two forwards
 SPLIT = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}  # and splits into equal I and W
 
@@ -247,10 +248,10 @@ def test_the_cut_weighs_layers_by_their_matrix_multiplies():
 
 def test_the_timeline_draws_each_action_where_it_ran(tmp_path):
     timelines = [[("F", 0, 0, 0.0, 0.25), ("B", 0, 3, 0.5, 1.0)], [("F", 0, 1, 0.25, 0.5)]]
-    text = common.render_timeline(timelines, width=8)
+    text = BASELINE.render_timeline(timelines, width=8)
     assert text.splitlines()[1:] == ["rank  0 |F0..b0bb|", "rank  1 |..F0....|"]  # 2nd stage
     args = common.parser(None).parse_args(["--results", str(tmp_path / "r.jsonl")])
-    common.write_timeline_trace(timelines, args, common.Topology(0, 0, 2, 2, 1, "gloo", None))
+    BASELINE.write_timeline_trace(timelines, args, common.Topology(0, 0, 2, 2, 1, "gloo", None))
     (trace,) = (tmp_path / "traces").iterdir()
     spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert [(e["name"], e["tid"], e["ts"], e["dur"], e["args"]["stage"]) for e in spans] == [
@@ -272,8 +273,8 @@ def test_gathered_timelines_count_from_the_steps_first_start(tmp_path):
                  (200.0, [("F", 0, 0, 200.0, 201.0), ("B", 0, 0, 202.0, 204.0)])]
         args = common.parser(None).parse_args(["--results", str(tmp_path / "r.jsonl")])
         topo = common.Topology(0, 0, 1, 1, 1, "gloo", torch.device("cpu"))
-        assert common.clock_offset(topo) == 0.0
-        timed, bubble, means, held = common.gather_timelines(steps, 3, args, topo)
+        assert BASELINE.clock_offset(topo) == 0.0
+        timed, bubble, means, held = BASELINE.gather_timelines(steps, 3, args, topo)
     finally:
         dist.destroy_process_group()
     assert timed == [[[("F", 0, 0, 0.5, 1.0), ("B", 0, 0, 1.0, 2.0)]],
@@ -283,7 +284,7 @@ def test_gathered_timelines_count_from_the_steps_first_start(tmp_path):
 
 
 # --- the runtimes as a user lifts them, in spawned gloo processes ------------------------------
-RUNTIMES = {"baseline": load_recipe(FOLDER / "baseline_pipeline.py"), "1f1b": RECIPES["1f1b"],
+RUNTIMES = {"baseline": BASELINE, "1f1b": RECIPES["1f1b"],
             "dualpipev": RECIPES["dualpipev"], "dualpipe": RECIPES["dualpipe"]}
 SCRIPTS = {**RUNTIMES, "gpipe": RECIPES["gpipe"]}  # every runtime's script, by kind
 LOSS_RANK = {"baseline": -1, "gpipe": -1, "1f1b": -1, "dualpipev": 0, "dualpipe": 0}  # in group
@@ -373,8 +374,11 @@ def train(kind: str, model: torch.nn.Module, group, record_timeline: bool = Fals
         opt.step()
         losses.append(loss.item())
     tied = getattr(pipe, "tied", None)
+    # a step's actions by field: a TimedAction pickles by its module's name, which a script
+    # loaded by path lacks
+    timelines = [(start, [a._asdict() for a in actions]) for start, actions in pipe.timelines]
     return {"losses": losses, "weights": [q.detach().clone() for q in held],
-            "tied": None if tied is None else len(tied.weights), "timelines": pipe.timelines}
+            "tied": None if tied is None else len(tied.weights), "timelines": timelines}
 
 
 def join(rank: int, world: int, port: int) -> None:
@@ -577,8 +581,8 @@ def test_no_timeline_is_recorded_unless_asked(trained):
             trained[("world", "1f1b", "llama", r)]
         assert timed["losses"] == untimed["losses"] and len(timed["timelines"]) == STEPS
         for _, actions in timed["timelines"]:
-            assert all(isinstance(a, common.TimedAction) for a in actions)
-            assert [(a.kind, a.micro, a.stage) for a in actions] == [tuple(a) for a in schedule[r]]
+            assert [(a["kind"], a["micro"], a["stage"]) for a in actions] == \
+                [tuple(a) for a in schedule[r]]
 
 
 @pytest.mark.parametrize("kind, model_name", SEEDED_APART)

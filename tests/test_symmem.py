@@ -29,6 +29,8 @@ import common
 from helpers import TINY, assert_within_its_tolerance, load_recipe, readme_python_block
 
 FOLDER = common.ROOT / "06_symmem"
+# the sweep's helpers: the baseline holds them, optimized_symmem_allreduce.py copies them
+SWEEP = load_recipe(FOLDER / "baseline_symmem_allreduce.py")
 SIZES = [1, 3, 1000, 16_385, 65_536 + 3, 200_003]  # values; the last two are two-shot
 SHM = Path("/dev/shm")
 
@@ -164,20 +166,20 @@ def test_more_than_one_node_is_skipped_with_the_reason(checks):
 @pytest.mark.parametrize("text, sizes", [("4K,64K,16M", [4096, 65536, 16 * 2**20]),
                                          ("100,1.5K", [100, 1536]), ("1g", [2**30])])
 def test_message_sizes_parse(text, sizes):
-    assert common.message_sizes(text) == sizes
+    assert SWEEP.message_sizes(text) == sizes
 
 
 @pytest.mark.parametrize("text", ["0", "4X", "", "-1K", "4098", "3"])  # fp32: multiples of 4
 def test_bad_message_sizes_are_refused(text):
     with pytest.raises(argparse.ArgumentTypeError):
-        common.message_sizes(text)
+        SWEEP.message_sizes(text)
 
 
 def test_busbw_follows_the_nccl_tests_convention():
-    row = common.sweep_entry("all_reduce", 10**9, 1000.0, world=4)
+    row = SWEEP.sweep_entry("all_reduce", 10**9, 1000.0, world=4)
     assert row["algbw_gbps"] == 1.0 and row["busbw_gbps"] == 1.5
-    assert common.sweep_entry("sendrecv", 10**9, 1000.0, world=4)["busbw_gbps"] == 1.0
-    assert common.sweep_entry("all_gather", 10**9, 1000.0, world=4)["busbw_gbps"] == 0.75
+    assert SWEEP.sweep_entry("sendrecv", 10**9, 1000.0, world=4)["busbw_gbps"] == 1.0
+    assert SWEEP.sweep_entry("all_gather", 10**9, 1000.0, world=4)["busbw_gbps"] == 0.75
 
 
 def _train_three(rank: int, world: int, port: int, results: str) -> None:
