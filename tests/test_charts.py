@@ -247,17 +247,17 @@ def test_a_speedup_within_the_runs_spread_is_grey_and_marked_and_a_busy_host_nam
     apart = dict(overlapping, step_ms_iqr=[75.0, 90.0])
     (speed, _) = charts.draw_charts([base, apart])["speedup.png"].axes
     assert bars(speed) == {0: (1.25, charts.GREEN)} and words(speed) == {0: " 1.25x"}
+    assert not speed.patches[0].get_hatch() and "hatched" not in speed.figure.get_suptitle()
     # 2 ranks on 2 cores, the load near 3 after the baseline's timed steps: one task too many
     busy_base = dict(base, load_avg=[2.1, 3.1], cpus=2)
-    assert not speed.patches[0].get_hatch() and "hatched" not in speed.figure.get_suptitle()
     (speed, memory) = charts.draw_charts([busy_base, apart])["speedup.png"].axes
     assert words(speed) == {0: " 1.25x (busy host)"}
-
-
     # drawn unlike a clean bar, and the title says how; a busy host does not change memory
     assert bars(speed) == {0: (1.25, charts.GREEN)} and speed.patches[0].get_hatch()
     assert not memory.patches[0].get_hatch()
     assert "hatched: timed on a busy host" in speed.figure.get_suptitle()
+
+
 def test_a_world_of_one_sweep_keeps_the_baselines_rows_and_draws_its_algbw():
     # on CUDA symmetric memory sweeps all-reduce only: the baseline's other ops stay in the table
     records = [_sweep("baseline_symmem_allreduce", None, ["all_reduce", "all_gather"]),
