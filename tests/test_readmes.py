@@ -1,6 +1,7 @@
-"""The READMEs' direct commands run as written on a fresh clone: every `torchrun` or `python`
-command in a shell block (or an inline one naming a script) is `.venv/bin/`'s, or comes after
-the line that activates .venv (a fresh clone's python has no torch)."""
+"""What the READMEs tell a newcomer holds: the direct commands run as written on a fresh clone
+(every `torchrun` or `python` command in a shell block, or an inline one naming a script, is
+`.venv/bin/`'s or comes after the line that activates .venv: a fresh clone's python has no
+torch), and a headline in the top README keeps the caveat of the folder table it quotes."""
 
 import re
 
@@ -46,3 +47,17 @@ def test_direct_commands_say_how_to_find_torch(readme):
              if activated is None or at < activated]
     assert not early, (f"{readme.relative_to(common.ROOT)}: {early[0]!r} runs before "
                        f"`{ACTIVATE}` (or write .venv/bin/{early[0].split()[0]})")
+
+
+def test_a_headline_from_a_table_with_a_busy_host_row_says_so():
+    """05's baseline ran on a busy host, so its speedups are overstated: the top README's
+    headline for it says so, as its folder README does."""
+    rows = [line for line in (common.ROOT / "README.md").read_text().splitlines()
+            if re.match(r"\| \[`\d\d_\w+`\]", line)]
+    assert len(rows) >= 6
+    for row in rows:
+        folder = re.match(r"\| \[`(\w+)`\]", row)[1]
+        tables = [line for line in (common.ROOT / folder / "README.md").read_text().splitlines()
+                  if line.startswith("|") and "(busy host)" in line]
+        assert not tables or "busy host" in row.split("|")[3], \
+            f"README.md: {folder}'s headline drops its table's busy host ({tables[0][:60]}...)"
