@@ -905,6 +905,41 @@ def ddp_bucket_bytes(model: nn.Module) -> list[int]:
     return [int(s) for s in str(sizes).split(",") if s.strip()]
 
 
+# ==== Planned figures =============================================================================
+# What report/planner.py hands a script's formulas. A script lists its strategies in a
+# module-level PLANNED: [{"strategy": name, "place": its row's position, "figures": a function
+# of one PlanInput giving that strategy's per-GPU figures}]. Its own theory() calls the same
+# formulas with its model's counts; the planner imports the script, the script never the planner.
+@dataclass(frozen=True)
+class PlanInput:
+    """A decoder on a cluster, in plain numbers (parameter counts, bytes, degrees): the
+    planner's flags, or the configuration a run recorded."""
+
+    params: float
+    gpus: int
+    per_node: int  # GPUs a node
+    state_bytes: tuple[int, int, int]  # a parameter's: weights, gradients, optimizer state
+    layers: int
+    hidden: int
+    vocab: int
+    seq: int
+    micro_batch: int  # sequences one GPU computes at once
+    micro_batches: int | None  # a pipeline's m; None: the strategy's default
+    tp: int  # the composed layouts' tensor-parallel degree
+    pp: int  # PP x FSDP x TP's stages (1 for the other layouts)
+    embedding: float  # the input tables: token, and position if learned
+    head: float  # an untied output head's (0 if tied to the token table)
+    tied: float  # the token table a tied head repeats on the last stage (0 if untied)
+    replicated: float  # what TP keeps whole in the blocks: norms (and row-parallel biases)
+    norms: float  # of those, the norms (their gradients are each TP rank's tokens')
+    position_table: bool  # a learned seq x hidden table
+
+    @property
+    def blocks(self) -> float:
+        """The layers' parameters (with the final norm: a few hidden units)."""
+        return self.params - self.embedding - self.head
+
+
 # ==== Timing ======================================================================================
 # Warm-up steps, then timed ones, each bracketed by device synchronisation.
 @dataclass

@@ -67,6 +67,19 @@ def accumulate_and_reduce(model: DDP, inputs, targets, accum: int) -> torch.Tens
     return total
 
 
+def ddp_bytes(params: float, world: int, weight: float, grad: float, optim: float
+              ) -> dict[str, float]:
+    """DDP's bytes a rank: every weight, gradient and optimizer value kept (`weight`, `grad`,
+    `optim` bytes each); sent a step, the gradients ring-all-reduced."""
+    return {"state": (weight + grad + optim) * params,
+            "sent": common.ring_allreduce_mb(grad * params, world) * 2**20}
+
+
+def planned_ddp(plan: common.PlanInput) -> dict[str, float]:
+    """The planner's DDP row, the simplest: the whole model and its state on every GPU."""
+    return ddp_bytes(plan.params, plan.gpus, *plan.state_bytes)
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--bucket-mb", type=common.positive_float, default=25.0,
@@ -93,8 +106,11 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     buckets = common.ddp_bucket_bytes(model)
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    theory = {"comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size),
+    value_bytes = next(model.parameters()).element_size()
+    params = sum(p.numel() for p in model.parameters())
+    grad_bytes = value_bytes * params
+    theory = {"comm_mb": ddp_bytes(params, topo.world_size, value_bytes, value_bytes,
+                                   2 * value_bytes)["sent"] / 2**20,
               "collectives": math.ceil(grad_bytes / (args.bucket_mb * 2**20))}
     if args.accum > 1:
         theory["comm_mb_without_no_sync"] = args.accum * theory["comm_mb"]
@@ -103,6 +119,11 @@ def main():
                   collectives_per_step=len(buckets), accum=args.accum,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype],
                   theory=theory)
+
+
+# The planner's rows (report/planner.py reads this; the script never does): DDP first, the
+# simplest, to which the planner's ties go.
+PLANNED = [{"strategy": "DDP", "place": 10, "figures": planned_ddp}]
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ Theory:     state 16 x (parameters, dim 0 padded to a multiple of the shard grou
             reduce-scattered once; --hsdp adds an all-reduce of the shard. DDP: 2(N-1)/N.
 """
 
+import functools
 import math
 import sys
 from pathlib import Path
@@ -151,25 +152,55 @@ def padded_numel(p: torch.Tensor, group: int) -> int:
     return math.ceil(p.shape[0] / group) * group * math.prod(p.shape[1:])
 
 
+def fsdp_bytes(blocks: float, root: float, group: int, replicas: int = 1, reshard: bool = True,
+               gather: float = 4, reduce: float = 4, state: float = 16, fp32: float = 0.0,
+               largest_block: float = 0.0) -> dict[str, float]:
+    """FSDP's bytes a rank, from value counts (padded as FSDP pads them): the blocks' values,
+    the root's (FSDP2 never reshards it) and `fp32`'s (BatchNorm's under bf16: fp32, gathered
+    again for backward), sharded over `group` ranks, `state` bytes each. Sent a step, (g-1)/g
+    of each: every block all-gathered twice with reshard (FULL_SHARD), once without
+    (SHARD_GRAD_OP), `gather` bytes a value, the root once, every gradient reduce-scattered,
+    `reduce` bytes; HSDP's `replicas` all-reduce each shard (`across_replicas`). Held gathered
+    beyond the shards: the root and a block with its prefetched next (`largest_block` each),
+    or, without reshard, everything."""
+    share, gathers, values = (group - 1) / group, 2 if reshard else 1, blocks + root + fp32
+    across_replicas = 2 * (replicas - 1) / replicas * values / group * reduce
+    sent = share * (blocks * (gathers * gather + reduce) + root * (gather + reduce)
+                    + fp32 * (2 * 4 + reduce)) + across_replicas
+    return {"state": state * values / group, "sent": sent, "across_replicas": across_replicas,
+            "gathered": gather * (root + 2 * largest_block) if reshard else gather * values}
+
+
+def planned_fsdp(plan: common.PlanInput, reshard: bool = True, hybrid: bool = False
+                 ) -> dict[str, float]:
+    """The planner's FSDP rows: FULL_SHARD over every GPU, SHARD_GRAD_OP (`reshard` False), or
+    HSDP (`hybrid`): a node's GPUs shard, the nodes replicate. Blocks of equal size; the root
+    the tables and an untied head; bytes across nodes: HSDP's all-reduce, else all of them."""
+    w, g, o = plan.state_bytes
+    group = min(plan.per_node, plan.gpus) if hybrid else plan.gpus
+    root = plan.embedding + plan.head
+    predicted = fsdp_bytes(plan.params - root, root, group, plan.gpus // group, reshard, w, g,
+                           w + g + o, largest_block=(plan.params - root) / plan.layers)
+    across = predicted["across_replicas"] if hybrid else predicted["sent"]
+    return {"state": predicted["state"], "sent": predicted["sent"],
+            "gathered": predicted["gathered"],
+            "network": across if plan.gpus > plan.per_node else 0.0}
+
+
 def theory(model: torch.nn.Module, units: list, group: int, replicas: int,
            reshard_after_forward: bool, param_bytes: int) -> dict:
-    """Per-rank state (fp32 AdamW) and bytes sent per step, from the parameter shapes."""
-    params = list(model.parameters())
-    unit_of = {id(p): 1 for u in units for p in u.parameters()}  # 1: a block, else the root
+    """Per-rank state (fp32 AdamW) and bytes sent per step: fsdp_bytes of the parameters'
+    padded shapes."""
+    in_blocks = {id(p) for u in units for p in u.parameters()}
     kept_fp32 = {id(p) for m in batchnorms(model) for p in m.parameters()} \
         if param_bytes == 2 else set()
-    gathers = 2 if reshard_after_forward else 1
-    sent = 0.0
-    for p in params:
-        n = padded_numel(p, group)
-        if id(p) in kept_fp32:  # BatchNorm's unit under bf16: fp32, gathered again for backward
-            times, nbytes = 2, 4
-        else:  # FSDP2 never reshards the root
-            times, nbytes = (gathers if unit_of.get(id(p)) else 1), param_bytes
-        sent += (group - 1) / group * n * (times * nbytes + 4)  # all-gathers, reduce-scatter
-        sent += 2 * (replicas - 1) / replicas * n / group * 4  # HSDP: all-reduce of the shard
-    return {"state_mb": 16 * sum(padded_numel(p, group) for p in params) / group / 2**20,
-            "comm_mb": sent / 2**20}
+    values = {"blocks": 0, "root": 0, "fp32": 0}
+    for p in model.parameters():
+        kind = "fp32" if id(p) in kept_fp32 else "blocks" if id(p) in in_blocks else "root"
+        values[kind] += padded_numel(p, group)
+    predicted = fsdp_bytes(values["blocks"], values["root"], group, replicas,
+                           reshard_after_forward, param_bytes, fp32=values["fp32"])
+    return {"state_mb": predicted["state"] / 2**20, "comm_mb": predicted["sent"] / 2**20}
 
 
 def main():
@@ -233,6 +264,15 @@ def main():
                   mesh=list(mesh.shape), prefetch=len(units) > 1 and not args.no_prefetch,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
                   theory=theory(model, units, group, args.hsdp, reshard, 2 if bf16 else 4))
+
+
+# The planner's rows (report/planner.py reads this; the script never does): its three
+# sharding strategies, by --reshard-after-forward and --hsdp.
+PLANNED = [{"strategy": "FSDP full", "place": 50, "figures": planned_fsdp},
+           {"strategy": "FSDP grad-op", "place": 60,
+            "figures": functools.partial(planned_fsdp, reshard=False)},
+           {"strategy": "FSDP hybrid", "place": 70,
+            "figures": functools.partial(planned_fsdp, hybrid=True)}]
 
 
 if __name__ == "__main__":

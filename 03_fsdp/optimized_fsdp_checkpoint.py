@@ -169,26 +169,41 @@ def padded_numel(p: torch.Tensor, group: int) -> int:
     return math.ceil(p.shape[0] / group) * group * math.prod(p.shape[1:])
 
 
+# Copied from 03_fsdp/optimized_fsdp.py: fsdp_bytes
+def fsdp_bytes(blocks: float, root: float, group: int, replicas: int = 1, reshard: bool = True,
+               gather: float = 4, reduce: float = 4, state: float = 16, fp32: float = 0.0,
+               largest_block: float = 0.0) -> dict[str, float]:
+    """FSDP's bytes a rank, from value counts (padded as FSDP pads them): the blocks' values,
+    the root's (FSDP2 never reshards it) and `fp32`'s (BatchNorm's under bf16: fp32, gathered
+    again for backward), sharded over `group` ranks, `state` bytes each. Sent a step, (g-1)/g
+    of each: every block all-gathered twice with reshard (FULL_SHARD), once without
+    (SHARD_GRAD_OP), `gather` bytes a value, the root once, every gradient reduce-scattered,
+    `reduce` bytes; HSDP's `replicas` all-reduce each shard (`across_replicas`). Held gathered
+    beyond the shards: the root and a block with its prefetched next (`largest_block` each),
+    or, without reshard, everything."""
+    share, gathers, values = (group - 1) / group, 2 if reshard else 1, blocks + root + fp32
+    across_replicas = 2 * (replicas - 1) / replicas * values / group * reduce
+    sent = share * (blocks * (gathers * gather + reduce) + root * (gather + reduce)
+                    + fp32 * (2 * 4 + reduce)) + across_replicas
+    return {"state": state * values / group, "sent": sent, "across_replicas": across_replicas,
+            "gathered": gather * (root + 2 * largest_block) if reshard else gather * values}
+
+
 # Copied from 03_fsdp/optimized_fsdp.py: theory
 def theory(model: torch.nn.Module, units: list, group: int, replicas: int,
            reshard_after_forward: bool, param_bytes: int) -> dict:
-    """Per-rank state (fp32 AdamW) and bytes sent per step, from the parameter shapes."""
-    params = list(model.parameters())
-    unit_of = {id(p): 1 for u in units for p in u.parameters()}  # 1: a block, else the root
+    """Per-rank state (fp32 AdamW) and bytes sent per step: fsdp_bytes of the parameters'
+    padded shapes."""
+    in_blocks = {id(p) for u in units for p in u.parameters()}
     kept_fp32 = {id(p) for m in batchnorms(model) for p in m.parameters()} \
         if param_bytes == 2 else set()
-    gathers = 2 if reshard_after_forward else 1
-    sent = 0.0
-    for p in params:
-        n = padded_numel(p, group)
-        if id(p) in kept_fp32:  # BatchNorm's unit under bf16: fp32, gathered again for backward
-            times, nbytes = 2, 4
-        else:  # FSDP2 never reshards the root
-            times, nbytes = (gathers if unit_of.get(id(p)) else 1), param_bytes
-        sent += (group - 1) / group * n * (times * nbytes + 4)  # all-gathers, reduce-scatter
-        sent += 2 * (replicas - 1) / replicas * n / group * 4  # HSDP: all-reduce of the shard
-    return {"state_mb": 16 * sum(padded_numel(p, group) for p in params) / group / 2**20,
-            "comm_mb": sent / 2**20}
+    values = {"blocks": 0, "root": 0, "fp32": 0}
+    for p in model.parameters():
+        kind = "fp32" if id(p) in kept_fp32 else "blocks" if id(p) in in_blocks else "root"
+        values[kind] += padded_numel(p, group)
+    predicted = fsdp_bytes(values["blocks"], values["root"], group, replicas,
+                           reshard_after_forward, param_bytes, fp32=values["fp32"])
+    return {"state_mb": predicted["state"] / 2**20, "comm_mb": predicted["sent"] / 2**20}
 
 
 def save_checkpoint(model, opt, directory: Path, step: int, topo: common.Topology) -> None:

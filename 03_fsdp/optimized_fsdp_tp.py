@@ -301,10 +301,52 @@ def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMes
                 module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
+def fsdp_tp_bytes(block_pieces: float, root_pieces: float, norms: float, layers: int,
+                  group_tokens: float, hidden: int, dp: int, tp: int, activation: float,
+                  position_table: float = 0.0, state: float = 16, reduce: float = 4
+                  ) -> dict:
+    """FSDP x TP's bytes a GPU, from its TP pieces (a parameter's share after TP, whole where
+    TP replicates it) in the blocks and the root, FSDP sharding each dp ways: `state` bytes a
+    value. Sent a step, by mesh dim (`activation`: a weight's and an activation's bytes, in the
+    compute dtype; `reduce`: a gradient's, fp32). tp: per layer 4 all-gathers and 4
+    reduce-scatters of the group's `group_tokens` x `hidden` activations (sequence
+    parallelism, and the backward's twins), 4 more at the ends (the embedding's scatter, the
+    head's input gather), the loss over logits split by vocabulary (loss_parallel: 3
+    all-reduces of fp32 a token), a learned position table's lookup (its `position_table`
+    values) and the norms' gradients all-reduced. dp: (dp-1)/dp of each block's pieces
+    gathered twice (FULL_SHARD), the root's once, every gradient reduce-scattered once. Held
+    gathered beyond the shards: a block and the next's prefetch."""
+    stream = (tp - 1) / tp * group_tokens * hidden * activation  # one gather or scatter
+    loss = 3 * common.ring_allreduce_mb(4 * group_tokens, tp) * 2**20
+    positions = 2 * (tp - 1) / tp * position_table * activation
+    tp_bytes = (8 * layers + 4) * stream + loss + positions + \
+        common.ring_allreduce_mb(reduce * norms, tp) * 2**20
+    gathered = (2 * block_pieces + root_pieces) * activation
+    dp_bytes = (dp - 1) / dp * (gathered + reduce * (block_pieces + root_pieces))
+    return {"state": state * (block_pieces + root_pieces) / dp, "sent": tp_bytes + dp_bytes,
+            "by_dim": {"tp": tp_bytes, "dp": dp_bytes},
+            "gathered": 2 * activation * block_pieces / layers}
+
+
+def planned_fsdp_tp(plan: common.PlanInput) -> dict:
+    """The planner's FSDP x TP row: TP over `plan.tp` GPUs (a node's), FSDP over the dp that
+    leaves; blocks split t ways but for what TP replicates, the tables and an untied head split
+    t ways; each GPU one micro-batch, its group's t of them together. TP's bytes stay in the
+    node, FSDP's cross nodes."""
+    w, g, o = plan.state_bytes
+    tp, dp = plan.tp, plan.gpus // plan.tp
+    predicted = fsdp_tp_bytes((plan.blocks - plan.replicated) / tp + plan.replicated,
+                              (plan.embedding + plan.head) / tp, plan.norms, plan.layers,
+                              tp * plan.micro_batch * plan.seq, plan.hidden, dp, tp, w,
+                              plan.seq * plan.hidden if plan.position_table else 0.0, w + g + o)
+    return {**predicted, "mesh": f"dp {dp} x tp {tp}", "sequences": plan.gpus * plan.micro_batch,
+            "network": predicted["by_dim"]["dp"] if plan.gpus > plan.per_node else 0.0}
+
+
 def theory(model: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int) -> dict:
-    """State and bytes per step from the shapes of the parallelized model: each parameter's tp
-    piece (its shape split by its placement on tp, the mesh's last dim), padded by FSDP to dp
-    rows along dim 0."""
+    """State and bytes per step, fsdp_tp_bytes from the shapes of the parallelized model: each
+    parameter's tp piece (its shape split by its placement on tp, the mesh's last dim), padded
+    by FSDP to dp rows along dim 0."""
     size, nbytes = common.SIZES[args.size], 2 if args.dtype == "bf16" else 4
     d, seq, batch = size.d_model, args.seq_len, tp * args.batch_size  # a dp rank's batch
 
@@ -323,25 +365,18 @@ def theory(model: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int) ->
     norms = [p for m in model.modules() if not isinstance(m, nn.Linear)
              for p in m.parameters(recurse=False) if not split_over_tp(p)]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    dp_share = (dp - 1) / dp
-    gathered = sum(piece(p) * (2 if id(p) in in_blocks else 1) for p in params) * nbytes
-    dp_bytes = dp_share * (gathered + 4 * sum(piece(p) for p in params))  # fp32 reduce-scatter
     replicated = [p for p in params if not split_over_tp(p)]
-    stream = (tp - 1) / tp * batch * seq * d * nbytes  # one gather or scatter of the activations
-    positions = 2 * (tp - 1) / tp * seq * d * nbytes if args.model == "gpt" else 0
-    # loss_parallel's softmax over the vocabulary shards: per token, fp32, an all-reduce of the
-    # largest logit, one of the sum of exponentials and one of the target's logit
-    loss = 3 * common.ring_allreduce_mb(4 * batch * seq, tp) * 2**20
-    # per block 8 (4 forward, 4 backward); the embedding's scatter and the head's gather, each
-    # with its backward twin; the norms' gradients
-    tp_bytes = (8 * len(blocks) + 4) * stream + loss + positions + \
-        common.ring_allreduce_mb(4 * sum(p.numel() for p in norms), tp) * 2**20
+    predicted = fsdp_tp_bytes(sum(piece(p) for p in params if id(p) in in_blocks),
+                              sum(piece(p) for p in params if id(p) not in in_blocks),
+                              sum(p.numel() for p in norms), len(blocks), batch * seq, d, dp, tp,
+                              nbytes, seq * d if args.model == "gpt" else 0.0)
+    sent = predicted["by_dim"]
     total = sum(p.numel() for p in params)
-    return {"state_mb": 16 * sum(piece(p) for p in params) / dp / 2**20,
+    return {"state_mb": predicted["state"] / 2**20,
             "state_mb_even": 16 * total / (dp * tp) / 2**20,
             "replicated_params": sum(p.numel() for p in replicated),
-            "comm_mb_by_dim": {"dp": round(dp_bytes / 2**20, 3), "tp": round(tp_bytes / 2**20, 3)},
-            "comm_mb": (dp_bytes + tp_bytes) / 2**20}
+            "comm_mb_by_dim": {dim: round(sent[dim] / 2**20, 3) for dim in ("dp", "tp")},
+            "comm_mb": predicted["sent"] / 2**20}
 
 
 def comm_by_dim(stats: common.Stats, mesh: DeviceMesh) -> dict[str, float]:
@@ -456,6 +491,11 @@ def main():
                   comm_mb_by_dim=comm_by_dim(stats, mesh), resumed_from=start,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
                   theory=theory(model, blocks, args, dp, tp))
+
+
+# The planner's rows (report/planner.py reads this; the script never does): the 2-D layout,
+# after the one-dimensional ones.
+PLANNED = [{"strategy": "FSDP x TP", "place": 110, "figures": planned_fsdp_tp}]
 
 
 if __name__ == "__main__":

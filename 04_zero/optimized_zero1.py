@@ -323,6 +323,25 @@ def print_summary(args: argparse.Namespace, topo: common.Topology, stats: common
     print(f"measured (formula); peak = live tensor MB at the step's peak{compared}", flush=True)
 
 
+def zero1_bytes(params: float, world: int, weight: float, grad: float, optim: float,
+                sent_values: float | None = None, buffer_bytes: float = 0.0) -> dict[str, float]:
+    """ZeRO-1's bytes a rank, from the parameter count and the bytes a value of each kind:
+    every weight and gradient kept, the optimizer's state 1/N. Sent a step: the gradients
+    reduce-scattered and the updated weights all-gathered, (N-1)/N of `sent_values` each (the
+    buckets' values, their padding included; `params` if not given), and the buffers' broadcast."""
+    share = (world - 1) / world
+    kept = {"params": weight * params, "grads": grad * params, "optim": optim * params / world}
+    values = params if sent_values is None else sent_values
+    return {**kept, "state": sum(kept.values()),
+            "sent": share * (grad + weight) * values + share * buffer_bytes}
+
+
+def planned_zero1(plan: common.PlanInput) -> dict[str, float]:
+    """The planner's ZeRO-1 row: its state and bytes at the planner's model and cluster."""
+    return {key: zero1_bytes(plan.params, plan.gpus, *plan.state_bytes)[key]
+            for key in ("state", "sent")}
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
@@ -336,8 +355,8 @@ def main():
     # State from the model's shapes and dtype, not from the buckets: they add padding, under N
     # values a bucket (`padding_mb_max`). Every value of every bucket is sent, padding included.
     bytes_per = next(model.parameters()).element_size()
-    mb = bytes_per * sum(p.numel() for p in model.parameters()) / 2**20
-    buffers_mb = sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20
+    params = sum(p.numel() for p in model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     opt = ZeRO1(model, common.transformer_blocks(model), lr=args.lr,
                 max_grad_norm=args.clip_grad_norm)
 
@@ -350,10 +369,11 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     opt.wait_for_params()  # the last step's parameters, before anything reads them
-    sent_mb = bytes_per * sum(b.numel for b in opt.buckets) / 2**20
-    theory = {"params_mb": mb, "grads_mb": mb, "optim_mb": 2 * mb / n,
-              "state_mb": 2 * mb + 2 * mb / n,
-              "comm_mb": 2 * (n - 1) / n * sent_mb + (n - 1) / n * buffers_mb,
+    predicted = zero1_bytes(params, n, bytes_per, bytes_per, 2 * bytes_per,
+                            sum(b.numel for b in opt.buckets), buffer_bytes)
+    theory = {"params_mb": predicted["params"] / 2**20, "grads_mb": predicted["grads"] / 2**20,
+              "optim_mb": predicted["optim"] / 2**20, "state_mb": predicted["state"] / 2**20,
+              "comm_mb": predicted["sent"] / 2**20,
               "padding_mb_max": bytes_per * (n - 1) * len(opt.buckets) / 2**20}
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
@@ -363,6 +383,11 @@ def main():
     if args.summary:
         print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
                              theory=theory)
+
+
+# The planner's rows (report/planner.py reads this; the script never does): ZeRO-1 is the
+# first sharding step after DDP.
+PLANNED = [{"strategy": "ZeRO-1", "place": 20, "figures": planned_zero1}]
 
 
 if __name__ == "__main__":

@@ -386,24 +386,45 @@ class ZeRO3(torch.optim.AdamW):
         self.reducer.needs_zero_grad = True
 
 
+def zero3_bytes(params: float, blocks: list[float], root: float, world: int, weight: float,
+                grad: float, optim: float, gather: float, buffer_bytes: float = 0.0
+                ) -> dict[str, float]:
+    """ZeRO-3's bytes a rank, from value counts: weights, gradients and the optimizer's state
+    1/N each (`weight`, `grad`, `optim` bytes a value). Sent a step: each block's values
+    (`blocks`) all-gathered twice, `gather` bytes a value (the compute dtype), the `root`'s once
+    (kept gathered from forward to backward), every value reduce-scattered once, `grad` bytes,
+    (N-1)/N of each, and the buffers' broadcast. Held in full at once (`gathered`, beyond the
+    shards): at most the root and two neighbouring blocks."""
+    share = (world - 1) / world
+    kept = {"params": weight * params / world, "grads": grad * params / world,
+            "optim": optim * params / world}
+    two_blocks = max((a + b for a, b in zip(blocks, blocks[1:], strict=False)), default=sum(blocks))
+    sent = share * ((2 * gather + grad) * sum(blocks) + (gather + grad) * root + buffer_bytes)
+    return {**kept, "state": sum(kept.values()), "sent": sent,
+            "gathered": gather * (root + two_blocks)}
+
+
+def planned_zero3(plan: common.PlanInput) -> dict[str, float]:
+    """The planner's ZeRO-3 row: the blocks of equal size, the root the tables and an untied
+    head."""
+    w, g, o = plan.state_bytes
+    predicted = zero3_bytes(plan.params, [plan.blocks / plan.layers] * plan.layers,
+                            plan.embedding + plan.head, plan.gpus, w, g, o, w)
+    return {key: predicted[key] for key in ("state", "sent", "gathered")}
+
+
 def theory(buckets: list[Bucket], n: int, value_bytes: int, gather_bytes: int,
            buffers_mb: float) -> dict:
-    """Per rank, from the shapes. State: the shards, their gradients and AdamW's two moments,
-    `value_bytes` a value (from the parameter count: the buckets' padding, under N values a
-    bucket, is `padding_mb_max`). Sent per step: each block's bucket all-gathered twice and the
-    root's once, `gather_bytes` a value (the compute dtype), every bucket reduce-scattered in
-    `value_bytes`, all padding included, and the buffers' broadcast. Held in full at once: at
-    most the root and two blocks, in the compute dtype (`gathered_mb`, beyond the shards)."""
-    mb = value_bytes * sum(p.numel() for b in buckets for p in b.params) / 2**20
+    """Per rank, zero3_bytes from the buckets: the state from the parameter count (the
+    buckets' padding, under N values a bucket, is `padding_mb_max`), the bytes sent and held
+    gathered from the buckets' values, all padding included."""
+    params = sum(p.numel() for b in buckets for p in b.params)
     *blocks, root = (b.numel for b in buckets)
-    gathers = [2] * len(blocks) + [1]  # the root's stay gathered from forward to backward
-    two_blocks = max((a + b for a, b in zip(blocks, blocks[1:], strict=False)), default=sum(blocks))
-    return {"params_mb": mb / n, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
-            "state_mb": 4 * mb / n,
-            "comm_mb": sum((g * gather_bytes + value_bytes) * (n - 1) / n * b.numel / 2**20
-                           for g, b in zip(gathers, buckets, strict=True))
-            + (n - 1) / n * buffers_mb,
-            "gathered_mb": gather_bytes * (root + two_blocks) / 2**20,
+    predicted = zero3_bytes(params, blocks, root, n, value_bytes, value_bytes, 2 * value_bytes,
+                            gather_bytes, buffers_mb * 2**20)
+    return {"params_mb": predicted["params"] / 2**20, "grads_mb": predicted["grads"] / 2**20,
+            "optim_mb": predicted["optim"] / 2**20, "state_mb": predicted["state"] / 2**20,
+            "comm_mb": predicted["sent"] / 2**20, "gathered_mb": predicted["gathered"] / 2**20,
             "padding_mb_max": value_bytes * (n - 1) * len(buckets) / 2**20}
 
 
@@ -480,6 +501,10 @@ def main():
     if args.summary:
         print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
                              theory=predicted)
+
+
+# The planner's rows (report/planner.py reads this; the script never does).
+PLANNED = [{"strategy": "ZeRO-3", "place": 40, "figures": planned_zero3}]
 
 
 if __name__ == "__main__":

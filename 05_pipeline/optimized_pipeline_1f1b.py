@@ -455,6 +455,29 @@ def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
                           f"on {world} processes: use fewer processes or a larger --size")
 
 
+def uniform_bubble(stages: int, microbatches: int) -> float:
+    """The idle fraction of a step whose actions all take the same time: a stage waits p-1
+    slots in m+p-1, (p-1)/(m+p-1), GPipe's and 1F1B's alike."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def planned_pipeline(plan: common.PlanInput) -> dict[str, float]:
+    """The planner's pipeline row: a stage a GPU, each its 1/G of the blocks, an end stage its
+    tables too (kept whole); m micro-batches of one GPU's sequences (4 G by default) with 1F1B's
+    min(G, m) in flight. Sent by the busiest stage: an end stage comm_theory_mb's (activations
+    one way, a tied table's gradient), a middle one activations forward and gradients back."""
+    w, g, o = plan.state_bytes
+    n, m = plan.gpus, plan.micro_batches or 4 * plan.gpus
+    boundary_dtype = {2: torch.bfloat16, 4: torch.float32}[w]
+    end = comm_theory_mb((plan.micro_batch, plan.seq, plan.hidden), boundary_dtype, m,
+                         g * plan.tied) * 2**20
+    middle = 2 * m * plan.micro_batch * plan.seq * plan.hidden * w if n > 2 else 0.0
+    return {"state": (w + g + o) * ((plan.params - plan.embedding) / n + plan.embedding),
+            "sent": 0.0 if n == 1 else max(end, middle), "bubble": uniform_bubble(n, m),
+            "sequences": plan.micro_batch * m, "stage_layers": -(-plan.layers // n),
+            "in_flight": min(n, m)}
+
+
 def main():
     parser = common.parser(__doc__, skips={
         "resnet": "a pipeline cuts a decoder's list of layers into stages, and a ResNet's is no "
@@ -504,8 +527,13 @@ def main():
                   timeline=[[list(a) for a in tl] for tl in steps[-1]],
                   bubble=round(measured, 4), inflight_max=inflight_max,
                   theory={"bubble": round(bubble, 4), "inflight_max": inflight,
-                          "bubble_uniform": round((p - 1) / (m + p - 1), 4),
+                          "bubble_uniform": round(uniform_bubble(p, m), 4),
                           "comm_mb": comm_theory_mb(shape, pipe.dtype, m, tied_bytes)})
+
+
+# The planner's rows (report/planner.py reads this; the script never does): the pipeline of
+# one stage a GPU, after the sharded data-parallel layouts.
+PLANNED = [{"strategy": "pipeline", "place": 80, "figures": planned_pipeline}]
 
 
 if __name__ == "__main__":

@@ -402,12 +402,75 @@ def stage_plans(layers: list[nn.Module]) -> tuple[list[nn.Module], dict, dict]:
                                          f"{n - 1}" if last else None)
 
 
+def stage_bytes(pieces: float, tied_pieces: float, norms: float, layers: int,
+                micro_tokens: float, hidden: int, dp: int, tp: int, m: int, activation: float,
+                first: bool, last: bool, position_table: float = 0.0, state: float = 16,
+                reduce: float = 4) -> dict:
+    """PP x FSDP x TP's bytes a GPU of a stage, from its TP pieces (`pieces`, of which the tied
+    table's `tied_pieces`), FSDP sharding them dp ways: `state` bytes a value. Sent a step, by
+    mesh dim, over m micro-batches of `micro_tokens` (the TP group's) x `hidden` activations,
+    `activation` bytes a value, gradients `reduce` bytes. tp: a micro-batch's 8 gathers or
+    scatters a layer, (t-1)/t each; the first stage's embedding scatter and its twin (and a
+    learned position table's lookup: `position_table` values), the last's head gather and its
+    twin and loss_parallel's 3 fp32 all-reduces a token; the norms' gradients all-reduced once
+    a step. dp: one gather (kept to the last backward) and one reduce-scatter of the pieces.
+    pp: each micro-batch's activation shard to the next stage, its gradient to the previous,
+    and the tied table's gradient shard all-reduced with the other end's (a pair: once)."""
+    stream = (tp - 1) / tp * micro_tokens * hidden * activation
+    per_micro = 8 * layers * stream
+    if first:
+        per_micro += 2 * stream + 2 * (tp - 1) / tp * position_table * activation
+    if last:
+        per_micro += 2 * stream + 3 * 2 * (tp - 1) / tp * 4 * micro_tokens
+    tp_bytes = m * per_micro + 2 * (tp - 1) / tp * reduce * norms
+    dp_bytes = (dp - 1) / dp * (activation + reduce) * pieces
+    boundary = micro_tokens // tp * hidden * activation  # a micro-batch's activation shard
+    pp_bytes = m * boundary * ((not last) + (not first)) + reduce * tied_pieces / dp
+    return {"state": state * pieces / dp, "sent": pp_bytes + dp_bytes + tp_bytes,
+            "by_dim": {"pp": pp_bytes, "dp": dp_bytes, "tp": tp_bytes}}
+
+
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: uniform_bubble
+def uniform_bubble(stages: int, microbatches: int) -> float:
+    """The idle fraction of a step whose actions all take the same time: a stage waits p-1
+    slots in m+p-1, (p-1)/(m+p-1), GPipe's and 1F1B's alike."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def planned_pipeline_3d(plan: common.PlanInput) -> dict:
+    """The planner's PP x FSDP x TP row at pp = `plan.pp` stages of ceil(L/pp) layers, TP over
+    `plan.tp` GPUs, FSDP over the dp that leaves, m micro-batches (2 pp by default). Bytes:
+    the first stage's (its tables; the last runs loss_parallel instead), a GPU's micro-batch
+    of one sequence shard a TP rank. State and the stage held gathered: the heavier end's
+    (the first's tables, or the head and a tied head's copy of the token table)."""
+    w, g, o = plan.state_bytes
+    pp, tp = plan.pp, plan.tp
+    dp, m, layers = plan.gpus // (pp * tp), plan.micro_batches or 2 * pp, -(-plan.layers // pp)
+    share, final_norm = layers / plan.layers, plan.norms / (2 * plan.layers + 1)
+
+    def pieces(end: float, last: bool) -> float:  # a stage's layers and its end after TP
+        whole = (plan.replicated - final_norm) * share + final_norm * last
+        return ((plan.blocks - plan.replicated) * share + end) / tp + whole
+
+    heavier = max(pieces(plan.embedding, False), pieces(plan.head + plan.tied, True))
+    first = stage_bytes(pieces(plan.embedding, False), plan.tied / tp,
+                        (plan.norms - final_norm) * share, layers,
+                        tp * plan.micro_batch * plan.seq, plan.hidden, dp, tp, m, w, True,
+                        pp == 1, plan.seq * plan.hidden if plan.position_table else 0.0)
+    sent = first["by_dim"]
+    return {"state": (w + g + o) * heavier / dp, "sent": first["sent"], "by_dim": sent,
+            "gathered": w * heavier, "bubble": uniform_bubble(pp, m),
+            "mesh": f"pp {pp} x dp {dp} x tp {tp}, m {m}",
+            "sequences": dp * m * tp * plan.micro_batch,
+            "stage_layers": layers, "in_flight": min(pp, m),
+            "network": sent["dp"] + sent["pp"] if plan.gpus > plan.per_node else 0.0}
+
+
 def theory(stage: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int, m: int,
            micro: int, first: bool, last: bool, tied: list[nn.Parameter]) -> dict:
-    """This rank's state and bytes per step, from its parallelized stage's shapes: each weight's
-    tp piece (split by its placement on tp), padded to dp rows along dim 0; `micro` sequences
-    a micro-batch; `tied`, the stage's tied weight (its shard's gradient all-reduced with the
-    other end's: a pair, so once)."""
+    """This rank's state and bytes per step, stage_bytes from its parallelized stage's shapes:
+    each weight's tp piece (split by its placement on tp), padded to dp rows along dim 0;
+    `micro` sequences a micro-batch; `tied`, the stage's tied weight."""
     size, nbytes = common.SIZES[args.size], 2 if args.dtype == "bf16" else 4
     d, seq = size.d_model, args.seq_len
 
@@ -423,23 +486,13 @@ def theory(stage: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int, m:
     params = list(stage.parameters())
     norms = [p for mod in stage.modules() if not isinstance(mod, nn.Linear)
              for p in mod.parameters(recurse=False) if not split_over_tp(p)]
-    stream = (tp - 1) / tp * micro * seq * d * nbytes
-    per_micro = 8 * len(blocks) * stream
-    if first:
-        per_micro += 2 * stream + (2 * (tp - 1) / tp * seq * d * nbytes
-                                   if args.model == "gpt" else 0)
-    if last:  # the head's input gathered, and loss_parallel's 3 all-reduces of fp32 per token
-        per_micro += 2 * stream + 3 * 2 * (tp - 1) / tp * 4 * micro * seq
-    # the norms' gradients: partial sums accumulated over the micro-batches, all-reduced once
-    tp_bytes = m * per_micro + 2 * (tp - 1) / tp * 4 * sum(p.numel() for p in norms)
-    # FSDP: one gather (kept to the last backward) and one fp32 reduce-scatter a step
-    dp_bytes = (dp - 1) / dp * (nbytes + 4) * sum(piece(p) for p in params)
-    boundary = micro * seq // tp * d * nbytes  # a micro-batch's activation shard
-    pp_bytes = m * boundary * ((not last) + (not first)) + 4 * sum(piece(p) for p in tied) / dp
-    return {"state_mb": 16 * sum(piece(p) for p in params) / dp / 2**20,
-            "comm_mb_by_dim": {"pp": round(pp_bytes / 2**20, 3), "dp": round(dp_bytes / 2**20, 3),
-                               "tp": round(tp_bytes / 2**20, 3)},
-            "comm_mb": (pp_bytes + dp_bytes + tp_bytes) / 2**20}
+    predicted = stage_bytes(sum(piece(p) for p in params), sum(piece(p) for p in tied),
+                            sum(p.numel() for p in norms), len(blocks), micro * seq, d, dp, tp, m,
+                            nbytes, first, last, seq * d if args.model == "gpt" else 0.0)
+    return {"state_mb": predicted["state"] / 2**20,
+            "comm_mb_by_dim": {dim: round(sent / 2**20, 3)
+                               for dim, sent in predicted["by_dim"].items()},
+            "comm_mb": predicted["sent"] / 2**20}
 
 
 def main():
@@ -543,7 +596,7 @@ def main():
     dist.all_gather_object(states, predicted["state_mb"])
     predicted["state_mb"] = max(states)  # the busiest stage's, as the record's state_mb
     predicted["state_mb_even"] = 16 * params / (pp * dp * tp) / 2**20
-    predicted["bubble_uniform"] = round((pp - 1) / (m + pp - 1), 4)
+    predicted["bubble_uniform"] = round(uniform_bubble(pp, m), 4)
     common.record(args, topo, stats, baseline="baseline_pipeline_3d", model=stage, optimizer=opt,
                   comm_mb=stats.comm_mb, params=params, mesh={"pp": pp, "dp": dp, "tp": tp},
                   comm_mb_by_dim={dim: round(sum(sent.get(g, 0.0) for g in names), 3)
@@ -551,6 +604,12 @@ def main():
                   schedule=args.schedule, microbatches=m, stages=pp,
                   clip_grad_norm=args.clip_grad_norm, note=no_dp,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], theory=predicted)
+
+
+# The planner's rows (report/planner.py reads this; the script never does): the 3-D layout,
+# last; "pipelined": the planner tries each pipeline depth that divides its GPUs.
+PLANNED = [{"strategy": "PP x FSDP x TP", "place": 120, "figures": planned_pipeline_3d,
+            "pipelined": True}]
 
 
 if __name__ == "__main__":

@@ -507,17 +507,28 @@ def tensor_parallel_setup(parser, comm_of) -> TensorParallelRun:
                              sum(p.numel() for p in replicated), params)
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: tp_bytes
+def tp_bytes(kept: float, reduced: float, layers: int, tokens: float, hidden: int, world: int,
+             activation: float, state: float = 16, grad: float = 4) -> dict[str, float]:
+    """Tensor parallelism's bytes a rank: `state` bytes for each of the `kept` parameters (its
+    slices and what it keeps whole). Sent a step: per layer 8 all-gathers or reduce-scatters
+    of the `tokens` x `hidden` activations (4 forward, 4 backward), `activation` bytes a value,
+    (N-1)/N each, and the ring all-reduce of the `reduced` parameters' gradients (the whole
+    ones, each rank's tokens' share), `grad` bytes."""
+    share = (world - 1) / world
+    return {"state": state * kept,
+            "sent": 8 * layers * share * tokens * hidden * activation
+            + common.ring_allreduce_mb(grad * reduced, world) * 2**20}
+
+
 # Copied from 06_symmem/baseline_symmem_tp.py: tp_theory
 def tp_theory(args, topo, model, replicated: int) -> dict:
-    """comm MB/step and the busiest rank's state MB from the shapes: 8 gathers or scatters of the
-    activations (in the compute dtype) per block, (N-1)/N each, the replicated gradients' fp32
-    all-reduce; 16 bytes a kept parameter, the blocks' sliced by heads (the Llama's by KV
-    groups: k, v for its KV heads, q, o for their query heads; no biases) and by hidden units
-    (the Llama's SwiGLU: three matrices), the most any rank gets."""
+    """comm MB/step and the busiest rank's state MB, tp_bytes from the shapes: activations in
+    the compute dtype, the replicated gradients in fp32; the blocks sliced by heads (the
+    Llama's by KV groups: k, v for its KV heads, q, o for their query heads; no biases) and by
+    hidden units (the Llama's SwiGLU: three matrices), the most any rank gets."""
     n, size = topo.world_size, common.SIZES[args.size]
     d, head_dim = size.d_model, size.d_model // size.n_heads
-    activations = args.seq_len * args.batch_size * d * (2 if args.dtype == "bf16" else 4)
-    collectives = 8 * len(model.blocks) * (n - 1) / n * activations / 2**20
     if args.model == "llama":
         kv_heads = -(-size.n_kv_heads // n)
         heads, units = kv_heads * size.n_heads // size.n_kv_heads, -(-common.llama_ffn_dim(d) // n)
@@ -526,8 +537,9 @@ def tp_theory(args, topo, model, replicated: int) -> dict:
         heads, units = -(-size.n_heads // n), -(-4 * d // n)
         per_block = 3 * heads * head_dim * (d + 1) + d * heads * head_dim + units * (2 * d + 1)
     kept = replicated + len(model.blocks) * per_block
-    return {"comm_mb": collectives + common.ring_allreduce_mb(4 * replicated, n),
-            "state_mb": 16 * kept / 2**20}
+    predicted = tp_bytes(kept, replicated, len(model.blocks), args.seq_len * args.batch_size, d,
+                         n, 2 if args.dtype == "bf16" else 4)
+    return {"comm_mb": predicted["sent"] / 2**20, "state_mb": predicted["state"] / 2**20}
 
 
 def measured_overlap(comm, device: torch.device) -> float | None:

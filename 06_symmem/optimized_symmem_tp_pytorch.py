@@ -196,6 +196,20 @@ def start_async_tp(topo: common.Topology, mesh) -> str | None:
     return None
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: tp_bytes
+def tp_bytes(kept: float, reduced: float, layers: int, tokens: float, hidden: int, world: int,
+             activation: float, state: float = 16, grad: float = 4) -> dict[str, float]:
+    """Tensor parallelism's bytes a rank: `state` bytes for each of the `kept` parameters (its
+    slices and what it keeps whole). Sent a step: per layer 8 all-gathers or reduce-scatters
+    of the `tokens` x `hidden` activations (4 forward, 4 backward), `activation` bytes a value,
+    (N-1)/N each, and the ring all-reduce of the `reduced` parameters' gradients (the whole
+    ones, each rank's tokens' share), `grad` bytes."""
+    share = (world - 1) / world
+    return {"state": state * kept,
+            "sent": 8 * layers * share * tokens * hidden * activation
+            + common.ring_allreduce_mb(grad * reduced, world) * 2**20}
+
+
 def dtensor_theory(args, topo, blocks: int, replicated: int) -> dict:
     """comm MB/step and state MB from the shapes, as tp_theory in optimized_symmem_tp.py, with
     DTensor's padding: Shard(1) pads each rank's positions to ceil(T/N) in its collectives, and
@@ -203,12 +217,11 @@ def dtensor_theory(args, topo, blocks: int, replicated: int) -> dict:
     multiples of N. Under bf16 autocast the gathers (and their gradients' reduce-scatters) move
     the norms' fp32 outputs, 4 bytes a value; the row-parallel outputs and their gradients 2.
     The norms' parameters (the GPT's 4d a block, the Llama's 2d) are DTensors replicated over
-    the mesh, their gradients all-reduced by DTensor."""
+    the mesh, their gradients all-reduced by DTensor: tp_bytes, a gather's and a scatter's
+    bytes averaged."""
     n, size = topo.world_size, common.SIZES[args.size]
     d, head_dim = size.d_model, size.d_model // size.n_heads
-    shard = args.batch_size * -(-args.seq_len // n) * d
     scattered_bytes = 2 if args.dtype == "bf16" else 4
-    collectives = 4 * blocks * (n - 1) * shard * (4 + scattered_bytes) / 2**20
     if args.model == "llama":
         kv_width = -(-size.n_kv_heads // n) * head_dim
         width, units = kv_width * size.n_heads // size.n_kv_heads, -(-common.llama_ffn_dim(d) // n)
@@ -218,9 +231,10 @@ def dtensor_theory(args, topo, blocks: int, replicated: int) -> dict:
         width, units, norms = -(-size.n_heads // n) * head_dim, -(-4 * d // n), 4 * d
         per_block = 3 * width * (d + 1) + d * width + units * (2 * d + 1) + 6 * d
     kept = replicated + blocks * per_block
-    return {"comm_mb": collectives + common.ring_allreduce_mb(4 * (replicated + blocks * norms),
-                                                              n),
-            "state_mb": 16 * kept / 2**20}
+    predicted = tp_bytes(kept, replicated + blocks * norms, blocks,
+                         args.batch_size * -(-args.seq_len // n) * n, d, n,
+                         (4 + scattered_bytes) / 2)
+    return {"comm_mb": predicted["sent"] / 2**20, "state_mb": predicted["state"] / 2**20}
 
 
 def decoder_parts(model: common.Decoder) -> dict:

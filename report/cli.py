@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import common
 from report.charts import write_charts
-from report.planner import STATE_BYTES, layout_of, render_cases, render_plan, tp_degree
+from report.planner import STATE_BYTES, plan_input, render_cases, render_plan, tp_degree
 from report.results_table import render_report
 from report.runs import mark_failed, smoke
 from report.traces import render_traces
@@ -152,14 +152,15 @@ def main(argv: Sequence[str]) -> int:
                           args.world_size, record=not args.no_record))
         return 0
     if args.command == "plan":
-        if args.cases:
+        missing = [flag for flag in ("--params", "--gpus", "--gpu-mem")
+                   if getattr(args, flag[2:].replace("-", "_")) is None]
+        if args.cases or len(missing) == 3:  # `make plan` alone: the worked cases, a first look
             print(render_cases())
             return 0
-        if missing := [flag for flag in ("--params", "--gpus", "--gpu-mem")
-                       if getattr(args, flag[2:].replace("-", "_")) is None]:
-            plan.error(f"the following arguments are required: {', '.join(missing)} (or give "
-                       "--cases)")
-        layout = layout_of(args)
+        if missing:
+            plan.error(f"the following arguments are required: {', '.join(missing)} (or none "
+                       "of the three, or --cases, for the worked cases)")
+        layout = plan_input(args)
         if args.params <= layout.embedding + layout.head:
             tables = "2 x --vocab x --hidden" if args.llama else \
                 "--vocab x --hidden + --seq-len x --hidden"

@@ -1,6 +1,8 @@
-"""report/planner.py: its formulas, its verdicts, its one-line errors, and its fp32
-per-rank state against what each folder measured in a real run (tests/fixtures)."""
+"""report/planner.py: the strategies it finds in the scripts (PLANNED), their formulas (the
+scripts'), its verdicts, its one-line errors, and its figures against what each folder
+recorded and measured in real runs (tests/fixtures)."""
 
+import argparse
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import common
 from report import planner
 
 FIXTURE = common.ROOT / "tests" / "fixtures" / "records_small.jsonl"
+MESH_FIXTURE = common.ROOT / "tests" / "fixtures" / "records_mesh.jsonl"
 # Each script whose kept state is one of the planned strategies. Not planned: DualPipe (every
 # rank holds two stages, the whole model at 2 ranks) and the collective sweeps (no model).
 STRATEGY_OF = {
@@ -34,19 +37,82 @@ def plan(*flags):
                           capture_output=True, text=True, timeout=60)
 
 
-def test_the_planned_state_is_what_each_folder_measured():
-    records = [r for r in common.load_results(FIXTURE) if r.get("status") == "ok"
-               and "state_mb" in r]
+ENTRIES = {entry["strategy"]: entry for entry in planner.planned_strategies()}
+# optimized_fsdp.py's records name the strategy their flags ran
+FSDP_STRATEGY = {"full_shard": "FSDP full", "shard_grad_op": "FSDP grad-op"}
+
+
+def run_input(rec: dict) -> common.PlanInput:
+    """A record's own configuration as the planner hands it to a script's formulas: its model
+    (size preset, sequence length), world (one node), fp32, and a GPU's sequences a
+    micro-batch: a pipeline's batch over its m micro-batches (3-D: a dp rank's pp x batch),
+    tensor parallelism's batch (the whole one, on every rank) over the world."""
+    size, mesh = common.SIZES[rec["size"]], rec.get("mesh")
+    mesh = mesh if isinstance(mesh, dict) else {}  # optimized_fsdp's is a list: its one dim
+    m, batch = rec.get("microbatches"), rec["batch_size"]
+    if "pp" in mesh:
+        micro_batch = mesh["pp"] * batch // m
+    elif rec["folder"] == "05_pipeline":
+        micro_batch = batch // m
+    elif rec["script"].endswith("symmem_tp") or rec["script"].endswith("symmem_tp_pytorch"):
+        micro_batch = batch // rec["world_size"]
+    else:
+        micro_batch = batch
+    flags = argparse.Namespace(
+        params=rec["params"], gpus=rec["world_size"], gpus_per_node=rec["world_size"],
+        layers=size.n_layers, hidden=size.d_model, vocab=size.vocab_size, seq_len=rec["seq_len"],
+        micro_batch=micro_batch, micro_batches=m, dtype="fp32", llama=rec["model"] == "llama")
+    return planner.plan_input(flags, mesh.get("tp", 1), mesh.get("pp", 1))
+
+
+def planned(strategy: str, rec: dict) -> dict:
+    return ENTRIES[strategy]["figures"](run_input(rec))
+
+
+def records(*fixtures):
+    for fixture in fixtures:
+        yield from (r for r in common.load_results(fixture) if r.get("status") == "ok")
+
+
+def test_the_planner_figure_is_the_recorded_theory():
+    """For every run of a script with planner rows, the planner's figures at the run's own
+    configuration are the theory the run recorded: one formula, called by both. To the
+    records' rounding (3 decimals), and ZeRO's bucket padding (under N values a bucket)."""
+    scripts = {}
+    for entry in ENTRIES.values():
+        scripts.setdefault(entry["script"], []).append(entry["strategy"])
+    keys = {"state": "state_mb", "sent": "comm_mb", "gathered": "gathered_mb",
+            "bubble": "bubble_uniform"}
     checked = set()
-    for rec in records:
-        label = " ".join(filter(None, [rec["script"], rec.get("variant")]))
-        if label not in STRATEGY_OF:
+    for rec in records(FIXTURE, MESH_FIXTURE):
+        script = f"{rec['folder']}/{rec['script']}.py"
+        if script not in scripts or not rec.get("theory") or rec.get("model") == "resnet":
             continue
-        size = common.SIZES[rec["size"]]
-        embedding = size.vocab_size * size.d_model + rec["seq_len"] * size.d_model
-        planned = planner.state_per_gpu(STRATEGY_OF[label], rec["params"], rec["world_size"],
-                                       "fp32", embedding=embedding)
-        assert planned / 2**20 == pytest.approx(rec["state_mb"], rel=0.05), label
+        strategy = FSDP_STRATEGY.get(rec.get("strategy"), scripts[script][0])
+        figures, theory = planned(strategy, rec), rec["theory"]
+        slack = 0.0015 + 3 * theory.get("padding_mb_max", 0.0)
+        label = f"{script} {rec.get('model')} ({strategy})"
+        compared = [key for key in keys if key in figures and keys[key] in theory]
+        for key in compared:
+            scale = 1 if key == "bubble" else 2**20
+            assert figures[key] / scale == pytest.approx(theory[keys[key]], abs=slack), \
+                f"{label}: {key}"
+        for dim, sent in theory.get("comm_mb_by_dim", {}).items():
+            assert figures["by_dim"][dim] / 2**20 == pytest.approx(sent, abs=slack), \
+                f"{label}: {dim}"
+        assert compared, label
+        checked.add(script)
+    assert checked == set(scripts)
+
+
+def test_the_planned_state_is_what_each_folder_measured():
+    checked = set()
+    for rec in records(FIXTURE):
+        label = " ".join(filter(None, [rec["script"], rec.get("variant")]))
+        if label not in STRATEGY_OF or "state_mb" not in rec:
+            continue
+        state = planned(STRATEGY_OF[label], rec)["state"]
+        assert state / 2**20 == pytest.approx(rec["state_mb"], rel=0.05), label
         checked.add(label)
     assert checked == set(STRATEGY_OF)
 
@@ -69,70 +135,95 @@ BYTES_OF = {
 
 def test_the_planned_bytes_are_what_each_folder_counted():
     checked = set()
-    for rec in common.load_results(FIXTURE):
+    for rec in records(FIXTURE):
         label = " ".join(filter(None, [rec["script"], rec.get("variant")]))
-        if rec.get("status") != "ok" or label not in BYTES_OF:
+        if label not in BYTES_OF:
             continue
-        # a pipeline stage's output a step: the whole batch's residual stream, fp32; tensor
-        # parallelism: every layer's, for one GPU's share of the batch
-        size = common.SIZES[rec["size"]]
-        tokens = rec["batch_size"] * rec["seq_len"]
-        planned = planner.sent_per_gpu(
-            BYTES_OF[label], rec["params"], rec["world_size"], "fp32",
-            stage_output_bytes=tokens * size.d_model * 4,
-            tied_params=size.vocab_size * size.d_model,
-            stream=size.n_layers * tokens // rec["world_size"] * size.d_model,
-            replicated=(size.vocab_size + rec["seq_len"]) * size.d_model)
-        # ZeRO-3 and FSDP keep the root gathered from forward to backward: 2% under the formula
-        assert planned / 2**20 == pytest.approx(rec["comm_mb"], rel=0.05), label
+        sent = planned(BYTES_OF[label], rec)["sent"]
+        assert sent / 2**20 == pytest.approx(rec["comm_mb"], rel=0.05), label
         checked.add(label)
     assert checked == set(BYTES_OF)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_sharding_divides_what_it_shards(dtype):
-    p, n = 1e9, 8
-    ddp = planner.state_per_gpu("DDP", p, n, dtype)
-    assert ddp == 16 * p  # both count 16 bytes a parameter, split differently
-    assert planner.state_per_gpu("ZeRO-3", p, n, dtype) == ddp / n
-    stages = [planner.state_per_gpu(s, p, n, dtype) for s in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")]
+def decoder(**numbers) -> common.PlanInput:
+    """A 1e9-parameter decoder of 32 layers with no tables (what shards is all of it)."""
+    parts = {"params": 1e9, "gpus": 8, "per_node": 8, "state_bytes": (4, 4, 8), "layers": 32,
+             "hidden": 4096, "vocab": 32000, "seq": 4096, "micro_batch": 1,
+             "micro_batches": None, "tp": 1, "pp": 1, "embedding": 0.0, "head": 0.0,
+             "tied": 0.0, "replicated": 0.0, "norms": 0.0, "position_table": False}
+    return common.PlanInput(**{**parts, **numbers})
+
+
+def figure(strategy: str, key: str, **numbers) -> float:
+    return ENTRIES[strategy]["figures"](decoder(**numbers))[key]
+
+
+def test_the_strategies_come_from_the_scripts_simplest_first():
+    assert list(ENTRIES) == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP full", "FSDP grad-op",
+                             "FSDP hybrid", "pipeline", "TP", "TP x DP", "FSDP x TP",
+                             "PP x FSDP x TP"]
+
+
+def test_a_new_folder_is_planned_with_no_edit_to_the_planner(tmp_path, monkeypatch):
+    """A script of a new numbered folder with a PLANNED entry gets its row."""
+    (tmp_path / "99_example").mkdir()
+    (tmp_path / "99_example" / "optimized_example.py").write_text(
+        "def planned_example(plan):\n"
+        "    return {'state': 1.0, 'sent': 2.0}\n\n\n"
+        "PLANNED = [{'strategy': 'example', 'place': 5, 'figures': planned_example}]\n")
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    assert [e["strategy"] for e in planner.planned_strategies()] == ["example"]
+
+
+@pytest.mark.parametrize("bytes_per", [(4, 4, 8), (2, 2, 12)])
+def test_sharding_divides_what_it_shards(bytes_per):
+    n = 8
+    ddp = figure("DDP", "state", state_bytes=bytes_per)
+    assert ddp == 16e9  # both count 16 bytes a parameter, split differently
+    assert figure("ZeRO-3", "state", state_bytes=bytes_per) == ddp / n
+    stages = [figure(s, "state", state_bytes=bytes_per)
+              for s in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")]
     assert stages == sorted(stages, reverse=True) and len(set(stages)) == 4
-    assert planner.state_per_gpu("FSDP hybrid", p, 16, dtype, per_node=8) == ddp / 8
+    assert figure("FSDP hybrid", "state", state_bytes=bytes_per, gpus=16) == ddp / 8
 
 
 def test_bytes_sent_follow_the_ring_formulas():
-    p, n = 1e9, 4
-    assert planner.sent_per_gpu("DDP", p, n, "fp32") == pytest.approx(2 * 3 / 4 * 4 * p)
-    assert planner.sent_per_gpu("ZeRO-3", p, n, "fp32") == \
-        pytest.approx(1.5 * planner.sent_per_gpu("DDP", p, n, "fp32"))
-    assert planner.sent_per_gpu("DDP", p, 1, "fp32") == 0
+    p = 1e9
+    assert figure("DDP", "sent", gpus=4) == pytest.approx(2 * 3 / 4 * 4 * p)
+    # no root: every block gathered twice, reduce-scattered once
+    assert figure("ZeRO-3", "sent", gpus=4) == pytest.approx(1.5 * figure("DDP", "sent", gpus=4))
+    # the root (the tables) is gathered once: it stays gathered from forward to backward
+    assert figure("ZeRO-3", "sent", gpus=4, embedding=1e8) == pytest.approx(
+        3 / 4 * (12 * 9e8 + 8 * 1e8))
+    assert figure("DDP", "sent", gpus=1) == 0
     # the busiest stage: a middle one sends activations forward and gradients back, an end one
     # activations one way and the tied table's gradient (4 bytes a value in fp32)
-    assert planner.sent_per_gpu("pipeline", p, n, "fp32", stage_output_bytes=10) == 20
-    assert planner.sent_per_gpu("pipeline", p, n, "fp32", stage_output_bytes=10,
-                               tied_params=5) == 30
-    assert planner.sent_per_gpu("pipeline", p, 2, "fp32", stage_output_bytes=10) == 10
-    assert planner.sent_per_gpu("pipeline", p, 1, "fp32", stage_output_bytes=10) == 0
+    stage_output = 16 * 4096 * 4096 * 4  # m = 16 micro-batches of one sequence, fp32
+    assert figure("pipeline", "sent", gpus=4) == pytest.approx(2 * stage_output)
+    assert figure("pipeline", "sent", gpus=2, micro_batches=16) == pytest.approx(stage_output)
+    assert figure("pipeline", "sent", gpus=2, micro_batches=16, tied=5) == \
+        pytest.approx(stage_output + 20)
+    assert figure("pipeline", "sent", gpus=1) == 0
+    assert figure("pipeline", "bubble", gpus=4, micro_batches=12) == 3 / 15
 
 
 def test_tensor_parallelism_moves_activations_not_parameters():
-    p, stream, tables = 1e9, 1e6, 1e7
-    tp = planner.sent_per_gpu("TP", p, 4, "fp32", stream=stream, replicated=tables)
+    tables, stream = 1e7, 32 * 4096 * 4096  # the tables; one GPU's activations, every layer
+    tp = figure("TP", "sent", gpus=4, embedding=tables)
     # 4 all-gathers and 4 reduce-scatters of the 4 GPUs' batch a layer, 3/4 of each, and the
     # tables' gradients all-reduced
     assert tp == pytest.approx(3 / 4 * (8 * 4 * stream * 4 + 2 * 4 * tables))
-    assert planner.sent_per_gpu("TP", 2 * p, 4, "fp32", stream=stream, replicated=tables) == tp
-    assert planner.sent_per_gpu("TP", p, 1, "fp32", stream=stream, replicated=tables) == 0
+    assert figure("TP", "sent", gpus=4, embedding=tables, params=2e9) == pytest.approx(tp)
+    assert figure("TP", "sent", gpus=1, embedding=tables) == 0
     # inside one node TP x DP is TP; across two, each GPU's gradients cross to its other replica
-    assert planner.sent_per_gpu("TP x DP", p, 8, "fp32", stream=stream, replicated=tables) == \
-        planner.sent_per_gpu("TP", p, 8, "fp32", stream=stream, replicated=tables)
-    across = planner.sent_per_gpu("TP x DP", p, 16, "fp32", stream=stream, replicated=tables)
-    assert across == pytest.approx(planner.sent_per_gpu("TP", p, 8, "fp32", stream=stream,
-                                                       replicated=tables)
-                                   + 2 * 1 / 2 * 4 * ((p - tables) / 8 + tables))
-    assert planner.state_per_gpu("TP", p, 8, embedding=tables) == 16 * ((p - tables) / 8 + tables)
-    assert planner.state_per_gpu("TP x DP", p, 16, embedding=tables) == \
-        planner.state_per_gpu("TP", p, 8, embedding=tables)
+    assert figure("TP x DP", "sent", embedding=tables) == figure("TP", "sent", embedding=tables)
+    across = figure("TP x DP", "sent", gpus=16, embedding=tables)
+    kept = (1e9 - tables) / 8 + tables
+    assert across == pytest.approx(figure("TP", "sent", embedding=tables) + 2 / 2 * 4 * kept)
+    assert figure("TP x DP", "network", gpus=16, embedding=tables) == pytest.approx(4 * kept)
+    assert figure("TP", "state", embedding=tables) == pytest.approx(16 * kept)
+    assert figure("TP x DP", "state", gpus=16, embedding=tables) == \
+        figure("TP", "state", embedding=tables)
 
 
 def test_checkpointing_shrinks_activations():
@@ -173,58 +264,17 @@ def test_bad_input_is_one_line(flags, hint):
     assert hint in run.stderr
 
 
-MESH_FIXTURE = common.ROOT / "tests" / "fixtures" / "records_mesh.jsonl"
-
-
-def mesh_layout(rec: dict) -> planner.Layout:
-    """The planner's picture of the decoder a record trained, from its size preset and model."""
-    size = common.SIZES[rec["size"]]
-    layout = planner.llama_layout if rec["model"] == "llama" else planner.gpt_layout
-    return layout(rec["params"], size.n_layers, size.d_model, size.vocab_size, rec["seq_len"])
-
-
-def test_the_composed_layouts_are_what_their_scripts_measured():
-    """FSDP x TP and PP x FSDP x TP: the planned state against the measured `state_mb` (the
-    busiest rank's) and the planned bytes of each mesh dim against what rank 0 handed to that
-    dim's process group, for both decoders at whatever size and mesh the fixture ran."""
-    checked = set()
-    for rec in common.load_results(MESH_FIXTURE):
-        if rec.get("status") != "ok" or rec["script"] not in ("optimized_fsdp_tp",
-                                                               "optimized_pipeline_3d"):
-            continue
-        layout, mesh, dtype = mesh_layout(rec), rec["mesh"], rec["dtype"]
-        if rec["script"] == "optimized_fsdp_tp":
-            # each rank's batch_size sequences: the TP group works on tp of them together
-            state = planner.fsdp_tp_state(layout, mesh["dp"], mesh["tp"], dtype)
-            sent = planner.fsdp_tp_sent(layout, mesh["dp"], mesh["tp"], dtype,
-                                       micro_batch=rec["batch_size"])
-        else:
-            # a dp rank's pp x tp x batch_size sequences in m micro-batches, a TP group's each:
-            # a GPU's share of one, the planner's micro-batch, is pp x batch_size / m
-            m = rec["microbatches"]
-            micro_batch, rest = divmod(mesh["pp"] * rec["batch_size"], m)
-            assert rest == 0, "the planner counts whole sequences a GPU"
-            state = planner.pp_fsdp_tp_state(layout, mesh["pp"], mesh["dp"], mesh["tp"], dtype)
-            sent = planner.pp_fsdp_tp_sent(layout, mesh["pp"], mesh["dp"], mesh["tp"], m, dtype,
-                                          micro_batch=micro_batch)
-        label = f"{rec['script']} --model {rec['model']}"
-        assert state / 2**20 == pytest.approx(rec["state_mb"], rel=0.05), label
-        assert sent.keys() == rec["comm_mb_by_dim"].keys(), label
-        for dim, measured in rec["comm_mb_by_dim"].items():
-            assert sent[dim] / 2**20 == pytest.approx(measured, rel=0.02), f"{label}: {dim}"
-        checked.add((rec["script"], rec["model"]))
-    assert checked == {(script, model) for script in ("optimized_fsdp_tp", "optimized_pipeline_3d")
-                       for model in ("gpt", "llama")}
-
-
 def test_tp_over_one_gpu_is_fsdp():
-    layout = planner.llama_layout(7e9, 32, 4096, 32000, 4096)
-    assert planner.fsdp_tp_state(layout, 8, 1) == planner.state_per_gpu("FSDP full", 7e9, 8)
-    assert planner.fsdp_tp_sent(layout, 8, 1)["tp"] == 0
-    # sharding over pp x dp x tp: the first stage's blocks 1/pp of them, its table split dp x tp
-    three_d = planner.pp_fsdp_tp_state(layout, 2, 4, 8)
-    assert three_d == pytest.approx(16 * ((7e9 - 2 * 32000 * 4096 - 65 * 4096) / 64
-                                          + 32000 * 4096 / 32 + 65 * 4096 / 8))
+    llama = {"embedding": 32000 * 4096, "head": 32000 * 4096, "replicated": 65 * 4096,
+             "norms": 65 * 4096, "params": 7e9}
+    fsdp_tp = ENTRIES["FSDP x TP"]["figures"](decoder(**llama))
+    assert fsdp_tp["state"] == pytest.approx(figure("FSDP full", "state", params=7e9))
+    assert fsdp_tp["by_dim"]["tp"] == 0
+    # sharding over pp x dp x tp: the last stage's blocks 1/pp of them, its head split dp x tp,
+    # its 32 layers' norms (64) and the final one whole over tp
+    three_d = ENTRIES["PP x FSDP x TP"]["figures"](decoder(**llama, gpus=64, pp=2, tp=8))
+    assert three_d["state"] == pytest.approx(16 * ((7e9 - 2 * 32000 * 4096 - 65 * 4096) / 64
+                                                   + 32000 * 4096 / 32 + 33 * 4096 / 4))
 
 
 def test_tp_traffic_stays_in_the_node():
@@ -256,3 +306,10 @@ def test_the_decision_matrix_cases():
         "LLaMA-7B on 8 GPUs": "ZeRO-1",
         "LLaMA-70B on 64 GPUs": "PP x FSDP x TP (pp 2 x dp 4 x tp 8, m 4) with activation "
                                 "checkpointing"}
+
+
+def test_plan_alone_shows_the_cases():
+    """`make plan` with no ARGS: the worked cases, as --cases prints them, not an error."""
+    alone, cases = plan(), plan("--cases")
+    assert alone.returncode == 0, alone.stderr
+    assert alone.stdout == cases.stdout and "LLaMA-70B on 64 GPUs" in alone.stdout
