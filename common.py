@@ -654,6 +654,15 @@ def positive_float(text: str) -> float:
     return _number(text, float, "a number", lambda v: v > 0, "> 0")
 
 
+def resolved(args: argparse.Namespace, **derived) -> argparse.Namespace:
+    """The run's settings: the parsed flags plus the values the script derived for this host (a
+    default that depends on the world, a batch that spans a group), under a name of their own so
+    that `args` stays what the command line said: `settings = common.resolved(args,
+    batch_size=...)`, then `settings` wherever the derived value counts (`workload`, `record`).
+    A derived value that nothing here reads from the flags is a plain local instead."""
+    return argparse.Namespace(**{**vars(args), **derived})
+
+
 # ==== Topology ====================================================================================
 # From torchrun's environment, SLURM's (`srun python script.py`), or a world of one for a plain
 # `python script.py`. NCCL and one GPU per local rank with CUDA, else gloo on CPU.

@@ -67,11 +67,13 @@ def accumulate_and_reduce(model: DDP, inputs, targets, accum: int) -> torch.Tens
     return total
 
 
+# Copied from 01_ddp/baseline_ddp.py: ddp_bytes
 def ddp_bytes(params: float, world: int, weight: float, grad: float, optim: float
               ) -> dict[str, float]:
     """DDP's bytes a rank: every weight, gradient and optimizer value kept (`weight`, `grad`,
-    `optim` bytes each); sent a step, the gradients ring-all-reduced."""
-    return {"state": (weight + grad + optim) * params,
+    `optim` bytes each; fp32 AdamW: 4, 4, 8); sent a step, the gradients ring-all-reduced."""
+    kept = {"params": weight * params, "grads": grad * params, "optim": optim * params}
+    return {**kept, "state": sum(kept.values()),
             "sent": common.ring_allreduce_mb(grad * params, world) * 2**20}
 
 

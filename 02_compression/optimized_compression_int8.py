@@ -272,13 +272,13 @@ def main():
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     fp32_mb = common.ring_allreduce_mb(sum(buckets), topo.world_size)
     comm_mb = state.sent_bytes / 2**20
+    compression = 4 / (1 + 4 / args.block)  # 4 bytes a value become 1, plus a scale a block
     common.record(args, topo, stats, baseline="baseline_compression", model=model.module,
                   optimizer=opt, comm_mb=comm_mb, collectives_per_step=2 * len(buckets),
                   compression=fp32_mb / comm_mb if comm_mb else None,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype],
                   theory={"comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size)
-                          / (4 / (1 + 4 / args.block)),
-                          "compression": 4 / (1 + 4 / args.block)})
+                          / compression, "compression": compression})
 
 
 if __name__ == "__main__":

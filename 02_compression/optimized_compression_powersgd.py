@@ -243,20 +243,21 @@ def compression_theory(model: torch.nn.Module, rank: int,
     return full / sent
 
 
-def resolve_start_iter(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--start-iter's default and bounds: at least 2 plain steps (DDP rebuilds its buckets in
-    them), and at least 2 compressed warm-up steps, so that the last one, which measures bytes
-    and memory, already carries the error-feedback residual like the timed steps."""
-    if args.start_iter is None:
-        if args.warmup < 4:
-            parser.error(f"--warmup {args.warmup} leaves no room for 2 plain steps (DDP rebuilds "
-                         f"its buckets in them) and 2 compressed ones before the timed steps: use "
-                         f"--warmup 4 or more")
-        args.start_iter = args.warmup - 2
-    if args.start_iter > args.warmup - 2:
-        parser.error(f"--start-iter {args.start_iter} leaves fewer than 2 compressed warm-up "
-                     f"steps before the timed ones (--warmup {args.warmup}): raise --warmup or "
-                     f"lower --start-iter")
+def resolve_start_iter(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The plain steps before compression: --start-iter, or by default --warmup - 2. At least 2
+    plain steps (DDP rebuilds its buckets in them), and at least 2 compressed warm-up steps, so
+    that the last one, which measures bytes and memory, already carries the error-feedback
+    residual like the timed steps."""
+    if args.start_iter is None and args.warmup < 4:
+        parser.error(f"--warmup {args.warmup} leaves no room for 2 plain steps (DDP rebuilds "
+                     f"its buckets in them) and 2 compressed ones before the timed steps: use "
+                     f"--warmup 4 or more")
+    start_iter = args.warmup - 2 if args.start_iter is None else args.start_iter
+    if start_iter > args.warmup - 2:
+        parser.error(f"--start-iter {start_iter} leaves fewer than 2 compressed warm-up steps "
+                     f"before the timed ones (--warmup {args.warmup}): raise --warmup or lower "
+                     f"--start-iter")
+    return start_iter
 
 
 # Copied from 02_compression/baseline_compression.py: add_long_run_flag
@@ -293,7 +294,7 @@ def main():
                              "matrix worth it is compressed)")
     add_long_run_flag(parser)
     args = parser.parse_args()
-    resolve_start_iter(parser, args)
+    start_iter = resolve_start_iter(parser, args)
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     named = dict(model.named_parameters())
@@ -307,7 +308,7 @@ def main():
     else:
         kept_whole = [named[name] for name in args.uncompressed]
     model = wrap_ddp(model, topo, args.bucket_mb)
-    state = PowerSGDState(args.rank, args.start_iter, args.seed, uncompressed=kept_whole)
+    state = PowerSGDState(args.rank, start_iter, args.seed, uncompressed=kept_whole)
     model.register_comm_hook(state, powersgd_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
@@ -327,7 +328,7 @@ def main():
     common.record(args, topo, stats, baseline="baseline_compression", model=model.module,
                   optimizer=opt, comm_mb=comm_mb, impl="hand",
                   uncompressed=[name for name, p in named.items() if id(p) in state.kept_whole],
-                  start_iter=args.start_iter,
+                  start_iter=start_iter,
                   collectives_per_step=state.collectives,
                   compressed_matrices=state.compressed_matrices,
                   **({} if state.compressed_matrices else

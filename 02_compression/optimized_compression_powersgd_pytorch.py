@@ -134,20 +134,21 @@ def compression_theory(model: torch.nn.Module, rank: int,
 
 
 # Copied from 02_compression/optimized_compression_powersgd.py: resolve_start_iter
-def resolve_start_iter(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--start-iter's default and bounds: at least 2 plain steps (DDP rebuilds its buckets in
-    them), and at least 2 compressed warm-up steps, so that the last one, which measures bytes
-    and memory, already carries the error-feedback residual like the timed steps."""
-    if args.start_iter is None:
-        if args.warmup < 4:
-            parser.error(f"--warmup {args.warmup} leaves no room for 2 plain steps (DDP rebuilds "
-                         f"its buckets in them) and 2 compressed ones before the timed steps: use "
-                         f"--warmup 4 or more")
-        args.start_iter = args.warmup - 2
-    if args.start_iter > args.warmup - 2:
-        parser.error(f"--start-iter {args.start_iter} leaves fewer than 2 compressed warm-up "
-                     f"steps before the timed ones (--warmup {args.warmup}): raise --warmup or "
-                     f"lower --start-iter")
+def resolve_start_iter(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The plain steps before compression: --start-iter, or by default --warmup - 2. At least 2
+    plain steps (DDP rebuilds its buckets in them), and at least 2 compressed warm-up steps, so
+    that the last one, which measures bytes and memory, already carries the error-feedback
+    residual like the timed steps."""
+    if args.start_iter is None and args.warmup < 4:
+        parser.error(f"--warmup {args.warmup} leaves no room for 2 plain steps (DDP rebuilds "
+                     f"its buckets in them) and 2 compressed ones before the timed steps: use "
+                     f"--warmup 4 or more")
+    start_iter = args.warmup - 2 if args.start_iter is None else args.start_iter
+    if start_iter > args.warmup - 2:
+        parser.error(f"--start-iter {start_iter} leaves fewer than 2 compressed warm-up steps "
+                     f"before the timed ones (--warmup {args.warmup}): raise --warmup or lower "
+                     f"--start-iter")
+    return start_iter
 
 
 def main():
@@ -162,7 +163,7 @@ def main():
                         help="plain fp32 steps before compression: at least 2 and at most "
                              "--warmup - 2 (default: --warmup - 2, 4 of 25)")
     args = parser.parse_args()
-    resolve_start_iter(parser, args)
+    start_iter = resolve_start_iter(parser, args)
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     # the hook sends a matrix whole where the rank would not shrink it: at too high a rank it
@@ -177,7 +178,7 @@ def main():
     model = wrap_ddp(model, topo, args.bucket_mb)
     state = torch_powersgd.PowerSGDState(
         process_group=None, matrix_approximation_rank=args.rank,
-        start_powerSGD_iter=args.start_iter, min_compression_rate=MIN_COMPRESSION_RATE,
+        start_powerSGD_iter=start_iter, min_compression_rate=MIN_COMPRESSION_RATE,
         use_error_feedback=True, warm_start=True)
     model.register_comm_hook(state, seeded_powersgd_hook(args.seed))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -197,7 +198,7 @@ def main():
     comm_mb = sent_bytes(state, model.module, topo.world_size) / 2**20
     common.record(args, topo, stats, baseline="baseline_compression", model=model.module,
                   optimizer=opt, comm_mb=comm_mb, impl="torch", uncompressed=[],
-                  start_iter=args.start_iter, collectives_per_step=3 * len(buckets),
+                  start_iter=start_iter, collectives_per_step=3 * len(buckets),
                   compressed_matrices=compressed,
                   **({"compressed_matrices_reason": nothing_compressed} if not compressed else {}),
                   compression=fp32_mb / comm_mb if comm_mb else None,

@@ -36,6 +36,16 @@ def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
                static_graph=True)
 
 
+# Copied from 01_ddp/baseline_ddp.py: ddp_bytes
+def ddp_bytes(params: float, world: int, weight: float, grad: float, optim: float
+              ) -> dict[str, float]:
+    """DDP's bytes a rank: every weight, gradient and optimizer value kept (`weight`, `grad`,
+    `optim` bytes each; fp32 AdamW: 4, 4, 8); sent a step, the gradients ring-all-reduced."""
+    kept = {"params": weight * params, "grads": grad * params, "optim": optim * params}
+    return {**kept, "state": sum(kept.values()),
+            "sent": common.ring_allreduce_mb(grad * params, world) * 2**20}
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--bucket-mb", type=common.positive_float, default=25.0,
@@ -60,10 +70,11 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     params = sum(p.numel() for p in model.parameters())
+    predicted = ddp_bytes(params, topo.world_size, 4, 4, 8)  # fp32 weights, AdamW's 2 moments
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
                   comm_mb=stats.comm_mb, strategy="ddp", clip_grad_norm=args.clip_grad_norm,
-                  theory={"state_mb": 16 * params / 2**20,
-                          "comm_mb": common.ring_allreduce_mb(4 * params, topo.world_size)})
+                  theory={"state_mb": predicted["state"] / 2**20,
+                          "comm_mb": predicted["sent"] / 2**20})
 
 
 if __name__ == "__main__":

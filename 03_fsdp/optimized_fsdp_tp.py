@@ -457,8 +457,7 @@ def main():
     topo = common.setup(args)
     mesh = build_mesh(topo.device.type, world, tp)
     # a dp rank's batch is its tp ranks' per-rank batches together: the global batch is DDP's
-    model, batches = common.workload(argparse.Namespace(**{**vars(args), "batch_size": tp *
-                                                           args.batch_size}),
+    model, batches = common.workload(common.resolved(args, batch_size=tp * args.batch_size),
                                      topo, dp_rank=mesh.get_local_rank("dp"), dp_world=dp)
     same_weights_on_every_rank(model, mesh)
     blocks, (block_plan, ends) = common.transformer_blocks(model), decoder_plans(model)

@@ -39,6 +39,16 @@ def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
                static_graph=True)
 
 
+# Copied from 01_ddp/baseline_ddp.py: ddp_bytes
+def ddp_bytes(params: float, world: int, weight: float, grad: float, optim: float
+              ) -> dict[str, float]:
+    """DDP's bytes a rank: every weight, gradient and optimizer value kept (`weight`, `grad`,
+    `optim` bytes each; fp32 AdamW: 4, 4, 8); sent a step, the gradients ring-all-reduced."""
+    kept = {"params": weight * params, "grads": grad * params, "optim": optim * params}
+    return {**kept, "state": sum(kept.values()),
+            "sent": common.ring_allreduce_mb(grad * params, world) * 2**20}
+
+
 def add_summary_flag(parser: common.RecipeParser) -> None:
     """`--summary` (see `print_summary`); it prints more, so the run is no variant."""
     parser.add_argument("--summary", action="store_true",
@@ -99,12 +109,13 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     param_count, n = sum(p.numel() for p in model.parameters()), topo.world_size
-    nbytes = next(model.parameters()).element_size() * param_count  # in the weights' dtype
-    mb = nbytes / 2**20
-    theory = {"params_mb": mb, "grads_mb": mb, "optim_mb": 2 * mb, "state_mb": 4 * mb,
-              # and before each forward DDP broadcasts the buffers (BatchNorm's), if any
-              "comm_mb": common.ring_allreduce_mb(nbytes, topo.world_size) + (n - 1) / n * sum(
-                  b.numel() * b.element_size() for b in model.buffers()) / 2**20}
+    value_bytes = next(model.parameters()).element_size()  # AdamW keeps two values a weight
+    predicted = ddp_bytes(param_count, n, value_bytes, value_bytes, 2 * value_bytes)
+    theory = {f"{kind}_mb": predicted[kind] / 2**20
+              for kind in ("params", "grads", "optim", "state")}
+    # and before each forward DDP broadcasts the buffers (BatchNorm's), if any
+    theory["comm_mb"] = predicted["sent"] / 2**20 + (n - 1) / n * sum(
+        b.numel() * b.element_size() for b in model.buffers()) / 2**20
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=0,

@@ -127,6 +127,39 @@ def print_summary(args: argparse.Namespace, topo: common.Topology, stats: common
     print(f"measured (formula); peak = live tensor MB at the step's peak{compared}", flush=True)
 
 
+# Copied from 04_zero/optimized_zero1.py: zero1_bytes
+def zero1_bytes(params: float, world: int, weight: float, grad: float, optim: float,
+                sent_values: float | None = None, buffer_bytes: float = 0.0) -> dict[str, float]:
+    """ZeRO-1's bytes a rank, from the parameter count and the bytes a value of each kind:
+    every weight and gradient kept, the optimizer's state 1/N. Sent a step: the gradients
+    reduce-scattered and the updated weights all-gathered, (N-1)/N of `sent_values` each (the
+    buckets' values, their padding included; `params` if not given), and the buffers' broadcast."""
+    share = (world - 1) / world
+    kept = {"params": weight * params, "grads": grad * params, "optim": optim * params / world}
+    values = params if sent_values is None else sent_values
+    return {**kept, "state": sum(kept.values()),
+            "sent": share * (grad + weight) * values + share * buffer_bytes}
+
+
+# Copied from 04_zero/optimized_zero3.py: zero3_bytes
+def zero3_bytes(params: float, blocks: list[float], root: float, world: int, weight: float,
+                grad: float, optim: float, gather: float, buffer_bytes: float = 0.0
+                ) -> dict[str, float]:
+    """ZeRO-3's bytes a rank, from value counts: weights, gradients and the optimizer's state
+    1/N each (`weight`, `grad`, `optim` bytes a value). Sent a step: each block's values
+    (`blocks`) all-gathered twice, `gather` bytes a value (the compute dtype), the `root`'s once
+    (kept gathered from forward to backward), every value reduce-scattered once, `grad` bytes,
+    (N-1)/N of each, and the buffers' broadcast. Held in full at once (`gathered`, beyond the
+    shards): at most the root and two neighbouring blocks."""
+    share = (world - 1) / world
+    kept = {"params": weight * params / world, "grads": grad * params / world,
+            "optim": optim * params / world}
+    two_blocks = max((a + b for a, b in zip(blocks, blocks[1:], strict=False)), default=sum(blocks))
+    sent = share * ((2 * gather + grad) * sum(blocks) + (gather + grad) * root + buffer_bytes)
+    return {**kept, "state": sum(kept.values()), "sent": sent,
+            "gathered": gather * (root + two_blocks)}
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--stage", type=int, choices=[1, 3], default=1,
@@ -143,9 +176,9 @@ def main():
     n = topo.world_size
     blocks = common.transformer_blocks(model)
     param_count = sum(p.numel() for p in model.parameters())
-    in_blocks = sum(p.numel() for block in blocks for p in block.parameters())
+    block_values = [sum(p.numel() for p in block.parameters()) for block in blocks]
     bytes_per = next(model.parameters()).element_size()  # the weights' dtype: 4 in fp32
-    buffers_mb = sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     if args.stage == 1:
         model, opt, counted_opt = pytorch_zero1(model, topo, args.lr)
     else:
@@ -162,18 +195,20 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, counted_opt))
-    mb = bytes_per * param_count / 2**20
     if args.stage == 1:  # DDP broadcasts the buffers (BatchNorm's) before each forward
-        theory = {"params_mb": mb, "grads_mb": mb, "optim_mb": 2 * mb / n,
-                  "state_mb": 2 * mb + 2 * mb / n,
-                  "comm_mb": 3 * (n - 1) / n * mb + (n - 1) / n * buffers_mb}
+        predicted = zero1_bytes(param_count, n, bytes_per, bytes_per, 2 * bytes_per,
+                                buffer_bytes=buffer_bytes)
+        # DDP all-reduces the gradients where ZeRO-1 reduce-scatters them: (N-1)/N of them more
+        predicted["sent"] += (n - 1) / n * bytes_per * param_count
     else:
         # Each value is all-gathered twice (in 2 bytes under bf16) and reduce-scattered once;
         # the root's are gathered once: they stay gathered.
-        gather_bytes = 2 if args.dtype == "bf16" else bytes_per
-        moved = gather_bytes * (2 * in_blocks + param_count - in_blocks) + bytes_per * param_count
-        theory = {"params_mb": mb / n, "grads_mb": mb / n, "optim_mb": 2 * mb / n,
-                  "state_mb": 4 * mb / n, "comm_mb": (n - 1) / n * moved / 2**20}
+        predicted = zero3_bytes(param_count, block_values, param_count - sum(block_values), n,
+                                bytes_per, bytes_per, 2 * bytes_per,
+                                2 if args.dtype == "bf16" else bytes_per)
+    theory = {f"{kind}_mb": predicted[kind] / 2**20
+              for kind in ("params", "grads", "optim", "state")}
+    theory["comm_mb"] = predicted["sent"] / 2**20
     measured = common.state_split_mb(model, counted_opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=counted_opt,
                   comm_mb=stats.comm_mb, theory=theory, stage=args.stage,

@@ -202,6 +202,13 @@ def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int, tied: int
     return (m * dtype.itemsize * math.prod(shape) + tied) / 2**20
 
 
+def uniform_bubble(stages: int, microbatches: int) -> float:
+    """The idle fraction of a step whose actions all take the same time: a stage waits p-1
+    slots in m+p-1, (p-1)/(m+p-1): GPipe's and 1F1B's alike, and this baseline's with its one
+    batch (m = 1), (p-1)/p."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
 def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
     """The weights on two stages: the input embedding's if the output head is the same
     Parameter (the GPT's), none if untied (the Llama's). Found by identity, not by name."""
@@ -337,22 +344,22 @@ def main():
     parser.set_defaults(batch_size=0)
     parser.set_defaults(steps=8, warmup=3)  # as the pipelines'
     args = parser.parse_args()
-    args.batch_size = args.batch_size or 4 * args.microbatches
+    settings = common.resolved(args, batch_size=args.batch_size or 4 * args.microbatches)
     world = common.launch_world_size()
-    skip_unless_pipelined(world, world, args.size)
-    topo = common.setup(args)
+    skip_unless_pipelined(world, world, settings.size)
+    topo = common.setup(settings)
     p = topo.world_size
-    model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
+    model, batches = common.workload(settings, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
     broadcast_parameters(model)  # the whole model on every rank: rank 0's, whatever the seed
     params, tied = sum(q.numel() for q in model.parameters()), tied_weights(model)
     tied_bytes = sum(w.numel() * w.element_size() for w in tied)  # 0: an untied head
-    shape = (args.batch_size, args.seq_len, common.input_embedding(model).embedding_dim)
+    shape = (settings.batch_size, settings.seq_len, common.input_embedding(model).embedding_dim)
     # the timeline of every step: the timed ones give the bubble (on CUDA, each action synced)
     stage = ModelParallelRank(plain_layers(model.pipeline_stages(p)[topo.rank], topo.rank == p - 1),
                               cross_entropy, shape, tied=tied,
                               autocast_dtype=model.autocast_dtype, record_timeline=True)
     del model, tied  # the other ranks' layers are freed: a rank holds its stage only
-    opt = torch.optim.AdamW(stage.layers.parameters(), lr=args.lr)
+    opt = torch.optim.AdamW(stage.layers.parameters(), lr=settings.lr)
 
     def train_step(tokens, targets):
         opt.zero_grad(set_to_none=True)
@@ -360,14 +367,14 @@ def main():
         opt.step()
         return loss
 
-    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(stage.layers, opt),
+    stats = common.timed_steps(train_step, batches, settings, topo, memory_of=(stage.layers, opt),
                                loss_rank=p - 1, dp_world=1)
-    steps, measured, _, _ = gather_timelines(stage.timelines[args.warmup:], 1, args, topo)
-    common.record(args, topo, stats, baseline=None, model=stage.layers, optimizer=opt,
+    steps, measured, _, _ = gather_timelines(stage.timelines[settings.warmup:], 1, settings, topo)
+    common.record(settings, topo, stats, baseline=None, model=stage.layers, optimizer=opt,
                   comm_mb=stats.comm_mb, dp_world=1, params=params, schedule="naive",
                   microbatches=1, stages=p, timeline=[[list(a) for a in tl] for tl in steps[-1]],
                   bubble=round(measured, 4),
-                  theory={"bubble": round((p - 1) / p, 4),
+                  theory={"bubble": round(uniform_bubble(p, 1), 4),
                           "comm_mb": comm_theory_mb(shape, stage.dtype, 1, tied_bytes)})
 
 

@@ -455,9 +455,11 @@ def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
                           f"on {world} processes: use fewer processes or a larger --size")
 
 
+# Copied from 05_pipeline/baseline_pipeline.py: uniform_bubble
 def uniform_bubble(stages: int, microbatches: int) -> float:
     """The idle fraction of a step whose actions all take the same time: a stage waits p-1
-    slots in m+p-1, (p-1)/(m+p-1), GPipe's and 1F1B's alike."""
+    slots in m+p-1, (p-1)/(m+p-1): GPipe's and 1F1B's alike, and this baseline's with its one
+    batch (m = 1), (p-1)/p."""
     return (stages - 1) / (microbatches + stages - 1)
 
 
@@ -489,25 +491,26 @@ def main():
     parser.set_defaults(batch_size=0)
     parser.set_defaults(steps=8, warmup=3)  # fewer than elsewhere: eight runs in `make pipeline`
     args = parser.parse_args()
-    args.batch_size = args.batch_size or 4 * args.microbatches
-    if args.batch_size % args.microbatches:
-        parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
-                     f"{args.microbatches}: use a multiple of it")
+    settings = common.resolved(args, batch_size=args.batch_size or 4 * args.microbatches)
+    if settings.batch_size % settings.microbatches:
+        parser.error(f"--batch-size {settings.batch_size} does not split into --microbatches "
+                     f"{settings.microbatches}: use a multiple of it")
     world = common.launch_world_size()
-    skip_unless_pipelined(world, world, args.size)
-    topo = common.setup(args)
-    p, m = topo.world_size, args.microbatches
-    model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
+    skip_unless_pipelined(world, world, settings.size)
+    topo = common.setup(settings)
+    p, m = topo.world_size, settings.microbatches
+    model, batches = common.workload(settings, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
     broadcast_parameters(model)  # the whole model on every rank: rank 0's, whatever the seed
     params, tied = sum(q.numel() for q in model.parameters()), tied_weights(model)
     tied_bytes = sum(w.numel() * w.element_size() for w in tied)  # 0: an untied head
-    shape = (args.batch_size // m, args.seq_len, common.input_embedding(model).embedding_dim)
+    shape = (settings.batch_size // m, settings.seq_len,
+             common.input_embedding(model).embedding_dim)
     # the timeline of every step: the timed ones give the bubble (on CUDA, each action synced)
     pipe = PipelineRank(plain_layers(model.pipeline_stages(p)[topo.rank], topo.rank == p - 1),
                         cross_entropy, schedule(p, m), shape, tied=tied,
                         autocast_dtype=model.autocast_dtype, record_timeline=True)
     del model, tied  # the other ranks' layers are freed: a rank holds its stage only
-    opt = torch.optim.AdamW(pipe.layers.parameters(), lr=args.lr)
+    opt = torch.optim.AdamW(pipe.layers.parameters(), lr=settings.lr)
 
     def train_step(tokens, targets):
         opt.zero_grad(set_to_none=True)
@@ -515,14 +518,14 @@ def main():
         opt.step()
         return loss
 
-    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(pipe.layers, opt),
+    stats = common.timed_steps(train_step, batches, settings, topo, memory_of=(pipe.layers, opt),
                                loss_rank=p - 1, dp_world=1)
     steps, measured, means, inflight_max = gather_timelines(
-        pipe.timelines[args.warmup:], pipe.inflight_max, args, topo)
+        pipe.timelines[settings.warmup:], pipe.inflight_max, settings, topo)
     bubble, inflight, _ = simulate(schedule(p, m), means)
-    common.record(args, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
+    common.record(settings, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
                   optimizer=opt, comm_mb=stats.comm_mb, dp_world=1, params=params,
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype],
+                  loss_tolerance=LOSS_TOLERANCE[settings.dtype],
                   schedule="1f1b", microbatches=m, stages=p,
                   timeline=[[list(a) for a in tl] for tl in steps[-1]],
                   bubble=round(measured, 4), inflight_max=inflight_max,

@@ -430,10 +430,11 @@ def stage_bytes(pieces: float, tied_pieces: float, norms: float, layers: int,
             "by_dim": {"pp": pp_bytes, "dp": dp_bytes, "tp": tp_bytes}}
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: uniform_bubble
+# Copied from 05_pipeline/baseline_pipeline.py: uniform_bubble
 def uniform_bubble(stages: int, microbatches: int) -> float:
     """The idle fraction of a step whose actions all take the same time: a stage waits p-1
-    slots in m+p-1, (p-1)/(m+p-1), GPipe's and 1F1B's alike."""
+    slots in m+p-1, (p-1)/(m+p-1): GPipe's and 1F1B's alike, and this baseline's with its one
+    batch (m = 1), (p-1)/p."""
     return (stages - 1) / (microbatches + stages - 1)
 
 
@@ -528,7 +529,7 @@ def main():
         common.log(topo, no_dp)
     mesh = init_device_mesh(topo.device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     s = mesh.get_local_rank("pp")
-    model, batches = common.workload(argparse.Namespace(**{**vars(args), "batch_size": batch}),
+    model, batches = common.workload(common.resolved(args, batch_size=batch),
                                      topo, dp_rank=mesh.get_local_rank("dp"), dp_world=dp)
     # global rank 0's whole model on every rank before the cut, as DDP starts: each stage's
     # layers (and a tied weight's two ends) then hold the same weights, however ranks were seeded

@@ -528,30 +528,31 @@ def main():
     parser.set_defaults(steps=8, warmup=3)  # fewer than elsewhere: eight runs in `make pipeline`
     args = parser.parse_args()
     world = common.launch_world_size()
-    args.microbatches = args.microbatches or max(8, 2 * world)
-    args.batch_size = args.batch_size or 4 * args.microbatches
-    if args.batch_size % args.microbatches:
-        parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
-                     f"{args.microbatches}: use a multiple of it")
-    skip_unless_pipelined(world, world, args.size)
+    m = args.microbatches or max(8, 2 * world)
+    settings = common.resolved(args, microbatches=m, batch_size=args.batch_size or 4 * m)
+    if settings.batch_size % settings.microbatches:
+        parser.error(f"--batch-size {settings.batch_size} does not split into --microbatches "
+                     f"{settings.microbatches}: use a multiple of it")
+    skip_unless_pipelined(world, world, settings.size)
     if world % 2:
         raise common.Skip(f"DualPipe pairs rank r with rank p-1-r, so it needs an even number "
                           f"of processes, not {world}: DualPipeV runs on any number")
-    if args.microbatches % 2 or args.microbatches < 2 * world:  # never the default, max(8, 2p)
+    if m % 2 or m < 2 * world:  # never the default, max(8, 2p)
         parser.error(f"DualPipe sends half the micro-batches each way and needs m >= 2p: use an "
-                     f"even --microbatches of at least {2 * world}, not {args.microbatches}")
-    topo = common.setup(args)
-    p, m = topo.world_size, args.microbatches
-    model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
+                     f"even --microbatches of at least {2 * world}, not {settings.microbatches}")
+    topo = common.setup(settings)
+    p = topo.world_size
+    model, batches = common.workload(settings, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
     broadcast_parameters(model)  # the whole model on every rank: rank 0's, whatever the seed
     params, stages = sum(q.numel() for q in model.parameters()), model.pipeline_stages(p)
     mine = {s: plain_layers(stages[s], s == p - 1) for s in sorted({topo.rank, p - 1 - topo.rank})}
-    shape = (args.batch_size // m, args.seq_len, common.input_embedding(model).embedding_dim)
+    shape = (settings.batch_size // m, settings.seq_len,
+             common.input_embedding(model).embedding_dim)
     # the timeline of every step: the timed ones give the bubble (on CUDA, each action synced)
     pipe = TwoStagePipelineRank(mine, cross_entropy, schedule(p, m), shape,
                         autocast_dtype=model.autocast_dtype, record_timeline=True)
     del model, stages  # the other ranks' layers are freed: a rank holds its stages only
-    opt = torch.optim.AdamW(pipe.layers.parameters(), lr=args.lr)
+    opt = torch.optim.AdamW(pipe.layers.parameters(), lr=settings.lr)
     held = list(pipe.layers.parameters())
     twins = TwinGradients(held)  # the twins start from the lower one's weights
 
@@ -561,15 +562,15 @@ def main():
         opt.step()
         return loss
 
-    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(pipe.layers, opt),
+    stats = common.timed_steps(train_step, batches, settings, topo, memory_of=(pipe.layers, opt),
                                loss_rank=0, dp_world=1)
     steps, measured, means, inflight_max = gather_timelines(
-        pipe.timelines[args.warmup:], pipe.inflight_max, args, topo)
+        pipe.timelines[settings.warmup:], pipe.inflight_max, settings, topo)
     bubble, inflight, _ = simulate_split(schedule(p, m), means)
     paired, _, _ = simulate_split(schedule(p, m), means, paired=True)
-    common.record(args, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
+    common.record(settings, topo, stats, baseline="baseline_pipeline", model=pipe.layers,
                   optimizer=opt, comm_mb=stats.comm_mb, dp_world=1, params=params,
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype],
+                  loss_tolerance=LOSS_TOLERANCE[settings.dtype],
                   schedule="dualpipe", microbatches=m, stages=p,
                   timeline=[[list(a) for a in tl] for tl in steps[-1]],
                   bubble=round(measured, 4), inflight_max=inflight_max,

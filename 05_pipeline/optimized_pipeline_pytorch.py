@@ -87,6 +87,14 @@ def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
                           f"on {world} processes: use fewer processes or a larger --size")
 
 
+# Copied from 05_pipeline/baseline_pipeline.py: uniform_bubble
+def uniform_bubble(stages: int, microbatches: int) -> float:
+    """The idle fraction of a step whose actions all take the same time: a stage waits p-1
+    slots in m+p-1, (p-1)/(m+p-1): GPipe's and 1F1B's alike, and this baseline's with its one
+    batch (m = 1), (p-1)/p."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
 def main():
     parser = common.parser(__doc__, skips={
         "resnet": "a pipeline cuts a decoder's list of layers into stages, and a ResNet's is no "
@@ -102,18 +110,18 @@ def main():
     world = common.launch_world_size()
     v = args.schedule == "dualpipev"
     n_stages = 2 * world if v else world
-    args.microbatches = args.microbatches or max(8, n_stages if v else 0)
-    args.batch_size = args.batch_size or 4 * args.microbatches
-    if args.batch_size % args.microbatches:
-        parser.error(f"--batch-size {args.batch_size} does not split into --microbatches "
-                     f"{args.microbatches}: use a multiple of it")
-    skip_unless_pipelined(world, n_stages, args.size)
-    if v and args.microbatches < n_stages:  # never the default, max(8, 2p)
+    m = args.microbatches or max(8, n_stages if v else 0)
+    settings = common.resolved(args, microbatches=m, batch_size=args.batch_size or 4 * m)
+    if settings.batch_size % settings.microbatches:
+        parser.error(f"--batch-size {settings.batch_size} does not split into --microbatches "
+                     f"{settings.microbatches}: use a multiple of it")
+    skip_unless_pipelined(world, n_stages, settings.size)
+    if v and settings.microbatches < n_stages:  # never the default, max(8, 2p)
         parser.error(f"ScheduleDualPipeV needs at least as many micro-batches as its {n_stages} "
                      f"stages: use --microbatches {n_stages} or more")
-    topo = common.setup(args)
-    p, m = topo.world_size, args.microbatches
-    model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
+    topo = common.setup(settings)
+    p = topo.world_size
+    model, batches = common.workload(settings, topo, dp_rank=0, dp_world=1)
     broadcast_parameters(model)  # the whole model on every rank: rank 0's, whatever the seed
     params, tied = sum(q.numel() for q in model.parameters()), tied_weights(model)
     stages = model.pipeline_stages(n_stages)
@@ -128,12 +136,12 @@ def main():
         pipe = ScheduleDualPipeV(pipe_stages, m, scale_grads=False,
                                  loss_fn=lambda logits, targets: cross_entropy(logits, targets) / m)
     else:
-        pipe = SCHEDULES[args.schedule](pipe_stages[0], m, loss_fn=cross_entropy)
+        pipe = SCHEDULES[settings.schedule](pipe_stages[0], m, loss_fn=cross_entropy)
     first, last = 0 in mine, n_stages - 1 in mine  # this rank feeds the tokens, the targets
     # a weight tied across stages is on the first and last rank (the V's: both on rank 0)
     tied_group = dist.new_group([0, p - 1]) if tied and not v else None  # by every rank
     tied = [w for w in tied if not v and any(w is q for q in held.parameters())]
-    opt = torch.optim.AdamW(held.parameters(), lr=args.lr)
+    opt = torch.optim.AdamW(held.parameters(), lr=settings.lr)
 
     def train_step(tokens, targets):
         opt.zero_grad(set_to_none=True)
@@ -149,13 +157,13 @@ def main():
             return torch.zeros((), device=topo.device)
         return torch.stack(losses).sum() if v else torch.stack(losses).mean()
 
-    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(held, opt),
+    stats = common.timed_steps(train_step, batches, settings, topo, memory_of=(held, opt),
                                loss_rank=0 if v else p - 1, dp_world=1)
-    common.record(args, topo, stats, baseline="baseline_pipeline", model=held, optimizer=opt,
+    common.record(settings, topo, stats, baseline="baseline_pipeline", model=held, optimizer=opt,
                   comm_mb=stats.comm_mb, dp_world=1, params=params,
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype],
-                  schedule=f"torch {args.schedule}", microbatches=m, stages=n_stages,
-                  theory={} if v else {"bubble_uniform": round((p - 1) / (m + p - 1), 4)})
+                  loss_tolerance=LOSS_TOLERANCE[settings.dtype],
+                  schedule=f"torch {settings.schedule}", microbatches=m, stages=n_stages,
+                  theory={} if v else {"bubble_uniform": round(uniform_bubble(p, m), 4)})
 
 
 if __name__ == "__main__":

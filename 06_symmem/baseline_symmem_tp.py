@@ -286,7 +286,7 @@ def tp_degree_problem(args, world: int) -> str | None:
 @dataclass
 class TensorParallelRun:
     """What tensor_parallel_setup hands a TP script's main."""
-    args: argparse.Namespace
+    settings: argparse.Namespace  # the flags, batch_size resolved to the whole global batch
     topo: common.Topology
     model: TensorParallelDecoder  # its collectives: model.comm
     batches: list[tuple[torch.Tensor, torch.Tensor]]  # the whole global batch, on every rank
@@ -297,7 +297,7 @@ class TensorParallelRun:
 
 def tensor_parallel_setup(parser, comm_of) -> TensorParallelRun:
     """Flags, topology, the workload (one global batch, N x --batch-size sequences, on every
-    rank) and the TP model with `comm_of(args, topo)` as its collectives (`model.comm`); the
+    rank) and the TP model with `comm_of(settings, topo)` as its collectives (`model.comm`); the
     replicated parameters first, so that their gradients are one slice of one flat buffer."""
     parser.set_defaults(batch_size=0)
     parser.skips["resnet"] = ("a ResNet has no attention heads or MLP matrices for tensor "
@@ -306,12 +306,14 @@ def tensor_parallel_setup(parser, comm_of) -> TensorParallelRun:
     world = common.launch_world_size()
     if why := tp_degree_problem(args, world):
         raise common.Skip(why)
-    args.batch_size = world * (args.batch_size or common.SIZES[args.size].batch_size)
-    topo = common.setup(args)
-    whole, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
+    # one global batch on every rank: N x the per-rank batch
+    settings = common.resolved(
+        args, batch_size=world * (args.batch_size or common.SIZES[args.size].batch_size))
+    topo = common.setup(settings)
+    whole, batches = common.workload(settings, topo, dp_rank=0, dp_world=1)
     params = sum(p.numel() for p in whole.parameters())
     same_weights_as_first_rank(whole)
-    model = tensor_parallel(whole, comm_of(args, topo))
+    model = tensor_parallel(whole, comm_of(settings, topo))
     replicated = model.replicated_parameters()
     kept = {id(p) for p in replicated}
     ordered = replicated + [p for p in model.parameters() if id(p) not in kept]
@@ -321,7 +323,7 @@ def tensor_parallel_setup(parser, comm_of) -> TensorParallelRun:
     for p in ordered:  # backward accumulates into views of one buffer
         p.grad = grads[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
-    return TensorParallelRun(args, topo, model, batches, grads,
+    return TensorParallelRun(settings, topo, model, batches, grads,
                              sum(p.numel() for p in replicated), params)
 
 
@@ -378,9 +380,9 @@ def tp_theory(args, topo, model, replicated: int) -> dict:
 
 def main():
     run = tensor_parallel_setup(common.parser(__doc__),
-                                lambda args, topo: ProcessGroupCollectives())
-    args, topo, model = run.args, run.topo, run.model
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+                                lambda settings, topo: ProcessGroupCollectives())
+    settings, topo, model = run.settings, run.topo, run.model
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, fused=True)
 
     def train_step(inputs, targets):
         run.grads.zero_()
@@ -390,12 +392,12 @@ def main():
         opt.step()
         return loss.detach() * topo.world_size  # averaged over ranks: the whole batch's loss
 
-    stats = common.timed_steps(train_step, run.batches, args, topo, memory_of=(model, opt),
+    stats = common.timed_steps(train_step, run.batches, settings, topo, memory_of=(model, opt),
                                dp_world=1)
-    common.record(args, topo, stats, baseline=None, model=model, optimizer=opt,
+    common.record(settings, topo, stats, baseline=None, model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, dp_world=1, params=run.params,
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype], overlap=0.0,
-                  theory=tp_theory(args, topo, model, run.replicated))
+                  loss_tolerance=LOSS_TOLERANCE[settings.dtype], overlap=0.0,
+                  theory=tp_theory(settings, topo, model, run.replicated))
 
 
 # The planner's rows (report/planner.py reads this; the script never does): TP over every GPU,

@@ -63,6 +63,16 @@ def keep_buffers_in_step(model: torch.nn.Module, group: dist.ProcessGroup | None
     return model.register_forward_pre_hook(broadcast)
 
 
+# Copied from 01_ddp/baseline_ddp.py: ddp_bytes
+def ddp_bytes(params: float, world: int, weight: float, grad: float, optim: float
+              ) -> dict[str, float]:
+    """DDP's bytes a rank: every weight, gradient and optimizer value kept (`weight`, `grad`,
+    `optim` bytes each; fp32 AdamW: 4, 4, 8); sent a step, the gradients ring-all-reduced."""
+    kept = {"params": weight * params, "grads": grad * params, "optim": optim * params}
+    return {**kept, "state": sum(kept.values()),
+            "sent": common.ring_allreduce_mb(grad * params, world) * 2**20}
+
+
 def main():
     args = common.parser(__doc__).parse_args()
     topo = common.setup(args)
@@ -81,14 +91,15 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    grad_bytes, n = grads.nbytes, topo.world_size
+    n, value_bytes = topo.world_size, grads.element_size()  # AdamW keeps two values a weight
+    predicted = ddp_bytes(grads.numel(), n, value_bytes, value_bytes, 2 * value_bytes)
     buffer_bytes = sum(b.nbytes for b in model.buffers())  # broadcast before each forward
     common.record(args, topo, stats, baseline=None, model=model, optimizer=opt,
                   comm_mb=stats.comm_mb,
                   optim_mb=round(common.state_split_mb(model, opt)["optim_mb"], 2),
-                  theory={"comm_mb": common.ring_allreduce_mb(grad_bytes, n)
+                  theory={"comm_mb": predicted["sent"] / 2**20
                           + (n - 1) / n * buffer_bytes / 2**20,
-                          "optim_mb": 2 * grad_bytes / 2**20})  # AdamW's two moments
+                          "optim_mb": predicted["optim"] / 2**20})
 
 
 if __name__ == "__main__":

@@ -49,6 +49,9 @@ import common  # noqa: E402
 # bf16 autocast each rank's partial sum is rounded to bf16 (8 bits) before the sum, where one
 # matmul rounds once: the losses drift by bf16's resolution, as other exact techniques' do.
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+# No planner row of its own: TP's state and bytes are the baseline's (its PLANNED, tp_bytes);
+# the transport differs, not what is kept or sent.
+PLANNED = []
 
 
 LINE = 8  # int64s per flag: one 64-byte cache line each
@@ -467,7 +470,7 @@ def tp_degree_problem(args, world: int) -> str | None:
 @dataclass
 class TensorParallelRun:
     """What tensor_parallel_setup hands a TP script's main."""
-    args: argparse.Namespace
+    settings: argparse.Namespace  # the flags, batch_size resolved to the whole global batch
     topo: common.Topology
     model: TensorParallelDecoder  # its collectives: model.comm
     batches: list[tuple[torch.Tensor, torch.Tensor]]  # the whole global batch, on every rank
@@ -479,7 +482,7 @@ class TensorParallelRun:
 # Copied from 06_symmem/baseline_symmem_tp.py: tensor_parallel_setup
 def tensor_parallel_setup(parser, comm_of) -> TensorParallelRun:
     """Flags, topology, the workload (one global batch, N x --batch-size sequences, on every
-    rank) and the TP model with `comm_of(args, topo)` as its collectives (`model.comm`); the
+    rank) and the TP model with `comm_of(settings, topo)` as its collectives (`model.comm`); the
     replicated parameters first, so that their gradients are one slice of one flat buffer."""
     parser.set_defaults(batch_size=0)
     parser.skips["resnet"] = ("a ResNet has no attention heads or MLP matrices for tensor "
@@ -488,12 +491,14 @@ def tensor_parallel_setup(parser, comm_of) -> TensorParallelRun:
     world = common.launch_world_size()
     if why := tp_degree_problem(args, world):
         raise common.Skip(why)
-    args.batch_size = world * (args.batch_size or common.SIZES[args.size].batch_size)
-    topo = common.setup(args)
-    whole, batches = common.workload(args, topo, dp_rank=0, dp_world=1)
+    # one global batch on every rank: N x the per-rank batch
+    settings = common.resolved(
+        args, batch_size=world * (args.batch_size or common.SIZES[args.size].batch_size))
+    topo = common.setup(settings)
+    whole, batches = common.workload(settings, topo, dp_rank=0, dp_world=1)
     params = sum(p.numel() for p in whole.parameters())
     same_weights_as_first_rank(whole)
-    model = tensor_parallel(whole, comm_of(args, topo))
+    model = tensor_parallel(whole, comm_of(settings, topo))
     replicated = model.replicated_parameters()
     kept = {id(p) for p in replicated}
     ordered = replicated + [p for p in model.parameters() if id(p) not in kept]
@@ -503,7 +508,7 @@ def tensor_parallel_setup(parser, comm_of) -> TensorParallelRun:
     for p in ordered:  # backward accumulates into views of one buffer
         p.grad = grads[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
-    return TensorParallelRun(args, topo, model, batches, grads,
+    return TensorParallelRun(settings, topo, model, batches, grads,
                              sum(p.numel() for p in replicated), params)
 
 
@@ -583,13 +588,13 @@ def peer_access_problem(topo: common.Topology) -> str | None:
 
 def main():
     run = tensor_parallel_setup(common.parser(__doc__), collectives)
-    args, topo, model = run.args, run.topo, run.model
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+    settings, topo, model = run.settings, run.topo, run.model
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, fused=True)
     comm = model.comm
     steps = itertools.count()
 
     def train_step(inputs, targets):
-        if next(steps) == args.warmup:  # overlap counts the timed steps only
+        if next(steps) == settings.warmup:  # overlap counts the timed steps only
             comm.waited = comm.arriving = 0
         run.grads.zero_()
         comm.loaded_bytes = 0
@@ -599,15 +604,15 @@ def main():
         opt.step()
         return loss.detach() * topo.world_size  # averaged over ranks: the whole batch's loss
 
-    stats = common.timed_steps(train_step, run.batches, args, topo, memory_of=(model, opt),
+    stats = common.timed_steps(train_step, run.batches, settings, topo, memory_of=(model, opt),
                                dp_world=1)
     overlap = measured_overlap(comm, topo.device)
-    common.record(args, topo, stats, baseline="baseline_symmem_tp", model=model, optimizer=opt,
+    common.record(settings, topo, stats, baseline="baseline_symmem_tp", model=model, optimizer=opt,
                   comm_mb=comm.loaded_bytes / 2**20 + stats.comm_mb, dp_world=1,
-                  params=run.params, loss_tolerance=LOSS_TOLERANCE[args.dtype], overlap=overlap,
+                  params=run.params, loss_tolerance=LOSS_TOLERANCE[settings.dtype], overlap=overlap,
                   transport="cuda symmetric memory" if topo.device.type == "cuda"
                   else "/dev/shm segment", process_group_mb=stats.comm_mb,
-                  theory=tp_theory(args, topo, model, run.replicated))
+                  theory=tp_theory(settings, topo, model, run.replicated))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}  # as baseline_symmem_tp.py's, for its reason
+# No planner row of its own: TP's state and bytes are the baseline's (its PLANNED, tp_bytes);
+# the transport differs, not what is kept or sent.
+PLANNED = []
 
 
 # Copied from 06_symmem/baseline_symmem_tp.py: tp_degree_problem
@@ -279,9 +282,11 @@ def main():
     world = common.launch_world_size()
     if why := tp_degree_problem(args, world):
         raise common.Skip(why)
-    args.batch_size = world * (args.batch_size or common.SIZES[args.size].batch_size)
-    topo = common.setup(args, compiles=True)  # its blocks compile on CUDA
-    model, batches = common.workload(args, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
+    # one global batch on every rank: N x the per-rank batch
+    settings = common.resolved(
+        args, batch_size=world * (args.batch_size or common.SIZES[args.size].batch_size))
+    topo = common.setup(settings, compiles=True)  # its blocks compile on CUDA
+    model, batches = common.workload(settings, topo, dp_rank=0, dp_world=1)  # one batch, all ranks
     params = sum(p.numel() for p in model.parameters())
     mesh = init_device_mesh(topo.device.type, (topo.world_size,))
     parts = decoder_parts(model)
@@ -297,7 +302,7 @@ def main():
     # share: all-reduced by hand (an untied head too); a fused step takes one kind of tensor
     distributed = [p for p in model.parameters() if isinstance(p, DTensor)]
     replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
-    opt = torch.optim.AdamW([{"params": distributed}, {"params": replicated}], lr=args.lr,
+    opt = torch.optim.AdamW([{"params": distributed}, {"params": replicated}], lr=settings.lr,
                             fused=True)
 
     def train_step(inputs, targets):
@@ -309,14 +314,14 @@ def main():
         opt.step()
         return loss.detach() * topo.world_size  # averaged over ranks: the whole batch's loss
 
-    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt),
+    stats = common.timed_steps(train_step, batches, settings, topo, memory_of=(model, opt),
                                dp_world=1)
-    common.record(args, topo, stats, baseline="baseline_symmem_tp", model=model, optimizer=opt,
+    common.record(settings, topo, stats, baseline="baseline_symmem_tp", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, dp_world=1, params=params,
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype],
+                  loss_tolerance=LOSS_TOLERANCE[settings.dtype],
                   async_tp=async_tp_off is None, async_tp_off=async_tp_off,
                   comm_mb_by_kind=stats.comm_mb_by_kind,
-                  theory=dtensor_theory(args, topo, len(parts["blocks"]),
+                  theory=dtensor_theory(settings, topo, len(parts["blocks"]),
                                         sum(p.numel() for p in replicated)))
 
 

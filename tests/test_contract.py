@@ -49,13 +49,33 @@ def recorded_baselines(tree: ast.Module) -> list[str | None]:
     return names
 
 
+def rewritten_args(tree: ast.Module) -> list[str]:
+    """The flags a script assigns to after parsing (`args.batch_size = ...`, `args.x += ...`,
+    `setattr(args, "x", ...)`), each once, in order: a reader could no longer tell a flag's
+    value from the command line."""
+    names = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+        names += [t.attr for t in targets if isinstance(t, ast.Attribute)
+                  and isinstance(t.value, ast.Name) and t.value.id == "args"]
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and \
+                node.args and getattr(node.args[0], "id", None) == "args":
+            name = node.args[1] if len(node.args) > 1 else None
+            names.append(name.value if isinstance(name, ast.Constant) else "?")
+    return list(dict.fromkeys(names))
+
+
 def script_problems(script: Path, where: str) -> list[str]:
-    """A script's breaks of the contract: its card; for an optimized script, its tolerance, the
-    baseline its record names and its planner entries."""
+    """A script's breaks of the contract: its card, its parsed flags left as parsed; for an
+    optimized script, its tolerance, the baseline its record names and its planner entries."""
     text = script.read_text()
     tree = ast.parse(text)
     problems = [] if ast.get_docstring(tree) else \
         [f"{where}: no module docstring (the script card: What/Why/Run/Look for/Theory)"]
+    problems += [f"{where}: assigns to args.{name} after parsing (a derived value takes a name "
+                 f"of its own: settings = common.resolved(args, {name}=...))"
+                 for name in rewritten_args(tree)]
     if not script.name.startswith("optimized_"):
         return problems
     constants = module_constants(tree)
@@ -192,6 +212,11 @@ OMISSIONS = {
             "import common\n" + (root / "04_zero/baseline_zero.py").read_text()),
         "04_zero/baseline_zero.py: no module docstring (the script card: "
         "What/Why/Run/Look for/Theory)"),
+    "a script rewriting a parsed flag": (
+        lambda root: edit(root / "04_zero/baseline_zero.py", "    topo = common.setup(args)\n",
+                          "    args.batch_size *= 2\n    topo = common.setup(args)\n"),
+        "04_zero/baseline_zero.py: assigns to args.batch_size after parsing (a derived value "
+        "takes a name of its own: settings = common.resolved(args, batch_size=...))"),
     "no README": (lambda root: (root / "04_zero/README.md").unlink(),
                   "04_zero/README.md: missing"),
     "a planner entry without its figures": (

@@ -78,6 +78,16 @@ def test_the_deliberate_copies_are_marked():
             *(("optimized_compression_powersgd_pytorch.py", name) for name in (
                 "initial_qs", "worth_compressing", "compression_theory", "resolve_start_iter"))
             } <= marked
+    # a formula is written once: DDP's bytes in the baselines that keep DDP's state, the uniform
+    # bubble in the pipelines, the ZeRO stages' bytes in PyTorch's ZeRO
+    assert {*((name, "ddp_bytes") for name in (
+                "optimized_ddp.py", "baseline_fsdp.py", "baseline_zero.py",
+                "baseline_pipeline_3d.py", "baseline_symmem_training.py")),
+            *((name, "uniform_bubble") for name in (
+                "optimized_pipeline_gpipe.py", "optimized_pipeline_1f1b.py",
+                "optimized_pipeline_pytorch.py", "optimized_pipeline_3d.py")),
+            ("optimized_zero_pytorch.py", "zero1_bytes"),
+            ("optimized_zero_pytorch.py", "zero3_bytes")} <= marked
 
 
 def test_every_marker_stands_right_above_its_definition_and_names_a_source():
