@@ -4,8 +4,9 @@ and picks. A change to any of them is deliberate: rewrite the expected files wit
 `python tests/test_report_golden.py` and let the diff show what changed."""
 
 import argparse
+import contextlib
+import io
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from matplotlib.colors import to_hex
 
 import common
-from report import charts
+from report import charts, cli
 
 FIXTURES = common.ROOT / "tests" / "fixtures"
 GOLDEN = FIXTURES / "golden"
@@ -29,15 +30,16 @@ PLANS = {"plan_cases": ["--cases"],
                             "--seq-len", "1024"]}
 
 
-def _report(*flags: str, tmp) -> str:
-    run = subprocess.run([sys.executable, "-m", "report", *flags], capture_output=True,
-                         text=True, timeout=120, cwd=common.ROOT)
-    assert run.returncode == 0, run.stderr
-    return run.stdout
+def _report(*flags: str) -> str:
+    """What `python -m report` with `flags` prints, run in this process."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(list(flags)) == 0
+    return out.getvalue()
 
 
 def _table(name: str, tmp) -> str:
-    return _report("--results", str(FIXTURES / name), "--out", str(tmp / "report.md"), tmp=tmp)
+    return _report("--results", str(FIXTURES / name), "--out", str(tmp / "report.md"))
 
 
 def _round(x: float) -> float:
@@ -78,7 +80,7 @@ def outputs(tmp) -> dict[str, str]:
         out[f"{stem}_charts.json"] = json.dumps(
             chart_picture(common.load_results(FIXTURES / name)), indent=1) + "\n"
     for name, flags in PLANS.items():
-        out[f"{name}.txt"] = _report("plan", *flags, tmp=tmp)
+        out[f"{name}.txt"] = _report("plan", *flags)
     return out
 
 
