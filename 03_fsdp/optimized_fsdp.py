@@ -162,7 +162,9 @@ def fsdp_bytes(blocks: float, root: float, group: int, replicas: int = 1, reshar
     (SHARD_GRAD_OP), `gather` bytes a value, the root once, every gradient reduce-scattered,
     `reduce` bytes; HSDP's `replicas` all-reduce each shard (`across_replicas`). Held gathered
     beyond the shards: the root and a block with its prefetched next (`largest_block` each),
-    or, without reshard, everything."""
+    or, without reshard, everything. The planner's figures are ZeRO-3's
+    (04_zero/optimized_zero3.py's zero3_bytes), yet the two stay apart: each counts its own
+    implementation's padding, here FSDP2's (each parameter's dim 0 rounded up to the group)."""
     share, gathers, values = (group - 1) / group, 2 if reshard else 1, blocks + root + fp32
     across_replicas = 2 * (replicas - 1) / replicas * values / group * reduce
     sent = share * (blocks * (gathers * gather + reduce) + root * (gather + reduce)

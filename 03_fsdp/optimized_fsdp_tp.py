@@ -301,26 +301,39 @@ def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMes
                 module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
+def sequence_parallel_bytes(tp: int, collectives: float, tokens: float, width: float,
+                            value_bytes: float) -> float:
+    """Bytes a rank of a TP group sends in `collectives` all-gathers or reduce-scatters of the
+    group's `tokens` x `width` activations, `value_bytes` a value: (t-1)/t of each, a ring's
+    share. Sequence parallelism runs 8 a layer: a gather before attention and before the MLP,
+    a reduce-scatter after each, and their twins in backward."""
+    return collectives * (tp - 1) / tp * tokens * width * value_bytes
+
+
+def loss_parallel_bytes(tp: int, tokens: float) -> float:
+    """Bytes a rank sends for the loss over logits split by vocabulary over a TP group
+    (loss_parallel): 3 ring all-reduces of one fp32 value a token (the log-softmax's max and
+    sum of exponentials, the target's log-probability)."""
+    return 3 * common.ring_allreduce_mb(4 * tokens, tp) * 2**20
+
+
 def fsdp_tp_bytes(block_pieces: float, root_pieces: float, norms: float, layers: int,
                   group_tokens: float, hidden: int, dp: int, tp: int, activation: float,
-                  position_table: float = 0.0, state: float = 16, reduce: float = 4
-                  ) -> dict:
+                  positions: int = 0, state: float = 16, reduce: float = 4) -> dict:
     """FSDP x TP's bytes a GPU, from its TP pieces (a parameter's share after TP, whole where
     TP replicates it) in the blocks and the root, FSDP sharding each dp ways: `state` bytes a
     value. Sent a step, by mesh dim (`activation`: a weight's and an activation's bytes, in the
-    compute dtype; `reduce`: a gradient's, fp32). tp: per layer 4 all-gathers and 4
-    reduce-scatters of the group's `group_tokens` x `hidden` activations (sequence
-    parallelism, and the backward's twins), 4 more at the ends (the embedding's scatter, the
-    head's input gather), the loss over logits split by vocabulary (loss_parallel: 3
-    all-reduces of fp32 a token), a learned position table's lookup (its `position_table`
-    values) and the norms' gradients all-reduced. dp: (dp-1)/dp of each block's pieces
-    gathered twice (FULL_SHARD), the root's once, every gradient reduce-scattered once. Held
-    gathered beyond the shards: a block and the next's prefetch."""
-    stream = (tp - 1) / tp * group_tokens * hidden * activation  # one gather or scatter
-    loss = 3 * common.ring_allreduce_mb(4 * group_tokens, tp) * 2**20
-    positions = 2 * (tp - 1) / tp * position_table * activation
-    tp_bytes = (8 * layers + 4) * stream + loss + positions + \
-        common.ring_allreduce_mb(reduce * norms, tp) * 2**20
+    compute dtype; `reduce`: a gradient's, fp32). tp: sequence_parallel_bytes of the group's
+    `group_tokens` x `hidden` activations, 8 a layer and 4 more at the ends (the embedding's
+    scatter, the head's input gather, and their twins), loss_parallel_bytes, a learned
+    position table's lookup (its `positions` rows of `hidden`, 0 without one: a gather and its
+    twin) and the norms' gradients all-reduced. dp: (dp-1)/dp of each block's pieces gathered
+    twice (FULL_SHARD), the root's once, every gradient reduce-scattered once. Held gathered
+    beyond the shards: a block and the next's prefetch."""
+    tp_bytes = sequence_parallel_bytes(tp, 8 * layers + 4, group_tokens, hidden, activation) \
+        + loss_parallel_bytes(tp, group_tokens) \
+        + sequence_parallel_bytes(tp, 2, positions, hidden, activation) \
+        + common.ring_allreduce_mb(reduce * norms, tp) * 2**20
     gathered = (2 * block_pieces + root_pieces) * activation
     dp_bytes = (dp - 1) / dp * (gathered + reduce * (block_pieces + root_pieces))
     return {"state": state * (block_pieces + root_pieces) / dp, "sent": tp_bytes + dp_bytes,
@@ -338,7 +351,7 @@ def planned_fsdp_tp(plan: common.PlanInput) -> dict:
     predicted = fsdp_tp_bytes((plan.blocks - plan.replicated) / tp + plan.replicated,
                               (plan.embedding + plan.head) / tp, plan.norms, plan.layers,
                               tp * plan.micro_batch * plan.seq, plan.hidden, dp, tp, w,
-                              plan.seq * plan.hidden if plan.position_table else 0.0, w + g + o)
+                              plan.seq if plan.position_table else 0, w + g + o)
     return {**predicted, "mesh": f"dp {dp} x tp {tp}", "sequences": plan.gpus * plan.micro_batch,
             "network": predicted["by_dim"]["dp"] if plan.gpus > plan.per_node else 0.0}
 
@@ -369,7 +382,7 @@ def theory(model: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int) ->
     predicted = fsdp_tp_bytes(sum(piece(p) for p in params if id(p) in in_blocks),
                               sum(piece(p) for p in params if id(p) not in in_blocks),
                               sum(p.numel() for p in norms), len(blocks), batch * seq, d, dp, tp,
-                              nbytes, seq * d if args.model == "gpt" else 0.0)
+                              nbytes, seq if args.model == "gpt" else 0)
     sent = predicted["by_dim"]
     total = sum(p.numel() for p in params)
     return {"state_mb": predicted["state"] / 2**20,

@@ -402,27 +402,43 @@ def stage_plans(layers: list[nn.Module]) -> tuple[list[nn.Module], dict, dict]:
                                          f"{n - 1}" if last else None)
 
 
+# Copied from 03_fsdp/optimized_fsdp_tp.py: sequence_parallel_bytes
+def sequence_parallel_bytes(tp: int, collectives: float, tokens: float, width: float,
+                            value_bytes: float) -> float:
+    """Bytes a rank of a TP group sends in `collectives` all-gathers or reduce-scatters of the
+    group's `tokens` x `width` activations, `value_bytes` a value: (t-1)/t of each, a ring's
+    share. Sequence parallelism runs 8 a layer: a gather before attention and before the MLP,
+    a reduce-scatter after each, and their twins in backward."""
+    return collectives * (tp - 1) / tp * tokens * width * value_bytes
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: loss_parallel_bytes
+def loss_parallel_bytes(tp: int, tokens: float) -> float:
+    """Bytes a rank sends for the loss over logits split by vocabulary over a TP group
+    (loss_parallel): 3 ring all-reduces of one fp32 value a token (the log-softmax's max and
+    sum of exponentials, the target's log-probability)."""
+    return 3 * common.ring_allreduce_mb(4 * tokens, tp) * 2**20
+
+
 def stage_bytes(pieces: float, tied_pieces: float, norms: float, layers: int,
                 micro_tokens: float, hidden: int, dp: int, tp: int, m: int, activation: float,
-                first: bool, last: bool, position_table: float = 0.0, state: float = 16,
+                first: bool, last: bool, positions: int = 0, state: float = 16,
                 reduce: float = 4) -> dict:
     """PP x FSDP x TP's bytes a GPU of a stage, from its TP pieces (`pieces`, of which the tied
     table's `tied_pieces`), FSDP sharding them dp ways: `state` bytes a value. Sent a step, by
     mesh dim, over m micro-batches of `micro_tokens` (the TP group's) x `hidden` activations,
-    `activation` bytes a value, gradients `reduce` bytes. tp: a micro-batch's 8 gathers or
-    scatters a layer, (t-1)/t each; the first stage's embedding scatter and its twin (and a
-    learned position table's lookup: `position_table` values), the last's head gather and its
-    twin and loss_parallel's 3 fp32 all-reduces a token; the norms' gradients all-reduced once
-    a step. dp: one gather (kept to the last backward) and one reduce-scatter of the pieces.
-    pp: each micro-batch's activation shard to the next stage, its gradient to the previous,
-    and the tied table's gradient shard all-reduced with the other end's (a pair: once)."""
-    stream = (tp - 1) / tp * micro_tokens * hidden * activation
-    per_micro = 8 * layers * stream
-    if first:
-        per_micro += 2 * stream + 2 * (tp - 1) / tp * position_table * activation
-    if last:
-        per_micro += 2 * stream + 3 * 2 * (tp - 1) / tp * 4 * micro_tokens
-    tp_bytes = m * per_micro + 2 * (tp - 1) / tp * reduce * norms
+    `activation` bytes a value, gradients `reduce` bytes. tp: a micro-batch's
+    sequence_parallel_bytes, 8 a layer; the first stage's embedding scatter and its twin (and
+    a learned position table's lookup: its `positions` rows), the last's head gather and its
+    twin and loss_parallel_bytes; the norms' gradients all-reduced once a step. dp: one gather
+    (kept to the last backward) and one reduce-scatter of the pieces. pp: each micro-batch's
+    activation shard to the next stage, its gradient to the previous, and the tied table's
+    gradient shard all-reduced with the other end's (a pair: once)."""
+    collectives = 8 * layers + 2 * first + 2 * last
+    per_micro = sequence_parallel_bytes(tp, collectives, micro_tokens, hidden, activation) \
+        + first * sequence_parallel_bytes(tp, 2, positions, hidden, activation) \
+        + last * loss_parallel_bytes(tp, micro_tokens)
+    tp_bytes = m * per_micro + common.ring_allreduce_mb(reduce * norms, tp) * 2**20
     dp_bytes = (dp - 1) / dp * (activation + reduce) * pieces
     boundary = micro_tokens // tp * hidden * activation  # a micro-batch's activation shard
     pp_bytes = m * boundary * ((not last) + (not first)) + reduce * tied_pieces / dp
@@ -457,7 +473,7 @@ def planned_pipeline_3d(plan: common.PlanInput) -> dict:
     first = stage_bytes(pieces(plan.embedding, False), plan.tied / tp,
                         (plan.norms - final_norm) * share, layers,
                         tp * plan.micro_batch * plan.seq, plan.hidden, dp, tp, m, w, True,
-                        pp == 1, plan.seq * plan.hidden if plan.position_table else 0.0)
+                        pp == 1, plan.seq if plan.position_table else 0)
     sent = first["by_dim"]
     return {"state": (w + g + o) * heavier / dp, "sent": first["sent"], "by_dim": sent,
             "gathered": w * heavier, "bubble": uniform_bubble(pp, m),
@@ -489,7 +505,7 @@ def theory(stage: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int, m:
              for p in mod.parameters(recurse=False) if not split_over_tp(p)]
     predicted = stage_bytes(sum(piece(p) for p in params), sum(piece(p) for p in tied),
                             sum(p.numel() for p in norms), len(blocks), micro * seq, d, dp, tp, m,
-                            nbytes, first, last, seq * d if args.model == "gpt" else 0.0)
+                            nbytes, first, last, seq if args.model == "gpt" else 0)
     return {"state_mb": predicted["state"] / 2**20,
             "comm_mb_by_dim": {dim: round(sent / 2**20, 3)
                                for dim, sent in predicted["by_dim"].items()},

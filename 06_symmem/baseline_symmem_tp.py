@@ -327,16 +327,25 @@ def tensor_parallel_setup(parser, comm_of) -> TensorParallelRun:
                              sum(p.numel() for p in replicated), params)
 
 
+# Copied from 03_fsdp/optimized_fsdp_tp.py: sequence_parallel_bytes
+def sequence_parallel_bytes(tp: int, collectives: float, tokens: float, width: float,
+                            value_bytes: float) -> float:
+    """Bytes a rank of a TP group sends in `collectives` all-gathers or reduce-scatters of the
+    group's `tokens` x `width` activations, `value_bytes` a value: (t-1)/t of each, a ring's
+    share. Sequence parallelism runs 8 a layer: a gather before attention and before the MLP,
+    a reduce-scatter after each, and their twins in backward."""
+    return collectives * (tp - 1) / tp * tokens * width * value_bytes
+
+
 def tp_bytes(kept: float, reduced: float, layers: int, tokens: float, hidden: int, world: int,
              activation: float, state: float = 16, grad: float = 4) -> dict[str, float]:
     """Tensor parallelism's bytes a rank: `state` bytes for each of the `kept` parameters (its
-    slices and what it keeps whole). Sent a step: per layer 8 all-gathers or reduce-scatters
-    of the `tokens` x `hidden` activations (4 forward, 4 backward), `activation` bytes a value,
-    (N-1)/N each, and the ring all-reduce of the `reduced` parameters' gradients (the whole
-    ones, each rank's tokens' share), `grad` bytes."""
-    share = (world - 1) / world
+    slices and what it keeps whole). Sent a step: sequence_parallel_bytes over the N ranks, 8
+    a layer, of the `tokens` x `hidden` activations, `activation` bytes a value, and the ring
+    all-reduce of the `reduced` parameters' gradients (the whole ones, each rank's tokens'
+    share), `grad` bytes."""
     return {"state": state * kept,
-            "sent": 8 * layers * share * tokens * hidden * activation
+            "sent": sequence_parallel_bytes(world, 8 * layers, tokens, hidden, activation)
             + common.ring_allreduce_mb(grad * reduced, world) * 2**20}
 
 
