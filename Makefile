@@ -145,7 +145,7 @@ help:
 	@echo "                      with charts in outputs/charts/"
 	@echo "  make traces         where each traced step's time went (after make all TRACE=1)"
 	@echo "  make plan ARGS='--params 7e9 --gpus 8 --gpu-mem 80'   which strategy fits, and its bytes"
-	@echo "  make plan ARGS=--cases   the planner's picks for ResNet-50, GPT-2 1.5B, LLaMA-7B, 70B"
+	@echo "  make plan           the planner's picks for ResNet-50, GPT-2 1.5B, LLaMA-7B, 70B (--cases)"
 	@echo "  make list           every script with the first line of its docstring"
 	@echo "  make fix-copies     rewrite every '# Copied from' copy from its source"
 	@echo "  make install        create .venv and install requirements.txt (run targets do it)"

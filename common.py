@@ -5,10 +5,13 @@ file is enough to run it. What reads results back (report, charts, planner) is t
 Sections, in reading order:
     Sizes and the workload   presets, the GPT and Llama decoders, a ResNet, the parts a technique
                              is given (blocks, embedding, head), synthetic data split by rank
-    CLI                      the shared flags, one-line errors, a run's variant, --check-flags
+    CLI                      the shared flags, one-line errors, a run's variant, --check-flags,
+                             `resolved`: values derived for the host beside the parsed flags
     Topology                 torchrun, srun or a world of one: device, backend, process group
     Collectives              the renamed tensor collectives, gloo's reduce-scatter done right
     Bytes sent               the bytes handed to collectives, counted or from the ring formula
+    Planned figures          PlanInput: the numbers report/planner.py hands a script's PLANNED
+                             formulas (a script without a planner row needs none of it)
     Timing                   warm-up then timed steps, step statistics
     Memory                   a step's peak (allocator or live tensors), state from the tensors
     Tracing                  step ranges, NVTX, profiler traces
@@ -16,6 +19,8 @@ Sections, in reading order:
                              (RunState: what a failure's record knows), a closed stdout
 What serves one folder lives in that folder's scripts: ZeRO's --summary in 04_zero/, a pipeline's
 timeline and world check in 05_pipeline/, the collective sweep and GPU peer access in 06_symmem/.
+The decoders' `pipeline_stages`/`pipeline_layers` (and `cut_into_stages`) stay with the workload:
+they are the model's own description of where it may be cut, which 05 and 06 both read.
 """
 
 from __future__ import annotations
@@ -586,11 +591,10 @@ class RecipeParser(argparse.ArgumentParser):
 
     def parse_args(self, args: Sequence[str] | None = None, namespace=None) -> argparse.Namespace:
         ns = super().parse_args(args, namespace)
-        if ns.check_flags:
-            sys.exit(0)
-        run_state.args = ns  # a run that skips before `setup` is recorded too
-        if ns.model in self.skips:  # before the checks of a shape the run will never use
-            raise Skip(self.skips[ns.model])
+        if not ns.check_flags:  # a check records nothing, a skip included
+            run_state.args = ns  # a run that skips before `setup` is recorded too
+            if ns.model in self.skips:  # before the checks of a shape the run will never use
+                raise Skip(self.skips[ns.model])
         shape = self.fill_shape(ns)
         if ns.model == "resnet" and ns.batch_size < 2:
             self.error("--model resnet needs --batch-size >= 2 (BatchNorm normalises over the "
@@ -600,6 +604,8 @@ class RecipeParser(argparse.ArgumentParser):
         if ns.trace and ns.warmup < 3:
             self.error("--trace profiles the two warm-up steps before the last (which measures "
                        "memory): use --warmup 3 or more")
+        if ns.check_flags:  # the Makefile's check of ARGS: every flag parsed, and they agree
+            sys.exit(0)
         own = [_flag(a.dest, value) for a in self.own_flags if a.dest not in self.output_only
                and (value := getattr(ns, a.dest)) != _parsed_default(a)]
         ns.variant = " ".join(shape + own) or None

@@ -1,6 +1,7 @@
 """Everything that reads results rather than training: the report, the per-rank trace
 breakdown, the charts and the strategy planner. Recipes never import this package; it imports
-`common` only to read the results file the recipes write.
+`common` for the results file and the shared flags, and the planner imports the scripts that
+list planner rows (`PLANNED`) to call their formulas.
 
     python -m report                 # outputs/results.jsonl -> table, outputs/report.md, charts
     python -m report traces          # where each traced step's time went, per script and rank
@@ -15,7 +16,6 @@ import ast
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import common
 from report.charts import write_charts
@@ -23,10 +23,6 @@ from report.planner import STATE_BYTES, plan_input, render_cases, render_plan, t
 from report.results_table import render_report
 from report.runs import mark_failed, smoke
 from report.traces import render_traces
-
-if TYPE_CHECKING:  # matplotlib is imported when a chart is drawn, not for the table
-    pass
-
 
 
 def list_scripts(root: Path = common.ROOT) -> str:
@@ -38,7 +34,6 @@ def list_scripts(root: Path = common.ROOT) -> str:
             summary = " ".join(doc.split("\n\n")[0].split())  # its first line, wrapped or not
             lines.append(f"  {script.name:<{width}} {summary}")
     return "\n".join(lines[1:])
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,12 +149,14 @@ def main(argv: Sequence[str]) -> int:
     if args.command == "plan":
         missing = [flag for flag in ("--params", "--gpus", "--gpu-mem")
                    if getattr(args, flag[2:].replace("-", "_")) is None]
-        if args.cases or len(missing) == 3:  # `make plan` alone: the worked cases, a first look
+        shaped = [action.option_strings[0] for action in plan._actions if action.dest not in
+                  ("help", "cases") and getattr(args, action.dest) != action.default]
+        if args.cases or not shaped:  # `make plan` alone: the worked cases, a first look
             print(render_cases())
             return 0
         if missing:
-            plan.error(f"the following arguments are required: {', '.join(missing)} (or none "
-                       "of the three, or --cases, for the worked cases)")
+            plan.error(f"the following arguments are required: {', '.join(missing)} (or no "
+                       "planner flags at all, or --cases, for the worked cases)")
         layout = plan_input(args)
         if args.params <= layout.embedding + layout.head:
             tables = "2 x --vocab x --hidden" if args.llama else \

@@ -5,15 +5,10 @@ how a record is read back: its pairing, its tolerance, whether its host was busy
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
 import common
-
-if TYPE_CHECKING:  # matplotlib is imported when a chart is drawn, not for the table
-    pass
-
 
 
 def max_loss_diff(losses: list[float] | None, baseline_losses: list[float] | None

@@ -15,15 +15,9 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import common
 from report.results_table import max_loss_diff, over_tolerance
-
-if TYPE_CHECKING:  # matplotlib is imported when a chart is drawn, not for the table
-    pass
-
-
 
 _SCRIPT_ERROR = re.compile(r"^(\S+\.py: error: .*|rank \d+ failed: .*)$", re.M)
 _FIRST_DEATH = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")

@@ -8,14 +8,8 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tabulate import tabulate
-
-if TYPE_CHECKING:  # matplotlib is imported when a chart is drawn, not for the table
-    pass
-
-
 
 # A collective's kind from any of its names: the training thread's call (`c10d::allreduce_`),
 # gloo's transfer on its own thread (`gloo:all_reduce`), NCCL's kernel (`ncclDevKernel_AllReduce..`)

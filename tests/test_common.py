@@ -746,6 +746,16 @@ def test_check_flags_parses_and_exits_before_the_run(tmp_path):
         common.parser(None).parse_args(["--size", "tiny", "--results", str(results),
                                         "--check-flags"])
     assert exited.value.code == 0 and not results.exists()
+    # flags that parse but disagree fail the check, as they would fail every launch
+    with pytest.raises(SystemExit) as exited:
+        common.parser(None).parse_args(["--size", "tiny", "--trace", "--warmup", "1",
+                                        "--check-flags"])
+    assert exited.value.code == 2
+    # a script that skips this model records nothing in a check: the flags are fine
+    skipping = common.parser(None, skips={"resnet": "why"})
+    with pytest.raises(SystemExit) as exited:
+        skipping.parse_args(["--model", "resnet", "--results", str(results), "--check-flags"])
+    assert exited.value.code == 0 and not results.exists()
 
 
 def test_a_diverged_run_is_an_error_not_a_result(monkeypatch):

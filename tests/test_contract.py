@@ -76,29 +76,31 @@ def script_problems(script: Path, where: str) -> list[str]:
     problems += [f"{where}: assigns to args.{name} after parsing (a derived value takes a name "
                  f"of its own: settings = common.resolved(args, {name}=...))"
                  for name in rewritten_args(tree)]
-    if not script.name.startswith("optimized_"):
-        return problems
     constants = module_constants(tree)
-    if "LOSS_TOLERANCE" not in constants:
-        problems.append(f"{where}: no module-level LOSS_TOLERANCE")
-    baselines = recorded_baselines(tree)
-    if not baselines or None in baselines:
-        problems.append(f"{where}: its common.record(...) names no baseline= script")
-    problems += [f"{where}: its record names baseline '{name}', which is no script of "
-                 f"{script.parent.name}/" for name in baselines
-                 if name and not (script.parent / f"{name}.py").exists()]
     planned = constants.get("PLANNED")
-    if planned is None:
-        problems.append(f"{where}: no module-level PLANNED (its planner entries, or PLANNED = [] "
-                        "under a comment saying why it adds none)")
-    elif not isinstance(planned.value, ast.List):
-        problems.append(f"{where}: PLANNED is not a list of planner entries")
-    elif not planned.value.elts and \
+    if script.name.startswith("optimized_"):
+        if "LOSS_TOLERANCE" not in constants:
+            problems.append(f"{where}: no module-level LOSS_TOLERANCE")
+        baselines = recorded_baselines(tree)
+        if not baselines or None in baselines:
+            problems.append(f"{where}: its common.record(...) names no baseline= script")
+        problems += [f"{where}: its record names baseline '{name}', which is no script of "
+                     f"{script.parent.name}/" for name in baselines
+                     if name and not (script.parent / f"{name}.py").exists()]
+        if planned is None:
+            problems.append(f"{where}: no module-level PLANNED (its planner entries, or PLANNED "
+                            "= [] under a comment saying why it adds none)")
+    if planned is None:  # a baseline may list planner rows too (06's TP lists TP's)
+        return problems
+    if not isinstance(planned, ast.Assign) or not isinstance(planned.value, ast.List):
+        # report/planner.py finds the scripts with rows by the text `PLANNED = [`
+        problems.append(f"{where}: PLANNED is not assigned a list as `PLANNED = [...]`")
+        return problems
+    if not planned.value.elts and \
             not text.splitlines()[planned.lineno - 2].lstrip().startswith("#"):
         problems.append(f"{where}: PLANNED = [] without a comment line right above saying why "
                         "the technique adds no planner row")
-    entries = planned.value.elts if planned and isinstance(planned.value, ast.List) else []
-    for entry in [e for e in entries if isinstance(e, ast.Dict)]:
+    for entry in [e for e in planned.value.elts if isinstance(e, ast.Dict)]:
         keys = {k.value for k in entry.keys if isinstance(k, ast.Constant)}
         if missing := sorted(PLANNED_KEYS - keys):
             problems.append(f"{where}: a PLANNED entry without {', '.join(missing)} (the planner "
@@ -127,6 +129,9 @@ def folder_problems(root: Path, folder: Path) -> list[str]:
                             "and <!-- name:end --> markers")
         if not TRAINER.search(text):
             problems.append(f"{where}README.md: no '## Use it in your trainer' section")
+    front = root / "README.md"
+    if front.exists() and f"| [`{folder.name}`](" not in front.read_text():
+        problems.append(f"README.md: no row for {folder.name} in the Techniques table")
     launch_tests = f"tests/test_launch_{name}.py"
     if not (root / launch_tests).exists():
         problems.append(f"{launch_tests}: missing ({where}'s launch tests)")
@@ -146,8 +151,9 @@ def test_every_folder_keeps_the_contract():
 
 # --- Each omission is its one line -----------------------------------------------------------
 def contract_copy(root: Path) -> Path:
-    """What the contract reads: the numbered folders' scripts and READMEs, and the launch tests'
-    names (empty files)."""
+    """What the contract reads: the top README, the numbered folders' scripts and READMEs, and
+    the launch tests' names (empty files)."""
+    shutil.copy(common.ROOT / "README.md", root)
     for path in common.ROOT.glob("[0-9][0-9]_*/*"):
         if path.suffix == ".py" or path.name == "README.md":
             (root / path.parent.name).mkdir(exist_ok=True)
@@ -219,6 +225,9 @@ OMISSIONS = {
         "takes a name of its own: settings = common.resolved(args, batch_size=...))"),
     "no README": (lambda root: (root / "04_zero/README.md").unlink(),
                   "04_zero/README.md: missing"),
+    "no row in the top README": (
+        lambda root: edit(root / "README.md", "| [`04_zero`](", "| [04_zero]("),
+        "README.md: no row for 04_zero in the Techniques table"),
     "a planner entry without its figures": (
         lambda root: edit(root / "01_ddp/optimized_ddp.py", '"figures":', '"formulas":'),
         '01_ddp/optimized_ddp.py: a PLANNED entry without figures (the planner reads each '
@@ -377,6 +386,8 @@ def test_a_folder_written_by_the_contract_is_picked_up_with_no_other_edit(tmp_pa
         "README.md": textwrap.dedent(EXAMPLE_README).lstrip()})
     contract_copy(tmp_path)  # the six folders beside it, as the planner reads them all
     (tmp_path / "tests/test_launch_example.py").touch()
+    edit(tmp_path / "README.md", "| --- | --- | --- | --- |\n", "| --- | --- | --- | --- |\n"
+         "| [`99_example`](99_example/README.md) | an example | 1.0x | ready |\n")
     assert folder_problems(tmp_path, tmp_path / "99_example") == []
 
     python = f"PYTHON={sys.executable}"

@@ -9,6 +9,7 @@ import inspect
 import re
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +19,20 @@ import common
 from helpers import load_recipe
 from report.runs import smoke
 
-SCRIPTS = sorted(common.ROOT.glob("0[1-6]_*/*.py"))
-# The Makefile's extra runs: a script and its flags (see EXTRA_RUNS_* there).
-EXTRA_FLAGS = {"optimized_zero_pytorch": [["--stage", "3"]],
-               "optimized_pipeline_pytorch": [["--schedule", "1f1b"], ["--schedule", "dualpipev"]]}
+SCRIPTS = sorted(common.ROOT.glob("[0-9][0-9]_*/*.py"))
+
+
+def makefile_extra_flags() -> dict[str, list[list[str]]]:
+    """The Makefile's extra runs (its EXTRA_RUNS_* lists, "script flags" each, whatever MODEL
+    selects), as each script's lists of flags."""
+    makefile = (common.ROOT / "Makefile").read_text()
+    found: dict[str, list[list[str]]] = {}
+    for script, flags in re.findall(r'"(\d\d_\w+/\w+\.py)( [^"]*)"', makefile):
+        found.setdefault(Path(script).stem, []).append(flags.split())
+    return found
+
+
+EXTRA_FLAGS = makefile_extra_flags()
 
 
 @pytest.fixture(scope="module")
