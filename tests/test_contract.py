@@ -22,6 +22,7 @@ from helpers import cpu_env
 # `<!-- name:start -->` ... `<!-- name:end -->`: where a folder's measured table sits.
 TABLE = re.compile(r"<!-- ([\w-]+):start -->.*?<!-- \1:end -->", re.S)
 TRAINER = re.compile(r"^##+ Use it in your trainer", re.M)
+RUN = re.compile(r"^## Run\b", re.M)
 RECORDS = {"record", "record_sweep"}  # common's two ways a run records itself
 PLANNED_KEYS = {"strategy", "place", "figures"}  # what report/planner.py reads of an entry
 
@@ -127,6 +128,9 @@ def folder_problems(root: Path, folder: Path) -> list[str]:
         if not TABLE.search(text):
             problems.append(f"{where}README.md: no measured table between <!-- name:start --> "
                             "and <!-- name:end --> markers")
+        if not RUN.search(text):
+            problems.append(f"{where}README.md: no '## Run' section (the make target and the "
+                            "direct torchrun line)")
         if not TRAINER.search(text):
             problems.append(f"{where}README.md: no '## Use it in your trainer' section")
     front = root / "README.md"
@@ -196,6 +200,9 @@ OMISSIONS = {
             r"<!-- [\w-]+:(start|end) -->\n", "", (root / "04_zero/README.md").read_text())),
         "04_zero/README.md: no measured table between <!-- name:start --> and <!-- name:end --> "
         "markers"),
+    "README without '## Run'": (
+        lambda root: edit(root / "04_zero/README.md", "## Run", "## Running"),
+        "04_zero/README.md: no '## Run' section (the make target and the direct torchrun line)"),
     "README without 'Use it in your trainer'": (
         lambda root: edit(root / "04_zero/README.md", "## Use it in your trainer", "## Usage"),
         "04_zero/README.md: no '## Use it in your trainer' section"),
@@ -363,6 +370,11 @@ EXAMPLE_OPTIMIZED = '''
 
 EXAMPLE_README = """
     # 99_example: DDP's buckets, as a folder written by following CONTRIBUTING.md
+
+    ## Run
+
+    `make example`, or after `source .venv/bin/activate`:
+    `torchrun --nproc_per_node=2 99_example/optimized_example.py --size tiny`
 
     ## Use it in your trainer
 
