@@ -191,17 +191,28 @@ def shard(model: torch.nn.Module, blocks: list[torch.nn.Module],
         later.set_modules_to_backward_prefetch([earlier])
 
 
-def activation_theory(args, checkpointing: bool) -> float:
-    """MB of activations the blocks save for backward on one rank (see Theory above)."""
-    size = common.SIZES[args.size]
-    tokens, d = args.batch_size * args.seq_len, size.d_model
-    if args.model == "llama":  # 9 x d_model, 4 x the SwiGLU width, a norm scale a RMSNorm
-        per_token = 9 * d + 4 * common.llama_ffn_dim(d) + 2 + size.n_heads
-    else:
-        per_token = 17 * d + size.n_heads
+def activation_bytes(layers: int, tokens: float, hidden: int, heads: int, value_bytes: float,
+                     checkpointing: bool, ffn: int | None = None) -> float:
+    """Bytes `layers` blocks save for backward over `tokens` tokens, `value_bytes` a value (see
+    Theory above; Korthikanti et al. 2022's 34 bytes a token and hidden unit in 16-bit, with
+    flash attention: no seq x seq scores). A token: a GPT block's 17 x `hidden` values, or,
+    `ffn` given (a Llama's SwiGLU width), a Llama layer's 9 x `hidden`, 4 x `ffn` and each of
+    its two RMSNorms' scale for the token; either, a log-sum-exp for each of its `heads`.
+    Checkpointed: each block's input, and while one recomputes, that block's."""
+    per_token = 9 * hidden + 4 * ffn + 2 + heads if ffn else 17 * hidden + heads
     per_block = tokens * per_token
-    saved = size.n_layers * tokens * d + per_block if checkpointing else size.n_layers * per_block
-    return saved * (2 if args.dtype == "bf16" else 4) / 2**20
+    saved = layers * tokens * hidden + per_block if checkpointing else layers * per_block
+    return saved * value_bytes
+
+
+def activation_theory(args, checkpointing: bool) -> float:
+    """MB of activations the blocks save for backward on one rank: activation_bytes of the
+    model's shape and this rank's batch."""
+    size = common.SIZES[args.size]
+    ffn = common.llama_ffn_dim(size.d_model) if args.model == "llama" else None
+    return activation_bytes(size.n_layers, args.batch_size * args.seq_len, size.d_model,
+                            size.n_heads, 2 if args.dtype == "bf16" else 4, checkpointing,
+                            ffn) / 2**20
 
 
 def main():

@@ -4,9 +4,12 @@ spread a decoder over G GPUs, and which to pick."""
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import math
 import re
+import types
+from pathlib import Path
 
 from tabulate import tabulate
 
@@ -19,19 +22,40 @@ GB = 1e9
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
 
 
+def import_script(path: Path) -> types.ModuleType:
+    """A numbered folder's script imported by path, under a name of its own (its `__main__`
+    guard keeps it from running). The scripts import only common, never each other: the
+    planner is where they meet."""
+    spec = importlib.util.spec_from_file_location(f"planned_{path.parent.name}_{path.stem}",
+                                                  path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def script_function(path: Path, name: str):
+    """The function `name` of the script at `path` (imported once)."""
+    return getattr(import_script(path), name)
+
+
 def activations_per_gpu(layers: int, seq: int, batch: int, hidden: int, vocab: int, dtype: str,
-                        checkpointing: bool, stage_layers: int | None = None,
-                        in_flight: int = 1) -> float:
-    """Activation bytes saved for backward. Per layer and micro-batch 34 bytes per s.b.h element
-    in 16-bit (Korthikanti et al. 2022, with flash attention: no s x s scores), twice that in
-    fp32. Checkpointing keeps each layer's input (s.b.h) and recomputes one layer at a time.
-    Plus the logits and their gradient in fp32 (2 x s.b.V x 4). A pipeline stage keeps
-    `in_flight` micro-batches of its `stage_layers` (1F1B: as many as there are stages)."""
-    unit = seq * batch * hidden * (2 if dtype == "bf16" else 4)  # one s.b.h tensor
-    layer = 17 * unit  # 34 bytes per s.b.h element in 16-bit is 17 tensors of the shape
-    held = stage_layers if stage_layers is not None else layers
-    kept = (held * unit + layer) if checkpointing else held * layer
-    return in_flight * kept + 8 * seq * batch * vocab
+                        checkpointing: bool, llama: bool = False, heads: int | None = None,
+                        stage_layers: int | None = None, in_flight: int = 1) -> float:
+    """Activation bytes saved for backward: the blocks' (03_fsdp/optimized_fsdp_fp8.py's
+    activation_bytes, a GPT's blocks or with `llama` a Llama's, `dtype`'s bytes a value; a
+    pipeline stage keeps `in_flight` micro-batches of its `stage_layers`, 1F1B as many as
+    there are stages) and, the planner's own term for the loss, the logits and their gradient
+    in fp32 (2 x seq x batch x vocab x 4), which that script leaves out."""
+    activation_bytes = script_function(common.ROOT / "03_fsdp" / "optimized_fsdp_fp8.py",
+                                       "activation_bytes")
+    # The flags give no head count: heads of 128 (Llama's), unless told. Their term, a
+    # log-sum-exp a head and token, is about 1/2000 of the rest.
+    heads = hidden // 128 if heads is None else heads
+    blocks = activation_bytes(stage_layers if stage_layers is not None else layers,
+                              seq * batch, hidden, heads, 2 if dtype == "bf16" else 4,
+                              checkpointing, common.llama_ffn_dim(hidden) if llama else None)
+    return in_flight * blocks + 8 * seq * batch * vocab
 
 
 def tp_degree(gpus: int, per_node: int) -> int:
@@ -72,12 +96,8 @@ def planned_strategies() -> list[dict]:
         if not path.name.startswith(("optimized_", "baseline_")) or \
                 not re.search(r"^PLANNED = \[(?!\])", path.read_text(), re.MULTILINE):
             continue
-        spec = importlib.util.spec_from_file_location(f"planned_{path.parent.name}_{path.stem}",
-                                                      path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
         entries += [{**entry, "script": f"{path.parent.name}/{path.name}"}
-                    for entry in module.PLANNED]
+                    for entry in import_script(path).PLANNED]
     return sorted(entries, key=lambda entry: entry["place"])
 
 
@@ -92,13 +112,15 @@ def pipeline_depths(args: argparse.Namespace, tp: int) -> list[int]:
 
 def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpointing: bool
                 ) -> dict:
-    """A table row from a strategy's figures (bytes a GPU): its activations (Korthikanti's
-    estimate, a pipeline stage's layers and micro-batches in flight) beside the weights it
-    holds gathered; whether it fits; what a GPU sends across nodes (all of it, unless the
-    figures say) for how many sequences a step (one a GPU, unless the figures say)."""
+    """A table row from a strategy's figures (bytes a GPU): its activations
+    (activations_per_gpu, a pipeline stage's layers and micro-batches in flight) beside the
+    weights it holds gathered; whether it fits; what a GPU sends across nodes (all of it,
+    unless the figures say) for how many sequences a step (one a GPU, unless the figures
+    say)."""
     acts = activations_per_gpu(args.layers, args.seq_len, args.micro_batch, args.hidden,
-                               args.vocab, args.dtype, checkpointing,
-                               figures.get("stage_layers"), figures.get("in_flight", 1))
+                               args.vocab, args.dtype, checkpointing, args.llama,
+                               stage_layers=figures.get("stage_layers"),
+                               in_flight=figures.get("in_flight", 1))
     gathered = figures.get("gathered", 0.0)
     total = figures["state"] + acts + gathered
     across = figures["sent"] if args.gpus > args.gpus_per_node else 0.0
@@ -143,12 +165,13 @@ def row_name(row: dict) -> str:
 
 
 def why_picked(rows: list[dict], best: dict, gpu_mem: float) -> str:
-    """`choose`'s pick and why, in a sentence: what it needs, what the simplest (DDP) or
-    anything without checkpointing would need, and across nodes, what it sends there against
-    the next best that fits."""
+    """`choose`'s pick and why, in a sentence: what it needs, what the simplest (DDP, if
+    planned) or anything without checkpointing would need, and across nodes, what it sends
+    there against the next best that fits."""
     why = [f"{best['total'] / GB:,.1f} of {gpu_mem:g} GB a GPU"]
-    ddp = rows[0]  # DDP without checkpointing: the whole model and its state on every GPU
-    if best is not ddp:
+    # DDP without checkpointing: the whole model and its state on every GPU
+    ddp = next((r for r in rows if r["strategy"] == "DDP" and not r["checkpointing"]), None)
+    if ddp is not None and best is not ddp:
         why.append(f"DDP needs {ddp['total'] / GB:,.1f}")
     if best["checkpointing"]:
         leanest = min((r for r in rows if not r["checkpointing"]), key=lambda r: r["total"])
