@@ -87,7 +87,12 @@ def test_the_deliberate_copies_are_marked():
                 "optimized_pipeline_gpipe.py", "optimized_pipeline_1f1b.py",
                 "optimized_pipeline_pytorch.py", "optimized_pipeline_3d.py")),
             ("optimized_zero_pytorch.py", "zero1_bytes"),
-            ("optimized_zero_pytorch.py", "zero3_bytes")} <= marked
+            ("optimized_zero_pytorch.py", "zero3_bytes"),
+            # the sequence-parallel stream and loss_parallel's all-reduces, 03's 2-D source
+            *((name, "sequence_parallel_bytes") for name in (
+                "optimized_pipeline_3d.py", "baseline_symmem_tp.py", "optimized_symmem_tp.py",
+                "optimized_symmem_tp_pytorch.py")),
+            ("optimized_pipeline_3d.py", "loss_parallel_bytes")} <= marked
 
 
 def test_every_marker_stands_right_above_its_definition_and_names_a_source():
