@@ -360,8 +360,8 @@ def test_the_decision_matrix_cases():
 
 def test_plan_alone_shows_the_cases():
     """`make plan` with no ARGS: the worked cases, as --cases prints them, not an error."""
-    alone = subprocess.run(["make", "plan", f"PYTHON={sys.executable}"], cwd=common.ROOT,
-                           capture_output=True, text=True, timeout=120)
+    alone = subprocess.run(["make", "--no-print-directory", "plan", f"PYTHON={sys.executable}"],
+                           cwd=common.ROOT, capture_output=True, text=True, timeout=120)
     cases = plan("--cases")
     assert alone.returncode == 0, alone.stderr
     assert alone.stdout == cases.stdout and "LLaMA-70B on 64 GPUs" in alone.stdout
