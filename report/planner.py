@@ -22,21 +22,16 @@ GB = 1e9
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
 
 
+@functools.cache
 def import_script(path: Path) -> types.ModuleType:
-    """A numbered folder's script imported by path, under a name of its own (its `__main__`
-    guard keeps it from running). The scripts import only common, never each other: the
-    planner is where they meet."""
+    """A numbered folder's script imported by path, once, under a name of its own (its
+    `__main__` guard keeps it from running). The scripts import only common, never each other:
+    the planner is where they meet."""
     spec = importlib.util.spec_from_file_location(f"planned_{path.parent.name}_{path.stem}",
                                                   path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@functools.cache
-def script_function(path: Path, name: str):
-    """The function `name` of the script at `path` (imported once)."""
-    return getattr(import_script(path), name)
 
 
 def activations_per_gpu(layers: int, seq: int, batch: int, hidden: int, vocab: int, dtype: str,
@@ -47,8 +42,8 @@ def activations_per_gpu(layers: int, seq: int, batch: int, hidden: int, vocab: i
     pipeline stage keeps `in_flight` micro-batches of its `stage_layers`, 1F1B as many as
     there are stages) and, the planner's own term for the loss, the logits and their gradient
     in fp32 (2 x seq x batch x vocab x 4), which that script leaves out."""
-    activation_bytes = script_function(common.ROOT / "03_fsdp" / "optimized_fsdp_fp8.py",
-                                       "activation_bytes")
+    activation_bytes = import_script(common.ROOT / "03_fsdp" / "optimized_fsdp_fp8.py"
+                                     ).activation_bytes
     # The flags give no head count: heads of 128 (Llama's), unless told. Their term, a
     # log-sum-exp a head and token, is about 1/2000 of the rest.
     heads = hidden // 128 if heads is None else heads

@@ -21,8 +21,6 @@ from report.results_table import max_loss_diff, over_tolerance
 
 _SCRIPT_ERROR = re.compile(r"^(\S+\.py: error: .*|rank \d+ failed: .*)$", re.M)
 _FIRST_DEATH = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
-
-
 _EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.*)$", re.M)
 _BUSY_PORT = re.compile(r"port: (\d+)\b.*EADDRINUSE")
 
