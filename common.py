@@ -5,6 +5,7 @@ file is enough to run it. What reads results back (report, charts, planner) is t
 Sections, in reading order:
     Sizes and the workload   presets, the GPT and Llama decoders, a ResNet, the parts a technique
                              is given (blocks, embedding, head), synthetic data split by rank
+                             and, for context parallelism, by sequence chunks (zigzag or not)
     CLI                      the shared flags, one-line errors, a run's variant, --check-flags,
                              `resolved`: values derived for the host beside the parsed flags
     Topology                 torchrun, srun or a world of one: device, backend, process group
@@ -206,10 +207,14 @@ class GPT(Decoder):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: the tokens' places in their sequence, when they are a shard of it (context
+        parallelism; the attention then sees the rest); default 0..T-1."""
         with torch.autocast(tokens.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
-            pos = torch.arange(tokens.shape[1], device=tokens.device)
+            pos = torch.arange(tokens.shape[1], device=tokens.device) if positions is None \
+                else positions
             x = self.tok_emb(tokens) + self.pos_emb(pos)
             for block in self.blocks:
                 x = block(x)
@@ -240,10 +245,13 @@ def llama_param_count(size: Size) -> int:
 
 
 def rotary_table(seq: int, head_dim: int, device: torch.device, dtype: torch.dtype,
-                 base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position x frequency, (seq, head_dim): computed in fp32, in `dtype`."""
+                 base: float, positions: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x frequency, (seq, head_dim): computed in fp32, in `dtype`, at
+    positions 0..seq-1 or at `positions` (a sequence shard's own: the same rows, to the bit)."""
     freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angle = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), freq)
+    at = torch.arange(seq, device=device) if positions is None else positions
+    angle = torch.outer(at.to(torch.float32), freq)
     angle = torch.cat([angle, angle], dim=-1)
     return angle.cos().to(dtype), angle.sin().to(dtype)
 
@@ -257,16 +265,20 @@ def cached_rotary_table(*key) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_table(*key)
 
 
-def apply_rotary(x: torch.Tensor, base: float = 10_000.0) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, base: float = 10_000.0,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary position embedding of x (batch, heads, seq, head_dim), HuggingFace Llama's layout:
     the first and second halves of each head are the pairs rotated by position x frequency.
     From the shape alone (the table cached by length, head size, device, dtype and base), so a
-    layer holds no table and a pipeline stage needs no positions."""
+    layer holds no table and a pipeline stage needs no positions; a sequence shard passes its
+    tokens' global `positions` (context parallelism), and its table is built for them."""
     key = (x.shape[-2], x.shape[-1], x.device, x.dtype, float(base))
     # compiled code builds the table in its graph, where the compiler folds the constants (it
     # would trace past a cache, and warn)
-    build = rotary_table if torch.compiler.is_compiling() else cached_rotary_table
-    cos, sin = build(*key)
+    if positions is not None:
+        cos, sin = rotary_table(*key, positions)
+    else:
+        cos, sin = (rotary_table if torch.compiler.is_compiling() else cached_rotary_table)(*key)
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
@@ -284,12 +296,15 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
         self.attention = attention
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = apply_rotary(q), apply_rotary(k)
-        if self.attention is not causal_sdpa:  # SDPA groups the KV heads itself, uncopied
+        q, k = apply_rotary(q, positions=positions), apply_rotary(k, positions=positions)
+        # SDPA groups the KV heads itself, uncopied, as does an attention that says it takes them
+        # (context parallelism's, which sends only the KV heads to its peers)
+        if self.attention is not causal_sdpa and not getattr(self.attention, "takes_kv_heads",
+                                                             False):
             # each KV head serves n_heads / n_kv_heads query heads, next to each other (HF's
             # repeat_kv): an attention written for equal head counts gets each one repeated
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
@@ -316,8 +331,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(size.d_model, eps=1e-6)
         self.mlp = LlamaMLP(size.d_model, llama_ffn_dim(size.d_model))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -331,10 +346,11 @@ class LlamaModel(nn.Module):
                                     for _ in range(size.n_layers))
         self.norm = nn.RMSNorm(size.d_model, eps=1e-6)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, positions)
         return self.norm(x)
 
 
@@ -357,10 +373,12 @@ class Llama(Decoder):
             if p.dim() == 2:  # HuggingFace's initializer_range; RMSNorm weights stay 1
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` as `GPT.forward`'s: the rotary angles of a sequence shard's own tokens."""
         with torch.autocast(tokens.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
-            logits = self.lm_head(self.model(tokens))
+            logits = self.lm_head(self.model(tokens, positions))
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def pipeline_layers(self) -> list[nn.Module]:
@@ -439,12 +457,30 @@ def rank_slice(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return batch[rank * per_rank:(rank + 1) * per_rank]
 
 
+def sequence_positions(seq_len: int, rank: int, world: int, zigzag: bool = True) -> torch.Tensor:
+    """The global positions rank `rank` of a context-parallel group of `world` holds of each
+    sequence. Zigzag (head-tail): the sequence cut into 2 x world equal chunks, rank r holding
+    chunks r and 2 x world - 1 - r, so every rank has as many early tokens (little causal
+    attention) as late ones (much); else chunk r of `world`. A length that does not cut refuses."""
+    chunks = 2 * world if zigzag else world
+    if seq_len % chunks:
+        raise ValueError(f"--seq-len {seq_len} does not cut into {chunks} equal chunks "
+                         f"({'2 a rank, zigzag, ' if zigzag else ''}{world} ranks): use a "
+                         f"multiple of {chunks}")
+    size = seq_len // chunks
+    mine = [rank, chunks - 1 - rank] if zigzag else [rank]
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in mine])
+
+
 def workload(args: argparse.Namespace, topo: Topology, attention: Callable = causal_sdpa,
-             dp_rank: int | None = None, dp_world: int | None = None
+             dp_rank: int | None = None, dp_world: int | None = None,
+             positions: torch.Tensor | None = None
              ) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The model (same init on every rank) and this rank's (inputs, targets) for every step,
     made up front. Data-parallel rank `dp_rank` of `dp_world` (default: all ranks) takes its
-    slice of each global batch, so N ranks with batch b see the samples of one with batch N*b."""
+    slice of each global batch, so N ranks with batch b see the samples of one with batch N*b.
+    `positions` (`sequence_positions`): the columns of each sequence this rank holds, a context-
+    parallel shard; the model is then called with them, `model(inputs, targets, positions)`."""
     dp_rank = topo.rank if dp_rank is None else dp_rank
     dp_world = topo.world_size if dp_world is None else dp_world
     size = SIZES[args.size]
@@ -458,6 +494,8 @@ def workload(args: argparse.Namespace, topo: Topology, attention: Callable = cau
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
         else:
             inputs, targets = global_image_batch(size, global_batch, step, args.seed)
+        if positions is not None:
+            inputs, targets = inputs[:, positions], targets[:, positions]
         batches.append((rank_slice(inputs, dp_rank, dp_world).to(topo.device),
                         rank_slice(targets, dp_rank, dp_world).to(topo.device)))
     if args.model == "gpt":

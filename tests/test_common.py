@@ -886,3 +886,35 @@ def _reduce_scatter_equals_gloos_own(rank: int, world: int, port: int) -> None:
 def test_reduce_scatter_on_gloo_equals_reduce_scatter_tensor(world):
     torch.multiprocessing.spawn(_reduce_scatter_equals_gloos_own,
                                 args=(world, common.free_port()), nprocs=world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_sequence_positions_cut_every_position_once(world, zigzag):
+    shards = [common.sequence_positions(24, r, world, zigzag) for r in range(world)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(24))
+    assert {len(s) for s in shards} == {24 // world}
+    if zigzag:  # rank r: chunks r and 2w-1-r, so each rank's mean position is the same
+        assert {s.float().mean().item() for s in shards} == {11.5}
+
+
+def test_a_sequence_that_does_not_cut_refuses_in_one_line():
+    with pytest.raises(ValueError, match=r"--seq-len 30 does not cut into 8 equal chunks .*"
+                                         r"multiple of 8"):
+        common.sequence_positions(30, 0, 4)
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+def test_a_model_given_its_own_positions_computes_the_same_loss(model_name):
+    """positions 0..T-1 passed explicitly are the default, to the bit (rotary's table built from
+    them equals the cached one); a shard's positions reach the embeddings or the rotary angles."""
+    size = common.SIZES["tiny"]
+    torch.manual_seed(0)
+    model = common.GPT(size, 16) if model_name == "gpt" else common.Llama(size)
+    tokens = common.global_token_batch(size, 16, 2, 0, seed=0)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    assert torch.equal(model(x, y), model(x, y, positions=torch.arange(16)))
+    # a zigzag shard (chunks 0 and 3 of 4): a gap in the positions, which rotary sees too
+    shard = common.sequence_positions(16, 0, 2)
+    xs, ys = x[:, shard], y[:, shard]
+    assert not torch.equal(model(xs, ys, positions=shard), model(xs, ys))
