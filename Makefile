@@ -192,7 +192,8 @@ EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1
 
 # Runs on a mesh of several dims, each after a DDP baseline of its world: on CPU at the smallest
 # world that has every dim with dp >= 2 (03's dp x tp: 4 processes; 05's pp x dp x tp: 8), on
-# GPUs at NPROC. Scripts only these runs start are left out of the folder's NPROC runs.
+# GPUs at NPROC. Scripts only these runs start are left out of the folder's NPROC runs. An entry
+# may carry flags, as "script flags" (a run at a length only the mesh's world holds).
 MESH_RUNS_fsdp := 03_fsdp/baseline_fsdp.py 03_fsdp/optimized_fsdp_tp.py
 MESH_RUNS_pipeline := 05_pipeline/baseline_pipeline_3d.py 05_pipeline/optimized_pipeline_3d.py
 MESH_NPROC_fsdp := $(if $(filter-out 0,$(GPUS)),$(NPROC),4)
@@ -249,9 +250,9 @@ $(TECHNIQUES): %: preflight
 		script=$${run%% *}; flags=$${run#$$script}; \
 		$(launch); \
 	done; nproc=$(MESH_NPROC_$@); \
-	for script in $(MESH_RUNS_$@); do \
-		flags=; \
-		if [ $$nproc = $(NPROC) ] && ! echo " $(MESH_ONLY) " | grep -qF " $$script "; then continue; fi; \
+	for run in $(MESH_RUNS_$@); do \
+		script=$${run%% *}; flags=$${run#$$script}; \
+		if [ $$nproc = $(NPROC) ] && [ -z "$$flags" ] && ! echo " $(MESH_ONLY) " | grep -qF " $$script "; then continue; fi; \
 		$(launch); \
 	done; exit $$status
 

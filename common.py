@@ -980,6 +980,7 @@ class PlanInput:
     micro_batches: int | None  # a pipeline's m; None: the strategy's default
     tp: int  # the composed layouts' tensor-parallel degree
     pp: int  # PP x FSDP x TP's stages (1 for the other layouts)
+    cp: int  # FSDP x CP's context-parallel degree: the ranks a sequence is cut across (else 1)
     embedding: float  # the input tables: token, and position if learned
     head: float  # an untied output head's (0 if tied to the token table)
     tied: float  # the token table a tied head repeats on the last stage (0 if untied)

@@ -59,7 +59,8 @@ def tp_degree(gpus: int, per_node: int) -> int:
     return math.gcd(gpus, per_node)
 
 
-def plan_input(args: argparse.Namespace, tp: int = 1, pp: int = 1) -> common.PlanInput:
+def plan_input(args: argparse.Namespace, tp: int = 1, pp: int = 1, cp: int = 1
+               ) -> common.PlanInput:
     """The planner's flags as the numbers a script's formulas take: GPT-2's layout (token and
     position tables, the head tied to the token table, LayerNorms with biases, 2 a layer and
     the final one, and the row-parallel Linears' biases, 2 a layer, which TP keeps whole), or
@@ -78,7 +79,7 @@ def plan_input(args: argparse.Namespace, tp: int = 1, pp: int = 1) -> common.Pla
     return common.PlanInput(params=args.params, gpus=args.gpus, per_node=args.gpus_per_node,
                             state_bytes=STATE_BYTES[args.dtype], layers=layers, hidden=h,
                             vocab=args.vocab, seq=args.seq_len, micro_batch=args.micro_batch,
-                            micro_batches=args.micro_batches, tp=tp, pp=pp, **parts)
+                            micro_batches=args.micro_batches, tp=tp, pp=pp, cp=cp, **parts)
 
 
 def planned_strategies() -> list[dict]:
@@ -105,14 +106,24 @@ def pipeline_depths(args: argparse.Namespace, tp: int) -> list[int]:
     return [pp for pp in range(2, min(across, args.layers) + 1) if across % pp == 0]
 
 
+def context_degrees(args: argparse.Namespace) -> list[int]:
+    """The cp FSDP x CP may take: each divisor of a node's GPUs from 2 up (the ring of K/V
+    blocks stays inside the node) that also divides the GPUs and cuts the sequence into 2 x cp
+    equal chunks (zigzag)."""
+    per_node = min(args.gpus, args.gpus_per_node)
+    return [cp for cp in range(2, per_node + 1)
+            if per_node % cp == 0 and args.gpus % cp == 0 and args.seq_len % (2 * cp) == 0]
+
+
 def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpointing: bool
                 ) -> dict:
     """A table row from a strategy's figures (bytes a GPU): its activations
-    (activations_per_gpu, a pipeline stage's layers and micro-batches in flight) beside the
-    weights it holds gathered; whether it fits; what a GPU sends across nodes (all of it,
-    unless the figures say) for how many sequences a step (one a GPU, unless the figures
-    say)."""
-    acts = activations_per_gpu(args.layers, args.seq_len, args.micro_batch, args.hidden,
+    (activations_per_gpu, a pipeline stage's layers and micro-batches in flight, a context-
+    parallel GPU's 1/cp of each sequence) beside the weights it holds gathered; whether it fits;
+    what a GPU sends across nodes (all of it, unless the figures say) for how many sequences a
+    step (one a GPU, unless the figures say)."""
+    acts = activations_per_gpu(args.layers, args.seq_len // figures.get("cp", 1),
+                               args.micro_batch, args.hidden,
                                args.vocab, args.dtype, checkpointing, args.llama,
                                stage_layers=figures.get("stage_layers"),
                                in_flight=figures.get("in_flight", 1))
@@ -130,12 +141,16 @@ def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpoi
 def plan_strategies(args: argparse.Namespace) -> list[dict]:
     """Every planned strategy, with and without activation checkpointing, at the planner's
     flags. A pipelined one (PP x FSDP x TP) at the smallest pp at which it fits (fewest stages:
-    the least bubble), else at the largest (the leanest); none if no pp divides the GPUs."""
+    the least bubble), else at the largest (the leanest); none if no pp divides the GPUs. A
+    context-parallel one (FSDP x CP) likewise at the smallest cp (the fewest K/V blocks passed)."""
     tp = tp_degree(args.gpus, args.gpus_per_node)
     rows = []
     for entry in planned_strategies():
-        depths = pipeline_depths(args, tp) if entry.get("pipelined") else [1]
-        figures = [entry["figures"](plan_input(args, tp, pp)) for pp in depths]
+        if entry.get("context_parallel"):
+            figures = [entry["figures"](plan_input(args, cp=cp)) for cp in context_degrees(args)]
+        else:
+            depths = pipeline_depths(args, tp) if entry.get("pipelined") else [1]
+            figures = [entry["figures"](plan_input(args, tp, pp)) for pp in depths]
         for checkpointing in (False, True) if figures else ():
             tried = [planned_row(args, entry["strategy"], f, checkpointing) for f in figures]
             rows.append(next((r for r in tried if r["fits"]), tried[-1]))

@@ -162,7 +162,7 @@ def decoder(**numbers) -> common.PlanInput:
     """A 1e9-parameter decoder of 32 layers with no tables (what shards is all of it)."""
     parts = {"params": 1e9, "gpus": 8, "per_node": 8, "state_bytes": (4, 4, 8), "layers": 32,
              "hidden": 4096, "vocab": 32000, "seq": 4096, "micro_batch": 1,
-             "micro_batches": None, "tp": 1, "pp": 1, "embedding": 0.0, "head": 0.0,
+             "micro_batches": None, "tp": 1, "pp": 1, "cp": 1, "embedding": 0.0, "head": 0.0,
              "tied": 0.0, "replicated": 0.0, "norms": 0.0, "position_table": False}
     return common.PlanInput(**{**parts, **numbers})
 
