@@ -1,0 +1,233 @@
+"""DeepSpeed-Ulysses context parallelism: all-to-all from sequence shards to head shards and back.
+
+What it does: the ranks of a cp group each hold a contiguous 1/cp of every sequence (embeddings,
+MLP, norms and the loss run on that chunk alone). Before attention one all-to-all each for q, k
+and v turns (batch, heads, T/cp, head_dim) into (batch, heads/cp, T, head_dim): every rank then
+holds whole sequences for its own heads, runs ordinary causal SDPA on them, and one all-to-all
+turns the output back into sequence chunks. A Llama sends only its KV heads (GQA): query heads
+r x H/cp.. meet KV heads r x KVH/cp.. on rank r, as HF's repeat_kv pairs them. Backward is the
+same all-to-alls reversed. DDP averages the gradients over the whole world (dp x cp).
+Why it helps: a rank holds T/cp tokens of each sequence, so sequences cp times longer than one
+rank could hold train; the attention itself is unchanged (any kernel, exact, no ring merging),
+and its bytes per rank do not grow with cp. Heads (and KV heads) must divide by cp.
+Run:        torchrun --nproc_per_node=2 07_context/optimized_context_ulysses.py --size small
+            [--model llama] [--cp 2]   (4 processes with --cp 2: dp 2 x cp 2)
+Look for:   `make context report`: the same losses as baseline_context (fp32: to rounding) at
+            the same global batch; comm MB with ulysses_mb beside its theory.
+Theory:     a rank sends per layer 4 all-to-alls forward (q, k, v in, the output back) and 4
+            backward, each (cp-1)/cp of its tensor: 2 x 2 x (cp-1)/cp x tokens x head_dim x
+            (heads + KV heads) x value bytes a layer, tokens = this rank's (batch x T/cp); plus
+            DDP's 2(N-1)/N x gradient bytes. Activations and attention FLOPs: baseline_context's
+            formulas at this rank's share (T/cp tokens; heads/cp over all T).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+# Exact: every rank computes the baseline's attention for its heads over the whole sequence; only
+# the mean loss and DDP's sums group the same numbers differently (fp32 measured: 2e-7 at tiny).
+# Under bf16 autocast such last-bit differences grow through the steps by bf16's resolution.
+LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+# No planner row yet: the planner plans parameter state, and Ulysses moves activations.
+PLANNED = []
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single of equal chunks along dim 0 (chunk j to rank j, chunk i from rank i), as
+    an autograd op. Such an exchange is its own inverse, so backward sends the gradient back the
+    same way. Through c10d's all_to_all_single, which `common.CollectiveBytes` counts."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int,
+               group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """x cut into cp equal chunks along `scatter_dim`, chunk j sent to rank j of `group`; what
+    arrives is joined along `gather_dim` in rank order (rank i's chunk i-th)."""
+    cp = dist.get_world_size(group)
+    received = AllToAll.apply(torch.stack(x.chunk(cp, dim=scatter_dim)), group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class UlyssesAttention:
+    """Causal attention over sequences cut into contiguous chunks across `group` (rank r holding
+    chunk r): q, k, v (batch, heads, T/cp, head_dim) in, the output in the same layout out. k and
+    v may have fewer heads than q (GQA): only those travel, and `attention` (default SDPA, which
+    groups them itself) sees each rank's query heads with the KV heads they share."""
+
+    takes_kv_heads = True  # the model hands over K and V unrepeated
+
+    def __init__(self, group: dist.ProcessGroup | None = None, attention=common.causal_sdpa):
+        self.group, self.attention = group, attention
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # sequence-sharded -> head-sharded: send heads, gather the sequence
+        q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=self.group)
+                   for t in (q, k, v))
+        out = self.attention(q, k, v)
+        return all_to_all(out, scatter_dim=2, gather_dim=1, group=self.group)
+
+
+def heads_problem(heads: int, kv_heads: int, cp: int) -> str | None:
+    """Why Ulysses cannot cut `heads` query and `kv_heads` KV heads over cp ranks (None: it can)."""
+    if heads % cp or kv_heads % cp:
+        return (f"--cp {cp} does not divide the {heads} attention heads and {kv_heads} KV "
+                f"heads: Ulysses gives each rank whole heads, use a --cp that divides both")
+    return None
+
+
+def kv_heads(model: str, size: common.Size) -> int:
+    """The heads K and V have: a Llama's KV heads (GQA), else one for each query head."""
+    return size.n_kv_heads if model == "llama" else size.n_heads
+
+
+def ulysses_bytes(layers: int, tokens: int, heads: int, kv_heads: int, head_dim: int, cp: int,
+                  value_bytes: int) -> float:
+    """Bytes a rank sends a step in Ulysses' all-to-alls, `tokens` its own (batch x T/cp): per
+    layer q and the output (heads each) and k, v (kv_heads each), forward and backward, each
+    all-to-all keeping 1/cp of its tensor at home."""
+    values = tokens * head_dim * (2 * heads + 2 * kv_heads)
+    return layers * 2 * (cp - 1) / cp * values * value_bytes
+
+
+# Copied from 03_fsdp/optimized_fsdp_fp8.py: activation_bytes
+def activation_bytes(layers: int, tokens: float, hidden: int, heads: int, value_bytes: float,
+                     checkpointing: bool, ffn: int | None = None) -> float:
+    """Bytes `layers` blocks save for backward over `tokens` tokens, `value_bytes` a value (see
+    Theory above; Korthikanti et al. 2022's 34 bytes a token and hidden unit in 16-bit, with
+    flash attention: no seq x seq scores). A token: a GPT block's 17 x `hidden` values, or,
+    `ffn` given (a Llama's SwiGLU width), a Llama layer's 9 x `hidden`, 4 x `ffn` and each of
+    its two RMSNorms' scale for the token; either, a log-sum-exp for each of its `heads`.
+    Checkpointed: each block's input, and while one recomputes, that block's."""
+    per_token = 9 * hidden + 4 * ffn + 2 + heads if ffn else 17 * hidden + heads
+    per_block = tokens * per_token
+    saved = layers * tokens * hidden + per_block if checkpointing else layers * per_block
+    return saved * value_bytes
+
+
+# Copied from 07_context/baseline_context.py: activation_mb
+def activation_mb(args, tokens: int) -> float:
+    """MB a rank saves for backward over `tokens` tokens of its own: the blocks'
+    (activation_bytes) and the loss's fp32 logits, kept by cross-entropy for backward."""
+    size = common.SIZES[args.size]
+    ffn = common.llama_ffn_dim(size.d_model) if args.model == "llama" else None
+    value_bytes = 2 if args.dtype == "bf16" else 4
+    blocks = activation_bytes(size.n_layers, tokens, size.d_model, size.n_heads, value_bytes,
+                              False, ffn)
+    return (blocks + tokens * size.vocab_size * 4) / 2**20
+
+
+# Copied from 07_context/baseline_context.py: attention_flops
+def attention_flops(positions: torch.Tensor, d_model: int) -> float:
+    """Forward FLOPs of causal attention for the queries at `positions` of one sequence: query p
+    takes the dot products with, and the weighted sum of, the p + 1 keys at or before it, 2 x 2
+    x d_model FLOPs a key. Where the queries sit decides the work: the late ones cost most."""
+    return 4.0 * d_model * float((positions.double() + 1).sum())
+
+
+# Copied from 01_ddp/baseline_ddp_flash.py: block_gradient_mb
+def block_gradient_mb(block: torch.nn.Module) -> float:
+    """One transformer block's gradient bytes: the bucket size that aligns buckets with blocks."""
+    return sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
+
+
+# Copied from 01_ddp/baseline_ddp_flash.py: wrap_ddp
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
+             group: dist.ProcessGroup | None = None) -> DDP:
+    """DDP for long context. With O(T) attention activations the gradients are a large share of
+    the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
+    one block's gradients let a block's all-reduce start as soon as its backward ends and run
+    under the next block's. Over the ranks of `group` (None: the world), from its first rank's
+    weights."""
+    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+
+
+def theory(settings, world: int, cp: int, grad_bytes: int) -> dict[str, float]:
+    """The run's predicted figures, from its shapes: bytes sent (DDP's and Ulysses'), this rank's
+    activations and attention GFLOP (whole sequences, heads/cp of the heads)."""
+    size = common.SIZES[settings.size]
+    tokens = settings.batch_size * settings.seq_len // cp  # this rank's
+    ulysses = ulysses_bytes(size.n_layers, tokens, size.n_heads, kv_heads(settings.model, size),
+                            size.d_model // size.n_heads, cp,
+                            2 if settings.dtype == "bf16" else 4) / 2**20
+    attention_gflop = settings.batch_size * size.n_layers * attention_flops(
+        torch.arange(settings.seq_len), size.d_model) / cp / 1e9
+    return {"activations_mb": activation_mb(settings, tokens), "attention_gflop": attention_gflop,
+            "comm_mb": common.ring_allreduce_mb(grad_bytes, world) + ulysses,
+            "ulysses_mb": ulysses}
+
+
+def main():
+    parser = common.parser(__doc__, long_context=True, skips={
+        "resnet": "a ResNet has no sequence to split: context parallelism runs --model gpt or "
+                  "llama"})
+    parser.add_argument("--cp", type=common.int_at_least(1), default=None,
+                        help="ranks that share each sequence (default: the world); divides the "
+                             "world, the heads and the sequence length")
+    parser.set_defaults(batch_size=0)  # default: the baseline's global batch (below)
+    args = parser.parse_args()
+    world = common.launch_world_size()
+    cp = args.cp or world
+    size = common.SIZES[args.size]
+    if world % cp:
+        parser.error(f"--cp {cp} does not divide the world size {world}: use a divisor of it")
+    if why := heads_problem(size.n_heads, kv_heads(args.model, size), cp):
+        parser.error(f"{why} (--size {args.size}, --model {args.model})")
+    if args.seq_len % cp:
+        parser.error(f"--seq-len {args.seq_len} does not cut into {cp} equal chunks: use a "
+                     f"multiple of {cp}")
+    # a dp rank's cp ranks share its sequences: the baseline's global batch and tokens per rank
+    settings = common.resolved(args, batch_size=args.batch_size or size.long_batch_size * cp)
+    topo = common.setup(settings)
+    mesh = init_device_mesh(topo.device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    # this rank's contiguous chunk of every sequence; the dp rank's sequences
+    positions = common.sequence_positions(settings.seq_len, mesh.get_local_rank("cp"), cp,
+                                          zigzag=False)
+    attention = UlyssesAttention(mesh["cp"].get_group())
+    model, batches = common.workload(settings, topo, attention=attention,
+                                     dp_rank=mesh.get_local_rank("dp"), dp_world=world // cp,
+                                     positions=positions)
+    positions = positions.to(topo.device)
+    model = wrap_ddp(model, topo, block_gradient_mb(common.transformer_blocks(model)[0]))
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+
+    def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)
+        loss = model(inputs, targets, positions)
+        loss.backward()
+        opt.step()
+        return loss
+
+    stats = common.timed_steps(train_step, batches, settings, topo, memory_of=(model, opt),
+                               dp_world=world // cp)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ulysses_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items()
+                     if kind.startswith("alltoall"))
+    common.record(settings, topo, stats, baseline="baseline_context", model=model.module,
+                  optimizer=opt, comm_mb=stats.comm_mb, dp_world=world // cp, cp=cp,
+                  ulysses_mb=round(ulysses_mb, 3), loss_tolerance=LOSS_TOLERANCE[args.dtype],
+                  theory=theory(settings, world, cp, grad_bytes))
+
+
+if __name__ == "__main__":
+    common.run_main(main)
