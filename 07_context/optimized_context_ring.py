@@ -1,0 +1,373 @@
+"""Ring attention by hand: each rank holds a slice of every sequence; K and V travel the ring.
+
+What it does: context parallelism. The cp ranks of a group each hold 2 of every sequence's 2 x cp
+chunks, zigzag: rank r chunks r and 2cp-1-r, an early and a late one, so the causal work evens
+out (`--balance none`: chunk r of cp, to see the imbalance). Attention is an autograd function:
+forward passes the K/V blocks (the KV heads only) round the ring, the next block's isend/irecv
+posted before this one's attention runs (`--no-overlap`: wait first), and merges block outputs
+by their log-sum-exp; backward sends K/V round again, recomputes each block from the merged
+log-sum-exp, and dK/dV travel with their K/V, home after the last step. Each rank's tokens take
+their global positions (GPT's learned table, Llama's rotary); DDP averages over all ranks.
+Why it helps: a rank holds T/cp of each sequence, so its activations shrink cp-fold and a
+sequence cp times longer fits; fused block kernels keep no T x T scores, and the K/V exchange
+runs under the block attention.
+Run:        torchrun --nproc_per_node=2 07_context/optimized_context_ring.py --size small
+            [--cp 2] [--balance none] [--no-overlap] [--model llama]
+Look for:   `make context report`: peak MB per rank against baseline_context at the same global
+            batch; losses within fp32 rounding; attention_balance (max/min of the ranks' block
+            attention time) near 1 zigzag and near 2cp-1 with --balance none (theory: from the
+            positions); ring_mb equal to its theory; a slower step with --no-overlap.
+Theory:     activations of batch x T/cp tokens (baseline_context's formula); a rank sends, a
+            layer and step, 2(cp-1) K/V blocks forward, then 2(cp-1) K/V and 2cp dK/dV blocks
+            (fp32) in backward, a block batch x kv_heads x T/cp x head_dim values; plus DDP's
+            2(N-1)/N x gradient bytes over all N ranks. Unbalanced causal work: about 2cp-1.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+# Exact: the ring computes the same attention as one fused kernel over the whole sequence, its
+# softmax sums regrouped by block (fp32 rounding); bf16 rounds each block's output to 8 bits.
+LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+# No planner row yet: the planner has no sequence-parallel degree to plan a cp group with.
+PLANNED = []
+aten = torch.ops.aten
+
+
+def block_schedule(rank: int, source: int, cp: int, length: int, zigzag: bool):
+    """Which of this rank's `length` query rows meet which of `source`'s key columns at a ring
+    step, and whether causally: (rows, cols, causal), or None (nothing to compute). Zigzag, a
+    rank's rows are its chunks r and 2cp-1-r (halves of `length`): an earlier source's first
+    chunk is before both of them, its second after both; a later source's both chunks are after
+    chunk r and before chunk 2cp-1-r. Unbalanced, an earlier source is wholly before, a later
+    wholly after."""
+    every, half = slice(0, length), slice(0, length // 2)
+    if source == rank:
+        return every, every, True
+    if not zigzag:
+        return (every, every, False) if source < rank else None
+    if source < rank:
+        return every, half, False
+    return slice(length // 2, length), every, False
+
+
+def block_pairs(rows: slice, cols: slice, causal: bool) -> int:
+    """Query-key pairs a block computes (a causal block: its lower triangle and diagonal)."""
+    n, m = rows.stop - rows.start, cols.stop - cols.start
+    return n * (n + 1) // 2 if causal else n * m
+
+
+def repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """KV head h serves query heads h*g..h*g+g-1 (HuggingFace's repeat_kv): the fused kernels
+    take equal head counts, so each is repeated here, on this rank, after it travelled."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def block_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention and its rows' log-sum-exp (fp32), by PyTorch's fused kernels: no
+    rows x cols score matrix is kept (CPU: flash; CUDA: flash in 16 bits, efficient in fp32)."""
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    if q.device.type != "cuda":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    if q.dtype in (torch.float16, torch.bfloat16):
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+        return out, lse
+    out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+    return out, lse[..., :q.shape[2]]  # its log-sum-exp comes padded to 32 rows
+
+
+def block_backward(dout, q, k, v, out, lse, causal: bool):
+    """dQ, dK, dV of one block, recomputed from the merged (whole-row) `out` and `lse`; dK and dV
+    summed back over each KV head's group of query heads."""
+    kv_heads, rows, cols = k.shape[1], q.shape[2], k.shape[2]
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    if q.device.type != "cuda":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal)
+    elif q.dtype in (torch.float16, torch.bfloat16):
+        none = torch.empty(0, device=q.device)  # no dropout: no seed, offset or varlen offsets
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, rows, cols, 0.0, causal, none, none)
+    else:
+        padded = torch.nn.functional.pad(lse, (0, -rows % 32))
+        none = torch.empty(0, device=q.device)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, padded, none, none, 0.0, [True, True, True, False], causal)
+    B, _, _, D = dk.shape
+    return dq, *(d.view(B, kv_heads, -1, cols, D).sum(2) for d in (dk, dv))
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
+    """Fold a block's softmax-weighted output into the rows' running one, in place: each side
+    weighted by its share exp(lse_side - lse_both) of the rows' total exponent mass."""
+    both = torch.logaddexp(lse, block_lse)
+    out.mul_((lse - both).exp_().unsqueeze(-1)).add_(
+        block_out * (block_lse - both).exp_().unsqueeze(-1))
+    lse.copy_(both)
+
+
+class RingAttention:
+    """`attention(q, k, v)` over a context-parallel group: q (B, heads, T/cp, D) this rank's
+    queries, k and v its keys and values with the KV heads only (`takes_kv_heads`), laid out as
+    `common.sequence_positions(T, rank, cp, zigzag)`. Any dtype the fused kernels take; K/V
+    travel in it, dK/dV in fp32. Counts its block kernels' wall time (CPU) and q-k pairs."""
+
+    takes_kv_heads = True  # LlamaAttention then hands over K and V unrepeated: fewer bytes sent
+
+    def __init__(self, group: dist.ProcessGroup | None = None, zigzag: bool = True,
+                 overlap: bool = True):
+        self.group = group if group is not None else dist.group.WORLD
+        self.zigzag, self.overlap = zigzag, overlap
+        self.kernel_s, self.pairs = 0.0, 0  # since reset(); pairs: forward, x batch x heads
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return RingAttentionFunction.apply(q, k, v, self)
+
+    def reset(self) -> None:
+        self.kernel_s, self.pairs = 0.0, 0
+
+    def timed(self, kernel, *tensors, causal: bool):
+        start = time.perf_counter()
+        result = kernel(*tensors, causal)
+        self.kernel_s += time.perf_counter() - start  # CPU kernels return when done
+        return result
+
+    def exchange(self, send: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
+        """Send `send` to the next rank of the ring, receive the previous rank's: the receive
+        buffer and the requests (the sent tensor kept alive in them until they are waited)."""
+        cp, rank = self.group.size(), self.group.rank()
+        received = torch.empty_like(send)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, send, group=self.group, tag=tag, group_peer=(rank + 1) % cp),
+            dist.P2POp(dist.irecv, received, group=self.group, tag=tag,
+                       group_peer=(rank - 1) % cp)])
+        pending = [send, *works]
+        if not self.overlap:
+            wait(pending)
+        return received, pending
+
+
+def wait(pending: list) -> None:
+    for work in pending[1:]:
+        work.wait()
+    pending.clear()
+
+
+def ring_forward(q, k, v, ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and merged log-sum-exp of this rank's queries against every rank's keys."""
+    cp, rank = ring.group.size(), ring.group.rank()
+    kv, pending, out, lse = torch.stack([k, v]), [], None, None  # one message a step
+    for step in range(cp):
+        if step < cp - 1:  # post the next block's exchange before this block's attention
+            incoming, pending = ring.exchange(kv, tag=0)
+        block = block_schedule(rank, (rank - step) % cp, cp, q.shape[2], ring.zigzag)
+        if block:
+            rows, cols, causal = block
+            ring.pairs += q.shape[0] * q.shape[1] * block_pairs(*block)
+            block_out, block_lse = ring.timed(block_forward, q[:, :, rows], kv[0][:, :, cols],
+                                              kv[1][:, :, cols], causal=causal)
+            if out is None:  # step 0: the rank's own block, every row
+                out, lse = block_out.float(), block_lse.float()
+            else:
+                merge(out[:, :, rows], lse[:, :, rows], block_out.float(), block_lse.float())
+        if step < cp - 1:
+            wait(pending)
+            kv = incoming
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout, q, k, v, out, lse, ring: RingAttention):
+    """dQ, dK, dV: K/V go round as in forward (cp-1 sends); each block's dK/dV add into the
+    accumulator that travels with its K/V, cp sends, the last one bringing this rank's home."""
+    cp, rank = ring.group.size(), ring.group.rank()
+    kv, dq = torch.stack([k, v]), torch.zeros_like(q, dtype=torch.float32)
+    dkv, kv_pending, dkv_pending = torch.zeros_like(kv, dtype=torch.float32), [], []
+    for step in range(cp):
+        if step < cp - 1:
+            next_kv, kv_pending = ring.exchange(kv, tag=1)
+        block = block_schedule(rank, (rank - step) % cp, cp, q.shape[2], ring.zigzag)
+        if block:
+            rows, cols, causal = block
+            grads = ring.timed(block_backward, dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
+                               kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], causal=causal)
+        wait(dkv_pending)  # this K/V's accumulator, from the previous rank, under this block
+        if block:
+            dq[:, :, rows] += grads[0]
+            dkv[:, :, :, cols] += torch.stack(grads[1:])
+        if cp > 1:
+            dkv, dkv_pending = ring.exchange(dkv, tag=2)
+        if step < cp - 1:
+            wait(kv_pending)
+            kv = next_kv
+    wait(dkv_pending)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: RingAttention):
+        out, lse = ring_forward(q, k, v, ring)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return *ring_backward(dout.contiguous(), *ctx.saved_tensors, ctx.ring), None
+
+
+def ring_bytes(batch: int, seq_len: int, kv_heads: int, head_dim: int, cp: int, layers: int,
+               value_bytes: int, grad_bytes: int = 4) -> float:
+    """Bytes a rank sends round the ring a step: per layer, K and V (cp-1) times forward and
+    again in backward, dK and dV cp times; a block is batch x kv_heads x T/cp x head_dim."""
+    block = batch * kv_heads * seq_len // cp * head_dim
+    per_layer = 2 * block * (2 * (cp - 1) * value_bytes + cp * grad_bytes) if cp > 1 else 0
+    return layers * per_layer
+
+
+# Copied from 03_fsdp/optimized_fsdp_fp8.py: activation_bytes
+def activation_bytes(layers: int, tokens: float, hidden: int, heads: int, value_bytes: float,
+                     checkpointing: bool, ffn: int | None = None) -> float:
+    """Bytes `layers` blocks save for backward over `tokens` tokens, `value_bytes` a value (see
+    Theory above; Korthikanti et al. 2022's 34 bytes a token and hidden unit in 16-bit, with
+    flash attention: no seq x seq scores). A token: a GPT block's 17 x `hidden` values, or,
+    `ffn` given (a Llama's SwiGLU width), a Llama layer's 9 x `hidden`, 4 x `ffn` and each of
+    its two RMSNorms' scale for the token; either, a log-sum-exp for each of its `heads`.
+    Checkpointed: each block's input, and while one recomputes, that block's."""
+    per_token = 9 * hidden + 4 * ffn + 2 + heads if ffn else 17 * hidden + heads
+    per_block = tokens * per_token
+    saved = layers * tokens * hidden + per_block if checkpointing else layers * per_block
+    return saved * value_bytes
+
+
+# Copied from 07_context/baseline_context.py: activation_mb
+def activation_mb(args, tokens: int) -> float:
+    """MB a rank saves for backward over `tokens` tokens of its own: the blocks'
+    (activation_bytes) and the loss's fp32 logits, kept by cross-entropy for backward."""
+    size = common.SIZES[args.size]
+    ffn = common.llama_ffn_dim(size.d_model) if args.model == "llama" else None
+    value_bytes = 2 if args.dtype == "bf16" else 4
+    blocks = activation_bytes(size.n_layers, tokens, size.d_model, size.n_heads, value_bytes,
+                              False, ffn)
+    return (blocks + tokens * size.vocab_size * 4) / 2**20
+
+
+# Copied from 07_context/baseline_context.py: attention_flops
+def attention_flops(positions: torch.Tensor, d_model: int) -> float:
+    """Forward FLOPs of causal attention for the queries at `positions` of one sequence: query p
+    takes the dot products with, and the weighted sum of, the p + 1 keys at or before it, 2 x 2
+    x d_model FLOPs a key. Where the queries sit decides the work: the late ones cost most."""
+    return 4.0 * d_model * float((positions.double() + 1).sum())
+
+
+# Copied from 01_ddp/baseline_ddp_flash.py: block_gradient_mb
+def block_gradient_mb(block: torch.nn.Module) -> float:
+    """One transformer block's gradient bytes: the bucket size that aligns buckets with blocks."""
+    return sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
+
+
+# Copied from 01_ddp/baseline_ddp_flash.py: wrap_ddp
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
+             group: dist.ProcessGroup | None = None) -> DDP:
+    """DDP for long context. With O(T) attention activations the gradients are a large share of
+    the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
+    one block's gradients let a block's all-reduce start as soon as its backward ends and run
+    under the next block's. Over the ranks of `group` (None: the world), from its first rank's
+    weights."""
+    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+
+
+def theory(settings, positions: list[torch.Tensor], grad_bytes: float, kv_heads: int,
+           value_bytes: int) -> dict:
+    """What the run predicts from its shapes: a rank's activations, the busiest rank's attention
+    FLOPs and the balance over the cp ranks (from their positions), the bytes a rank sends."""
+    size, cp, world = common.SIZES[settings.size], len(positions), dist.get_world_size()
+    tokens = settings.batch_size * settings.seq_len // cp
+    flops = [settings.batch_size * size.n_layers * attention_flops(p, size.d_model)
+             for p in positions]
+    ring = ring_bytes(settings.batch_size, settings.seq_len, kv_heads, size.d_model //
+                      size.n_heads, cp, size.n_layers, value_bytes) / 2**20
+    return {"activations_mb": activation_mb(settings, tokens),
+            "attention_gflop": max(flops) / 1e9, "attention_balance": max(flops) / min(flops),
+            "ring_mb": ring, "comm_mb": common.ring_allreduce_mb(grad_bytes, world) + ring}
+
+
+def main():
+    parser = common.parser(__doc__, long_context=True, skips={
+        "resnet": "a ResNet has no sequence to split: context parallelism runs --model gpt or "
+                  "llama"})
+    parser.add_argument("--cp", type=common.int_at_least(1), default=None,
+                        help="context-parallel ranks a sequence is split over (default: all; "
+                             "the world is then dp = world/cp groups of them)")
+    parser.add_argument("--balance", choices=["zigzag", "none"], default="zigzag",
+                        help="zigzag: rank r holds chunks r and 2cp-1-r of 2cp (even causal "
+                             "work); none: chunk r of cp (the late ranks do most)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="wait for each K/V exchange before computing the block")
+    parser.set_defaults(batch_size=0)  # 0: the baseline's global batch (see settings)
+    args = parser.parse_args()
+    world = common.launch_world_size()
+    cp, zigzag = args.cp or world, args.balance == "zigzag"
+    if world % cp:
+        parser.error(f"--cp {cp} must divide the world size {world}: use a divisor of it")
+    try:
+        common.sequence_positions(args.seq_len, 0, cp, zigzag)
+    except ValueError as err:
+        parser.error(str(err))
+    # a dp group of cp ranks takes cp x the baseline's sequences a rank: the same global batch
+    size = common.SIZES[args.size]
+    settings = common.resolved(args, batch_size=args.batch_size or size.long_batch_size * cp)
+    topo = common.setup(args)
+    mesh = init_device_mesh(topo.device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    group = mesh.get_group("cp")
+    attention = RingAttention(group, zigzag=zigzag, overlap=not args.no_overlap)
+    positions = [common.sequence_positions(args.seq_len, r, cp, zigzag) for r in range(cp)]
+    mine = positions[group.rank()].to(topo.device)
+    model, batches = common.workload(settings, topo, attention=attention,
+                                     dp_rank=mesh.get_local_rank("dp"), dp_world=world // cp,
+                                     positions=positions[group.rank()])
+    model = wrap_ddp(model, topo, block_gradient_mb(common.transformer_blocks(model)[0]))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    steps = iter(range(args.warmup + args.steps))
+
+    def train_step(inputs, targets):
+        if next(steps) == args.warmup:  # count the block kernels over the timed steps
+            attention.reset()
+        opt.zero_grad(set_to_none=True)
+        loss = model(inputs, targets, mine)
+        loss.backward()
+        opt.step()
+        return loss
+
+    stats = common.timed_steps(train_step, batches, settings, topo, memory_of=(model, opt),
+                               dp_world=world // cp)
+    ranks = [None] * cp  # each cp rank's kernel seconds (None on CUDA, unsynchronised) and pairs
+    dist.all_gather_object(ranks, (attention.kernel_s if topo.device.type == "cpu" else None,
+                                   attention.pairs / args.steps), group=group)
+    seconds = [s for s, _ in ranks]
+    head_dim = size.d_model // size.n_heads
+    kv_heads = size.n_kv_heads if args.model == "llama" else size.n_heads
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ring_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items() if kind.startswith("send"))
+    common.record(settings, topo, stats, baseline="baseline_context", model=model.module,
+                  optimizer=opt, comm_mb=stats.comm_mb, dp_world=world // cp,
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], cp=cp, balance=args.balance,
+                  overlap=not args.no_overlap, ring_mb=ring_mb,
+                  attention_balance=None if None in seconds else max(seconds) / min(seconds),
+                  attention_gflop=4 * head_dim * max(p for _, p in ranks) / 1e9,
+                  theory=theory(settings, positions, grad_bytes, kv_heads,
+                                2 if args.dtype == "bf16" else 4))
+
+
+if __name__ == "__main__":
+    common.run_main(main)
