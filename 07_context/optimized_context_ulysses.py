@@ -87,12 +87,24 @@ class UlyssesAttention:
         return all_to_all(out, scatter_dim=2, gather_dim=1, group=self.group)
 
 
-def heads_problem(heads: int, kv_heads: int, cp: int) -> str | None:
-    """Why Ulysses cannot cut `heads` query and `kv_heads` KV heads over cp ranks (None: it can)."""
+def cp_problem(cp: int, world: int, heads: int, kv_heads: int, seq_len: int) -> str | None:
+    """Why cp ranks of a world cannot share sequences of `seq_len` tokens, `heads` query and
+    `kv_heads` KV heads the Ulysses way (None: they can)."""
+    if world % cp:
+        return f"--cp {cp} does not divide the world size {world}: use a divisor of it"
     if heads % cp or kv_heads % cp:
         return (f"--cp {cp} does not divide the {heads} attention heads and {kv_heads} KV "
                 f"heads: Ulysses gives each rank whole heads, use a --cp that divides both")
+    if seq_len % cp:
+        return (f"--seq-len {seq_len} does not cut into {cp} equal chunks: use a multiple of "
+                f"{cp}")
     return None
+
+
+def default_cp(world: int, heads: int, kv_heads: int, seq_len: int) -> int:
+    """The world, or where it cannot be cp (6 ranks, 8 heads), its largest divisor that can."""
+    return max(cp for cp in range(1, world + 1)
+               if cp_problem(cp, world, heads, kv_heads, seq_len) is None)
 
 
 def kv_heads(model: str, size: common.Size) -> int:
@@ -182,20 +194,20 @@ def main():
         "resnet": "a ResNet has no sequence to split: context parallelism runs --model gpt or "
                   "llama"})
     parser.add_argument("--cp", type=common.int_at_least(1), default=None,
-                        help="ranks that share each sequence (default: the world); divides the "
-                             "world, the heads and the sequence length")
+                        help="ranks that share each sequence: divides the world, the heads, the "
+                             "KV heads and --seq-len (default: the world, or its largest "
+                             "divisor that does)")
     parser.set_defaults(batch_size=0)  # default: the baseline's global batch (below)
     args = parser.parse_args()
     world = common.launch_world_size()
-    cp = args.cp or world
     size = common.SIZES[args.size]
-    if world % cp:
-        parser.error(f"--cp {cp} does not divide the world size {world}: use a divisor of it")
-    if why := heads_problem(size.n_heads, kv_heads(args.model, size), cp):
+    shape = (size.n_heads, kv_heads(args.model, size), args.seq_len)
+    cp = args.cp or default_cp(world, *shape)
+    if why := cp_problem(cp, world, *shape):
         parser.error(f"{why} (--size {args.size}, --model {args.model})")
-    if args.seq_len % cp:
-        parser.error(f"--seq-len {args.seq_len} does not cut into {cp} equal chunks: use a "
-                     f"multiple of {cp}")
+    if cp == 1 and world > 1:
+        raise common.Skip(f"no cp > 1 divides the world size {world}, the {shape[0]} heads, "
+                          f"{shape[1]} KV heads and --seq-len {shape[2]}: launch another world")
     # a dp rank's cp ranks share its sequences: the baseline's global batch and tokens per rank
     settings = common.resolved(args, batch_size=args.batch_size or size.long_batch_size * cp)
     topo = common.setup(settings)
