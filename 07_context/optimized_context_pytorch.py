@@ -5,8 +5,8 @@ Within its context every `F.scaled_dot_product_attention` call is swapped for a 
 over the cp ranks, and the buffers handed to it (tokens, targets, positions) are cut along the
 sequence in place: by default head-tail (T in 2 x cp chunks, rank r keeping chunks r and
 2cp-1-r, common.sequence_positions' zigzag), so causal work is even. Each layer's forward
-all-gathers K and V from the cp ranks (set_rotate_method's default "allgather"; "alltoall"
-passes them round the ring instead) and merges the partial outputs by their log-sum-exp;
+all-gathers K and V from the cp ranks (`--rotate alltoall`: passes them round the ring
+instead, torch's set_rotate_method) and merges the partial outputs by their log-sum-exp;
 backward gathers K and V again and passes their gradients round the ring. The model is
 unchanged: its attention is one plain SDPA call (a Llama's K and V repeated to the query heads
 first: context_parallel's GQA support is not relied on). DDP averages gradients over dp x cp.
@@ -15,11 +15,12 @@ _scaled_dot_product_flash_attention_for_cpu; math: a DTensor mixed with a Tensor
 Why it helps: T/cp tokens of each sequence a rank, as optimized_context_ring.py, with no
 attention code of one's own; any head count.
 Run:        torchrun --nproc_per_node=2 07_context/optimized_context_pytorch.py --size medium
+            [--cp 2] [--rotate alltoall] [--model llama]
 Look for:   `make context report` on GPUs: losses within bf16's tolerance of baseline_context,
             peak MB against the hand-written ring's and Ulysses'.
-Theory:     a rank sends per layer (cp-1) x its K and V (all-gathered in forward, again in
-            backward) and, backward, cp passes of its fp32 K and V gradients to the next rank;
-            plus DDP's 2(N-1)/N x gradient bytes.
+Theory:     a rank sends per layer (cp-1) x its K and V in forward and again in backward
+            (all-gathered, or passed on cp-1 times: the same bytes) and, backward, cp passes of
+            its fp32 K and V gradients to the next rank; plus DDP's 2(N-1)/N x gradient bytes.
 """
 
 import sys
@@ -30,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._attention import set_rotate_method
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
@@ -72,10 +74,10 @@ def default_cp(world: int, seq_len: int) -> int:
 
 def context_parallel_mb(layers: int, tokens: int, heads: int, head_dim: int, cp: int,
                         value_bytes: int) -> dict[str, float]:
-    """MB a rank sends a step in torch's ring attention (rotate method "allgather"), `tokens` its
-    own (batch x T/cp), K and V of `heads` heads each: K and V all-gathered per layer in forward
-    and again in backward ((cp-1) x each rank's), and cp passes of their fp32 gradients (torch
-    accumulates them in fp32) to the next rank in backward."""
+    """MB a rank sends a step in torch's ring attention, `tokens` its own (batch x T/cp), K and V
+    of `heads` heads each: K and V per layer in forward and again in backward, (cp-1) x this
+    rank's (all-gathered, or passed cp-1 times round the ring: the same bytes), and cp passes of
+    their fp32 gradients (torch accumulates them in fp32) to the next rank in backward."""
     kv = 2 * tokens * heads * head_dim
     return {"kv_allgather_mb": layers * 2 * (cp - 1) * kv * value_bytes / 2**20,
             "dkv_rotate_mb": layers * cp * kv * 4 / 2**20}
@@ -107,6 +109,9 @@ def main():
                         help="ranks that share each sequence: divides the world, and 2 x cp "
                              "divides --seq-len (default: the world, or its largest divisor "
                              "that does)")
+    parser.add_argument("--rotate", choices=["allgather", "alltoall"], default="allgather",
+                        help="how K and V reach the other cp ranks: all-gathered once a layer "
+                             "(torch's default) or passed round the ring")
     parser.set_defaults(batch_size=0)  # default: the baseline's global batch (below)
     args = parser.parse_args()
     world = common.launch_world_size()
@@ -122,6 +127,7 @@ def main():
     # a dp rank's cp ranks share its sequences: the baseline's global batch and tokens per rank
     settings = common.resolved(args, batch_size=args.batch_size or size.long_batch_size * cp)
     topo = common.setup(settings)
+    set_rotate_method(args.rotate)
     mesh = init_device_mesh(topo.device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
     model, batches = common.workload(settings, topo, attention=sdpa,
                                      dp_rank=mesh.get_local_rank("dp"), dp_world=world // cp)
@@ -148,13 +154,17 @@ def main():
     predicted = context_parallel_mb(size.n_layers, settings.batch_size * settings.seq_len // cp,
                                     size.n_heads, size.d_model // size.n_heads, cp,
                                     2 if settings.dtype == "bf16" else 4)
+    # counted: the all-gathers; not: the ring passes (a functional all_to_all_single, which
+    # common.CollectiveBytes does not count)
     kv_allgather_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items()
                           if kind.startswith("all_gather_into_tensor"))
     common.record(settings, topo, stats, baseline="baseline_context", model=model.module,
                   optimizer=opt, comm_mb=stats.comm_mb, dp_world=world // cp, cp=cp,
-                  kv_allgather_mb=round(kv_allgather_mb, 3),
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype],
-                  note="comm MB leaves out the K/V gradients' ring passes (theory dkv_rotate_mb)",
+                  rotate=args.rotate, loss_tolerance=LOSS_TOLERANCE[args.dtype],
+                  **({"kv_allgather_mb": round(kv_allgather_mb, 3)}
+                     if args.rotate == "allgather" else {}),
+                  note="comm MB counts no ring pass (torch's dK/dV: theory dkv_rotate_mb"
+                       + (", and K/V" if args.rotate == "alltoall" else "") + ")",
                   theory={"comm_mb": common.ring_allreduce_mb(grad_bytes, world)
                           + sum(predicted.values()), **predicted})
 

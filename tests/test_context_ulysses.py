@@ -79,6 +79,20 @@ def context_parallel_on_cpu(world: int) -> dict[str, str]:
     return raised
 
 
+def context_parallel_cuts(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens and positions `context_parallel` leaves this rank (the pytorch script's
+    buffers, cut in place; no attention runs, so this much works on CPU): (tokens, positions)."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    tokens = torch.arange(2 * (SEQ + 1)).view(2, SEQ + 1)[:, :-1].clone()  # as the script's
+    positions = torch.arange(SEQ)
+    with context_parallel(mesh, buffers=[tokens, positions], buffer_seq_dims=[1, 0],
+                          no_restore_buffers={tokens, positions}):
+        pass
+    return tokens, positions
+
+
 def checks(rank: int, world: int, port: int, out_file: str) -> None:
     """Run on every rank of a spawned gloo world; rank 0 saves what every rank found."""
     torch.set_num_threads(1)
@@ -94,6 +108,7 @@ def checks(rank: int, world: int, port: int, out_file: str) -> None:
                                                       seed=10 + mesh.get_local_rank("dp"))
     if world == 2:
         found["context_parallel"] = context_parallel_on_cpu(world)
+        found["context_parallel_cuts"] = context_parallel_cuts(world)
     every = [None] * world
     dist.all_gather_object(every, found)
     if rank == 0:
@@ -180,6 +195,15 @@ def test_pytorch_refuses_a_cp_that_does_not_cut_the_sequence_head_tail(tmp_path)
 
 def test_pytorch_skips_on_cpu_with_the_reason(tmp_path):
     assert_skipped_with_why(PYTORCH, ["--size", "tiny"], "runs SDPA on CUDA only", tmp_path)
+
+
+def test_context_parallel_cuts_head_tail_as_sequence_positions_zigzag(spawned):
+    """What optimized_context_pytorch.py relies on: torch's default cut is common's zigzag."""
+    whole = torch.arange(2 * (SEQ + 1)).view(2, SEQ + 1)[:, :-1]
+    for rank, found in enumerate(spawned(2)):
+        tokens, positions = found["context_parallel_cuts"]
+        assert positions.tolist() == common.sequence_positions(SEQ, rank, 2).tolist()
+        assert torch.equal(tokens, whole[:, positions])
 
 
 def test_context_parallel_fails_on_cpu_in_every_sdpa_backend_as_the_skip_says(spawned):
