@@ -84,8 +84,10 @@ class UlyssesAttention:
         # sequence-sharded -> head-sharded: send heads, gather the sequence
         q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=self.group)
                    for t in (q, k, v))
-        out = self.attention(q, k, v)
-        return all_to_all(out, scatter_dim=2, gather_dim=1, group=self.group)
+        out = self.attention(q, k, v).transpose(1, 2)  # (batch, T, heads/cp, head_dim)
+        # head-sharded -> sequence-sharded, joined as (batch, T/cp, heads, head_dim): the layout
+        # the model's output projection reads without another copy
+        return all_to_all(out, scatter_dim=1, gather_dim=2, group=self.group).transpose(1, 2)
 
 
 def cp_problem(cp: int, world: int, heads: int, kv_heads: int, seq_len: int) -> str | None:
