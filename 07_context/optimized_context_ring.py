@@ -23,6 +23,7 @@ Theory:     activations of batch x T/cp tokens (baseline_context's formula); a r
             2(N-1)/N x gradient bytes over all N ranks. Unbalanced causal work: about 2cp-1.
 """
 
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -198,7 +199,8 @@ def ring_backward(dout, q, k, v, out, lse, ring: RingAttention):
         if block:
             rows, cols, causal = block
             grads = ring.timed(block_backward, dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
-                               kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], causal=causal)
+                               kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows].contiguous(),
+                               causal=causal)
         wait(dkv_pending)  # this K/V's accumulator, from the previous rank, under this block
         if block:
             dq[:, :, rows] += grads[0]
@@ -338,7 +340,7 @@ def main():
                                      positions=positions[group.rank()])
     model = wrap_ddp(model, topo, block_gradient_mb(common.transformer_blocks(model)[0]))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    steps = iter(range(args.warmup + args.steps))
+    steps = itertools.count()
 
     def train_step(inputs, targets):
         if next(steps) == args.warmup:  # count the block kernels over the timed steps
