@@ -24,6 +24,7 @@ Theory:     activations of batch x T/cp tokens (baseline_context's formula); a r
 """
 
 import itertools
+import math
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
@@ -39,8 +41,6 @@ import common  # noqa: E402
 # Exact: the ring computes the same attention as one fused kernel over the whole sequence, its
 # softmax sums regrouped by block (fp32 rounding); bf16 rounds each block's output to 8 bits.
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
-# No planner row yet: the planner has no sequence-parallel degree to plan a cp group with.
-PLANNED = []
 aten = torch.ops.aten
 
 
@@ -289,11 +289,89 @@ def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
                process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
 
 
-def theory(settings, positions: list[torch.Tensor], grad_bytes: float, kv_heads: int,
-           value_bytes: int) -> dict:
+# Copied from 03_fsdp/optimized_fsdp.py: padded_numel
+def padded_numel(p: torch.Tensor, group: int) -> int:
+    """Elements FSDP allocates for `p` across a shard group: dim 0 rounded up to the group."""
+    return math.ceil(p.shape[0] / group) * group * math.prod(p.shape[1:])
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: fsdp_bytes
+def fsdp_bytes(blocks: float, root: float, group: int, replicas: int = 1, reshard: bool = True,
+               gather: float = 4, reduce: float = 4, state: float = 16, fp32: float = 0.0,
+               largest_block: float = 0.0) -> dict[str, float]:
+    """FSDP's bytes a rank, from value counts (padded as FSDP pads them): the blocks' values,
+    the root's (FSDP2 never reshards it) and `fp32`'s (BatchNorm's under bf16: fp32, gathered
+    again for backward), sharded over `group` ranks, `state` bytes each. Sent a step, (g-1)/g
+    of each: every block all-gathered twice with reshard (FULL_SHARD), once without
+    (SHARD_GRAD_OP), `gather` bytes a value, the root once, every gradient reduce-scattered,
+    `reduce` bytes; HSDP's `replicas` all-reduce each shard (`across_replicas`). Held gathered
+    beyond the shards: the root and a block with its prefetched next (`largest_block` each),
+    or, without reshard, everything. The planner's figures are ZeRO-3's
+    (04_zero/optimized_zero3.py's zero3_bytes), yet the two stay apart: each counts its own
+    implementation's padding, here FSDP2's (each parameter's dim 0 rounded up to the group)."""
+    share, gathers, values = (group - 1) / group, 2 if reshard else 1, blocks + root + fp32
+    across_replicas = 2 * (replicas - 1) / replicas * values / group * reduce
+    sent = share * (blocks * (gathers * gather + reduce) + root * (gather + reduce)
+                    + fp32 * (2 * 4 + reduce)) + across_replicas
+    return {"state": state * values / group, "sent": sent, "across_replicas": across_replicas,
+            "gathered": gather * (root + 2 * largest_block) if reshard else gather * values}
+
+
+def planned_fsdp_cp(plan: common.PlanInput) -> dict:
+    """The planner's FSDP x CP row (this script's --fsdp): FSDP over every GPU, each cp group's
+    sequences cut across its cp GPUs of one node (the ring stays on NVLink); a group computes a
+    micro-batch, a GPU 1/cp of it. K and V as wide as the model (no GQA: the most bytes)."""
+    w, g, o = plan.state_bytes
+    final_norm = plan.norms / (2 * plan.layers + 1)  # the root holds it: a layer holds two
+    root = plan.embedding + plan.head + final_norm
+    predicted = fsdp_bytes(plan.params - root, root, plan.gpus, 1, True, w, g, w + g + o,
+                           largest_block=(plan.params - root) / plan.layers)
+    ring = ring_bytes(plan.micro_batch, plan.seq, 1, plan.hidden, plan.cp, plan.layers, w)
+    return {"state": predicted["state"], "sent": predicted["sent"] + ring,
+            "gathered": predicted["gathered"], "cp": plan.cp,
+            "sequences": plan.gpus // plan.cp * plan.micro_batch,
+            "by_dim": {"cp": ring, "dp": predicted["sent"]},
+            "mesh": f"dp {plan.gpus // plan.cp} x cp {plan.cp}",
+            "network": predicted["sent"] if plan.gpus > plan.per_node else 0.0}
+
+
+PLANNED = [{"strategy": "FSDP x CP", "place": 115, "figures": planned_fsdp_cp,
+            "context_parallel": True}]
+
+
+def shard_over_dp_and_cp(model: torch.nn.Module, blocks: list[torch.nn.Module], mesh):
+    """FSDP2 over every rank of the (dp, cp) mesh, flattened into one dim (torchtitan's
+    dp_shard_cp): the cp ranks of a group hold the same weights, so they shard them as data-
+    parallel ranks do; each block, then the root. Every rank built the same seeded model."""
+    shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    for block in blocks:
+        fully_shard(block, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+
+
+def data_parallel_theory(model: torch.nn.Module, blocks: list[torch.nn.Module], world: int,
+                         fsdp: bool) -> dict[str, float]:
+    """Bytes the dp x cp ranks hand the weights' collectives a step, and the state a rank keeps:
+    DDP's all-reduce of every gradient, or FSDP2's fsdp_bytes (blocks gathered twice, the root
+    once, every gradient reduce-scattered) over all the ranks."""
+    if not fsdp:
+        values = sum(p.numel() for p in model.parameters())
+        return {"comm": common.ring_allreduce_mb(4 * values, world) * 2**20,
+                "state": 16.0 * values}
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    counts = {"blocks": 0, "root": 0}
+    for p in model.parameters():
+        counts["blocks" if id(p) in in_blocks else "root"] += padded_numel(p, world)
+    predicted = fsdp_bytes(counts["blocks"], counts["root"], world)
+    return {"comm": predicted["sent"], "state": predicted["state"]}
+
+
+def theory(settings, positions: list[torch.Tensor], data_parallel: dict[str, float],
+           kv_heads: int, value_bytes: int) -> dict:
     """What the run predicts from its shapes: a rank's activations, the busiest rank's attention
-    FLOPs and the balance over the cp ranks (from their positions), the bytes a rank sends."""
-    size, cp, world = common.SIZES[settings.size], len(positions), dist.get_world_size()
+    FLOPs and the balance over the cp ranks (from their positions), the bytes a rank sends (the
+    ring's, and the weights' collectives: `data_parallel_theory`) and its state."""
+    size, cp = common.SIZES[settings.size], len(positions)
     tokens = settings.batch_size * settings.seq_len // cp
     flops = [settings.batch_size * size.n_layers * attention_flops(p, size.d_model)
              for p in positions]
@@ -301,7 +379,8 @@ def theory(settings, positions: list[torch.Tensor], grad_bytes: float, kv_heads:
                       size.n_heads, cp, size.n_layers, value_bytes) / 2**20
     return {"activations_mb": activation_mb(settings, tokens),
             "attention_gflop": max(flops) / 1e9, "attention_balance": max(flops) / min(flops),
-            "ring_mb": ring, "comm_mb": common.ring_allreduce_mb(grad_bytes, world) + ring}
+            "ring_mb": ring, "comm_mb": data_parallel["comm"] / 2**20 + ring,
+            "state_mb": data_parallel["state"] / 2**20}
 
 
 def main():
@@ -316,10 +395,16 @@ def main():
                              "work); none: chunk r of cp (the late ranks do most)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="wait for each K/V exchange before computing the block")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard the weights with FSDP2 over all dp x cp ranks instead of "
+                             "replicating them with DDP")
     parser.set_defaults(batch_size=0)  # 0: the baseline's global batch (see settings)
     args = parser.parse_args()
     world = common.launch_world_size()
     cp, zigzag = args.cp or world, args.balance == "zigzag"
+    if cp > world:  # the host's world, not the flag, is short
+        raise common.Skip(f"--cp {cp} needs {cp} ranks, the world has {world}: launch "
+                          f"--nproc_per_node={cp} or more")
     if world % cp:
         parser.error(f"--cp {cp} must divide the world size {world}: use a divisor of it")
     try:
@@ -338,7 +423,11 @@ def main():
     model, batches = common.workload(settings, topo, attention=attention,
                                      dp_rank=mesh.get_local_rank("dp"), dp_world=world // cp,
                                      positions=positions[group.rank()])
-    model = wrap_ddp(model, topo, block_gradient_mb(common.transformer_blocks(model)[0]))
+    blocks = common.transformer_blocks(model)
+    if args.fsdp:
+        shard_over_dp_and_cp(model, blocks, mesh)
+    else:
+        model = wrap_ddp(model, topo, block_gradient_mb(blocks[0]))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     steps = itertools.count()
 
@@ -359,16 +448,22 @@ def main():
     seconds = [s for s, _ in ranks]
     head_dim = size.d_model // size.n_heads
     kv_heads = size.n_kv_heads if args.model == "llama" else size.n_heads
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    unwrapped = model if args.fsdp else model.module
     ring_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items() if kind.startswith("send"))
-    common.record(settings, topo, stats, baseline="baseline_context", model=model.module,
-                  optimizer=opt, comm_mb=stats.comm_mb, dp_world=world // cp,
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype], cp=cp, balance=args.balance,
-                  overlap=not args.no_overlap, ring_mb=ring_mb,
+    # the record's batch is a rank's share, the baseline's at the defaults: 1/cp of each of its
+    # group's sequences, so that the report holds the two runs to the same global batch
+    share = settings.batch_size // cp if settings.batch_size % cp == 0 else settings.batch_size / cp
+    common.record(common.resolved(settings, batch_size=share), topo, stats,
+                  baseline="baseline_context", model=unwrapped, optimizer=opt,
+                  comm_mb=stats.comm_mb, loss_tolerance=LOSS_TOLERANCE[args.dtype], cp=cp,
+                  balance=args.balance, overlap=not args.no_overlap,
+                  strategy="FSDP x CP" if args.fsdp else "DDP x CP",
+                  ring_mb=ring_mb,
                   attention_balance=None if None in seconds else max(seconds) / min(seconds),
                   attention_gflop=4 * head_dim * max(p for _, p in ranks) / 1e9,
-                  theory=theory(settings, positions, grad_bytes, kv_heads,
-                                2 if args.dtype == "bf16" else 4))
+                  theory=theory(settings, positions,
+                                data_parallel_theory(unwrapped, blocks, world, args.fsdp),
+                                kv_heads, 2 if args.dtype == "bf16" else 4))
 
 
 if __name__ == "__main__":

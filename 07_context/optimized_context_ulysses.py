@@ -238,8 +238,12 @@ def main():
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     ulysses_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items()
                      if kind.startswith("alltoall"))
-    common.record(settings, topo, stats, baseline="baseline_context", model=model.module,
-                  optimizer=opt, comm_mb=stats.comm_mb, dp_world=world // cp, cp=cp,
+    # the record's batch is a rank's share, the baseline's at the defaults: 1/cp of each of its
+    # group's sequences, so that the report holds the two runs to the same global batch
+    share = settings.batch_size // cp if settings.batch_size % cp == 0 else settings.batch_size / cp
+    common.record(common.resolved(settings, batch_size=share), topo, stats,
+                  baseline="baseline_context", model=model.module,
+                  optimizer=opt, comm_mb=stats.comm_mb, cp=cp,
                   ulysses_mb=round(ulysses_mb, 3), loss_tolerance=LOSS_TOLERANCE[args.dtype],
                   theory=theory(settings, world, cp, grad_bytes))
 

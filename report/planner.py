@@ -210,7 +210,8 @@ def by_dim_text(row: dict) -> str:
         return ""
     sent = row["by_dim"]
     return f"{row['mesh']}: " + " / ".join(f"{label} {sent[dim] / GB:,.2f}" for dim, label in
-                                          (("tp", "TP"), ("dp", "FSDP"), ("pp", "PP"))
+                                          (("tp", "TP"), ("cp", "CP"), ("dp", "FSDP"),
+                                                          ("pp", "PP"))
                                           if dim in sent)
 
 
