@@ -193,19 +193,22 @@ EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1
 # default), and one where attention is most of a step, for the balance and overlap rows.
 size_value = $(word 2,$(subst :, ,$(filter $(SIZE):%,$(1))))
 CONTEXT_SEQ := $(call size_value,tiny:128 small:768 medium:4096 large:4096)
-ATTENTION_SEQ := $(call size_value,tiny:1024 small:4096 medium:16384 large:16384)
+ATTENTION_SEQ := $(call size_value,tiny:1024 small:6144 medium:16384 large:16384)
 CONTEXT_SEQ_2X := $(shell echo $$(( 2 * $(CONTEXT_SEQ) )))
 CONTEXT_SEQ_4X := $(shell echo $$(( 4 * $(CONTEXT_SEQ) )))
-SHORT_RUN := --steps 3 --warmup 1
+# a few steps: two timed ones (each ten seconds at small), or the memory of the last warm-up
+# one (the second: AdamW's state exists by then)
+SHORT_RUN := --steps 2 --warmup 1
+MEMORY_RUN := --steps 2 --warmup 2
 # zigzag against the unbalanced ring and the blocking exchange, where attention dominates; then
 # twice the length on 2 processes (the memory table: the baseline's wall, the two ways past it)
 EXTRA_RUNS_context := \
 	"07_context/optimized_context_ring.py --seq-len $(ATTENTION_SEQ) $(SHORT_RUN)" \
 	"07_context/optimized_context_ring.py --seq-len $(ATTENTION_SEQ) $(SHORT_RUN) --balance none" \
 	"07_context/optimized_context_ring.py --seq-len $(ATTENTION_SEQ) $(SHORT_RUN) --no-overlap" \
-	"07_context/baseline_context.py --seq-len $(CONTEXT_SEQ_2X) $(SHORT_RUN)" \
-	"07_context/optimized_context_ring.py --seq-len $(CONTEXT_SEQ_2X) --batch-size 1 $(SHORT_RUN)" \
-	"07_context/optimized_context_ulysses.py --seq-len $(CONTEXT_SEQ_2X) --batch-size 1 $(SHORT_RUN)"
+	"07_context/baseline_context.py --seq-len $(CONTEXT_SEQ_2X) $(MEMORY_RUN)" \
+	"07_context/optimized_context_ring.py --seq-len $(CONTEXT_SEQ_2X) --batch-size 1 $(MEMORY_RUN)" \
+	"07_context/optimized_context_ulysses.py --seq-len $(CONTEXT_SEQ_2X) --batch-size 1 $(MEMORY_RUN)"
 
 # Runs on a mesh of several dims, each after a DDP baseline of its world: on CPU at the smallest
 # world that has every dim with dp >= 2 (03's dp x tp: 4 processes; 05's pp x dp x tp: 8), on
@@ -215,8 +218,8 @@ MESH_RUNS_fsdp := 03_fsdp/baseline_fsdp.py 03_fsdp/optimized_fsdp_tp.py
 MESH_RUNS_pipeline := 05_pipeline/baseline_pipeline_3d.py 05_pipeline/optimized_pipeline_3d.py
 # 07: dp 2 x cp 2 sharded by FSDP2, and cp 4 at four times the length, one sequence a group
 MESH_RUNS_context := 07_context/baseline_context.py "07_context/optimized_context_ring.py --cp 2 --fsdp" \
-	"07_context/optimized_context_ring.py --seq-len $(CONTEXT_SEQ_4X) --batch-size 1 $(SHORT_RUN)" \
-	"07_context/optimized_context_ulysses.py --seq-len $(CONTEXT_SEQ_4X) --batch-size 1 $(SHORT_RUN)"
+	"07_context/optimized_context_ring.py --seq-len $(CONTEXT_SEQ_4X) --batch-size 1 $(MEMORY_RUN)" \
+	"07_context/optimized_context_ulysses.py --seq-len $(CONTEXT_SEQ_4X) --batch-size 1 $(MEMORY_RUN)"
 MESH_NPROC_fsdp := $(if $(filter-out 0,$(GPUS)),$(NPROC),4)
 MESH_NPROC_context := $(if $(filter-out 0,$(GPUS)),$(NPROC),4)
 MESH_NPROC_pipeline := $(if $(filter-out 0,$(GPUS)),$(NPROC),8)

@@ -398,6 +398,7 @@ def main():
     parser.add_argument("--fsdp", action="store_true",
                         help="shard the weights with FSDP2 over all dp x cp ranks instead of "
                              "replicating them with DDP")
+    parser.set_defaults(steps=8, warmup=3)  # the folder's: `make context` launches 14 runs
     parser.set_defaults(batch_size=0)  # 0: the baseline's global batch (see settings)
     args = parser.parse_args()
     world = common.launch_world_size()
