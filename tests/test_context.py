@@ -1,10 +1,10 @@
 """Unit tests for 07_context's ring attention (optimized_context_ring.py): its block schedule, its
 pair counts and byte formula, and the ring itself on 2, 3 and 4 CPU ranks.
 
-The ring runs once per world size in spawned gloo processes (a module-scoped fixture); each
-rank compares its shard of the ring's output and of dQ, dK, dV with PyTorch's fused attention
-over the whole sequence, for every combination of balance, head layout and overlap, and rank 0
-saves what all ranks found for the tests to assert on here.
+The ring runs in one spawned world of 4 gloo processes (a module-scoped fixture), on groups of
+4, 2 and 3 of its ranks; each rank compares its shard of the ring's output and of dQ, dK, dV with
+PyTorch's fused attention over the whole sequence, for every combination of balance, head layout
+and overlap, and rank 0 saves what all ranks found for the tests to assert on here.
 """
 
 import itertools
@@ -124,15 +124,19 @@ def ring_against_one_kernel(group: dist.ProcessGroup, zigzag: bool, heads: str, 
             B * n_heads * ring.attention_flops(positions, 1) / 4}
 
 
+# The groups one spawned world of 4 runs the ring on: cp 4, cp 2 on two groups whose ranks are
+# not neighbours (0 with 2, 1 with 3: the ring's peers are the group's, not the world's), and
+# cp 3 on ranks 0-2 (rank 3 alone, a ring of one).
+GROUPS = {"cp 4": None, "cp 2": [[0, 2], [1, 3]], "cp 3": [[0, 1, 2], [3]]}
+
+
 def ring_checks(rank: int, world: int, init_file: str, out_file: str) -> None:
-    """Every combination on the world's group; at 4 ranks also on two groups of 2 whose ranks are
-    not neighbours (0 with 2, 1 with 3): the ring's peers are the group's, not the world's."""
+    """Every combination on each of GROUPS."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
-    groups = {"world": dist.group.WORLD}
-    if world == 4:
-        groups["pairs"], _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    groups = {name: dist.new_subgroups_by_enumeration(ranks)[0] if ranks else dist.group.WORLD
+              for name, ranks in GROUPS.items()}
     found = {(name, *combo): ring_against_one_kernel(group, *combo)
              for name, group in groups.items() for combo in COMBOS}
     everyone = [None] * world
@@ -144,36 +148,34 @@ def ring_checks(rank: int, world: int, init_file: str, out_file: str) -> None:
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    """world size -> each rank's findings, spawned once per world size."""
-    found = {}
-
-    def at(world: int) -> list[dict]:
-        if world not in found:
-            folder = tmp_path_factory.mktemp(f"world{world}")
-            mp.spawn(ring_checks, args=(world, str(folder / "init"), str(folder / "found.pt")),
-                     nprocs=world)
-            found[world] = torch.load(folder / "found.pt")
-        return found[world]
-
-    return at
+    """Each rank's findings, from one spawned world of 4."""
+    folder = tmp_path_factory.mktemp("world4")
+    mp.spawn(ring_checks, args=(4, str(folder / "init"), str(folder / "found.pt")), nprocs=4)
+    return torch.load(folder / "found.pt")
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_the_ring_equals_one_fused_attention_over_the_sequence(spawned, world):
-    ranks = spawned(world)
-    for rank, found in enumerate(ranks):
-        assert len(found) == len(COMBOS) * (2 if world == 4 else 1)
-        for case, got in found.items():
-            assert max(got["errors"]) <= 1e-5, (rank, case, got["errors"])
+def findings(spawned: list[dict], group: str) -> list[tuple[int, tuple, dict]]:
+    """(rank, case, what it found) for the ranks of `group`'s rings of more than one rank."""
+    rings = GROUPS[group] or [range(4)]
+    return [(rank, case, got) for rank, found in enumerate(spawned)
+            for case, got in found.items() if case[0] == group
+            and any(rank in ring and len(ring) > 1 for ring in rings)]
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_the_ring_sends_what_ring_bytes_says_and_computes_the_theorys_pairs(spawned, world):
-    for found in spawned(world):
-        for case, got in found.items():
-            assert got["sent"] == got["ring_bytes"] > 0, case
-            assert got["kinds"] == ["send float32"], case
-            assert got["pairs"] == got["theory_pairs"], case
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_the_ring_equals_one_fused_attention_over_the_sequence(spawned, group):
+    found = findings(spawned, group)
+    assert len(found) == len(COMBOS) * (4 if group != "cp 3" else 3)
+    for rank, case, got in found:
+        assert max(got["errors"]) <= 1e-5, (rank, case, got["errors"])
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_the_ring_sends_what_ring_bytes_says_and_computes_the_theorys_pairs(spawned, group):
+    for _, case, got in findings(spawned, group):
+        assert got["sent"] == got["ring_bytes"] > 0, case
+        assert got["kinds"] == ["send float32"], case
+        assert got["pairs"] == got["theory_pairs"], case
 
 
 def test_a_length_that_does_not_cut_refuses_in_one_line(tmp_path):

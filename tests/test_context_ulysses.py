@@ -27,6 +27,7 @@ pytorch_cp = load_recipe(PYTORCH)
 
 BATCH, SEQ, HEAD_DIM = 2, 24, 8
 HEADS = {"equal": (4, 4), "gqa": (8, 4)}  # (query heads, KV heads)
+WORLD = 4
 
 
 def whole_and_sharded(heads: int, kv_heads: int, group: dist.ProcessGroup | None, seed: int
@@ -101,14 +102,13 @@ def checks(rank: int, world: int, port: int, out_file: str) -> None:
     found = {}
     for name, (heads, kv_heads) in HEADS.items():
         found[("world", name)] = whole_and_sharded(heads, kv_heads, None, seed=1)
-    if world == 4:  # the cp groups of a dp 2 x cp 2 mesh, each with its own tensors
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-        for name, (heads, kv_heads) in HEADS.items():
-            found[("mesh", name)] = whole_and_sharded(heads, kv_heads, mesh["cp"].get_group(),
-                                                      seed=10 + mesh.get_local_rank("dp"))
-    if world == 2:
-        found["context_parallel"] = context_parallel_on_cpu(world)
-        found["context_parallel_cuts"] = context_parallel_cuts(world)
+    # the cp groups of a dp 2 x cp 2 mesh, each with its own tensors
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    for name, (heads, kv_heads) in HEADS.items():
+        found[("mesh", name)] = whole_and_sharded(heads, kv_heads, mesh["cp"].get_group(),
+                                                  seed=10 + mesh.get_local_rank("dp"))
+    found["context_parallel"] = context_parallel_on_cpu(world)
+    found["context_parallel_cuts"] = context_parallel_cuts(world)
     every = [None] * world
     dist.all_gather_object(every, found)
     if rank == 0:
@@ -119,34 +119,27 @@ def checks(rank: int, world: int, port: int, out_file: str) -> None:
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    """world size -> what each rank of `checks` found, spawned once per world size."""
-    found = {}
-
-    def at(world: int) -> list[dict]:
-        if world not in found:
-            out = tmp_path_factory.mktemp(f"world{world}") / "found.pt"
-            mp.spawn(checks, args=(world, common.free_port(), str(out)), nprocs=world)
-            found[world] = torch.load(out)
-        return found[world]
-
-    return at
+    """What each rank of `checks` found in one spawned world of 4: Ulysses over all 4 (cp 4) and
+    over the cp groups of a dp 2 x cp 2 mesh (cp 2), torch's context_parallel over all 4."""
+    out = tmp_path_factory.mktemp("world4") / "found.pt"
+    mp.spawn(checks, args=(WORLD, common.free_port(), str(out)), nprocs=WORLD)
+    return torch.load(out)
 
 
 @pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("where", ["world2", "world4", "mesh4"])
+@pytest.mark.parametrize("where", ["world", "mesh"])
 def test_ulysses_equals_sdpa_on_the_whole_sequence(spawned, where, heads):
-    world = int(where[-1])
-    for rank, found in enumerate(spawned(world)):
-        errors = found[(where[:-1], heads)]
+    for rank, found in enumerate(spawned):
+        errors = found[(where, heads)]
         for what in ("out", "grad_q", "grad_k", "grad_v"):
             assert errors[what] <= 1e-5, (where, heads, rank, what, errors[what])
 
 
 @pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("where", ["world2", "world4", "mesh4"])
+@pytest.mark.parametrize("where", ["world", "mesh"])
 def test_ulysses_sends_what_ulysses_bytes_says(spawned, where, heads):
-    for found in spawned(int(where[-1])):
-        counted = found[(where[:-1], heads)]
+    for found in spawned:
+        counted = found[(where, heads)]
         assert counted["sent"] == counted["theory"] > 0
 
 
@@ -200,16 +193,16 @@ def test_pytorch_skips_on_cpu_with_the_reason(tmp_path):
 def test_context_parallel_cuts_head_tail_as_sequence_positions_zigzag(spawned):
     """What optimized_context_pytorch.py relies on: torch's default cut is common's zigzag."""
     whole = torch.arange(2 * (SEQ + 1)).view(2, SEQ + 1)[:, :-1]
-    for rank, found in enumerate(spawned(2)):
+    for rank, found in enumerate(spawned):
         tokens, positions = found["context_parallel_cuts"]
-        assert positions.tolist() == common.sequence_positions(SEQ, rank, 2).tolist()
+        assert positions.tolist() == common.sequence_positions(SEQ, rank, WORLD).tolist()
         assert torch.equal(tokens, whole[:, positions])
 
 
 def test_context_parallel_fails_on_cpu_in_every_sdpa_backend_as_the_skip_says(spawned):
     """The skip's why, measured: flash has no sharding strategy for the CPU kernel, math mixes a
     DTensor with a Tensor (torch 2.14). If this fails, torch's CP may run on CPU now: try it."""
-    for raised in (found["context_parallel"] for found in spawned(2)):
+    for raised in (found["context_parallel"] for found in spawned):
         assert "_scaled_dot_product_flash_attention_for_cpu" in raised["FLASH_ATTENTION"] \
             and "does not have a sharding strategy" in raised["FLASH_ATTENTION"], raised
         assert "got mixed torch.Tensor and DTensor" in raised["MATH"], raised
