@@ -216,8 +216,10 @@ EXTRA_RUNS_context := \
 # may carry flags, as "script flags" (a run at a length only the mesh's world holds).
 MESH_RUNS_fsdp := 03_fsdp/baseline_fsdp.py 03_fsdp/optimized_fsdp_tp.py
 MESH_RUNS_pipeline := 05_pipeline/baseline_pipeline_3d.py 05_pipeline/optimized_pipeline_3d.py
-# 07: dp 2 x cp 2 sharded by FSDP2, and cp 4 at four times the length, one sequence a group
-MESH_RUNS_context := 07_context/baseline_context.py "07_context/optimized_context_ring.py --cp 2 --fsdp" \
+# 07: cp 4 at the baseline's batch, dp 2 x cp 2 sharded by FSDP2, and cp 4 at four times the
+# length, one sequence a group
+MESH_RUNS_context := 07_context/baseline_context.py 07_context/optimized_context_ring.py \
+	07_context/optimized_context_ulysses.py "07_context/optimized_context_ring.py --cp 2 --fsdp" \
 	"07_context/optimized_context_ring.py --seq-len $(CONTEXT_SEQ_4X) --batch-size 1 $(MEMORY_RUN)" \
 	"07_context/optimized_context_ulysses.py --seq-len $(CONTEXT_SEQ_4X) --batch-size 1 $(MEMORY_RUN)"
 MESH_NPROC_fsdp := $(if $(filter-out 0,$(GPUS)),$(NPROC),4)

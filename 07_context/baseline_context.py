@@ -82,7 +82,7 @@ def main():
     parser = common.parser(__doc__, long_context=True, skips={
         "resnet": "a ResNet has no sequence to split: context parallelism runs --model gpt or "
                   "llama"})
-    parser.set_defaults(steps=8, warmup=3)  # the folder's: `make context` launches 14 runs
+    parser.set_defaults(steps=8, warmup=3)  # the folder's: `make context` launches 16 runs
     args = parser.parse_args()
     topo = common.setup(args)
     model, batches = common.workload(args, topo)

@@ -112,7 +112,7 @@ def main():
     parser.add_argument("--rotate", choices=["allgather", "alltoall"], default="allgather",
                         help="how K and V reach the other cp ranks: all-gathered once a layer "
                              "(torch's default) or passed round the ring")
-    parser.set_defaults(steps=8, warmup=3)  # the folder's: `make context` launches 14 runs
+    parser.set_defaults(steps=8, warmup=3)  # the folder's: `make context` launches 16 runs
     parser.set_defaults(batch_size=0)  # default: the baseline's global batch (below)
     args = parser.parse_args()
     world = common.launch_world_size()

@@ -7,20 +7,22 @@ forward passes the K/V blocks (the KV heads only) round the ring, the next block
 posted before this one's attention runs (`--no-overlap`: wait first), and merges block outputs
 by their log-sum-exp; backward sends K/V round again, recomputes each block from the merged
 log-sum-exp, and dK/dV travel with their K/V, home after the last step. Each rank's tokens take
-their global positions (GPT's learned table, Llama's rotary); DDP averages over all ranks.
+their global positions (GPT's learned table, Llama's rotary); DDP averages over all ranks, or
+with `--fsdp` FSDP2 shards the weights over dp x cp flattened (torchtitan's dp_shard_cp).
 Why it helps: a rank holds T/cp of each sequence, so its activations shrink cp-fold and a
 sequence cp times longer fits; fused block kernels keep no T x T scores, and the K/V exchange
 runs under the block attention.
 Run:        torchrun --nproc_per_node=2 07_context/optimized_context_ring.py --size small
-            [--cp 2] [--balance none] [--no-overlap] [--model llama]
+            [--cp 2 --fsdp] [--balance none] [--no-overlap] [--model llama]
 Look for:   `make context report`: peak MB per rank against baseline_context at the same global
             batch; losses within fp32 rounding; attention_balance (max/min of the ranks' block
             attention time) near 1 zigzag and near 2cp-1 with --balance none (theory: from the
-            positions); ring_mb equal to its theory; a slower step with --no-overlap.
+            positions); ring_mb equal to its theory; --no-overlap slower over a slow link.
 Theory:     activations of batch x T/cp tokens (baseline_context's formula); a rank sends, a
             layer and step, 2(cp-1) K/V blocks forward, then 2(cp-1) K/V and 2cp dK/dV blocks
             (fp32) in backward, a block batch x kv_heads x T/cp x head_dim values; plus DDP's
-            2(N-1)/N x gradient bytes over all N ranks. Unbalanced causal work: about 2cp-1.
+            2(N-1)/N x gradient bytes over all N ranks (--fsdp: FSDP's, state 16 x params / N).
+            Unbalanced causal work: about 2cp-1 times the least loaded rank's; zigzag: equal.
 """
 
 import itertools
@@ -398,7 +400,7 @@ def main():
     parser.add_argument("--fsdp", action="store_true",
                         help="shard the weights with FSDP2 over all dp x cp ranks instead of "
                              "replicating them with DDP")
-    parser.set_defaults(steps=8, warmup=3)  # the folder's: `make context` launches 14 runs
+    parser.set_defaults(steps=8, warmup=3)  # the folder's: `make context` launches 16 runs
     parser.set_defaults(batch_size=0)  # 0: the baseline's global batch (see settings)
     args = parser.parse_args()
     world = common.launch_world_size()

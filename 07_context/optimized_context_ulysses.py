@@ -200,7 +200,7 @@ def main():
                         help="ranks that share each sequence: divides the world, the heads, the "
                              "KV heads and --seq-len (default: the world, or its largest "
                              "divisor that does)")
-    parser.set_defaults(steps=8, warmup=3)  # the folder's: `make context` launches 14 runs
+    parser.set_defaults(steps=8, warmup=3)  # the folder's: `make context` launches 16 runs
     parser.set_defaults(batch_size=0)  # default: the baseline's global batch (below)
     args = parser.parse_args()
     world = common.launch_world_size()
