@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -39,6 +40,26 @@ def finish(proc: subprocess.Popen) -> str:
     out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
     assert proc.returncode == 0, out[-3000:]
     return out
+
+
+# Launches a fixture keeps in flight at once. A tiny launch is mostly start-up (imports, the
+# rendezvous, torchrun's agent polling its workers), so a second one fills the gaps of the first.
+LAUNCHES_IN_FLIGHT = 2
+
+
+def finish_all(starts: list[Callable[[], subprocess.Popen]],
+               in_flight: int = LAUNCHES_IN_FLIGHT) -> list[str]:
+    """Run the launches each of `starts` begins (a `torchrun(...)` call), `in_flight` at a time,
+    and return their consoles in order; any that fails fails the fixture, as `finish`."""
+    consoles, running = [None] * len(starts), []
+    for i, start in enumerate(starts):
+        running.append((i, start()))
+        if len(running) == in_flight:
+            j, proc = running.pop(0)
+            consoles[j] = finish(proc)
+    for j, proc in running:
+        consoles[j] = finish(proc)
+    return consoles
 
 
 def only_record(results: Path) -> dict:

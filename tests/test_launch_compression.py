@@ -11,6 +11,7 @@ and PyTorch's script's 64) would compress nothing at `tiny`, which one more run,
 at the hand-written default, says in its log and its record.
 """
 
+import functools
 import math
 import os
 import subprocess
@@ -26,6 +27,7 @@ from helpers import (
     assert_within_its_tolerance,
     cpu_env,
     finish,
+    finish_all,
     load_recipe,
     only_record,
     torchrun,
@@ -56,12 +58,10 @@ RUNS = {  # name: (script, processes, flags)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
-    for name, (script, nproc, flags) in RUNS.items():
-        results = tmp_path_factory.mktemp(name) / "results.jsonl"
-        finish(torchrun(FOLDER / f"{script}.py", results, *flags, nproc=nproc))
-        out[name] = only_record(results)
-    return out
+    results = {name: tmp_path_factory.mktemp(name) / "results.jsonl" for name in RUNS}
+    finish_all([functools.partial(torchrun, FOLDER / f"{script}.py", results[name], *flags,
+                                  nproc=nproc) for name, (script, nproc, flags) in RUNS.items()])
+    return {name: only_record(results[name]) for name in RUNS}
 
 
 @pytest.mark.parametrize("name", [n for n in RUNS if n != "powersgd_torch_buckets"])

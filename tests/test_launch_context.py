@@ -8,12 +8,13 @@ fused kernel are tests/test_context.py's and test_context_ulysses.py's, the READ
 lines tests/test_context_trainer.py's.
 """
 
+import functools
 import math
 
 import pytest
 
 import common
-from helpers import assert_within_its_tolerance, finish, only_record, torchrun
+from helpers import assert_within_its_tolerance, finish_all, only_record, torchrun
 from report import results_table
 
 FOLDER = common.ROOT / "07_context"
@@ -28,12 +29,11 @@ RUNS = {"baseline": ("baseline_context", 2, []),
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
-    for name, (script, nproc, flags) in RUNS.items():
-        results = tmp_path_factory.mktemp(script) / "results.jsonl"
-        finish(torchrun(FOLDER / f"{script}.py", results, *flags, nproc=nproc))
-        out[name] = only_record(results)
-    return out
+    results = {name: tmp_path_factory.mktemp(script) / "results.jsonl"
+               for name, (script, _, _) in RUNS.items()}
+    finish_all([functools.partial(torchrun, FOLDER / f"{script}.py", results[name], *flags,
+                                  nproc=nproc) for name, (script, nproc, flags) in RUNS.items()])
+    return {name: only_record(results[name]) for name in RUNS}
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -12,6 +12,7 @@ processes: the README's "Use it in your trainer" lines on a tiny HuggingFace Lla
 sub-group; in this process, FP8 never converting a head, tied or untied.
 """
 
+import functools
 import math
 import os
 import signal
@@ -29,6 +30,7 @@ from helpers import (
     assert_skipped_with_why,
     assert_within_its_tolerance,
     finish,
+    finish_all,
     load_recipe,
     only_record,
     readme_python_block,
@@ -57,12 +59,10 @@ DDP_OF = {  # the DDP run of the hybrid's and the ResNet's setups: the same batc
 
 
 def launch_each(runs: dict, tmp_path_factory) -> dict:
-    out = {}
-    for name, (script, nproc, flags) in runs.items():
-        results = tmp_path_factory.mktemp(name) / "results.jsonl"
-        finish(torchrun(FOLDER / f"{script}.py", results, *flags, nproc=nproc))
-        out[name] = only_record(results)
-    return out
+    results = {name: tmp_path_factory.mktemp(name) / "results.jsonl" for name in runs}
+    finish_all([functools.partial(torchrun, FOLDER / f"{script}.py", results[name], *flags,
+                                  nproc=nproc) for name, (script, nproc, flags) in runs.items()])
+    return {name: only_record(results[name]) for name in runs}
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from helpers import (
     TINY,
     assert_bad_input_is_one_line,
     assert_within_its_tolerance,
-    finish,
+    finish_all,
     load_recipe,
     only_record,
     torchrun,
@@ -64,13 +64,14 @@ def max_relative_difference(losses: list[float], reference: list[float]) -> floa
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
-    for name, (script, nproc, flags) in RUNS.items():
-        results = tmp_path_factory.mktemp(script) / "results.jsonl"
-        flags = ["--batch-size", str(2 * M), "--microbatches", str(M), *flags]
-        console = finish(torchrun(FOLDER / f"{script}.py", results, *flags, nproc=nproc))
-        out[name] = (only_record(results), console)
-    return out
+    results = {name: tmp_path_factory.mktemp(script) / "results.jsonl"
+               for name, (script, _, _) in RUNS.items()}
+    consoles = finish_all([functools.partial(
+        torchrun, FOLDER / f"{script}.py", results[name], "--batch-size", str(2 * M),
+        "--microbatches", str(M), *flags, nproc=nproc)
+        for name, (script, nproc, flags) in RUNS.items()])
+    return {name: (only_record(results[name]), console)
+            for name, console in zip(RUNS, consoles, strict=True)}
 
 
 def unsplit_losses(rec):
