@@ -41,8 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 # Exact: the ring computes the same attention as one fused kernel over the whole sequence, its
-# softmax sums regrouped by block (fp32 rounding); bf16 rounds each block's output to 8 bits.
-LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+# softmax sums regrouped by block (fp32 rounding), which training carries from step to step: 3e-5
+# at cp 4 after 11 steps at `small` (5e-6 of the loss); 5e-5 is 1e-5 of a loss of 5. bf16 rounds
+# each block's output to 8 bits.
+LOSS_TOLERANCE = {"fp32": 5e-5, "bf16": 5e-2}
 aten = torch.ops.aten
 
 
