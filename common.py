@@ -332,7 +332,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(size.d_model, llama_ffn_dim(size.d_model))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions)
+        # positions passed only when given: a tensor-parallel plan's PrepareModuleInput, or a
+        # module put in self_attn's place, takes the one input it was written for
+        attn_args = () if positions is None else (positions,)
+        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -350,7 +353,7 @@ class LlamaModel(nn.Module):
                 ) -> torch.Tensor:
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x, positions)
+            x = layer(x) if positions is None else layer(x, positions)  # as the layer's own call
         return self.norm(x)
 
 

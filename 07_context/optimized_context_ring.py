@@ -407,11 +407,9 @@ def main():
     args = parser.parse_args()
     world = common.launch_world_size()
     cp, zigzag = args.cp or world, args.balance == "zigzag"
-    if cp > world:  # the host's world, not the flag, is short
-        raise common.Skip(f"--cp {cp} needs {cp} ranks, the world has {world}: launch "
-                          f"--nproc_per_node={cp} or more")
-    if world % cp:
-        parser.error(f"--cp {cp} must divide the world size {world}: use a divisor of it")
+    if world % cp:  # the host's world, not the flag, is short or odd: the row says why
+        raise common.Skip(f"--cp {cp} groups need a world of a multiple of {cp} ranks, this one "
+                          f"has {world}: launch --nproc_per_node={cp * max(1, world // cp)}")
     try:
         common.sequence_positions(args.seq_len, 0, cp, zigzag)
     except ValueError as err:

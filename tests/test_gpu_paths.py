@@ -7,6 +7,7 @@ with the Makefile's defaults: each reaches `setup` or skips with its reason, nev
 import datetime
 import inspect
 import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -24,10 +25,15 @@ SCRIPTS = sorted(common.ROOT.glob("[0-9][0-9]_*/*.py"))
 
 def makefile_extra_flags() -> dict[str, list[list[str]]]:
     """The Makefile's extra runs (its EXTRA_RUNS_* lists, "script flags" each, whatever MODEL
-    selects), as each script's lists of flags."""
+    selects), as each script's lists of flags, its variables (07's lengths by size) as make
+    expands them at its defaults (`make -pn`'s database)."""
     makefile = (common.ROOT / "Makefile").read_text()
+    database = subprocess.run(["make", "-pn", "--no-print-directory", "list"], cwd=common.ROOT,
+                              capture_output=True, text=True, timeout=60).stdout
+    values = dict(re.findall(r"^(\w+) :?= (.*)$", database, re.MULTILINE))
     found: dict[str, list[list[str]]] = {}
     for script, flags in re.findall(r'"(\d\d_\w+/\w+\.py)( [^"]*)"', makefile):
+        flags = re.sub(r"\$\((\w+)\)", lambda var: values[var[1]], flags)
         found.setdefault(Path(script).stem, []).append(flags.split())
     return found
 
