@@ -378,6 +378,9 @@ def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> N
         pair = dist.new_group([0, 1])  # every rank takes part in making it
         if rank < 2:
             found["pair"] = units_on(pair)
+    # rank 2 of 3, idle while the pair works, waits for it: tearing its group down under the
+    # pair's traffic can abort the process (gloo: "terminate called without an active exception")
+    dist.barrier()
     if rank == 0:
         torch.save(found, out_file)
     dist.destroy_process_group()
