@@ -101,6 +101,15 @@ def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
                process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
 
 
+# Copied from 07_context/optimized_context_ring.py: recorded_settings
+def recorded_settings(settings, cp: int):
+    """The run's settings as its record states them: the batch as a rank's share, 1/cp of each
+    of its group's sequences (the baseline's batch at the defaults), so that the report holds the
+    run to the baseline at the same global batch and tokens."""
+    share = settings.batch_size / cp
+    return common.resolved(settings, batch_size=int(share) if share.is_integer() else share)
+
+
 def main():
     parser = common.parser(__doc__, long_context=True, skips={
         "resnet": "a ResNet has no sequence to split: context parallelism runs --model gpt or "
@@ -159,8 +168,8 @@ def main():
     # common.CollectiveBytes does not count)
     kv_allgather_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items()
                           if kind.startswith("all_gather_into_tensor"))
-    common.record(settings, topo, stats, baseline="baseline_context", model=model.module,
-                  optimizer=opt, comm_mb=stats.comm_mb, dp_world=world // cp, cp=cp,
+    common.record(recorded_settings(settings, cp), topo, stats, baseline="baseline_context",
+                  model=model.module, optimizer=opt, comm_mb=stats.comm_mb, cp=cp,
                   rotate=args.rotate, loss_tolerance=LOSS_TOLERANCE[args.dtype],
                   **({"kv_allgather_mb": round(kv_allgather_mb, 3)}
                      if args.rotate == "allgather" else {}),

@@ -387,6 +387,14 @@ def theory(settings, positions: list[torch.Tensor], data_parallel: dict[str, flo
             "state_mb": data_parallel["state"] / 2**20}
 
 
+def recorded_settings(settings, cp: int):
+    """The run's settings as its record states them: the batch as a rank's share, 1/cp of each
+    of its group's sequences (the baseline's batch at the defaults), so that the report holds the
+    run to the baseline at the same global batch and tokens."""
+    share = settings.batch_size / cp
+    return common.resolved(settings, batch_size=int(share) if share.is_integer() else share)
+
+
 def main():
     parser = common.parser(__doc__, long_context=True, skips={
         "resnet": "a ResNet has no sequence to split: context parallelism runs --model gpt or "
@@ -453,10 +461,7 @@ def main():
     kv_heads = size.n_kv_heads if args.model == "llama" else size.n_heads
     unwrapped = model if args.fsdp else model.module
     ring_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items() if kind.startswith("send"))
-    # the record's batch is a rank's share, the baseline's at the defaults: 1/cp of each of its
-    # group's sequences, so that the report holds the two runs to the same global batch
-    share = settings.batch_size // cp if settings.batch_size % cp == 0 else settings.batch_size / cp
-    common.record(common.resolved(settings, batch_size=share), topo, stats,
+    common.record(recorded_settings(settings, cp), topo, stats,
                   baseline="baseline_context", model=unwrapped, optimizer=opt,
                   comm_mb=stats.comm_mb, loss_tolerance=LOSS_TOLERANCE[args.dtype], cp=cp,
                   balance=args.balance, overlap=not args.no_overlap,

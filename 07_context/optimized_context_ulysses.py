@@ -192,6 +192,15 @@ def theory(settings, world: int, cp: int, grad_bytes: int) -> dict[str, float]:
             "ulysses_mb": ulysses}
 
 
+# Copied from 07_context/optimized_context_ring.py: recorded_settings
+def recorded_settings(settings, cp: int):
+    """The run's settings as its record states them: the batch as a rank's share, 1/cp of each
+    of its group's sequences (the baseline's batch at the defaults), so that the report holds the
+    run to the baseline at the same global batch and tokens."""
+    share = settings.batch_size / cp
+    return common.resolved(settings, batch_size=int(share) if share.is_integer() else share)
+
+
 def main():
     parser = common.parser(__doc__, long_context=True, skips={
         "resnet": "a ResNet has no sequence to split: context parallelism runs --model gpt or "
@@ -239,10 +248,7 @@ def main():
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     ulysses_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items()
                      if kind.startswith("alltoall"))
-    # the record's batch is a rank's share, the baseline's at the defaults: 1/cp of each of its
-    # group's sequences, so that the report holds the two runs to the same global batch
-    share = settings.batch_size // cp if settings.batch_size % cp == 0 else settings.batch_size / cp
-    common.record(common.resolved(settings, batch_size=share), topo, stats,
+    common.record(recorded_settings(settings, cp), topo, stats,
                   baseline="baseline_context", model=model.module,
                   optimizer=opt, comm_mb=stats.comm_mb, cp=cp,
                   ulysses_mb=round(ulysses_mb, 3), loss_tolerance=LOSS_TOLERANCE[args.dtype],
