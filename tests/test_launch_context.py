@@ -67,7 +67,8 @@ def test_the_ring_sends_its_theory_and_zigzag_balances_the_causal_work(runs):
     assert (rec["cp"], rec["balance"], rec["overlap"]) == (2, "zigzag", True)
     assert rec["ring_mb"] == pytest.approx(rec["theory"]["ring_mb"], abs=1e-3) and rec["ring_mb"]
     assert rec["theory"]["attention_balance"] == 1.0  # equal pairs, from the positions
-    assert rec["attention_balance"] >= 1.0  # max/min of the ranks' measured kernel time
+    # measured on CPU, max/min of the ranks' kernel time (1 or more by construction)
+    assert isinstance(rec["attention_balance"], float) and rec["attention_balance"] >= 1.0
     assert rec["attention_gflop"] == pytest.approx(rec["theory"]["attention_gflop"], abs=1e-3)
 
 
