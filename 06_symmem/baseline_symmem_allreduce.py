@@ -1,5 +1,5 @@
-"""Collectives benchmark through the process group: all-reduce, all-gather, reduce-scatter and
-send/recv over a sweep of message sizes.
+"""Collectives benchmark through the process group: all-reduce, all-gather, reduce-scatter,
+send/recv and all-to-all over a sweep of message sizes.
 
 What it does: the bandwidth test of nccl-tests and ml-engineering's all_reduce_bench: for each
 operation and message size, a few untimed calls, then timed ones, each after a barrier so every
@@ -7,20 +7,19 @@ rank starts together, the device synchronised before the clock is read; a call's
 shortest any rank measured (the last rank out of the barrier waits for nobody), the median
 kept, and every result checked. All-reduce sums `bytes` over the ranks in place; all-gather
 assembles `bytes` from N pieces; reduce-scatter sums `bytes` and leaves each rank its 1/N;
-send/recv sends `bytes` from every rank to the next (a ring, each rank sending and receiving
-at once).
+send/recv sends `bytes` from every rank to the next (a ring, both at once); all-to-all sends
+`bytes`/N to every rank, keeping its own 1/N (expert parallelism's token exchange, 08_moe).
 Why it is the baseline: it is what a training loop calls, `dist.all_reduce` and friends over
 gloo on CPU (NCCL on GPUs): each call goes through the process group, and over gloo through a
 TCP connection per pair even between processes on one host. That fixed cost per call is what
-small messages pay; symmetric memory (optimized_symmem_allreduce.py) skips the library and the
-sockets.
+small messages pay; symmetric memory (optimized_symmem_allreduce.py, no all-to-all) skips it.
 Run:        torchrun --nproc_per_node=2 06_symmem/baseline_symmem_allreduce.py
-            ... --sizes 4K,64K,1M,16M,256M --ops all_reduce
+            ... --sizes 4K,64K,1M,16M,256M --ops all_reduce,all_to_all
 Look for:   `make symmem report`: the bandwidth table, this script's time and busbw beside the
             symmetric-memory one's at each size.
-Theory:     busbw = algbw x 2(N-1)/N for all-reduce, (N-1)/N for all-gather and reduce-scatter,
-            1 for send/recv (the share of the message each rank's link must carry, so busbw is
-            comparable with a link's bandwidth whatever N); algbw = bytes / time.
+Theory:     busbw = algbw x 2(N-1)/N for all-reduce, (N-1)/N for all-gather, reduce-scatter and
+            all-to-all, 1 for send/recv (the share of the message each rank's link must carry,
+            so busbw compares with a link's bandwidth whatever N); algbw = bytes / time.
 """
 
 import argparse
@@ -37,19 +36,22 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "sendrecv", "all_to_all")
 
 
 def collective(op: str, numel: int, topo: common.Topology):
     """The call to time on fp32 messages of `numel` values, the input refill before it, and the
-    check of its result: every rank's input is (rank + 1) x (0, 1, ..., 6, 0, 1, ...)."""
+    check of its result: every rank's input is (rank + 1) x (0, 1, ..., 6, 0, 1, ...), with 7k
+    added to all-to-all's chunk k."""
     n, r, device = topo.world_size, topo.rank, topo.device
     pattern = (torch.arange(numel, device=device) % 7).float()
-    piece = numel // n  # all-gather's input and reduce-scatter's output (numel divides by n)
+    piece = numel // n  # all-gather's input, reduce-scatter's output, all-to-all's chunk
     x = torch.empty(piece if op == "all_gather" else numel, device=device)
     out = torch.empty(numel if op == "all_gather" else piece if op == "reduce_scatter" else
                       numel, device=device)
     mine = pattern[r * piece:(r + 1) * piece] if op == "all_gather" else pattern
+    if op == "all_to_all":  # each chunk its own values: one delivered to the wrong rank fails
+        mine = pattern + 7 * torch.arange(n, device=device).repeat_interleave(piece)
 
     def prepare():
         x.copy_(mine).mul_(r + 1)
@@ -67,6 +69,12 @@ def collective(op: str, numel: int, topo: common.Topology):
         def call():
             common.reduce_scatter_single(out, x)
         result, expected = out, pattern[r * piece:(r + 1) * piece] * (n * (n + 1) / 2)
+    elif op == "all_to_all":
+        def call():  # even splits: chunk k of x goes to rank k, chunk k of out comes from it
+            dist.all_to_all_single(out, x)
+        # from rank k, its chunk r: the (k + 1) says who sent it, the 7r which chunk it was
+        result = out
+        expected = torch.cat([mine[r * piece:(r + 1) * piece] * (k + 1) for k in range(n)])
     else:
         def call():
             for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (r + 1) % n),
@@ -117,9 +125,12 @@ def time_calls(call: Callable[[], object], prepare: Callable[[], object],
     return 1e3 * statistics.median(shortest.tolist())
 
 
-# busbw = algbw x this: the share of the message each rank's link carries (nccl-tests' convention)
+# busbw = algbw x this: the share of the message each rank's link carries (nccl-tests'
+# convention, their doc/PERFORMANCE.md, AlltoAll included: a rank keeps 1/N of its bytes and
+# sends the other (N-1)/N)
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "sendrecv": lambda n: 1.0}
+              "reduce_scatter": lambda n: (n - 1) / n, "sendrecv": lambda n: 1.0,
+              "all_to_all": lambda n: (n - 1) / n}
 
 
 def sweep_entry(op: str, nbytes: int, ms: float, world: int) -> dict:
@@ -166,7 +177,7 @@ def main():
     for op in ops:
         for nbytes in args.sizes:
             numel = nbytes // 4
-            if op in ("all_gather", "reduce_scatter"):
+            if op in ("all_gather", "reduce_scatter", "all_to_all"):
                 numel -= numel % topo.world_size  # whole pieces, one per rank
             if numel == 0:
                 continue  # smaller than one value (per rank)

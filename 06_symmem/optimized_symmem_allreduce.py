@@ -328,9 +328,12 @@ def time_calls(call: Callable[[], object], prepare: Callable[[], object],
     return 1e3 * statistics.median(shortest.tolist())
 
 
-# busbw = algbw x this: the share of the message each rank's link carries (nccl-tests' convention)
+# busbw = algbw x this: the share of the message each rank's link carries (nccl-tests'
+# convention, their doc/PERFORMANCE.md, AlltoAll included: a rank keeps 1/N of its bytes and
+# sends the other (N-1)/N)
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "sendrecv": lambda n: 1.0}
+              "reduce_scatter": lambda n: (n - 1) / n, "sendrecv": lambda n: 1.0,
+              "all_to_all": lambda n: (n - 1) / n}
 
 
 # Copied from 06_symmem/baseline_symmem_allreduce.py: sweep_entry

@@ -72,16 +72,24 @@ def data_parallel(runs, tmp_path_factory):
     return of
 
 
+# what each sweep times by default: the all-to-all (08_moe's token exchange) through the process
+# group only, symmetric memory having none
+SWEPT = {"baseline_symmem_allreduce": ["all_reduce", "all_gather", "reduce_scatter", "sendrecv",
+                                       "all_to_all"],
+         "optimized_symmem_allreduce": ["all_reduce", "all_gather", "reduce_scatter", "sendrecv"]}
+
+
 @pytest.mark.parametrize("script", ["baseline_symmem_allreduce", "optimized_symmem_allreduce"])
 def test_a_sweep_records_every_op_and_size_checked_with_its_busbw(runs, script):
     rec = runs[script]
     assert rec["status"] == "ok" and "step_ms" not in rec  # a benchmark, no training fields
     assert rec.get("transport", "/dev/shm segment") == "/dev/shm segment"  # no GPU: not claimed
     assert [(row["op"], row["bytes"]) for row in rec["sweep"]] == [
-        (op, size) for op in ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
-        for size in (4096, 65536, 2**20)]
-    # nccl-tests' bus factors at 2 ranks, as they print them: 2(N-1)/N, (N-1)/N, (N-1)/N, 1
-    factor = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "sendrecv": 1.0}
+        (op, size) for op in SWEPT[script] for size in (4096, 65536, 2**20)]
+    # nccl-tests' bus factors at 2 ranks, as they print them: 2(N-1)/N, (N-1)/N, (N-1)/N, 1,
+    # (N-1)/N
+    factor = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "sendrecv": 1.0,
+              "all_to_all": 0.5}
     for row in rec["sweep"]:
         assert row["busbw_gbps"] == pytest.approx(factor[row["op"]] * row["algbw_gbps"], rel=1e-3)
         # a call moves its bytes in its time: between a dial-up line and this host's memory
@@ -97,6 +105,17 @@ def test_the_report_sets_the_two_sweeps_side_by_side(runs):
     rows = [line for line in text.splitlines() if line.startswith("| all_reduce")]
     assert len(rows) == 3 and all("baseline_symmem_allreduce" in r and r.rstrip(" |").endswith("x")
                                   for r in rows)
+    # the all-to-all, swept by the baseline alone: its figures shown, nothing to compare with
+    swept = {row["bytes"]: row for row in runs["baseline_symmem_allreduce"]["sweep"]
+             if row["op"] == "all_to_all"}
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]]
+            for line in text.splitlines() if line.startswith("| all_to_all")]
+    assert [int(row[1].replace(",", "")) for row in rows] == [4096, 65536, 2**20]
+    for row in rows:  # tabulate reprints the figures: compared as numbers
+        base = swept[int(row[1].replace(",", ""))]
+        assert row[4].startswith("baseline_symmem_allreduce") and row[8:] == ["", "", ""]
+        assert float(row[5].replace(",", "")) == pytest.approx(base["ms"], abs=5e-4)
+        assert float(row[6].replace(",", "")) == pytest.approx(base["busbw_gbps"], abs=5e-3)
 
 
 def test_symmetric_memory_training_matches_the_baseline_with_half_the_optimizer_state(runs):
@@ -169,4 +188,4 @@ def test_a_world_of_one_sweeps_all_but_the_send_it_has_no_peer_for(script, tmp_p
                          capture_output=True, text=True, timeout=120, env=cpu_env())
     assert run.returncode == 0, run.stderr[-2000:]
     rec = only_record(results)
-    assert [row["op"] for row in rec["sweep"]] == ["all_reduce", "all_gather", "reduce_scatter"]
+    assert [row["op"] for row in rec["sweep"]] == [op for op in SWEPT[script] if op != "sendrecv"]

@@ -1,6 +1,7 @@
 """06_symmem's shared-memory collectives in spawned gloo processes: equal to the process
 group's at every size (sizes that do not divide by N included), at 2 and at 3 ranks, and an
-all-reduce's rounded sums the same bits on every rank; never a stale read over many
+all-reduce's rounded sums the same bits on every rank; the gloo sweep's all-to-all check
+failing a chunk from the wrong sender or the wrong chunk; never a stale read over many
 back-to-back calls; nothing left in /dev/shm, also after a rank killed before or after it
 mapped the segment; more than one node is refused as `skipped`; training equal to the
 baseline at 3 ranks, and on the Llama at 2; DTensor's Llama plan (KV groups padded too) equal
@@ -18,6 +19,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -121,6 +123,43 @@ def test_shared_memory_collectives_on_ranks_0_and_1_of_three_stay_in_their_group
     passed(checks(3), "collectives on ranks 0 and 1")
     assert leftovers() <= checks.before
 
+
+def _sweep_all_to_all_checks_what_each_rank_received(rank: int, world: int, port: int) -> None:
+    """The baseline sweep's all-to-all: its check passes on what the process group delivers and
+    fails on a chunk from the wrong sender, or on the wrong chunk from the right one."""
+    _, topo = _start(rank, world, port)
+    real = SWEEP.dist
+
+    def misdelivering(wrong: str) -> SimpleNamespace:  # `dist` as the sweep's call sees it
+        def all_to_all_single(out, x):
+            if wrong == "chunk":  # every sender sends rank k its chunk k + 1
+                x = x.roll(-(x.numel() // world))
+            real.all_to_all_single(out, x)
+            if wrong == "sender":  # what rank k sent lands where rank k + 1's belongs
+                out.copy_(out.roll(out.numel() // world))
+        return SimpleNamespace(all_to_all_single=all_to_all_single)
+
+    for piece in (2, 7, 14, 1000):  # 7, 14: chunks alike in the 0..6 pattern, told apart by 7k
+        call, prepare, check = SWEEP.collective("all_to_all", piece * world, topo)
+        prepare()
+        call()
+        assert check(), ("all_to_all", piece)
+        for wrong in ("sender", "chunk"):
+            SWEEP.dist = misdelivering(wrong)
+            try:
+                prepare()
+                call()
+                assert not check(), ("all_to_all passed with the wrong", wrong, piece)
+            finally:
+                SWEEP.dist = real
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_sweeps_all_to_all_check_catches_a_misdelivered_chunk(checks, world):
+    passed(checks(world), "sweep's all-to-all")
+
+
 def _killed_peer(rank: int, world: int, port: int) -> None:
     recipe, topo = _start(rank, world, port)
     seg = recipe.SharedSegment(topo, 4096, timeout=3)
@@ -180,6 +219,10 @@ def test_busbw_follows_the_nccl_tests_convention():
     assert row["algbw_gbps"] == 1.0 and row["busbw_gbps"] == 1.5
     assert SWEEP.sweep_entry("sendrecv", 10**9, 1000.0, world=4)["busbw_gbps"] == 1.0
     assert SWEEP.sweep_entry("all_gather", 10**9, 1000.0, world=4)["busbw_gbps"] == 0.75
+    # all-to-all (nccl-tests' AlltoAll): a rank keeps 1/N of its bytes, sends (N-1)/N
+    for world, busbw in [(1, 0.0), (2, 0.5), (4, 0.75), (8, 0.875)]:
+        row = SWEEP.sweep_entry("all_to_all", 10**9, 1000.0, world=world)
+        assert row["algbw_gbps"] == 1.0 and row["busbw_gbps"] == busbw, world
 
 
 def _train_three(rank: int, world: int, port: int, results: str) -> None:
@@ -799,6 +842,9 @@ def test_training_the_llama_equals_the_baseline_with_its_theory(checks):
 CHECKS = {  # name: {world size: call(rank, world, port, out)}
     "collectives": {world: lambda r, w, port, out: _compare_with_the_process_group(r, w, port)
                     for world in (2, 3)},
+    "sweep's all-to-all": {world: lambda r, w, port, out:
+                           _sweep_all_to_all_checks_what_each_rank_received(r, w, port)
+                           for world in (2, 3)},
     "collectives on ranks 0 and 1": {3: lambda r, w, port, out: _collectives_on_ranks_0_and_1(
         r, w, port)},
     "two nodes": {2: lambda r, w, port, out: _two_nodes(r, w, port)},
