@@ -80,23 +80,31 @@ class Size:
     long_batch_size: int
     resnet: str
     image_size: int
+    # --model moe (the Llama with each MLP a Mixture of Experts): routed experts, the experts a
+    # token is routed to, an expert's SwiGLU width, the shared expert's (0: none)
+    n_experts: int
+    top_k: int
+    expert_ffn: int
+    shared_expert_ffn: int
 
 
 SIZES = {
     "tiny": Size(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=32,
                  batch_size=4, long_seq_len=128, long_batch_size=2, resnet="resnet18",
-                 image_size=16),
+                 image_size=16, n_experts=4, top_k=2, expert_ffn=64, shared_expert_ffn=64),
     "small": Size(vocab_size=1024, d_model=256, n_layers=6, n_heads=8, n_kv_heads=4, seq_len=128,
                   batch_size=4, long_seq_len=768, long_batch_size=1, resnet="resnet18",
-                  image_size=32),
+                  image_size=32, n_experts=16, top_k=2, expert_ffn=512, shared_expert_ffn=512),
     "medium": Size(vocab_size=32768, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4,
                    seq_len=1024, batch_size=8, long_seq_len=4096, long_batch_size=2,
-                   resnet="resnet50", image_size=128),
+                   resnet="resnet50", image_size=128, n_experts=32, top_k=4, expert_ffn=512,
+                   shared_expert_ffn=1024),
     "large": Size(vocab_size=32768, d_model=2048, n_layers=18, n_heads=16, n_kv_heads=8,
                   seq_len=1024, batch_size=4, long_seq_len=4096, long_batch_size=1,
-                  resnet="resnet101", image_size=224),
+                  resnet="resnet101", image_size=224, n_experts=8, top_k=2, expert_ffn=1408,
+                  shared_expert_ffn=1408),
 }
-MODELS = ("gpt", "llama", "resnet")  # the decoders, then the CNN
+MODELS = ("gpt", "llama", "moe", "resnet")  # the decoders (moe: the Llama with MoE MLPs), the CNN
 
 
 def gpt_param_count(size: Size, seq_len: int) -> int:
@@ -244,6 +252,17 @@ def llama_param_count(size: Size) -> int:
     return 2 * size.vocab_size * d + size.n_layers * per_layer + d
 
 
+def moe_param_counts(size: Size) -> tuple[int, int]:
+    """(total, active) parameters of the MoE Llama (`--model moe`) without building it: the Llama
+    with each MLP replaced by a router (experts x d_model), the routed experts (top_k of them
+    active a token) and the shared expert (always active)."""
+    d, layers = size.d_model, size.n_layers
+    expert = 3 * d * size.expert_ffn  # gate, up, down
+    moe_dense = d * size.n_experts + 3 * d * size.shared_expert_ffn  # router, shared expert
+    dense = llama_param_count(size) - layers * (3 * d * llama_ffn_dim(d) - moe_dense)
+    return dense + layers * size.n_experts * expert, dense + layers * size.top_k * expert
+
+
 def rotary_table(seq: int, head_dim: int, device: torch.device, dtype: torch.dtype,
                  base: float, positions: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,13 +342,118 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+MOE_BALANCING = ("bias", "aux", "none")
+AUX_LOSS_COEF = 0.01  # the classic auxiliary loss's weight (Switch Transformer's)
+
+
+class TopKRouter(nn.Module):
+    """A MoE layer's `gate`: each token's top_k experts and their weights. Scores are the softmax
+    over experts; the top_k are chosen on score + `expert_bias` (DeepSeek-V3's aux-loss-free
+    balancing: the bias, no parameter, only chooses; a trainer nudges it after each step toward
+    equal load) and weighted by their scores renormalised to 1. `tokens_per_expert` counts the
+    tokens routed to each expert since a trainer last read it."""
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+        self.register_buffer("expert_bias", torch.zeros(n_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(n_experts, dtype=torch.long),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (tokens, d_model) -> weights (tokens, top_k) in x's dtype, experts (tokens, top_k),
+        and the scores (tokens, n_experts, fp32) the auxiliary loss is computed from."""
+        scores = F.linear(x, self.weight).float().softmax(dim=-1)
+        experts = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        with torch.no_grad():
+            self.tokens_per_expert += torch.bincount(experts.flatten(),
+                                                     minlength=self.weight.shape[0])
+        return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), experts, scores
+
+
+def auxiliary_balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The classic load-balancing loss (Switch Transformer, GShard): n_experts x the sum over
+    experts of (share of routed slots) x (mean score); 1 when the load is even."""
+    n = scores.shape[-1]
+    share = torch.bincount(experts.flatten(), minlength=n).to(scores.dtype) / experts.numel()
+    return n * (share * scores.mean(dim=0)).sum()
+
+
+class _WithAuxiliaryLoss(torch.autograd.Function):
+    """x unchanged forward; backward, also the gradient of `loss` (weight 1): the auxiliary loss
+    trains the router through the layer's own output, in any schedule that runs backward from
+    the model's loss (pipelines, checkpointing), without a second value to return."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = loss.shape
+        ctx.loss_dtype = loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
+
+
+class Experts(nn.ModuleList):
+    """A MoE layer's routed experts, `experts[i]` a SwiGLU MLP, called as HuggingFace calls its
+    experts: (tokens, top_k_index, top_k_weights) -> each token's weighted sum of its experts'
+    outputs. The routed slots (token, choice) are sorted by expert, so that each expert runs
+    once on a contiguous block of rows; an expert with no rows still runs, on none, so its
+    weights always get a gradient (zero), as data parallelism's hooks expect."""
+
+    def forward(self, tokens: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        order = top_k_index.flatten().argsort(stable=True)
+        token_of = order // top_k_index.shape[1]
+        counts = torch.bincount(top_k_index.flatten(), minlength=len(self)).tolist()
+        rows = tokens[token_of].split(counts)
+        routed = torch.cat([expert(part) for expert, part in zip(self, rows)])
+        weighted = routed * top_k_weights.flatten()[order, None]
+        return torch.zeros_like(tokens).index_add_(0, token_of, weighted)
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts MLP with HuggingFace's names (Qwen2-MoE, DeepSeek-V3): `gate` (the
+    TopKRouter), `experts` (Experts: `experts[i]` SwiGLU MLPs), `shared_expert` (seen by every
+    token, or None).
+    Dropless: every token reaches its top_k experts, whatever their load. `balance`: "bias"
+    (the router's bias, nudged by the trainer), "aux" (the auxiliary loss, weight
+    AUX_LOSS_COEF) or "none"."""
+
+    def __init__(self, size: Size, balance: str):
+        super().__init__()
+        if balance not in MOE_BALANCING:
+            raise ValueError(f"balance {balance!r}: use one of {', '.join(MOE_BALANCING)}")
+        self.balance = balance
+        self.gate = TopKRouter(size.d_model, size.n_experts, size.top_k)
+        self.experts = Experts(LlamaMLP(size.d_model, size.expert_ffn)
+                               for _ in range(size.n_experts))
+        self.shared_expert = (LlamaMLP(size.d_model, size.shared_expert_ffn)
+                              if size.shared_expert_ffn else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, experts, scores = self.gate(tokens)
+        out = self.experts(tokens, experts, weights)  # expert parallelism swaps this module
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        if self.balance == "aux" and self.training:
+            out = _WithAuxiliaryLoss.apply(
+                out, AUX_LOSS_COEF * auxiliary_balance_loss(scores, experts))
+        return out.view_as(x)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, size: Size, attention: Callable):
+    def __init__(self, size: Size, attention: Callable, moe_balance: str | None = None):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(size.d_model, eps=1e-6)
         self.self_attn = LlamaAttention(size.d_model, size.n_heads, size.n_kv_heads, attention)
         self.post_attention_layernorm = nn.RMSNorm(size.d_model, eps=1e-6)
-        self.mlp = LlamaMLP(size.d_model, llama_ffn_dim(size.d_model))
+        self.mlp = (LlamaMLP(size.d_model, llama_ffn_dim(size.d_model)) if moe_balance is None
+                    else MoE(size, moe_balance))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # positions passed only when given: a tensor-parallel plan's PrepareModuleInput, or a
@@ -342,10 +466,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """The decoder without its head, as HuggingFace's `LlamaModel`: tokens in, normed states out."""
 
-    def __init__(self, size: Size, attention: Callable):
+    def __init__(self, size: Size, attention: Callable, moe_balance: str | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(size.vocab_size, size.d_model)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(size, attention)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(size, attention, moe_balance)
                                     for _ in range(size.n_layers))
         self.norm = nn.RMSNorm(size.d_model, eps=1e-6)
 
@@ -361,16 +485,17 @@ class Llama(Decoder):
     """The shape users bring: RMSNorm, rotary positions, SwiGLU, grouped-query attention, no
     biases, an untied `lm_head`, with HuggingFace's module names (`model.layers[i].self_attn
     .q_proj`, `mlp.gate_proj`, `model.embed_tokens`, `model.norm`, `lm_head`). The same
-    `forward(tokens, targets)` contract as the GPT; any sequence length (no position table)."""
+    `forward(tokens, targets)` contract as the GPT; any sequence length (no position table).
+    `moe_balance` given ("bias", "aux" or "none"), each MLP is a `MoE` balanced that way."""
 
     def __init__(self, size: Size, attention: Callable = causal_sdpa,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, moe_balance: str | None = None):
         super().__init__()
         if size.d_model % size.n_heads or size.n_heads % size.n_kv_heads:
             raise ValueError(f"{size.n_heads} heads of d_model {size.d_model} in "
                              f"{size.n_kv_heads} KV groups do not divide evenly")
         self.autocast_dtype = autocast_dtype
-        self.model = LlamaModel(size, attention)
+        self.model = LlamaModel(size, attention, moe_balance)
         self.lm_head = nn.Linear(size.d_model, size.vocab_size, bias=False)
         for p in self.parameters():
             if p.dim() == 2:  # HuggingFace's initializer_range; RMSNorm weights stay 1
@@ -505,6 +630,8 @@ def workload(args: argparse.Namespace, topo: Topology, attention: Callable = cau
         model = GPT(size, args.seq_len, attention, autocast_dtype)
     elif args.model == "llama":
         model = Llama(size, attention, autocast_dtype)
+    elif args.model == "moe":  # balanced as 08's --moe-balance says; elsewhere, plain top-k
+        model = Llama(size, attention, autocast_dtype, vars(args).get("moe_balance", "none"))
     else:
         model = Classifier(size.resnet, NUM_CLASSES, autocast_dtype)
     return model.to(topo.device), batches
@@ -928,7 +1055,12 @@ class CollectiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
-        if func.namespace == "c10d" and name in _SENT_PER_BYTE:
+        if func.namespace == "c10d" and name == "alltoall_base_" and args[4]:
+            # uneven splits (expert parallelism's tokens): all but the rows this rank keeps
+            group, rows = dist.ProcessGroup.unbox(args[2]), args[1].shape[0]
+            kept = args[4][group.rank()] / rows if rows else 1.0
+            self.count(name, [args[1]], group, lambda n: 1.0 - kept)
+        elif func.namespace == "c10d" and name in _SENT_PER_BYTE:
             sent, group, per_byte = _SENT_PER_BYTE[name]
             tensors = args[sent] if isinstance(args[sent], list) else [args[sent]]
             self.count(name, tensors, dist.ProcessGroup.unbox(args[group]), per_byte)

@@ -1,0 +1,105 @@
+"""Data parallelism over a Mixture of Experts: every rank holds every expert.
+
+What it does: DDP over the MoE Llama (`--model moe`: each MLP a router that sends each token to
+its top-k of E SwiGLU experts, beside a shared expert every token sees). Each rank routes its own
+tokens to its own copies of the experts, then all-reduces every gradient, the experts' too.
+After each optimizer step the routers' tokens per expert are summed over the ranks and, with
+`--moe-balance bias` (DeepSeek-V3's aux-loss-free balancing), each expert's selection bias moves
+by --bias-rate toward equal load: up for an expert under the mean, down for one over it
+(`aux`: the classic auxiliary loss instead; `none`: plain top-k).
+Why it is the baseline: it is the first way to train a MoE on many GPUs, and exact. But every
+rank holds all E experts of which a token uses k, so state grows with the total parameters, and
+the all-reduce sends all of them every step though each expert saw only its share of tokens.
+Run:        torchrun --nproc_per_node=2 08_moe/baseline_moe.py --size small
+Look for:   `make moe report`: expert parallelism's step time, bytes and state beside this row;
+            tokens per expert (the busiest's against the mean) with and without balancing.
+Theory:     sends 2(N-1)/N x 4 bytes x every parameter a step (and the routers' counts); holds
+            16 bytes a parameter (fp32 weight, gradient, Adam's two moments) on every rank; an
+            expert gets global tokens x k / E tokens a step when the load is even.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+NOT_MOE = {model: "expert parallelism needs a model with experts: run --model moe"
+           for model in common.MODELS if model != "moe"}
+
+
+def balance_experts(routers: list[torch.nn.Module], rate: float,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """After an optimizer step: the tokens each router sent to each expert, summed over `group`
+    (every rank whose tokens it routed), returned as (layers, experts). With rate > 0 each
+    expert's selection bias moves by `rate` toward equal load (DeepSeek-V3's update: + under the
+    mean, - over it; no gradient), the same on every rank since the counts are. Counts restart."""
+    counts = torch.stack([router.tokens_per_expert for router in routers])
+    dist.all_reduce(counts, group=group)
+    with torch.no_grad():
+        for router, count in zip(routers, counts):
+            if rate:
+                router.expert_bias += rate * torch.sign(count.double().mean() - count)
+            router.tokens_per_expert.zero_()
+    return counts
+
+
+def load_figures(loads: list[torch.Tensor], warmup: int) -> dict:
+    """What the record says of the balance, from each step's (layers, experts) counts: the
+    busiest expert's tokens a step (the figure that sets a step's pace) and, over the timed steps
+    together, each layer's busiest expert against the mean (`expert_load`, 1 when even)."""
+    timed = torch.stack(loads[warmup:]).double()  # (steps, layers, experts)
+    together = timed.sum(0)
+    by_layer = (together.max(-1).values / together.mean(-1)).tolist()
+    return {"expert_load": round(max(by_layer), 4),
+            "expert_load_by_layer": [round(x, 4) for x in by_layer],
+            "tokens_per_expert": round(float(timed.max(-1).values.mean()), 1)}
+
+
+def main():
+    parser = common.parser(__doc__, skips=NOT_MOE)
+    parser.set_defaults(model="moe", steps=8, warmup=3)  # the folder's: `make moe` in ~2 minutes
+    parser.add_argument("--moe-balance", choices=common.MOE_BALANCING, default="bias",
+                        help="bias: DeepSeek-V3's aux-loss-free bias; aux: the auxiliary loss; "
+                             "none: plain top-k (default: bias)")
+    parser.add_argument("--bias-rate", type=common.positive_float, default=1e-2,
+                        help="how far an expert's bias moves a step (--moe-balance bias)")
+    args = parser.parse_args()
+    topo = common.setup(args)
+    model, batches = common.workload(args, topo)
+    routers = [block.mlp.gate for block in common.transformer_blocks(model)]
+    # the routers' buffers stay equal on every rank by balance_experts: nothing to broadcast
+    model = DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+                broadcast_buffers=False, gradient_as_bucket_view=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    rate = args.bias_rate if args.moe_balance == "bias" else 0.0
+    loads = []
+    opt.register_step_post_hook(lambda *_: loads.append(balance_experts(routers, rate)))
+
+    def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)
+        loss = model(inputs, targets)
+        loss.backward()
+        opt.step()
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
+    size = common.SIZES[args.size]
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    count_bytes = sum(r.tokens_per_expert.numel() * 8 for r in routers)
+    tokens = topo.world_size * args.batch_size * args.seq_len
+    common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
+                  comm_mb=stats.comm_mb, moe_balance=args.moe_balance,
+                  **load_figures(loads, args.warmup),
+                  theory={"comm_mb": common.ring_allreduce_mb(param_bytes + count_bytes,
+                                                              topo.world_size),
+                          "state_mb": 4 * param_bytes / 2**20,
+                          "tokens_per_expert": tokens * size.top_k / size.n_experts})
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,315 @@
+"""Expert parallelism: each rank holds E/ep of every layer's experts; tokens travel to them.
+
+What it does: every MoE layer's experts are cut into `--ep` contiguous groups, one a rank of an
+ep group; the rest of the model stays data-parallel over the world. In each layer a rank routes
+its own tokens as the model does, sorts the routed (token, choice) slots by expert, and tells
+each peer how many rows it has for each of that peer's experts (an all-to-all of E counts). It
+then dispatches the rows (all_to_all_single, uneven splits), runs its local experts (one matmul
+each) and sends the outputs back the same way (combine), where each is weighted and summed into
+its token. Backward runs both exchanges in reverse. Dropless: nothing is capped or dropped. An
+expert's gradient then holds its ep group's tokens: summed over its replicas (the dp ranks at
+its ep place) and scaled to the world's mean, it is data parallelism's. `--fsdp` shards the
+dense part with FSDP2 over the world (EP x FSDP on a dp x ep mesh).
+Why it helps: the experts, most of a MoE's weights, are neither replicated nor all-reduced:
+state falls to dense + experts/ep, and a step sends each routed token's hidden vector (four
+times: dispatch, combine, their gradients) instead of every expert's gradient. It stops paying
+when a step's tokens outweigh the expert weights (`make plan`'s crossover).
+Run:        torchrun --nproc_per_node=2 08_moe/optimized_moe_ep.py --size small
+            torchrun --nproc_per_node=4 08_moe/optimized_moe_ep.py --ep 2 --fsdp
+Look for:   `make moe report`: speedup, comm MB and state MB against baseline_moe at the same
+            losses; alltoall_mb equal to the theory from the measured counts.
+Theory:     all-to-all bytes a layer = 2 x (rows sent to peers + rows received) x d_model x
+            bytes a value, plus E x (ep-1)/ep counts; uniform routing: tokens x k x (ep-1)/ep rows
+            each way. State: 16 bytes x (dense, /N with --fsdp, + experts / ep).
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+# Exact: every token meets the same experts with the same weights as in data parallelism; only
+# the order of sums moves (an expert's rows batched with other ranks', gradients summed over
+# ranks before the mean), fp32 rounding carried from step to step. bf16: the dtype's resolution.
+LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows to the ranks of `group`: send_counts[p] of them (in order) to rank p, recv_counts[p]
+    from it. Backward sends the gradients back the way the rows came."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.counts, ctx.group = (send_counts, recv_counts), group
+        out = rows.new_empty((sum(recv_counts), rows.shape[1]))
+        dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        send_counts, recv_counts = ctx.counts
+        out = grad.new_empty((sum(send_counts), grad.shape[1]))
+        dist.all_to_all_single(out, grad.contiguous(), send_counts, recv_counts, group=ctx.group)
+        return out, None, None, None
+
+
+class ExpertParallel(torch.nn.ModuleList):
+    """A drop-in for a MoE layer's `experts`, called as HuggingFace calls them (tokens,
+    top_k_index, top_k_weights), holding this rank's experts only: global experts
+    [rank x E/ep, (rank + 1) x E/ep) of `n_experts`, rank being this one's in `group`."""
+
+    def __init__(self, local_experts: list[torch.nn.Module], n_experts: int,
+                 group: dist.ProcessGroup):
+        super().__init__(local_experts)
+        self.n_experts, self.group = n_experts, group
+        self.exchanged = (0, 0, 0)  # the last forward's rows sent to peers, received, value bytes
+
+    def forward(self, tokens: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        ep, me, local = dist.get_world_size(self.group), dist.get_rank(self.group), len(self)
+        # the routed slots sorted by expert, so by the rank that holds it
+        order = top_k_index.flatten().argsort(stable=True)
+        token_of = order // top_k_index.shape[1]
+        counts = torch.bincount(top_k_index.flatten(), minlength=self.n_experts)
+        arriving = torch.empty_like(counts)  # arriving[p x local + e]: rank p's rows for my e
+        dist.all_to_all_single(arriving, counts, group=self.group)
+        send = counts.view(ep, local).sum(1).tolist()
+        arriving = arriving.view(ep, local)
+        recv = arriving.sum(1).tolist()
+        rows = AllToAll.apply(tokens[token_of], send, recv, self.group)
+        # rows arrive by source rank, then expert: grouped by expert, each expert runs once
+        expert_of_row = torch.arange(local, device=rows.device).repeat(ep)
+        by_expert = expert_of_row.repeat_interleave(arriving.flatten()).argsort(stable=True)
+        outs = torch.cat([expert(part) for expert, part in
+                          zip(self, rows[by_expert].split(arriving.sum(0).tolist()))])
+        back = torch.empty_like(outs).index_copy(0, by_expert, outs)  # by source rank again
+        combined = AllToAll.apply(back, recv, send, self.group)
+        self.exchanged = (sum(send) - send[me], sum(recv) - recv[me], tokens.element_size())
+        weighted = combined * top_k_weights.flatten()[order, None]
+        return torch.zeros_like(tokens).index_add_(0, token_of, weighted)
+
+
+def shard_experts(blocks: list[torch.nn.Module], group: dist.ProcessGroup) -> list:
+    """Keep this rank's E/ep experts of each block's MoE (`block.mlp.experts`) behind an
+    ExpertParallel over `group`; every rank built the same seeded model, so a slice is this
+    rank's share of it. Returns the local experts' parameters."""
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    for block in blocks:
+        experts = list(block.mlp.experts)
+        local = len(experts) // ep
+        block.mlp.experts = ExpertParallel(experts[me * local:(me + 1) * local], len(experts),
+                                           group)
+    return [p for block in blocks for p in block.mlp.experts.parameters()]
+
+
+def reduce_expert_grads(expert_params: list[torch.Tensor], dp_group: dist.ProcessGroup,
+                        world: int) -> None:
+    """An expert's gradient summed its ep group's tokens: summed over its dp replicas too (one
+    all-reduce, none when ep = world) and divided by the world, it is the mean DDP takes."""
+    grads = [p.grad for p in expert_params]
+    if dist.get_world_size(dp_group) > 1:
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=dp_group)
+        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split(
+            [g.numel() for g in grads]), grads)])
+    torch._foreach_div_(grads, world)
+
+
+def alltoall_bytes(rows_sent: float, rows_received: float, d_model: int, value_bytes: int,
+                   n_experts: int, ep: int) -> float:
+    """Bytes a rank hands one MoE layer's all-to-alls a step: its rows out and the outputs it
+    returns (forward), their gradients (backward), and the E counts, (ep-1)/ep of them sent."""
+    return (2 * (rows_sent + rows_received) * d_model * value_bytes
+            + n_experts * 8 * (ep - 1) / ep)
+
+
+def uniform_alltoall_bytes(tokens: float, top_k: int, d_model: int, value_bytes: int,
+                           n_experts: int, ep: int) -> float:
+    """alltoall_bytes when routing is uniform: (ep-1)/ep of a rank's tokens x k slots go out,
+    as many come in."""
+    rows = tokens * top_k * (ep - 1) / ep
+    return alltoall_bytes(rows, rows, d_model, value_bytes, n_experts, ep)
+
+
+# Copied from 08_moe/baseline_moe.py: NOT_MOE
+NOT_MOE = {model: "expert parallelism needs a model with experts: run --model moe"
+           for model in common.MODELS if model != "moe"}
+
+
+# Copied from 08_moe/baseline_moe.py: balance_experts
+def balance_experts(routers: list[torch.nn.Module], rate: float,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """After an optimizer step: the tokens each router sent to each expert, summed over `group`
+    (every rank whose tokens it routed), returned as (layers, experts). With rate > 0 each
+    expert's selection bias moves by `rate` toward equal load (DeepSeek-V3's update: + under the
+    mean, - over it; no gradient), the same on every rank since the counts are. Counts restart."""
+    counts = torch.stack([router.tokens_per_expert for router in routers])
+    dist.all_reduce(counts, group=group)
+    with torch.no_grad():
+        for router, count in zip(routers, counts):
+            if rate:
+                router.expert_bias += rate * torch.sign(count.double().mean() - count)
+            router.tokens_per_expert.zero_()
+    return counts
+
+
+# Copied from 08_moe/baseline_moe.py: load_figures
+def load_figures(loads: list[torch.Tensor], warmup: int) -> dict:
+    """What the record says of the balance, from each step's (layers, experts) counts: the
+    busiest expert's tokens a step (the figure that sets a step's pace) and, over the timed steps
+    together, each layer's busiest expert against the mean (`expert_load`, 1 when even)."""
+    timed = torch.stack(loads[warmup:]).double()  # (steps, layers, experts)
+    together = timed.sum(0)
+    by_layer = (together.max(-1).values / together.mean(-1)).tolist()
+    return {"expert_load": round(max(by_layer), 4),
+            "expert_load_by_layer": [round(x, 4) for x in by_layer],
+            "tokens_per_expert": round(float(timed.max(-1).values.mean()), 1)}
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: padded_numel
+def padded_numel(p: torch.Tensor, group: int) -> int:
+    """Elements FSDP allocates for `p` across a shard group: dim 0 rounded up to the group."""
+    return math.ceil(p.shape[0] / group) * group * math.prod(p.shape[1:])
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: fsdp_bytes
+def fsdp_bytes(blocks: float, root: float, group: int, replicas: int = 1, reshard: bool = True,
+               gather: float = 4, reduce: float = 4, state: float = 16, fp32: float = 0.0,
+               largest_block: float = 0.0) -> dict[str, float]:
+    """FSDP's bytes a rank, from value counts (padded as FSDP pads them): the blocks' values,
+    the root's (FSDP2 never reshards it) and `fp32`'s (BatchNorm's under bf16: fp32, gathered
+    again for backward), sharded over `group` ranks, `state` bytes each. Sent a step, (g-1)/g
+    of each: every block all-gathered twice with reshard (FULL_SHARD), once without
+    (SHARD_GRAD_OP), `gather` bytes a value, the root once, every gradient reduce-scattered,
+    `reduce` bytes; HSDP's `replicas` all-reduce each shard (`across_replicas`). Held gathered
+    beyond the shards: the root and a block with its prefetched next (`largest_block` each),
+    or, without reshard, everything. The planner's figures are ZeRO-3's
+    (04_zero/optimized_zero3.py's zero3_bytes), yet the two stay apart: each counts its own
+    implementation's padding, here FSDP2's (each parameter's dim 0 rounded up to the group)."""
+    share, gathers, values = (group - 1) / group, 2 if reshard else 1, blocks + root + fp32
+    across_replicas = 2 * (replicas - 1) / replicas * values / group * reduce
+    sent = share * (blocks * (gathers * gather + reduce) + root * (gather + reduce)
+                    + fp32 * (2 * 4 + reduce)) + across_replicas
+    return {"state": state * values / group, "sent": sent, "across_replicas": across_replicas,
+            "gathered": gather * (root + 2 * largest_block) if reshard else gather * values}
+
+
+def wrap_dense(model: torch.nn.Module, blocks: list[torch.nn.Module], expert_params: list,
+               topo: common.Topology, fsdp: bool) -> tuple[torch.nn.Module, dict[str, float]]:
+    """The dense part data-parallel over the world, the experts left out: DDP (they are this
+    rank's own), or FSDP2 on each block then the root. Returns the wrapped model and the dense
+    part's theory: bytes its collectives send a step, state a rank keeps."""
+    experts = {id(p) for p in expert_params}
+    dense = [(name, p) for name, p in model.named_parameters() if id(p) not in experts]
+    world = topo.world_size
+    if not fsdp:
+        # DDP has no public way to leave parameters out; this is the one its tests use
+        DDP._set_params_and_buffers_to_ignore_for_model(
+            model, [name for name, p in model.named_parameters() if id(p) in experts])
+        values = sum(p.numel() for _, p in dense)
+        wrapped = DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+                      broadcast_buffers=False, gradient_as_bucket_view=True)
+        return wrapped, {"sent": common.ring_allreduce_mb(4 * values, world) * 2**20,
+                         "state": 16.0 * values}
+    mesh = init_device_mesh(topo.device.type, (world,))
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    for block in blocks:
+        fully_shard(block, mesh=mesh, ignored_params=set(expert_params))
+    fully_shard(model, mesh=mesh, ignored_params=set(expert_params))
+    counts = {"blocks": 0, "root": 0}
+    for _, p in dense:
+        counts["blocks" if id(p) in in_blocks else "root"] += padded_numel(p, world)
+    predicted = fsdp_bytes(counts["blocks"], counts["root"], world)
+    return model, {"sent": predicted["sent"], "state": predicted["state"]}
+
+
+def main():
+    parser = common.parser(__doc__, skips=NOT_MOE)
+    parser.set_defaults(model="moe", steps=8, warmup=3)  # the folder's: `make moe` in ~2 minutes
+    parser.add_argument("--moe-balance", choices=common.MOE_BALANCING, default="bias",
+                        help="bias: DeepSeek-V3's aux-loss-free bias; aux: the auxiliary loss; "
+                             "none: plain top-k (default: bias)")
+    parser.add_argument("--bias-rate", type=common.positive_float, default=1e-2,
+                        help="how far an expert's bias moves a step (--moe-balance bias)")
+    parser.add_argument("--ep", type=common.int_at_least(1), default=None,
+                        help="ranks a layer's experts are spread over (default: the largest "
+                             "that divides both the world and the experts); the world is then "
+                             "dp = world/ep groups of them")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard the dense part with FSDP2 over the world instead of "
+                             "replicating it with DDP")
+    args = parser.parse_args()
+    world, size = common.launch_world_size(), common.SIZES[args.size]
+    ep = args.ep or math.gcd(world, size.n_experts)
+    if size.n_experts % ep:
+        parser.error(f"--ep {ep} does not divide the {size.n_experts} experts of --size "
+                     f"{args.size}: use an --ep that divides {size.n_experts}")
+    if world % ep:  # the host's world, not the flag, is short or odd: the row says why
+        raise common.Skip(f"--ep {ep} groups need a world of a multiple of {ep} ranks, this "
+                          f"one has {world}: launch --nproc_per_node={ep * max(1, world // ep)}")
+    topo = common.setup(args)
+    mesh = init_device_mesh(topo.device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    model, batches = common.workload(args, topo)
+    blocks = common.transformer_blocks(model)
+    routers = [block.mlp.gate for block in blocks]
+    expert_params = shard_experts(blocks, mesh.get_group("ep"))
+    model, dense = wrap_dense(model, blocks, expert_params, topo, args.fsdp)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    rate = args.bias_rate if args.moe_balance == "bias" else 0.0
+    loads, exchanged = [], []  # a step's tokens per expert, and rows each layer exchanged
+
+    def after_step(*_):
+        loads.append(balance_experts(routers, rate))
+        exchanged.append([block.mlp.experts.exchanged for block in blocks])
+
+    opt.register_step_post_hook(after_step)
+
+    def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)
+        loss = model(inputs, targets)
+        loss.backward()
+        reduce_expert_grads(expert_params, mesh.get_group("dp"), world)
+        opt.step()
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
+    measured_layers = exchanged[args.warmup - 1]  # the step whose bytes the record counts
+    alltoall = sum(alltoall_bytes(sent, received, size.d_model, value_bytes, size.n_experts, ep)
+                   for sent, received, value_bytes in measured_layers)
+    uniform = size.n_layers * uniform_alltoall_bytes(
+        args.batch_size * args.seq_len, size.top_k, size.d_model, measured_layers[0][2],
+        size.n_experts, ep)
+    expert_bytes = 4 * sum(p.numel() for p in expert_params)
+    count_bytes = sum(r.tokens_per_expert.numel() * 8 for r in routers)
+    replicas = common.ring_allreduce_mb(expert_bytes, world // ep) if world > ep else 0.0
+    tokens = world * args.batch_size * args.seq_len
+    common.record(args, topo, stats, baseline="baseline_moe", model=model if args.fsdp else
+                  model.module, optimizer=opt, comm_mb=stats.comm_mb,
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], moe_balance=args.moe_balance,
+                  ep=ep, mesh=[world // ep, ep], strategy="EP x FSDP" if args.fsdp else "EP",
+                  alltoall_mb=sum(mb for kind, mb in stats.comm_mb_by_kind.items()
+                                  if kind.startswith("alltoall")),
+                  **load_figures(loads, args.warmup),
+                  theory={"comm_mb": (dense["sent"] + alltoall) / 2**20 + replicas
+                          + common.ring_allreduce_mb(count_bytes, world),
+                          "state_mb": (dense["state"] + 4 * expert_bytes) / 2**20,
+                          "alltoall_mb": alltoall / 2**20,
+                          "alltoall_uniform_mb": uniform / 2**20,
+                          "tokens_per_expert": tokens * size.top_k / size.n_experts})
+
+
+# The planner row comes with the planner's MoE inputs (issue 41's step time prices them).
+PLANNED = []
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,222 @@
+"""Unit tests for 08_moe: the MoE Llama's parts in common.py (router, experts, auxiliary loss,
+parameter counts) and expert parallelism (optimized_moe_ep.py) on 4 CPU ranks.
+
+The expert-parallel layer runs in one spawned world of 4 gloo processes (a module-scoped
+fixture), over ep groups of 4 (ep 4) and of 2 (ep 2 x dp 2); each rank holds its own tokens and
+compares the layer's output and gradients with the whole `common.Experts` on the same tokens,
+counts the bytes its all-to-alls were handed, and rank 0 saves what every rank found.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+import common
+from helpers import assert_bad_input_is_one_line, assert_skipped_with_why, load_recipe
+
+EP_SCRIPT = common.ROOT / "08_moe" / "optimized_moe_ep.py"
+BASELINE = common.ROOT / "08_moe" / "baseline_moe.py"
+ep_recipe = load_recipe(EP_SCRIPT)
+WORLD, EXPERTS, D_MODEL, TOKENS, TOP_K = 4, 8, 16, 24, 2
+
+
+@pytest.mark.parametrize("size", ["tiny", "small", "medium"])
+def test_moe_param_counts_match_the_built_model(size):
+    shape = common.SIZES[size]
+    model = common.Llama(shape, moe_balance="none") if size != "medium" else None
+    total, active = common.moe_param_counts(shape)
+    if model is not None:
+        assert total == sum(p.numel() for p in model.parameters())
+        experts = sum(p.numel() for layer in model.model.layers
+                      for p in layer.mlp.experts.parameters())
+        assert total - active == experts * (shape.n_experts - shape.top_k) // shape.n_experts
+    assert active < total
+
+
+def test_the_router_bias_chooses_but_does_not_weigh():
+    torch.manual_seed(0)
+    router = common.TopKRouter(D_MODEL, EXPERTS, TOP_K)
+    torch.nn.init.normal_(router.weight, std=0.02)
+    x = torch.randn(TOKENS, D_MODEL)
+    weights, experts, scores = router(x)
+    assert torch.allclose(weights.sum(-1), torch.ones(TOKENS))
+    assert torch.equal(experts, scores.topk(TOP_K, dim=-1).indices)
+    router.expert_bias[5] = 1.0  # above every score: expert 5 is everyone's choice
+    weights, experts, scores = router(x)
+    assert (experts == 5).any(-1).all()
+    chosen = scores.gather(-1, experts)
+    assert torch.allclose(weights, chosen / chosen.sum(-1, keepdim=True))  # unbiased scores
+    assert router.tokens_per_expert.sum() == 2 * TOKENS * TOP_K
+    assert router.tokens_per_expert[5] >= TOKENS
+
+
+def test_the_auxiliary_loss_is_one_when_even_and_trains_the_router():
+    scores = torch.full((EXPERTS, EXPERTS), 1 / EXPERTS)
+    assert common.auxiliary_balance_loss(scores, torch.arange(EXPERTS)[:, None]) == 1
+    skewed = common.auxiliary_balance_loss(torch.eye(EXPERTS)[[0] * EXPERTS],
+                                           torch.zeros(EXPERTS, 1, dtype=torch.long))
+    assert skewed == EXPERTS
+    size = common.SIZES["tiny"]
+    grads = {}
+    for balance in ("aux", "none"):
+        torch.manual_seed(0)
+        moe = common.MoE(size, balance)
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        x = torch.randn(2, 5, size.d_model)
+        moe(x).sum().backward()
+        grads[balance] = moe.gate.weight.grad
+    torch.manual_seed(0)
+    moe = common.MoE(size, "none")
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 5, size.d_model)
+    _, experts, scores = moe.gate(x.reshape(-1, size.d_model))
+    (common.AUX_LOSS_COEF * common.auxiliary_balance_loss(scores, experts)).backward()
+    assert torch.allclose(grads["aux"] - grads["none"], moe.gate.weight.grad, atol=1e-5)
+    assert moe.gate.weight.grad.abs().max() > 1e-4  # a gradient the check could miss
+
+
+def test_experts_equal_each_token_through_its_experts_one_by_one():
+    torch.manual_seed(0)
+    experts = common.Experts(common.LlamaMLP(D_MODEL, 8) for _ in range(EXPERTS))
+    x = torch.randn(TOKENS, D_MODEL)
+    index = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(TOKENS)])
+    index[:, 0] = 3  # expert 3 busiest, and a few experts without a token
+    weights = torch.rand(TOKENS, TOP_K).softmax(-1)
+    expected = torch.stack([sum(w * experts[e](x[t:t + 1])[0] for e, w in
+                                zip(index[t].tolist(), weights[t]))
+                            for t in range(TOKENS)])
+    assert torch.allclose(experts(x, index, weights), expected, atol=1e-6)
+
+
+def test_the_uniform_bytes_by_hand():
+    # 2 ranks, 100 tokens, k 2: 100 slots out and 100 in, 4 bytes x 16 values, four times;
+    # 8 counts of 8 bytes, half to the peer
+    assert ep_recipe.uniform_alltoall_bytes(100, 2, 16, 4, 8, 2) == 2 * 200 * 16 * 4 + 32
+    assert ep_recipe.alltoall_bytes(0, 0, 16, 4, 8, 1) == 0
+
+
+def run_layer(group: dist.ProcessGroup, seed: int, full: common.Experts, route: str):
+    """This rank's tokens through the whole experts and through ExpertParallel over `group`:
+    the largest differences (output, token gradient, local experts' gradient summed over the
+    group), the bytes the all-to-alls were handed and what alltoall_bytes says of them."""
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(TOKENS, D_MODEL, generator=gen, requires_grad=True)
+    if route == "random":
+        index = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K]
+                             for _ in range(TOKENS)])
+    else:  # every token to experts 0 and 1: the other ranks' experts get no row
+        index = torch.tensor([[0, 1]] * TOKENS)
+    weights = torch.rand(TOKENS, TOP_K, generator=gen).softmax(-1)
+    full.zero_grad()
+    expected = full(x, index, weights)
+    expected.sum().backward()
+    expected_dx = x.grad.clone()
+    x.grad = None
+    local = EXPERTS // ep
+    layer = ep_recipe.ExpertParallel([copy.deepcopy(full[e]) for e in range(
+        me * local, (me + 1) * local)], EXPERTS, group)
+    layer.zero_grad()  # the copies' .grad are the whole experts' (deepcopy copies them)
+    with common.CollectiveBytes() as sent:
+        out = layer(x, index, weights)
+        out.sum().backward()
+    full_grads = [torch.cat([p.grad.flatten() for p in expert.parameters()]) for expert in full]
+    for grad in full_grads:  # every token of the group meets its expert on one rank of it
+        dist.all_reduce(grad, group=group)
+    full_grads = torch.cat(full_grads[me * local:(me + 1) * local])
+    ep_grads = torch.cat([p.grad.flatten() for p in layer.parameters()])
+    rows_sent, rows_received, value_bytes = layer.exchanged
+    return {"out": (out - expected).abs().max().item(),
+            "grad_x": (x.grad - expected_dx).abs().max().item(),
+            "grad_experts": (ep_grads - full_grads).abs().max().item(),
+            "sent": sum(v for k, v in sent.by_kind.items() if k.startswith("alltoall")),
+            "theory": ep_recipe.alltoall_bytes(rows_sent, rows_received, D_MODEL, value_bytes,
+                                               EXPERTS, ep)}
+
+
+def checks(rank: int, world: int, port: int, out_file: str) -> None:
+    """Run on every rank of a spawned gloo world; rank 0 saves what every rank found."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(0)  # the same experts on every rank, as a seeded model builds them
+    full = common.Experts(common.LlamaMLP(D_MODEL, 8) for _ in range(EXPERTS))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    found = {}
+    for route in ("random", "two experts"):
+        found[("ep 4", route)] = run_layer(dist.group.WORLD, 100 + rank, full, route)
+        found[("ep 2", route)] = run_layer(mesh.get_group("ep"), 200 + rank, full, route)
+    # the dp replicas of an expert hold different gradients until reduce_expert_grads
+    grad = torch.nn.Parameter(torch.zeros(3))
+    grad.grad = torch.full((3,), float(rank + 1))
+    ep_recipe.reduce_expert_grads([grad], mesh.get_group("dp"), world)
+    found["reduced"] = grad.grad.tolist()
+    # balance_experts: the bias moves toward equal load, the same on every rank
+    router = common.TopKRouter(D_MODEL, 4, 1)
+    router.tokens_per_expert.copy_(torch.tensor([rank, 1, 1, 3]))
+    counts = ep_recipe.balance_experts([router], 0.5)
+    found["balance"] = (counts.tolist(), router.expert_bias.tolist(),
+                        router.tokens_per_expert.tolist())
+    every = [None] * world
+    dist.all_gather_object(every, found)
+    if rank == 0:
+        torch.save(every, out_file)
+    dist.destroy_process_group()
+    os._exit(0)  # skip the interpreter's teardown: seconds for 4 processes on 2 cores
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("world4") / "found.pt"
+    mp.spawn(checks, args=(WORLD, common.free_port(), str(out)), nprocs=WORLD)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("route", ["random", "two experts"])
+@pytest.mark.parametrize("where", ["ep 4", "ep 2"])
+def test_expert_parallel_equals_every_expert_on_every_rank(spawned, where, route):
+    for rank, found in enumerate(spawned):
+        errors = found[(where, route)]
+        for what in ("out", "grad_x", "grad_experts"):
+            assert errors[what] <= 1e-5, (where, route, rank, what, errors[what])
+
+
+@pytest.mark.parametrize("route", ["random", "two experts"])
+@pytest.mark.parametrize("where", ["ep 4", "ep 2"])
+def test_the_all_to_alls_send_what_alltoall_bytes_says(spawned, where, route):
+    for found in spawned:
+        errors = found[(where, route)]
+        assert errors["sent"] == pytest.approx(errors["theory"], abs=1e-9)
+    assert spawned[0][(where, route)]["sent"] > 0
+
+
+def test_expert_gradients_are_summed_over_replicas_and_averaged_over_the_world(spawned):
+    # ranks 0 and 2 hold the same experts (dp replicas), as do 1 and 3
+    assert spawned[0]["reduced"] == spawned[2]["reduced"] == [(1 + 3) / 4] * 3
+    assert spawned[1]["reduced"] == spawned[3]["reduced"] == [(2 + 4) / 4] * 3
+
+
+def test_balance_experts_moves_every_rank_s_bias_the_same_way(spawned):
+    counts, bias, left = spawned[0]["balance"]
+    assert counts == [[0 + 1 + 2 + 3, 4, 4, 12]]  # summed over the world; mean 6
+    assert bias == [0.5, 0.5, 0.5, -0.5]
+    assert left == [0, 0, 0, 0]
+    assert all(found["balance"] == spawned[0]["balance"] for found in spawned)
+
+
+def test_experts_that_do_not_divide_refuse_in_one_line(tmp_path):
+    assert_bad_input_is_one_line(EP_SCRIPT, ["--size", "tiny", "--ep", "3"],
+                                 "--ep that divides 4", tmp_path)
+
+
+@pytest.mark.parametrize("script", [BASELINE, EP_SCRIPT])
+def test_a_model_without_experts_is_skipped(script, tmp_path):
+    assert_skipped_with_why(script, ["--size", "tiny", "--model", "llama"], "--model moe",
+                            tmp_path)
