@@ -26,7 +26,8 @@ MASTER_ADDR ?= 127.0.0.1
 PORT_GIVEN := $(filter-out undefined,$(origin MASTER_PORT))
 MASTER_PORT ?= 29500
 SIZE ?= small
-# MODEL=llama: every script on the Llama-style decoder (resnet: the CNN where it applies); unset,
+# MODEL=llama: every script on the Llama-style decoder (moe: its Mixture-of-Experts form; resnet:
+# the CNN; each where it applies); unset,
 # each script's default (the GPT).
 MODEL ?=
 STEPS ?=
@@ -46,8 +47,8 @@ ifneq ($(filter $(RUN_GOALS),$(MAKECMDGOALS)),)
 ifeq ($(filter $(SIZE),tiny small medium large),)
 $(error SIZE=$(SIZE) is not a size: use tiny, small, medium or large)
 endif
-ifneq ($(filter-out gpt llama resnet,$(MODEL)),)
-$(error MODEL=$(MODEL) is not a model: use gpt, llama or resnet, or leave it unset)
+ifneq ($(filter-out gpt llama moe resnet,$(MODEL)),)
+$(error MODEL=$(MODEL) is not a model: use gpt, llama, moe or resnet, or leave it unset)
 endif
 ifneq ($(call positive,$(NPROC)),yes)
 $(error NPROC=$(NPROC) is not a number of processes: use 1 or more)
@@ -153,7 +154,7 @@ help:
 	@echo
 	@echo "Variables: NPROC=$(NPROC) NNODES=$(NNODES) NODE_RANK=$(NODE_RANK)" \
 		"MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(if $(FREE_PORT),(a free one a run),$(MASTER_PORT))"
-	@echo "           SIZE=$(SIZE) (tiny|small|medium|large) MODEL=$(MODEL) (gpt|llama|resnet)" \
+	@echo "           SIZE=$(SIZE) (tiny|small|medium|large) MODEL=$(MODEL) (gpt|llama|moe|resnet)" \
 		"STEPS=$(STEPS) ARGS='$(ARGS)'" \
 		"PYTHON=$(PY) LINK=$(LINK) (e.g. 1gbit: a rate-limited loopback) TRACE=$(TRACE)"
 	@echo "           RESTARTS=$(RESTARTS) (torchrun --max-restarts) RDZV=$(RDZV) (c10d: elastic" \
@@ -214,6 +215,11 @@ EXTRA_RUNS_context := \
 # world that has every dim with dp >= 2 (03's dp x tp: 4 processes; 05's pp x dp x tp: 8), on
 # GPUs at NPROC. Scripts only these runs start are left out of the folder's NPROC runs. An entry
 # may carry flags, as "script flags" (a run at a length only the mesh's world holds).
+# 08's balance rows: tens of steps, for the model to learn past its first routing and the
+# routers' bias to settle, with and without bias balancing (the default runs measure speed).
+BALANCE_RUN := --steps 30 --warmup 10
+EXTRA_RUNS_moe := "08_moe/optimized_moe_ep.py $(BALANCE_RUN)" \
+	"08_moe/optimized_moe_ep.py $(BALANCE_RUN) --moe-balance none"
 MESH_RUNS_fsdp := 03_fsdp/baseline_fsdp.py 03_fsdp/optimized_fsdp_tp.py
 MESH_RUNS_pipeline := 05_pipeline/baseline_pipeline_3d.py 05_pipeline/optimized_pipeline_3d.py
 # 07: cp 4 at the baseline's batch, dp 2 x cp 2 sharded by FSDP2, and cp 4 at four times the
@@ -222,6 +228,8 @@ MESH_RUNS_context := 07_context/baseline_context.py 07_context/optimized_context
 	07_context/optimized_context_ulysses.py "07_context/optimized_context_ring.py --cp 2 --fsdp" \
 	"07_context/optimized_context_ring.py --seq-len $(CONTEXT_SEQ_4X) --batch-size 1 $(MEMORY_RUN)" \
 	"07_context/optimized_context_ulysses.py --seq-len $(CONTEXT_SEQ_4X) --batch-size 1 $(MEMORY_RUN)"
+MESH_RUNS_moe := 08_moe/baseline_moe.py 08_moe/optimized_moe_ep.py \
+	"08_moe/optimized_moe_ep.py --ep 2 --fsdp"
 MESH_NPROC_fsdp := $(if $(filter-out 0,$(GPUS)),$(NPROC),4)
 MESH_NPROC_context := $(if $(filter-out 0,$(GPUS)),$(NPROC),4)
 MESH_NPROC_pipeline := $(if $(filter-out 0,$(GPUS)),$(NPROC),8)
@@ -229,6 +237,8 @@ MESH_NPROC_pipeline := $(if $(filter-out 0,$(GPUS)),$(NPROC),8)
 MESH_WHY_fsdp := on CPU the dp x tp mesh runs at dp 2 x tp 2
 MESH_WHY_pipeline := on CPU the pp x dp x tp mesh runs at pp 2 x dp 2 x tp 2
 MESH_WHY_context := on CPU dp 2 x cp 2 and cp 4 run at 4 processes
+MESH_NPROC_moe := $(if $(filter-out 0,$(GPUS)),$(NPROC),4)
+MESH_WHY_moe := on CPU ep 4 and dp 2 x ep 2 run at 4 processes
 MESH_ONLY := 03_fsdp/optimized_fsdp_tp.py 05_pipeline/baseline_pipeline_3d.py \
 	05_pipeline/optimized_pipeline_3d.py
 

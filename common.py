@@ -94,7 +94,7 @@ SIZES = {
                  image_size=16, n_experts=4, top_k=2, expert_ffn=64, shared_expert_ffn=64),
     "small": Size(vocab_size=1024, d_model=256, n_layers=6, n_heads=8, n_kv_heads=4, seq_len=128,
                   batch_size=4, long_seq_len=768, long_batch_size=1, resnet="resnet18",
-                  image_size=32, n_experts=16, top_k=2, expert_ffn=512, shared_expert_ffn=512),
+                  image_size=32, n_experts=16, top_k=2, expert_ffn=512, shared_expert_ffn=0),
     "medium": Size(vocab_size=32768, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4,
                    seq_len=1024, batch_size=8, long_seq_len=4096, long_batch_size=2,
                    resnet="resnet50", image_size=128, n_experts=32, top_k=4, expert_ffn=512,
@@ -347,11 +347,12 @@ AUX_LOSS_COEF = 0.01  # the classic auxiliary loss's weight (Switch Transformer'
 
 
 class TopKRouter(nn.Module):
-    """A MoE layer's `gate`: each token's top_k experts and their weights. Scores are the softmax
-    over experts; the top_k are chosen on score + `expert_bias` (DeepSeek-V3's aux-loss-free
-    balancing: the bias, no parameter, only chooses; a trainer nudges it after each step toward
-    equal load) and weighted by their scores renormalised to 1. `tokens_per_expert` counts the
-    tokens routed to each expert since a trainer last read it."""
+    """A MoE layer's `gate`: each token's top_k experts and their weights. The top_k are chosen on
+    logit + `expert_bias` (DeepSeek-V3's aux-loss-free balancing: the bias, no parameter, only
+    chooses, and a trainer nudges it after each step toward equal load; on the logits a nudge is
+    the same relative change of an expert's odds whatever the number of experts) and weighted by
+    their softmax scores, renormalised to 1 (Qwen-MoE's norm_topk_prob). `tokens_per_expert`
+    counts the tokens routed to each expert since a trainer last read it."""
 
     def __init__(self, d_model: int, n_experts: int, top_k: int):
         super().__init__()
@@ -364,8 +365,9 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (tokens, d_model) -> weights (tokens, top_k) in x's dtype, experts (tokens, top_k),
         and the scores (tokens, n_experts, fp32) the auxiliary loss is computed from."""
-        scores = F.linear(x, self.weight).float().softmax(dim=-1)
-        experts = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+        logits = F.linear(x, self.weight).float()
+        scores = logits.softmax(dim=-1)
+        experts = (logits.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         with torch.no_grad():
             self.tokens_per_expert += torch.bincount(experts.flatten(),
@@ -410,7 +412,7 @@ class Experts(nn.ModuleList):
         token_of = order // top_k_index.shape[1]
         counts = torch.bincount(top_k_index.flatten(), minlength=len(self)).tolist()
         rows = tokens[token_of].split(counts)
-        routed = torch.cat([expert(part) for expert, part in zip(self, rows)])
+        routed = torch.cat([expert(part) for expert, part in zip(self, rows, strict=True)])
         weighted = routed * top_k_weights.flatten()[order, None]
         return torch.zeros_like(tokens).index_add_(0, token_of, weighted)
 
@@ -1101,7 +1103,9 @@ def ddp_bucket_bytes(model: nn.Module) -> list[int]:
 @dataclass(frozen=True)
 class PlanInput:
     """A decoder on a cluster, in plain numbers (parameter counts, bytes, degrees): the
-    planner's flags, or the configuration a run recorded."""
+    planner's flags, or the configuration a run recorded. A Mixture of Experts adds its routed
+    experts (the rest of it, shared experts and routers included, is dense); a dense model
+    leaves them at 0."""
 
     params: float
     gpus: int
@@ -1122,6 +1126,11 @@ class PlanInput:
     replicated: float  # what TP keeps whole in the blocks: norms (and row-parallel biases)
     norms: float  # of those, the norms (their gradients are each TP rank's tokens')
     position_table: bool  # a learned seq x hidden table
+    experts: int = 0  # routed experts a MoE layer (0: a dense model)
+    top_k: int = 0  # the routed experts a token goes to
+    moe_layers: int = 0  # the layers with experts
+    expert_params: float = 0.0  # the routed experts' parameters, all MoE layers together
+    ep: int = 1  # EP's degree: the GPUs a layer's experts are spread over
 
     @property
     def blocks(self) -> float:

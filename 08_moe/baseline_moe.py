@@ -36,14 +36,17 @@ def balance_experts(routers: list[torch.nn.Module], rate: float,
                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """After an optimizer step: the tokens each router sent to each expert, summed over `group`
     (every rank whose tokens it routed), returned as (layers, experts). With rate > 0 each
-    expert's selection bias moves by `rate` toward equal load (DeepSeek-V3's update: + under the
-    mean, - over it; no gradient), the same on every rank since the counts are. Counts restart."""
+    expert's selection bias moves toward equal load, up under the mean and down over it, by
+    `rate` x its distance from the mean, relative (DeepSeek-V3 moves it by a fixed step, the
+    distance's sign, over thousands of steps; in proportion it settles in the tens a CPU run
+    has). No gradient; the same on every rank, since the counts are. The counts restart."""
     counts = torch.stack([router.tokens_per_expert for router in routers])
     dist.all_reduce(counts, group=group)
     with torch.no_grad():
-        for router, count in zip(routers, counts):
+        for router, count in zip(routers, counts, strict=True):
             if rate:
-                router.expert_bias += rate * torch.sign(count.double().mean() - count)
+                mean = count.double().mean()
+                router.expert_bias += rate * (mean - count) / mean
             router.tokens_per_expert.zero_()
     return counts
 
@@ -66,8 +69,9 @@ def main():
     parser.add_argument("--moe-balance", choices=common.MOE_BALANCING, default="bias",
                         help="bias: DeepSeek-V3's aux-loss-free bias; aux: the auxiliary loss; "
                              "none: plain top-k (default: bias)")
-    parser.add_argument("--bias-rate", type=common.positive_float, default=1e-2,
-                        help="how far an expert's bias moves a step (--moe-balance bias)")
+    parser.add_argument("--bias-rate", type=common.positive_float, default=0.1,
+                        help="how far an expert's bias moves a step, x its relative distance "
+                             "from the mean load (--moe-balance bias)")
     args = parser.parse_args()
     topo = common.setup(args)
     model, batches = common.workload(args, topo)

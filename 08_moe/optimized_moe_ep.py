@@ -90,7 +90,7 @@ class ExpertParallel(torch.nn.ModuleList):
         expert_of_row = torch.arange(local, device=rows.device).repeat(ep)
         by_expert = expert_of_row.repeat_interleave(arriving.flatten()).argsort(stable=True)
         outs = torch.cat([expert(part) for expert, part in
-                          zip(self, rows[by_expert].split(arriving.sum(0).tolist()))])
+                          zip(self, rows[by_expert].split(arriving.sum(0).tolist()), strict=True)])
         back = torch.empty_like(outs).index_copy(0, by_expert, outs)  # by source rank again
         combined = AllToAll.apply(back, recv, send, self.group)
         self.exchanged = (sum(send) - send[me], sum(recv) - recv[me], tokens.element_size())
@@ -120,7 +120,7 @@ def reduce_expert_grads(expert_params: list[torch.Tensor], dp_group: dist.Proces
         flat = torch.cat([g.flatten() for g in grads])
         dist.all_reduce(flat, group=dp_group)
         torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split(
-            [g.numel() for g in grads]), grads)])
+            [g.numel() for g in grads]), grads, strict=True)])
     torch._foreach_div_(grads, world)
 
 
@@ -150,14 +150,17 @@ def balance_experts(routers: list[torch.nn.Module], rate: float,
                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """After an optimizer step: the tokens each router sent to each expert, summed over `group`
     (every rank whose tokens it routed), returned as (layers, experts). With rate > 0 each
-    expert's selection bias moves by `rate` toward equal load (DeepSeek-V3's update: + under the
-    mean, - over it; no gradient), the same on every rank since the counts are. Counts restart."""
+    expert's selection bias moves toward equal load, up under the mean and down over it, by
+    `rate` x its distance from the mean, relative (DeepSeek-V3 moves it by a fixed step, the
+    distance's sign, over thousands of steps; in proportion it settles in the tens a CPU run
+    has). No gradient; the same on every rank, since the counts are. The counts restart."""
     counts = torch.stack([router.tokens_per_expert for router in routers])
     dist.all_reduce(counts, group=group)
     with torch.no_grad():
-        for router, count in zip(routers, counts):
+        for router, count in zip(routers, counts, strict=True):
             if rate:
-                router.expert_bias += rate * torch.sign(count.double().mean() - count)
+                mean = count.double().mean()
+                router.expert_bias += rate * (mean - count) / mean
             router.tokens_per_expert.zero_()
     return counts
 
@@ -238,8 +241,9 @@ def main():
     parser.add_argument("--moe-balance", choices=common.MOE_BALANCING, default="bias",
                         help="bias: DeepSeek-V3's aux-loss-free bias; aux: the auxiliary loss; "
                              "none: plain top-k (default: bias)")
-    parser.add_argument("--bias-rate", type=common.positive_float, default=1e-2,
-                        help="how far an expert's bias moves a step (--moe-balance bias)")
+    parser.add_argument("--bias-rate", type=common.positive_float, default=0.1,
+                        help="how far an expert's bias moves a step, x its relative distance "
+                             "from the mean load (--moe-balance bias)")
     parser.add_argument("--ep", type=common.int_at_least(1), default=None,
                         help="ranks a layer's experts are spread over (default: the largest "
                              "that divides both the world and the experts); the world is then "
@@ -292,8 +296,12 @@ def main():
     count_bytes = sum(r.tokens_per_expert.numel() * 8 for r in routers)
     replicas = common.ring_allreduce_mb(expert_bytes, world // ep) if world > ep else 0.0
     tokens = world * args.batch_size * args.seq_len
-    common.record(args, topo, stats, baseline="baseline_moe", model=model if args.fsdp else
-                  model.module, optimizer=opt, comm_mb=stats.comm_mb,
+    unwrapped = model if args.fsdp else model.module
+    common.record(args, topo, stats, baseline="baseline_moe", model=unwrapped, optimizer=opt,
+                  comm_mb=stats.comm_mb,
+                  # the model's, not this rank's: every ep rank holds as many experts as this one
+                  params=sum(p.numel() for p in unwrapped.parameters()) + (ep - 1) * sum(
+                      p.numel() for p in expert_params),
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], moe_balance=args.moe_balance,
                   ep=ep, mesh=[world // ep, ep], strategy="EP x FSDP" if args.fsdp else "EP",
                   alltoall_mb=sum(mb for kind, mb in stats.comm_mb_by_kind.items()
@@ -307,8 +315,79 @@ def main():
                           "tokens_per_expert": tokens * size.top_k / size.n_experts})
 
 
-# The planner row comes with the planner's MoE inputs (issue 41's step time prices them).
-PLANNED = []
+def expert_parallel_bytes(plan: common.PlanInput) -> dict[str, float]:
+    """EP's bytes a GPU a step at the planner's model and cluster, by what sends them: the all-
+    to-alls of `moe_layers` layers for uniform routing at a GPU's micro_batch x seq tokens
+    (uniform_alltoall_bytes), the experts' gradients all-reduced over their gpus/ep replicas,
+    the routers' counts (8 bytes an expert a layer) all-reduced over the world; and what data
+    parallelism would send for the experts instead, every one's gradient over every GPU."""
+    _, g, _ = plan.state_bytes
+    replicas = plan.gpus // plan.ep
+    tokens = plan.micro_batch * plan.seq
+    return {"alltoall": plan.moe_layers * uniform_alltoall_bytes(
+                tokens, plan.top_k, plan.hidden, plan.state_bytes[0], plan.experts, plan.ep),
+            "replicas": common.ring_allreduce_mb(g * plan.expert_params / plan.ep, replicas)
+            * 2**20,
+            "counts": common.ring_allreduce_mb(8 * plan.moe_layers * plan.experts, plan.gpus)
+            * 2**20,
+            "data_parallel": common.ring_allreduce_mb(g * plan.expert_params, plan.gpus) * 2**20,
+            "tokens": tokens}
+
+
+def crossover_tokens(plan: common.PlanInput) -> float:
+    """Tokens a GPU a step at which EP's all-to-all bytes equal what it saves: data
+    parallelism's all-reduce of every expert's gradient less EP's over the experts' replicas.
+    The all-to-all grows with the tokens (a line through its bytes at no token and at one),
+    the all-reduce does not: below this EP sends fewer bytes, above it more."""
+    sent = expert_parallel_bytes(plan)
+    at = [plan.moe_layers * uniform_alltoall_bytes(n, plan.top_k, plan.hidden,
+                                                   plan.state_bytes[0], plan.experts, plan.ep)
+          for n in (0, 1)]
+    return (sent["data_parallel"] - sent["replicas"] - at[0]) / (at[1] - at[0])
+
+
+def planned_ep(plan: common.PlanInput, fsdp: bool = False) -> dict:
+    """The planner's EP rows (this script, and its --fsdp): each layer's experts over ep GPUs of
+    a node (the all-to-all on NVLink) or, where a node's GPUs are too few, across nodes; the
+    dense part (the rest: tables, attention, routers, shared experts, norms) data-parallel
+    over every GPU, DDP's or FSDP's (fsdp_bytes, as 03_fsdp/optimized_fsdp.py plans it). State:
+    state bytes x (dense, /gpus with FSDP, + experts / ep)."""
+    w, g, o = plan.state_bytes
+    sent = expert_parallel_bytes(plan)
+    dense = plan.params - plan.expert_params
+    if fsdp:
+        final_norm = plan.norms / (2 * plan.layers + 1)  # the root holds it: a layer holds two
+        root = plan.embedding + plan.head + final_norm
+        predicted = fsdp_bytes(dense - root, root, plan.gpus, 1, True, w, g, w + g + o,
+                               largest_block=(dense - root) / plan.layers)
+        data_parallel = {"sent": predicted["sent"],
+                         "state": predicted["state"] + (w + g + o) * plan.expert_params / plan.ep,
+                         "gathered": predicted["gathered"]}
+    else:
+        data_parallel = {"sent": common.ring_allreduce_mb(g * dense, plan.gpus) * 2**20,
+                         "state": (w + g + o) * (dense + plan.expert_params / plan.ep)}
+    dp = data_parallel["sent"] + sent["replicas"] + sent["counts"]
+    # the all-to-all's rows to peers in other nodes, when ep spans them (uniform routing)
+    off_node = max(plan.ep - plan.per_node, 0) / (plan.ep - 1)
+    return {**data_parallel, "sent": dp + sent["alltoall"],
+            "network": dp + off_node * sent["alltoall"] if plan.gpus > plan.per_node else 0.0,
+            "by_dim": {"ep": sent["alltoall"], "dp": dp},
+            "mesh": f"dp {plan.gpus // plan.ep} x ep {plan.ep}",
+            "crossover": crossover_tokens(plan), "alltoall": sent["alltoall"],
+            "tokens": sent["tokens"], "experts_data_parallel": sent["data_parallel"],
+            "experts_replicas": sent["replicas"]}
+
+
+def planned_ep_fsdp(plan: common.PlanInput) -> dict:
+    """The planner's EP x FSDP row (--fsdp): planned_ep with the dense part sharded."""
+    return planned_ep(plan, fsdp=True)
+
+
+# The planner's rows, for MoE models only (its --experts; report/planner.py reads this, the
+# script never does): EP, its dense part DDP's, then EP x FSDP (--fsdp).
+PLANNED = [{"strategy": "EP", "place": 130, "figures": planned_ep, "expert_parallel": True},
+           {"strategy": "EP x FSDP", "place": 140, "figures": planned_ep_fsdp,
+            "expert_parallel": True}]
 
 
 if __name__ == "__main__":

@@ -296,7 +296,7 @@ def test_a_run_its_script_refuses_shows_and_records_the_scripts_own_line(tmp_pat
     ("NNODES=two", "NNODES=two is not a number of nodes"),
     ("NODE_RANK=1", "NODE_RANK=1 must be 0 to NNODES-1"),
     ("STEPS=ten", "STEPS=ten is not a number of steps"),
-    ("MODEL=gpt2", "MODEL=gpt2 is not a model: use gpt, llama or resnet"),
+    ("MODEL=gpt2", "MODEL=gpt2 is not a model: use gpt, llama, moe or resnet"),
 ])
 def test_a_bad_variable_is_one_line_before_anything_starts(setting, hint, tmp_path):
     project_copy(tmp_path, "01_ddp",
