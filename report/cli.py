@@ -19,7 +19,15 @@ from pathlib import Path
 
 import common
 from report.charts import write_charts
-from report.planner import STATE_BYTES, plan_input, render_cases, render_plan, tp_degree
+from report.planner import (
+    STATE_BYTES,
+    add_moe_flags,
+    moe_error,
+    plan_input,
+    render_cases,
+    render_plan,
+    tp_degree,
+)
 from report.results_table import render_report
 from report.runs import mark_failed, smoke
 from report.traces import render_traces
@@ -118,9 +126,10 @@ def main(argv: Sequence[str]) -> int:
                       "rotary positions (no position table), RMSNorm, no biases (default GPT-2's)")
     plan.add_argument("--pp", type=common.int_at_least(2), default=None,
                       help="PP x FSDP x TP's stages (default: the fewest at which it fits)")
+    add_moe_flags(plan)
     plan.add_argument("--cases", action="store_true", help="the decision matrix's worked cases "
-                      "(ResNet-50, GPT-2 1.5B, LLaMA-7B, LLaMA-70B): what the planner picks and "
-                      "why; the other flags are not read")
+                      "(ResNet-50, GPT-2 1.5B, LLaMA-7B, LLaMA-70B, Qwen3-30B-A3B): what the "
+                      "planner picks and why; the other flags are not read")
     fail = sub.add_parser("mark-failed", help="(the Makefile's) a run ended non-zero: print its "
                           "error line, and record it if the run could not", epilog="Give the "
                           "script's own flags after --, to record its size and find its results "
@@ -169,6 +178,8 @@ def main(argv: Sequence[str]) -> int:
             plan.error(f"--pp {args.pp} does not divide the {args.gpus // tp} GPUs that TP "
                        f"{tp} (in a node) leaves of --gpus {args.gpus}, or exceeds --layers "
                        f"{args.layers}: use a divisor of {args.gpus // tp} up to {args.layers}")
+        if moe_error(args):
+            plan.error(moe_error(args))
         print(render_plan(args))
         return 0
     if args.command == "list":

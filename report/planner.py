@@ -59,13 +59,21 @@ def tp_degree(gpus: int, per_node: int) -> int:
     return math.gcd(gpus, per_node)
 
 
-def plan_input(args: argparse.Namespace, tp: int = 1, pp: int = 1, cp: int = 1
+def expert_params(args: argparse.Namespace) -> float:
+    """The routed experts' parameters: each of --experts a SwiGLU of --expert-ffn (gate, up,
+    down: 3 x hidden x ffn) in each of --moe-layers (default every layer); 0 for a dense
+    model."""
+    moe_layers = args.layers if args.moe_layers is None else args.moe_layers
+    return float(moe_layers * args.experts * 3 * args.hidden * args.expert_ffn)
+
+
+def plan_input(args: argparse.Namespace, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
                ) -> common.PlanInput:
     """The planner's flags as the numbers a script's formulas take: GPT-2's layout (token and
     position tables, the head tied to the token table, LayerNorms with biases, 2 a layer and
     the final one, and the row-parallel Linears' biases, 2 a layer, which TP keeps whole), or
     with --llama a Llama's (a token table, an untied head, rotary positions, RMSNorm weights,
-    no biases)."""
+    no biases); with --experts a MoE's routed experts (expert_params) beside them."""
     h, layers = args.hidden, args.layers
     if args.llama:
         norms = (2 * layers + 1) * h
@@ -79,7 +87,10 @@ def plan_input(args: argparse.Namespace, tp: int = 1, pp: int = 1, cp: int = 1
     return common.PlanInput(params=args.params, gpus=args.gpus, per_node=args.gpus_per_node,
                             state_bytes=STATE_BYTES[args.dtype], layers=layers, hidden=h,
                             vocab=args.vocab, seq=args.seq_len, micro_batch=args.micro_batch,
-                            micro_batches=args.micro_batches, tp=tp, pp=pp, cp=cp, **parts)
+                            micro_batches=args.micro_batches, tp=tp, pp=pp, cp=cp, **parts,
+                            experts=args.experts, top_k=args.top_k,
+                            moe_layers=(layers if args.moe_layers is None else args.moe_layers)
+                            if args.experts else 0, expert_params=expert_params(args), ep=ep)
 
 
 def planned_strategies() -> list[dict]:
@@ -115,6 +126,19 @@ def context_degrees(args: argparse.Namespace) -> list[int]:
             if per_node % cp == 0 and args.gpus % cp == 0 and args.seq_len % (2 * cp) == 0]
 
 
+def expert_degrees(args: argparse.Namespace) -> list[int]:
+    """The ep EP may take, none for a dense model: the largest that divides the experts, the
+    GPUs and a node's GPUs (the all-to-all stays on NVLink; the most experts it spreads), then,
+    should that not fit, larger ones across nodes, each a multiple of it dividing the experts
+    and the GPUs, the fewest nodes first."""
+    if not args.experts:
+        return []
+    inside = math.gcd(args.experts, args.gpus, min(args.gpus, args.gpus_per_node))
+    spread = math.gcd(args.experts, args.gpus)
+    across = [ep for ep in range(inside + 1, spread + 1) if spread % ep == 0 and ep % inside == 0]
+    return [ep for ep in [inside, *across] if ep > 1]
+
+
 def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpointing: bool
                 ) -> dict:
     """A table row from a strategy's figures (bytes a GPU): its activations
@@ -135,19 +159,24 @@ def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpoi
             "sent": figures["sent"], "network": figures.get("network", across),
             "bubble": figures.get("bubble", 0.0),
             "sequences": figures.get("sequences", args.micro_batch * args.gpus),
-            **{key: figures[key] for key in ("by_dim", "mesh") if key in figures}}
+            **{key: figures[key] for key in ("by_dim", "mesh", "crossover", "alltoall", "tokens",
+                                             "experts_data_parallel", "experts_replicas")
+               if key in figures}}
 
 
 def plan_strategies(args: argparse.Namespace) -> list[dict]:
     """Every planned strategy, with and without activation checkpointing, at the planner's
     flags. A pipelined one (PP x FSDP x TP) at the smallest pp at which it fits (fewest stages:
     the least bubble), else at the largest (the leanest); none if no pp divides the GPUs. A
-    context-parallel one (FSDP x CP) likewise at the smallest cp (the fewest K/V blocks passed)."""
+    context-parallel one (FSDP x CP) likewise at the smallest cp (the fewest K/V blocks passed);
+    an expert-parallel one (EP, EP x FSDP) at the first ep of expert_degrees at which it fits."""
     tp = tp_degree(args.gpus, args.gpus_per_node)
     rows = []
     for entry in planned_strategies():
         if entry.get("context_parallel"):
             figures = [entry["figures"](plan_input(args, cp=cp)) for cp in context_degrees(args)]
+        elif entry.get("expert_parallel"):
+            figures = [entry["figures"](plan_input(args, ep=ep)) for ep in expert_degrees(args)]
         else:
             depths = pipeline_depths(args, tp) if entry.get("pipelined") else [1]
             figures = [entry["figures"](plan_input(args, tp, pp)) for pp in depths]
@@ -205,14 +234,72 @@ def why_picked(rows: list[dict], best: dict, gpu_mem: float) -> str:
 
 def by_dim_text(row: dict) -> str:
     """A composed row's bytes by mesh dim, in GB: TP's inside the node, FSDP's (dp) and the
-    pipeline's (pp) across nodes."""
+    pipeline's (pp) across nodes; EP's all-to-all, and its dense part's data parallelism (DDP's
+    when the row has no FSDP) with the experts' replicas'."""
     if "by_dim" not in row:
         return ""
     sent = row["by_dim"]
+    dp = "FSDP" if "FSDP" in row["strategy"] else "DP"
     return f"{row['mesh']}: " + " / ".join(f"{label} {sent[dim] / GB:,.2f}" for dim, label in
-                                          (("tp", "TP"), ("cp", "CP"), ("dp", "FSDP"),
+                                          (("tp", "TP"), ("cp", "CP"), ("ep", "EP"), ("dp", dp),
                                                           ("pp", "PP"))
                                           if dim in sent)
+
+
+def crossover_lines(rows: list[dict]) -> list[str]:
+    """Where expert parallelism stops paying, a line an EP layout (its ep): its all-to-all's
+    bytes at the plan's tokens a GPU beside what it saves (data parallelism's all-reduce of
+    every expert's gradient, less its own over the experts' replicas), and the tokens a GPU a
+    step at which the two meet (the script's crossover_tokens)."""
+    lines = {}
+    for r in rows:
+        if "crossover" not in r or r["checkpointing"]:
+            continue
+        lines.setdefault(r["mesh"], (
+            f"EP's crossover ({r['mesh']}): at {r['tokens']:,} tokens a GPU a step its all-to-"
+            f"alls send {r['alltoall'] / GB:,.2f} GB a GPU, where data parallelism's all-reduce "
+            f"of every expert's gradient sends {r['experts_data_parallel'] / GB:,.2f} (EP's "
+            f"over the experts' replicas: {r['experts_replicas'] / GB:,.2f}); the two meet at "
+            f"{r['crossover']:,.0f} tokens a GPU a step. Under that EP sends fewer bytes than "
+            "data parallelism; over it (longer sequences, larger micro-batches, gradient "
+            "accumulation) its all-to-alls outweigh the expert gradients it keeps from the "
+            "all-reduce, and EP pays in memory (1/ep of the experts a GPU), not in bytes."))
+    return list(lines.values())
+
+
+def add_moe_flags(plan: argparse.ArgumentParser) -> None:
+    """`plan`'s flags for a Mixture of Experts (a Hugging Face config's names in the help)."""
+    plan.add_argument("--experts", type=common.int_at_least(1), default=0,
+                      help="routed experts a MoE layer (num_experts, n_routed_experts): plans "
+                           "expert parallelism (EP, EP x FSDP) beside the rest (default: dense)")
+    plan.add_argument("--top-k", type=common.int_at_least(1), default=0,
+                      help="routed experts a token goes to (num_experts_per_tok)")
+    plan.add_argument("--expert-ffn", type=common.int_at_least(1), default=0,
+                      help="a routed expert's SwiGLU width (moe_intermediate_size)")
+    plan.add_argument("--moe-layers", type=common.int_at_least(1), default=None,
+                      help="layers with experts (default: every layer; DeepSeek-V3's first 3 "
+                           "of 61 are dense)")
+
+
+def moe_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the MoE flags, in a line, or None."""
+    given = [flag for flag in ("--experts", "--top-k", "--expert-ffn")
+             if getattr(args, flag[2:].replace("-", "_"))]
+    if given and len(given) < 3 or args.moe_layers is not None and not given:
+        return ("a MoE needs --experts, --top-k and --expert-ffn together (--moe-layers with "
+                "them)")
+    if not given:
+        return None
+    if args.top_k > args.experts:
+        return f"--top-k {args.top_k} is more than --experts {args.experts}"
+    if args.moe_layers is not None and args.moe_layers > args.layers:
+        return f"--moe-layers {args.moe_layers} is more than --layers {args.layers}"
+    layout = plan_input(args)
+    if expert_params(args) >= args.params - layout.embedding - layout.head:
+        return (f"the experts ({expert_params(args):.3g} parameters: --moe-layers x --experts x "
+                f"3 x --hidden x --expert-ffn) leave nothing of --params {args.params:g} for the "
+                "tables and attention: raise --params or check the expert flags")
+    return None
 
 
 def render_plan(args: argparse.Namespace) -> str:
@@ -224,7 +311,9 @@ def render_plan(args: argparse.Namespace) -> str:
               by_dim_text(r)] for r in rows]
     fitting = [r for r in rows if r["fits"]]
     nodes = -(-args.gpus // args.gpus_per_node)
-    lines = [f"{args.params:.3g} parameters ({'Llama' if args.llama else 'GPT-2'} layout), "
+    moe = (f"; {args.experts} experts a layer, top-{args.top_k}, {expert_params(args):.3g} "
+           "parameters in them" if args.experts else "")
+    lines = [f"{args.params:.3g} parameters ({'Llama' if args.llama else 'GPT-2'} layout{moe}), "
              f"{args.gpus} GPUs of {args.gpu_mem:g} GB ({nodes} node{'s' * (nodes > 1)} of "
              f"{args.gpus_per_node}), {args.dtype}, micro-batch {args.micro_batch} x "
              f"{args.seq_len} tokens", "",
@@ -232,6 +321,8 @@ def render_plan(args: argparse.Namespace) -> str:
                               "total GB", "fits", "sequences/step", "GB sent/GPU/step",
                               "of which across nodes", "bubble", "mesh: GB by dim"],
                       tablefmt="github"), ""]
+    crossovers = crossover_lines(rows)
+    lines += [*crossovers, ""] if crossovers else []
     if fitting:
         # per sequence trained: a pipeline's step carries m micro-batches, a data-parallel one
         # one a GPU
@@ -261,9 +352,19 @@ CASES = [("ResNet-50 on 8 GPUs", {"params": 25.6e6, "gpus": 8, "layers": 16, "hi
          ("LLaMA-7B on 8 GPUs", {"params": 7e9, "gpus": 8, "layers": 32, "hidden": 4096,
                                  "vocab": 32000, "seq_len": 4096, "llama": True}, None),
          ("LLaMA-70B on 64 GPUs", {"params": 70e9, "gpus": 64, "layers": 80, "hidden": 8192,
-                                   "vocab": 32000, "seq_len": 4096, "llama": True}, None)]
+                                   "vocab": 32000, "seq_len": 4096, "llama": True}, None),
+         # Qwen3-30B-A3B, from its Hugging Face config.json (Qwen/Qwen3-30B-A3B): 48 layers,
+         # hidden_size 2048, 128 experts a layer (every layer: mlp_only_layers empty), 8 a
+         # token, moe_intermediate_size 768, vocab 151,936, untied head; its model card: 30.5B
+         # parameters, 3.3B activated
+         ("Qwen3-30B-A3B on 16 GPUs", {"params": 30.5e9, "gpus": 16, "layers": 48,
+                                       "hidden": 2048, "vocab": 151936, "seq_len": 4096,
+                                       "llama": True, "experts": 128, "top_k": 8,
+                                       "expert_ffn": 768},
+          "a MoE: its activations counted as a Llama's of its width")]
 CASE_FLAGS = {"gpu_mem": 80.0, "gpus_per_node": 8, "micro_batch": 1, "micro_batches": None,
-              "dtype": "bf16", "llama": False, "pp": None}
+              "dtype": "bf16", "llama": False, "pp": None, "experts": 0, "top_k": 0,
+              "expert_ffn": 0, "moe_layers": None}
 
 
 def render_cases() -> str:
@@ -278,5 +379,6 @@ def render_cases() -> str:
         best = choose(rows)
         pick = why_picked(rows, best, args.gpu_mem) if best else "nothing fits."
         count = f"{args.params / 1e9:g}B" if args.params >= 1e9 else f"{args.params / 1e6:g}M"
-        lines.append(f"{name} ({count} parameters{f'; {note}' if note else ''}): {pick}")
+        lines.append(f"{name} ({count} parameters{f'; {note}' if note else ''}): {pick}"
+                     + "".join(f" {line}" for line in crossover_lines(rows)))
     return "\n".join(lines)

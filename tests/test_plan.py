@@ -5,6 +5,7 @@ recorded and measured in real runs (tests/fixtures)."""
 import argparse
 import contextlib
 import io
+import math
 import subprocess
 import sys
 
@@ -32,7 +33,7 @@ STRATEGY_OF = {
     "optimized_pipeline_pytorch --schedule 1f1b": "pipeline",
     "optimized_pipeline_pytorch --schedule dualpipev": "pipeline",
     "baseline_symmem_tp": "TP", "optimized_symmem_tp": "TP", "optimized_symmem_tp_pytorch": "TP",
-    "baseline_context": "DDP"}
+    "baseline_context": "DDP", "baseline_moe": "DDP", "optimized_moe_ep": "EP"}
 
 
 def plan(*flags) -> subprocess.CompletedProcess:
@@ -57,7 +58,8 @@ def run_input(rec: dict) -> common.PlanInput:
     """A record's own configuration as the planner hands it to a script's formulas: its model
     (size preset, sequence length), world (one node), fp32, and a GPU's sequences a
     micro-batch: a pipeline's batch over its m micro-batches (3-D: a dp rank's pp x batch),
-    tensor parallelism's batch (the whole one, on every rank) over the world."""
+    tensor parallelism's batch (the whole one, on every rank) over the world. A MoE's (a Llama's
+    layout): its routed experts, ep, and all its parameters (an EP rank records its own)."""
     size, mesh = common.SIZES[rec["size"]], rec.get("mesh")
     mesh = mesh if isinstance(mesh, dict) else {}  # optimized_fsdp's is a list: its one dim
     m, batch = rec.get("microbatches"), rec["batch_size"]
@@ -71,11 +73,17 @@ def run_input(rec: dict) -> common.PlanInput:
         micro_batch = round(batch * rec["cp"])
     else:
         micro_batch = batch
+    moe = rec["model"] == "moe"
     flags = argparse.Namespace(
-        params=rec["params"], gpus=rec["world_size"], gpus_per_node=rec["world_size"],
+        params=common.moe_param_counts(size)[0] if moe else rec["params"],
+        gpus=rec["world_size"], gpus_per_node=rec["world_size"],
         layers=size.n_layers, hidden=size.d_model, vocab=size.vocab_size, seq_len=rec["seq_len"],
-        micro_batch=micro_batch, micro_batches=m, dtype="fp32", llama=rec["model"] == "llama")
-    return planner.plan_input(flags, mesh.get("tp", 1), mesh.get("pp", 1), rec.get("cp", 1))
+        micro_batch=micro_batch, micro_batches=m, dtype="fp32",
+        llama=rec["model"] in ("llama", "moe"), experts=size.n_experts if moe else 0,
+        top_k=size.top_k if moe else 0, expert_ffn=size.expert_ffn if moe else 0,
+        moe_layers=None)
+    return planner.plan_input(flags, mesh.get("tp", 1), mesh.get("pp", 1), rec.get("cp", 1),
+                              rec.get("ep", 1))
 
 
 def planned(strategy: str, rec: dict) -> dict:
@@ -106,6 +114,10 @@ def test_the_planner_figure_is_the_recorded_theory():
             continue
         figures, theory = planned(strategy, rec), rec["theory"]
         slack = 0.0015 + 3 * theory.get("padding_mb_max", 0.0)
+        if "alltoall_uniform_mb" in theory:  # EP: the planner's all-to-all is uniform routing's
+            theory = {**theory, "comm_mb": theory["comm_mb"] - theory["alltoall_mb"]
+                      + theory["alltoall_uniform_mb"]}
+            slack += 0.001  # three figures rounded
         label = f"{script} {rec.get('model')} ({strategy})"
         compared = [key for key in keys if key in figures and keys[key] in theory]
         for key in compared:
@@ -149,7 +161,7 @@ BYTES_OF = {
     "optimized_pipeline_1f1b": "pipeline", "optimized_pipeline_pytorch": "pipeline",
     "optimized_pipeline_pytorch --schedule 1f1b": "pipeline",
     "baseline_symmem_tp": "TP", "optimized_symmem_tp": "TP", "optimized_symmem_tp_pytorch": "TP",
-    "baseline_context": "DDP"}
+    "baseline_context": "DDP", "baseline_moe": "DDP"}
 
 
 def test_the_planned_bytes_are_what_each_folder_counted():
@@ -180,7 +192,7 @@ def figure(strategy: str, key: str, **numbers) -> float:
 def test_the_strategies_come_from_the_scripts_simplest_first():
     assert list(ENTRIES) == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP full", "FSDP grad-op",
                              "FSDP hybrid", "pipeline", "TP", "TP x DP", "FSDP x TP",
-                             "FSDP x CP", "PP x FSDP x TP"]
+                             "FSDP x CP", "PP x FSDP x TP", "EP", "EP x FSDP"]
 
 
 def test_a_new_folder_is_planned_with_no_edit_to_the_planner(tmp_path, monkeypatch):
@@ -363,7 +375,11 @@ def test_the_decision_matrix_cases():
         # the one layout that fits 70B without activation checkpointing: each 4,096-token
         # sequence over 2 GPUs. The pick weighs no time: FSDP's 412 GB a GPU across nodes a
         # step against PP x FSDP x TP's recomputation is the step-time planner's to price
-        "LLaMA-70B on 64 GPUs": "FSDP x CP (dp 32 x cp 2)"}
+        "LLaMA-70B on 64 GPUs": "FSDP x CP (dp 32 x cp 2)",
+        # a MoE: EP (dp 1 x ep 16) sends 1.16 GB a sequence across nodes, the all-to-all's
+        # share off the node and the dense part's all-reduce; two stages of TP 8 in a node send
+        # 0.07 GB a step of 32 sequences (TP splits each expert as it splits a dense MLP)
+        "Qwen3-30B-A3B on 16 GPUs": "PP x FSDP x TP (pp 2 x dp 1 x tp 8, m 4)"}
 
 
 def test_plan_alone_shows_the_cases():
@@ -373,3 +389,71 @@ def test_plan_alone_shows_the_cases():
     cases = plan("--cases")
     assert alone.returncode == 0, alone.stderr
     assert alone.stdout == cases.stdout and "LLaMA-70B on 64 GPUs" in alone.stdout
+
+
+def test_the_planned_ep_is_the_recorded_theory():
+    """The planner's EP figures at optimized_moe_ep's recorded configuration are its theory:
+    the state, the all-to-all for uniform routing (its by_dim "ep"), and the bytes a step with
+    the all-to-all the routing really sent (comm_mb) less that for uniform routing."""
+    runs = [r for r in records(FIXTURE) if r["script"] == "optimized_moe_ep"]
+    assert runs, "no optimized_moe_ep record in the fixture"
+    for rec in runs:
+        figures, theory = planned(rec["strategy"], rec), rec["theory"]
+        assert figures["state"] / 2**20 == pytest.approx(theory["state_mb"], abs=0.0015)
+        assert figures["alltoall"] == figures["by_dim"]["ep"]
+        assert figures["alltoall"] / 2**20 == pytest.approx(theory["alltoall_uniform_mb"],
+                                                            abs=0.0015)
+        routed = theory["comm_mb"] - theory["alltoall_mb"] + theory["alltoall_uniform_mb"]
+        assert figures["sent"] / 2**20 == pytest.approx(routed, abs=0.0025)
+
+
+MOE = {"experts": 64, "top_k": 4, "moe_layers": 32, "expert_params": 32 * 64 * 3 * 4096 * 1024,
+       "params": 30e9, "gpus": 32}
+
+
+@pytest.mark.parametrize("ep", [8, 32])
+def test_the_crossover_is_where_the_all_to_all_meets_what_it_saves(ep):
+    """At the crossover's tokens a GPU the all-to-all sends what EP saves (data parallelism's
+    all-reduce of every expert's gradient less EP's over the replicas), by hand; under it EP
+    sends fewer bytes than DDP (its own row, 01_ddp's formula), over it more."""
+    g, n, h, w, k, e = 4, 32, 4096, 4, 4, 64
+    per_token = 32 * 4 * k * (ep - 1) / ep * h * w  # 32 layers: 2 ways x (out + back) a slot
+    counts = 32 * e * 8 * (ep - 1) / ep
+    saved = 2 * (n - 1) / n * g * MOE["expert_params"] \
+        - 2 * (n // ep - 1) / (n // ep) * g * MOE["expert_params"] / ep
+    crossover = figure("EP", "crossover", ep=ep, **MOE)
+    assert crossover == pytest.approx((saved - counts) / per_token)
+    tokens = {"under": math.floor(crossover), "over": math.ceil(crossover)}
+    routers = 2 * (n - 1) / n * 8 * 32 * e  # the routers' counts, which EP's row adds
+    sent = {side: figure("EP", "sent", ep=ep, seq=seq, **MOE) - routers
+            for side, seq in tokens.items()}
+    ddp = figure("DDP", "sent", **MOE)
+    assert sent["under"] < ddp < sent["over"]
+    at = decoder(ep=ep, seq=tokens["over"], **MOE)
+    assert ENTRIES["EP"]["figures"](at)["alltoall"] == pytest.approx(
+        tokens["over"] * per_token + counts)
+
+
+def test_a_dense_model_has_no_ep_row_and_a_moe_says_where_ep_stops_paying():
+    dense = plan("--params", "7e9", "--gpus", "8", "--gpu-mem", "80")
+    assert "| EP" not in dense.stdout and "crossover" not in dense.stdout
+    moe = plan("--params", "30.5e9", "--gpus", "8", "--gpu-mem", "80", "--layers", "48",
+               "--hidden", "2048", "--vocab", "151936", "--llama", "--experts", "128",
+               "--top-k", "8", "--expert-ffn", "768")
+    assert moe.returncode == 0, moe.stderr
+    rows = [line for line in moe.stdout.splitlines() if line.startswith("| EP")]
+    assert len(rows) == 4 and all("ep 8" in row for row in rows)
+    # ep = 8 = the GPUs: every expert's gradient stays on its one GPU, and the all-to-all
+    # (48 layers x 4 x 8 slots x 7/8 x 2,048 x 2 bytes a token) meets DDP's all-reduce of the
+    # experts (2 x 7/8 x 2 bytes x 48 x 128 x 3 x 2,048 x 768) at 128 x 3 x 768 / 16 tokens
+    assert "meet at 18,432 tokens a GPU a step" in moe.stdout
+
+
+@pytest.mark.parametrize("flags, hint", [
+    (["--experts", "8"], "--top-k"),
+    (["--experts", "8", "--top-k", "9", "--expert-ffn", "64"], "--top-k"),
+    (["--experts", "8", "--top-k", "2", "--expert-ffn", "100000"], "--expert-ffn")])
+def test_bad_moe_input_is_one_line(flags, hint):
+    run = plan("--params", "7e9", "--gpus", "8", "--gpu-mem", "80", *flags)
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1
+    assert hint in run.stderr
