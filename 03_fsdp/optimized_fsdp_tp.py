@@ -441,7 +441,9 @@ def decoder_plans(model: common.Decoder) -> tuple[dict, dict]:
 def main():
     parser = common.parser(__doc__, skips={
         "resnet": "a ResNet has no attention heads or MLP matrices for tensor parallelism to "
-                  "split: FSDP x TP runs --model gpt or llama"})
+                  "split: FSDP x TP runs --model gpt or llama",
+        "moe": "a MoE's MLP is a router and experts, not the one SwiGLU this TP plan splits: "
+               "FSDP x TP runs --model gpt or llama (experts: 08_moe)"})
     parser.add_argument("--tp", type=common.int_at_least(1), default=None,
                         help="tensor-parallel degree, the inner mesh dim (default: the largest "
                              "that divides the heads, the KV heads and a node's GPUs, 2 on CPU, "

@@ -102,7 +102,9 @@ def ddp_bytes(params: float, world: int, weight: float, grad: float, optim: floa
 def main():
     parser = common.parser(__doc__, skips={
         "resnet": "the 3-D run it is the baseline of cuts a decoder into stages: --model gpt or "
-                  "llama"})
+                  "llama",
+        "moe": "the 3-D run it is the baseline of splits a stage's MLP as one SwiGLU by TP, and "
+               "a MoE's is a router and experts: --model gpt or llama"})
     parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
                         metavar="MAX", help="clip the gradient to this global 2-norm before "
                         "each step, with torch.nn.utils.clip_grad_norm_ (default: no clipping)")

@@ -515,7 +515,9 @@ def theory(stage: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int, m:
 def main():
     parser = common.parser(__doc__, skips={
         "resnet": "a pipeline cuts a decoder's list of layers into stages, and a ResNet's is no "
-                  "such list: pipelines run --model gpt or llama"})
+                  "such list: pipelines run --model gpt or llama",
+        "moe": "its TP plan splits a stage's MLP as one SwiGLU, and a MoE's is a router and "
+               "experts: the 3-D run takes --model gpt or llama (experts: 08_moe)"})
     parser.add_argument("--pp", type=common.int_at_least(1), default=2,
                         help="pipeline stages, the outer mesh dim (default: 2)")
     parser.add_argument("--tp", type=common.int_at_least(1), default=None,

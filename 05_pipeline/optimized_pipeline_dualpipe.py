@@ -305,9 +305,15 @@ class TwoStagePipelineRank:
         x, out, weighted = self.saved_for_backward.pop((micro, stage))
         inputs = [x] if stage > 0 else []
         if split:  # into each one's .grad; the W walks one node of the graph per layer
-            torch.autograd.backward(out, grad, inputs=inputs + [o for _, o in weighted],
+            # a layer whose output is no one tensor (a MoE's router: weights, experts, scores,
+            # one computed from another) gets its weights' gradients here, in the I: from each
+            # output apart, the W would count a path through two of them twice
+            later = [(layer, o) for layer, o in weighted if isinstance(o, torch.Tensor)]
+            now = [q for layer, o in weighted if not isinstance(o, torch.Tensor)
+                   for q in layer.parameters(recurse=False)]
+            torch.autograd.backward(out, grad, inputs=inputs + [o for _, o in later] + now,
                                     retain_graph=True)
-            self.saved_for_backward[(micro, stage)] = weighted
+            self.saved_for_backward[(micro, stage)] = later
         else:
             out.backward(grad)
         if inputs:

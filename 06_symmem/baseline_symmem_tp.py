@@ -302,6 +302,8 @@ def tensor_parallel_setup(parser, comm_of) -> TensorParallelRun:
     parser.set_defaults(batch_size=0)
     parser.skips["resnet"] = ("a ResNet has no attention heads or MLP matrices for tensor "
                               "parallelism to split: TP runs --model gpt or llama")
+    parser.skips["moe"] = ("a MoE's MLP is a router and experts, not the one SwiGLU these layers "
+                           "split: TP runs --model gpt or llama (experts: 08_moe)")
     args = parser.parse_args()
     world = common.launch_world_size()
     if why := tp_degree_problem(args, world):

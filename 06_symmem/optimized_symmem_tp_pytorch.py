@@ -285,7 +285,9 @@ def peer_access_problem(topo: common.Topology) -> str | None:
 def main():
     parser = common.parser(__doc__, skips={
         "resnet": "a ResNet has no attention heads or MLP matrices for tensor parallelism to "
-                  "split: TP runs --model gpt or llama"})
+                  "split: TP runs --model gpt or llama",
+        "moe": "a MoE's MLP is a router and experts, not the one SwiGLU this plan splits: TP runs "
+               "--model gpt or llama (experts: 08_moe)"})
     parser.set_defaults(batch_size=0)
     args = parser.parse_args()
     world = common.launch_world_size()

@@ -260,7 +260,11 @@ def activation_mb(args, tokens: int) -> float:
     """MB a rank saves for backward over `tokens` tokens of its own: the blocks'
     (activation_bytes) and the loss's fp32 logits, kept by cross-entropy for backward."""
     size = common.SIZES[args.size]
-    ffn = common.llama_ffn_dim(size.d_model) if args.model == "llama" else None
+    # the MoE Llama's MLP saves a token's rows for its top_k experts, each expert's SwiGLU (4 x
+    # expert_ffn), their outputs and the shared expert's SwiGLU: a Llama MLP of that width
+    ffn = (common.llama_ffn_dim(size.d_model) if args.model == "llama" else
+           size.top_k * (size.d_model + 2 * size.expert_ffn) // 2 + size.shared_expert_ffn
+           if args.model == "moe" else None)
     value_bytes = 2 if args.dtype == "bf16" else 4
     blocks = activation_bytes(size.n_layers, tokens, size.d_model, size.n_heads, value_bytes,
                               False, ffn)
@@ -458,7 +462,8 @@ def main():
                                    attention.pairs / args.steps), group=group)
     seconds = [s for s, _ in ranks]
     head_dim = size.d_model // size.n_heads
-    kv_heads = size.n_kv_heads if args.model == "llama" else size.n_heads
+    # the Llama's grouped-query attention, in the MoE Llama too
+    kv_heads = size.n_kv_heads if args.model in ("llama", "moe") else size.n_heads
     unwrapped = model if args.fsdp else model.module
     ring_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items() if kind.startswith("send"))
     common.record(recorded_settings(settings, cp), topo, stats,
