@@ -177,6 +177,16 @@ class LossHead(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def matmul_weights(layer: nn.Module) -> float:
+    """The weights of a layer's matrix multiplies that a token meets: every Linear's, a MoE's
+    experts at top_k / n_experts of theirs (a token runs k of them)."""
+    total = sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear))
+    for moe in (mod for mod in layer.modules() if isinstance(mod, MoE)):
+        experts = sum(p.numel() for p in moe.experts.parameters())
+        total -= experts * (1 - moe.gate.top_k / len(moe.experts))
+    return total
+
+
 class Decoder(nn.Module):
     """What the two decoder families share: `forward(tokens, targets)` returns the mean loss, and
     `pipeline_layers()` lists the model's own modules in order, for a pipeline to cut."""
@@ -186,10 +196,10 @@ class Decoder(nn.Module):
 
     def pipeline_stages(self, n: int) -> list[list[nn.Module]]:
         """`pipeline_layers` cut into n stages of about equal compute: a layer costs the weights of
-        its matrix multiplies (lookups, norms and the attention's own product are small)."""
+        its matrix multiplies a token meets (`matmul_weights`; lookups, norms and the attention's
+        own product are small)."""
         layers = self.pipeline_layers()
-        costs = [sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear))
-                 for layer in layers]
+        costs = [matmul_weights(layer) for layer in layers]
         return [[layers[i] for i in stage] for stage in cut_into_stages(costs, n)]
 
 

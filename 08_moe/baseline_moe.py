@@ -28,8 +28,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
-NOT_MOE = {model: "expert parallelism needs a model with experts: run --model moe"
-           for model in common.MODELS if model != "moe"}
+
+def without_experts() -> dict[str, str]:
+    """The --model values a MoE recipe skips, each with why."""
+    return {model: "expert parallelism needs a model with experts: run --model moe"
+            for model in common.MODELS if model != "moe"}
 
 
 def balance_experts(routers: list[torch.nn.Module], rate: float,
@@ -64,7 +67,7 @@ def load_figures(loads: list[torch.Tensor], warmup: int) -> dict:
 
 
 def main():
-    parser = common.parser(__doc__, skips=NOT_MOE)
+    parser = common.parser(__doc__, skips=without_experts())
     parser.set_defaults(model="moe", steps=8, warmup=3)  # the folder's: `make moe` in ~2 minutes
     parser.add_argument("--moe-balance", choices=common.MOE_BALANCING, default="bias",
                         help="bias: DeepSeek-V3's aux-loss-free bias; aux: the auxiliary loss; "

@@ -38,8 +38,10 @@ import common  # noqa: E402
 
 # Exact: every token meets the same experts with the same weights as in data parallelism; only
 # the order of sums moves (an expert's rows batched with other ranks', gradients summed over
-# ranks before the mean), fp32 rounding carried from step to step. bf16: the dtype's resolution.
-LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+# ranks before the mean), fp32 rounding carried from step to step, which can flip a near-tie of
+# the router's top-k: 3.5e-5 after 11 steps at `small`; 7e-5 is 1e-5 of its first loss (ln 1024).
+# bf16: the dtype's resolution.
+LOSS_TOLERANCE = {"fp32": 7e-5, "bf16": 5e-2}
 
 
 class AllToAll(torch.autograd.Function):
@@ -140,9 +142,11 @@ def uniform_alltoall_bytes(tokens: float, top_k: int, d_model: int, value_bytes:
     return alltoall_bytes(rows, rows, d_model, value_bytes, n_experts, ep)
 
 
-# Copied from 08_moe/baseline_moe.py: NOT_MOE
-NOT_MOE = {model: "expert parallelism needs a model with experts: run --model moe"
-           for model in common.MODELS if model != "moe"}
+# Copied from 08_moe/baseline_moe.py: without_experts
+def without_experts() -> dict[str, str]:
+    """The --model values a MoE recipe skips, each with why."""
+    return {model: "expert parallelism needs a model with experts: run --model moe"
+            for model in common.MODELS if model != "moe"}
 
 
 # Copied from 08_moe/baseline_moe.py: balance_experts
@@ -236,7 +240,7 @@ def wrap_dense(model: torch.nn.Module, blocks: list[torch.nn.Module], expert_par
 
 
 def main():
-    parser = common.parser(__doc__, skips=NOT_MOE)
+    parser = common.parser(__doc__, skips=without_experts())
     parser.set_defaults(model="moe", steps=8, warmup=3)  # the folder's: `make moe` in ~2 minutes
     parser.add_argument("--moe-balance", choices=common.MOE_BALANCING, default="bias",
                         help="bias: DeepSeek-V3's aux-loss-free bias; aux: the auxiliary loss; "
