@@ -215,11 +215,10 @@ EXTRA_RUNS_context := \
 # world that has every dim with dp >= 2 (03's dp x tp: 4 processes; 05's pp x dp x tp: 8), on
 # GPUs at NPROC. Scripts only these runs start are left out of the folder's NPROC runs. An entry
 # may carry flags, as "script flags" (a run at a length only the mesh's world holds).
-# 08's balance rows: tens of steps, for the model to learn past its first routing and the
-# routers' bias to settle, with and without bias balancing (the default runs measure speed).
-BALANCE_RUN := --steps 30 --warmup 10
-EXTRA_RUNS_moe := "08_moe/optimized_moe_ep.py $(BALANCE_RUN)" \
-	"08_moe/optimized_moe_ep.py $(BALANCE_RUN) --moe-balance none"
+# 08's balance rows: 40 steps, for the model to learn past its first routing and the routers'
+# bias to settle, with bias balancing and without.
+EXTRA_RUNS_moe := "08_moe/optimized_moe_ep.py --long-run" \
+	"08_moe/optimized_moe_ep.py --long-run --moe-balance none"
 MESH_RUNS_fsdp := 03_fsdp/baseline_fsdp.py 03_fsdp/optimized_fsdp_tp.py
 MESH_RUNS_pipeline := 05_pipeline/baseline_pipeline_3d.py 05_pipeline/optimized_pipeline_3d.py
 # 07: cp 4 at the baseline's batch, dp 2 x cp 2 sharded by FSDP2, and cp 4 at four times the

@@ -18,6 +18,7 @@ Theory:     sends 2(N-1)/N x 4 bytes x every parameter a step (and the routers' 
             expert gets global tokens x k / E tokens a step when the load is even.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -66,6 +67,18 @@ def load_figures(loads: list[torch.Tensor], warmup: int) -> dict:
             "tokens_per_expert": round(float(timed.max(-1).values.mean()), 1)}
 
 
+def add_long_run_flag(parser: argparse.ArgumentParser) -> None:
+    """`--long-run`: 40 steps (10 untimed, 30 timed) instead of the folder's 11, long enough for
+    the model to learn past its first, clustered routing and for the routers' bias to settle: the
+    balance rows of `make moe`. A --warmup or --steps given still wins. Added after the script's
+    other flags (it reads the command line to set defaults)."""
+    parser.add_argument("--long-run", action="store_true",
+                        help="40 steps (10 untimed, 30 timed) instead of 11: `make moe`'s "
+                             "balance rows, with bias balancing and without")
+    if parser.parse_known_args()[0].long_run:
+        parser.set_defaults(warmup=10, steps=30)
+
+
 def main():
     parser = common.parser(__doc__, skips=without_experts())
     parser.set_defaults(model="moe", steps=8, warmup=3)  # the folder's: `make moe` in ~2 minutes
@@ -75,6 +88,7 @@ def main():
     parser.add_argument("--bias-rate", type=common.positive_float, default=0.1,
                         help="how far an expert's bias moves a step, x its relative distance "
                              "from the mean load (--moe-balance bias)")
+    add_long_run_flag(parser)
     args = parser.parse_args()
     topo = common.setup(args)
     model, batches = common.workload(args, topo)

@@ -23,6 +23,7 @@ Theory:     all-to-all bytes a layer = 2 x (rows sent to peers + rows received) 
             each way. State: 16 bytes x (dense, /N with --fsdp, + experts / ep).
 """
 
+import argparse
 import math
 import sys
 from pathlib import Path
@@ -36,12 +37,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
-# Exact: every token meets the same experts with the same weights as in data parallelism; only
-# the order of sums moves (an expert's rows batched with other ranks', gradients summed over
-# ranks before the mean), fp32 rounding carried from step to step, which can flip a near-tie of
-# the router's top-k: 3.5e-5 after 11 steps at `small`; 7e-5 is 1e-5 of its first loss (ln 1024).
-# bf16: the dtype's resolution.
-LOSS_TOLERANCE = {"fp32": 7e-5, "bf16": 5e-2}
+# Exact arithmetic, but for the order of sums (an expert's rows batched with other ranks',
+# its gradient summed before the mean), except that top-k routing is discontinuous: that rounding
+# flips the router's near-ties now and then (the layers' loads then differ from the baseline's
+# in the third digit), and a token sent to another expert moves the loss by about 1e-4. Measured
+# after 11 steps at `small`: 3.5e-5 at ep 2 (2 ranks), 2.8e-4 at ep 4 (4 ranks), 4e-5 of the
+# loss; at `tiny` none. bf16: the dtype's resolution.
+LOSS_TOLERANCE = {"fp32": 5e-4, "bf16": 5e-2}
 
 
 class AllToAll(torch.autograd.Function):
@@ -182,6 +184,19 @@ def load_figures(loads: list[torch.Tensor], warmup: int) -> dict:
             "tokens_per_expert": round(float(timed.max(-1).values.mean()), 1)}
 
 
+# Copied from 08_moe/baseline_moe.py: add_long_run_flag
+def add_long_run_flag(parser: argparse.ArgumentParser) -> None:
+    """`--long-run`: 40 steps (10 untimed, 30 timed) instead of the folder's 11, long enough for
+    the model to learn past its first, clustered routing and for the routers' bias to settle: the
+    balance rows of `make moe`. A --warmup or --steps given still wins. Added after the script's
+    other flags (it reads the command line to set defaults)."""
+    parser.add_argument("--long-run", action="store_true",
+                        help="40 steps (10 untimed, 30 timed) instead of 11: `make moe`'s "
+                             "balance rows, with bias balancing and without")
+    if parser.parse_known_args()[0].long_run:
+        parser.set_defaults(warmup=10, steps=30)
+
+
 # Copied from 03_fsdp/optimized_fsdp.py: padded_numel
 def padded_numel(p: torch.Tensor, group: int) -> int:
     """Elements FSDP allocates for `p` across a shard group: dim 0 rounded up to the group."""
@@ -255,6 +270,7 @@ def main():
     parser.add_argument("--fsdp", action="store_true",
                         help="shard the dense part with FSDP2 over the world instead of "
                              "replicating it with DDP")
+    add_long_run_flag(parser)
     args = parser.parse_args()
     world, size = common.launch_world_size(), common.SIZES[args.size]
     ep = args.ep or math.gcd(world, size.n_experts)
