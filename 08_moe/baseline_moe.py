@@ -85,7 +85,7 @@ def main():
     parser.add_argument("--moe-balance", choices=common.MOE_BALANCING, default="bias",
                         help="bias: DeepSeek-V3's aux-loss-free bias; aux: the auxiliary loss; "
                              "none: plain top-k (default: bias)")
-    parser.add_argument("--bias-rate", type=common.positive_float, default=0.1,
+    parser.add_argument("--bias-rate", type=common.positive_float, default=0.2,
                         help="how far an expert's bias moves a step, x its relative distance "
                              "from the mean load (--moe-balance bias)")
     add_long_run_flag(parser)
