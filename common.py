@@ -379,9 +379,12 @@ class TopKRouter(nn.Module):
         scores = logits.softmax(dim=-1)
         experts = (logits.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
-        with torch.no_grad():
-            self.tokens_per_expert += torch.bincount(experts.flatten(),
-                                                     minlength=self.weight.shape[0])
+        # counted in training, once a forward: not when activation checkpointing recomputes it
+        # inside backward (torch names no public test for that; a graph task is running)
+        if self.training and torch._C._current_graph_task_id() == -1:
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(experts.flatten(),
+                                                         minlength=self.weight.shape[0])
         return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), experts, scores
 
 
@@ -396,7 +399,9 @@ def auxiliary_balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch
 class _WithAuxiliaryLoss(torch.autograd.Function):
     """x unchanged forward; backward, also the gradient of `loss` (weight 1): the auxiliary loss
     trains the router through the layer's own output, in any schedule that runs backward from
-    the model's loss (pipelines, checkpointing), without a second value to return."""
+    the model's loss (pipelines, checkpointing), without a second value to return. Its weight is
+    1 whatever the loss was scaled by: a trainer that divides the loss (gradient accumulation, a
+    pipeline's micro-batches, an fp16 loss scaler) scales AUX_LOSS_COEF alike."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:

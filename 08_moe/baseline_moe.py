@@ -48,23 +48,27 @@ def balance_experts(routers: list[torch.nn.Module], rate: float,
     dist.all_reduce(counts, group=group)
     with torch.no_grad():
         for router, count in zip(routers, counts, strict=True):
-            if rate:
-                mean = count.double().mean()
+            mean = count.double().mean()
+            if rate and mean > 0:  # no token routed (no forward since the last step): no news
                 router.expert_bias += rate * (mean - count) / mean
             router.tokens_per_expert.zero_()
     return counts
 
 
 def load_figures(loads: list[torch.Tensor], warmup: int) -> dict:
-    """What the record says of the balance, from each step's (layers, experts) counts: the
-    busiest expert's tokens a step (the figure that sets a step's pace) and, over the timed steps
-    together, each layer's busiest expert against the mean (`expert_load`, 1 when even)."""
+    """What the record says of the balance, from each step's (layers, experts) counts, over the
+    timed steps: each layer's busiest expert against the mean, over the steps together
+    (`expert_load`, 1 when even: what balancing evens out) and a step at a time
+    (`expert_load_step`, the mean over steps: a batch's own spread is in it), the worst layer's
+    of each; and the busiest expert's tokens a step (what sets a step's pace)."""
     timed = torch.stack(loads[warmup:]).double()  # (steps, layers, experts)
     together = timed.sum(0)
     by_layer = (together.max(-1).values / together.mean(-1)).tolist()
+    by_step = (timed.max(-1).values / timed.mean(-1)).mean(0)
     return {"expert_load": round(max(by_layer), 4),
             "expert_load_by_layer": [round(x, 4) for x in by_layer],
-            "tokens_per_expert": round(float(timed.max(-1).values.mean()), 1)}
+            "expert_load_step": round(float(by_step.max()), 4),
+            "busiest_expert_tokens": round(float(timed.max(-1).values.mean()), 1)}
 
 
 def add_long_run_flag(parser: argparse.ArgumentParser) -> None:
@@ -119,7 +123,8 @@ def main():
                   theory={"comm_mb": common.ring_allreduce_mb(param_bytes + count_bytes,
                                                               topo.world_size),
                           "state_mb": 4 * param_bytes / 2**20,
-                          "tokens_per_expert": tokens * size.top_k / size.n_experts})
+                          # the busiest expert's tokens if the load were even: the mean
+                          "busiest_expert_tokens": tokens * size.top_k / size.n_experts})
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ What it does: every MoE layer's experts are cut into `--ep` contiguous groups, o
 ep group; the rest of the model stays data-parallel over the world. In each layer a rank routes
 its own tokens as the model does, sorts the routed (token, choice) slots by expert, and tells
 each peer how many rows it has for each of that peer's experts (an all-to-all of E counts). It
-then dispatches the rows (all_to_all_single, uneven splits), runs its local experts (one matmul
-each) and sends the outputs back the same way (combine), where each is weighted and summed into
+then dispatches the rows (all_to_all_single, uneven splits), runs each local expert once on all
+its rows and sends the outputs back the same way (combine), where each is weighted and summed into
 its token. Backward runs both exchanges in reverse. Dropless: nothing is capped or dropped. An
 expert's gradient then holds its ep group's tokens: summed over its replicas (the dp ranks at
 its ep place) and scaled to the world's mean, it is data parallelism's. `--fsdp` shards the
@@ -76,6 +76,9 @@ class ExpertParallel(torch.nn.ModuleList):
     def __init__(self, local_experts: list[torch.nn.Module], n_experts: int,
                  group: dist.ProcessGroup):
         super().__init__(local_experts)
+        if n_experts != len(self) * dist.get_world_size(group):
+            raise ValueError(f"{len(self)} experts a rank over {dist.get_world_size(group)} "
+                             f"ranks are not the {n_experts}: give each rank n_experts / ep")
         self.n_experts, self.group = n_experts, group
         self.exchanged = (0, 0, 0)  # the last forward's rows sent to peers, received, value bytes
 
@@ -88,20 +91,25 @@ class ExpertParallel(torch.nn.ModuleList):
         counts = torch.bincount(top_k_index.flatten(), minlength=self.n_experts)
         arriving = torch.empty_like(counts)  # arriving[p x local + e]: rank p's rows for my e
         dist.all_to_all_single(arriving, counts, group=self.group)
-        send = counts.view(ep, local).sum(1).tolist()
-        arriving = arriving.view(ep, local)
-        recv = arriving.sum(1).tolist()
-        rows = AllToAll.apply(tokens[token_of], send, recv, self.group)
+        # the exchanges' split sizes, read on the host at once (one sync a layer on a GPU)
+        mine, theirs = torch.stack([counts, arriving]).view(2, ep, local).tolist()
+        send, recv = [sum(c) for c in mine], [sum(c) for c in theirs]
+        rows = tokens[token_of]
+        if torch.is_autocast_enabled(rows.device.type):  # the experts compute in it: send it
+            rows = rows.to(torch.get_autocast_dtype(rows.device.type))
+        rows = AllToAll.apply(rows, send, recv, self.group)
         # rows arrive by source rank, then expert: grouped by expert, each expert runs once
         expert_of_row = torch.arange(local, device=rows.device).repeat(ep)
-        by_expert = expert_of_row.repeat_interleave(arriving.flatten()).argsort(stable=True)
+        by_expert = expert_of_row.repeat_interleave(arriving, output_size=len(rows)).argsort(
+            stable=True)
+        per_expert = [sum(column) for column in zip(*theirs, strict=True)]
         outs = torch.cat([expert(part) for expert, part in
-                          zip(self, rows[by_expert].split(arriving.sum(0).tolist()), strict=True)])
+                          zip(self, rows[by_expert].split(per_expert), strict=True)])
         back = torch.empty_like(outs).index_copy(0, by_expert, outs)  # by source rank again
         combined = AllToAll.apply(back, recv, send, self.group)
-        self.exchanged = (sum(send) - send[me], sum(recv) - recv[me], tokens.element_size())
+        self.exchanged = (sum(send) - send[me], sum(recv) - recv[me], rows.element_size())
         weighted = combined * top_k_weights.flatten()[order, None]
-        return torch.zeros_like(tokens).index_add_(0, token_of, weighted)
+        return torch.zeros_like(tokens).index_add_(0, token_of, weighted.to(tokens.dtype))
 
 
 def shard_experts(blocks: list[torch.nn.Module], group: dist.ProcessGroup) -> list:
@@ -166,8 +174,8 @@ def balance_experts(routers: list[torch.nn.Module], rate: float,
     dist.all_reduce(counts, group=group)
     with torch.no_grad():
         for router, count in zip(routers, counts, strict=True):
-            if rate:
-                mean = count.double().mean()
+            mean = count.double().mean()
+            if rate and mean > 0:  # no token routed (no forward since the last step): no news
                 router.expert_bias += rate * (mean - count) / mean
             router.tokens_per_expert.zero_()
     return counts
@@ -175,15 +183,19 @@ def balance_experts(routers: list[torch.nn.Module], rate: float,
 
 # Copied from 08_moe/baseline_moe.py: load_figures
 def load_figures(loads: list[torch.Tensor], warmup: int) -> dict:
-    """What the record says of the balance, from each step's (layers, experts) counts: the
-    busiest expert's tokens a step (the figure that sets a step's pace) and, over the timed steps
-    together, each layer's busiest expert against the mean (`expert_load`, 1 when even)."""
+    """What the record says of the balance, from each step's (layers, experts) counts, over the
+    timed steps: each layer's busiest expert against the mean, over the steps together
+    (`expert_load`, 1 when even: what balancing evens out) and a step at a time
+    (`expert_load_step`, the mean over steps: a batch's own spread is in it), the worst layer's
+    of each; and the busiest expert's tokens a step (what sets a step's pace)."""
     timed = torch.stack(loads[warmup:]).double()  # (steps, layers, experts)
     together = timed.sum(0)
     by_layer = (together.max(-1).values / together.mean(-1)).tolist()
+    by_step = (timed.max(-1).values / timed.mean(-1)).mean(0)
     return {"expert_load": round(max(by_layer), 4),
             "expert_load_by_layer": [round(x, 4) for x in by_layer],
-            "tokens_per_expert": round(float(timed.max(-1).values.mean()), 1)}
+            "expert_load_step": round(float(by_step.max()), 4),
+            "busiest_expert_tokens": round(float(timed.max(-1).values.mean()), 1)}
 
 
 # Copied from 08_moe/baseline_moe.py: add_long_run_flag
@@ -256,6 +268,15 @@ def wrap_dense(model: torch.nn.Module, blocks: list[torch.nn.Module], expert_par
     return model, {"sent": predicted["sent"], "state": predicted["state"]}
 
 
+def comm_by_dim(stats: common.Stats, mesh) -> dict[str, float]:
+    """The measured bytes of each mesh dim: ep's, the all-to-alls (nothing else sends one; at ep
+    = world its group is the world's, so not told by group); dp's, what was sent on its group
+    (the experts' gradients); the rest was sent over all ranks (the dense part, the counts)."""
+    ep = sum(mb for kind, mb in stats.comm_mb_by_kind.items() if kind.startswith("alltoall"))
+    dp = (stats.comm_mb_by_group or {}).get(mesh.get_group("dp").group_name, 0.0)
+    return {"ep": round(ep, 3), "dp": round(dp, 3), "all": round(stats.comm_mb - ep - dp, 3)}
+
+
 def main():
     parser = common.parser(__doc__, skips=without_experts())
     parser.set_defaults(model="moe", steps=8, warmup=3)  # the folder's: `make moe` in ~2 minutes
@@ -265,7 +286,7 @@ def main():
     parser.add_argument("--bias-rate", type=common.positive_float, default=0.2,
                         help="how far an expert's bias moves a step, x its relative distance "
                              "from the mean load (--moe-balance bias)")
-    parser.add_argument("--ep", type=common.int_at_least(1), default=None,
+    parser.add_argument("--ep", type=common.int_at_least(2), default=None,
                         help="ranks a layer's experts are spread over (default: the largest "
                              "that divides both the world and the experts); the world is then "
                              "dp = world/ep groups of them")
@@ -279,6 +300,9 @@ def main():
     if size.n_experts % ep:
         parser.error(f"--ep {ep} does not divide the {size.n_experts} experts of --size "
                      f"{args.size}: use an --ep that divides {size.n_experts}")
+    if ep == 1:  # every rank would hold every expert: data parallelism, baseline_moe
+        raise common.Skip(f"no ep > 1 divides both the world ({world}) and the {size.n_experts} "
+                          f"experts: launch a world that shares a factor with {size.n_experts}")
     if world % ep:  # the host's world, not the flag, is short or odd: the row says why
         raise common.Skip(f"--ep {ep} groups need a world of a multiple of {ep} ranks, this "
                           f"one has {world}: launch --nproc_per_node={ep * max(1, world // ep)}")
@@ -317,6 +341,8 @@ def main():
     expert_bytes = 4 * sum(p.numel() for p in expert_params)
     count_bytes = sum(r.tokens_per_expert.numel() * 8 for r in routers)
     replicas = common.ring_allreduce_mb(expert_bytes, world // ep) if world > ep else 0.0
+    everyone = dense["sent"] / 2**20 + common.ring_allreduce_mb(count_bytes, world)
+    by_dim = comm_by_dim(stats, mesh)
     tokens = world * args.batch_size * args.seq_len
     unwrapped = model if args.fsdp else model.module
     common.record(args, topo, stats, baseline="baseline_moe", model=unwrapped, optimizer=opt,
@@ -326,15 +352,16 @@ def main():
                       p.numel() for p in expert_params),
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], moe_balance=args.moe_balance,
                   ep=ep, mesh=[world // ep, ep], strategy="EP x FSDP" if args.fsdp else "EP",
-                  alltoall_mb=sum(mb for kind, mb in stats.comm_mb_by_kind.items()
-                                  if kind.startswith("alltoall")),
+                  alltoall_mb=by_dim["ep"], comm_mb_by_dim=by_dim,
                   **load_figures(loads, args.warmup),
-                  theory={"comm_mb": (dense["sent"] + alltoall) / 2**20 + replicas
-                          + common.ring_allreduce_mb(count_bytes, world),
+                  theory={"comm_mb": alltoall / 2**20 + replicas + everyone,
+                          "comm_mb_by_dim": {dim: round(mb, 3) for dim, mb in (
+                              ("ep", alltoall / 2**20), ("dp", replicas), ("all", everyone))},
                           "state_mb": (dense["state"] + 4 * expert_bytes) / 2**20,
                           "alltoall_mb": alltoall / 2**20,
                           "alltoall_uniform_mb": uniform / 2**20,
-                          "tokens_per_expert": tokens * size.top_k / size.n_experts})
+                          # the busiest expert's tokens if the load were even: the mean
+                          "busiest_expert_tokens": tokens * size.top_k / size.n_experts})
 
 
 def expert_parallel_bytes(plan: common.PlanInput) -> dict[str, float]:

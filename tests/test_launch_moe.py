@@ -47,9 +47,10 @@ def test_each_run_records_a_sane_run(runs, name):
     for figure in ("comm_mb", "state_mb"):
         assert rec[figure] == pytest.approx(rec["theory"][figure], abs=1e-2), figure
     tokens = nproc * TINY.batch_size * TINY.seq_len
-    assert rec["theory"]["tokens_per_expert"] == tokens * TINY.top_k / TINY.n_experts
-    assert rec["tokens_per_expert"] >= rec["theory"]["tokens_per_expert"]  # the busiest's
-    assert 1.0 <= rec["expert_load"] <= TINY.n_experts / TINY.top_k
+    even = tokens * TINY.top_k / TINY.n_experts
+    assert rec["theory"]["busiest_expert_tokens"] == even  # an even load's
+    assert even <= rec["busiest_expert_tokens"] <= tokens  # a token meets an expert once
+    assert 1.0 <= rec["expert_load"] <= rec["expert_load_step"] <= TINY.n_experts / TINY.top_k
 
 
 @pytest.mark.parametrize("name", list(BASELINE_OF))

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 
 import common
@@ -138,7 +139,7 @@ def run_layer(group: dist.ProcessGroup, seed: int, full: common.Experts, route: 
             "grad_experts": (ep_grads - full_grads).abs().max().item(),
             "sent": sum(v for k, v in sent.by_kind.items() if k.startswith("alltoall")),
             "theory": ep_recipe.alltoall_bytes(rows_sent, rows_received, D_MODEL, value_bytes,
-                                               EXPERTS, ep)}
+                                               EXPERTS, ep), "value_bytes": value_bytes}
 
 
 def checks(rank: int, world: int, port: int, out_file: str) -> None:
@@ -153,6 +154,10 @@ def checks(rank: int, world: int, port: int, out_file: str) -> None:
     for route in ("random", "two experts"):
         found[("ep 4", route)] = run_layer(dist.group.WORLD, 100 + rank, full, route)
         found[("ep 2", route)] = run_layer(mesh.get_group("ep"), 200 + rank, full, route)
+    # under bf16 autocast the rows travel in bf16, as the experts compute them, and the bytes
+    # counted are the theory's at 2 bytes a value
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        found["bf16"] = run_layer(mesh.get_group("ep"), 300 + rank, full, "random")
     # the dp replicas of an expert hold different gradients until reduce_expert_grads
     grad = torch.nn.Parameter(torch.zeros(3))
     grad.grad = torch.full((3,), float(rank + 1))
@@ -197,6 +202,12 @@ def test_the_all_to_alls_send_what_alltoall_bytes_says(spawned, where, route):
     assert spawned[0][(where, route)]["sent"] > 0
 
 
+def test_under_bf16_the_rows_travel_in_bf16_and_send_their_theory(spawned):
+    for found in spawned:
+        assert found["bf16"]["value_bytes"] == 2
+        assert found["bf16"]["sent"] == pytest.approx(found["bf16"]["theory"], abs=1e-9)
+
+
 def test_expert_gradients_are_summed_over_replicas_and_averaged_over_the_world(spawned):
     # ranks 0 and 2 hold the same experts (dp replicas), as do 1 and 3
     assert spawned[0]["reduced"] == spawned[2]["reduced"] == [(1 + 3) / 4] * 3
@@ -220,3 +231,30 @@ def test_experts_that_do_not_divide_refuse_in_one_line(tmp_path):
 def test_a_model_without_experts_is_skipped(script, tmp_path):
     assert_skipped_with_why(script, ["--size", "tiny", "--model", "llama"], "--model moe",
                             tmp_path)
+
+
+def test_a_world_that_shares_no_factor_with_the_experts_is_skipped(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # tiny's 4 experts: no ep > 1 divides both
+    assert_skipped_with_why(EP_SCRIPT, ["--size", "tiny"], "shares a factor with 4", tmp_path)
+
+
+def test_a_checkpointed_layer_counts_its_tokens_once():
+    torch.manual_seed(0)
+    size = common.SIZES["tiny"]
+    moe = common.MoE(size, "bias")
+    x = torch.randn(2, 8, size.d_model, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False).sum().backward()
+    assert moe.gate.tokens_per_expert.sum() == 2 * 8 * size.top_k  # not again in the recompute
+    moe.eval()
+    with torch.no_grad():
+        moe(x)
+    assert moe.gate.tokens_per_expert.sum() == 2 * 8 * size.top_k  # nor in evaluation
+
+
+def test_at_small_expert_parallelism_sends_4x_fewer_bytes_and_holds_its_theory():
+    records = common.load_results(common.ROOT / "tests" / "fixtures" / "records_small.jsonl")
+    runs = {rec["script"]: rec for rec in records if rec["folder"] == "08_moe"}
+    base, ep = runs["baseline_moe"], runs["optimized_moe_ep"]  # make moe, 2 processes, small
+    assert base["comm_mb"] / ep["comm_mb"] >= 4
+    assert ep["state_mb"] == pytest.approx(ep["theory"]["state_mb"], abs=0.01)
+    assert ep["alltoall_mb"] == pytest.approx(ep["theory"]["alltoall_mb"], abs=1e-3)
