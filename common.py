@@ -3,7 +3,8 @@ order, the same clock, the same memory count. Techniques never live here; one re
 file is enough to run it. What reads results back (report, charts, planner) is the report/ package.
 
 Sections, in reading order:
-    Sizes and the workload   presets, the GPT and Llama decoders, a ResNet, the parts a technique
+    Sizes and the workload   presets, the GPT and Llama decoders (the Llama's MLPs a Mixture of
+                             Experts with --model moe), a ResNet, the parts a technique
                              is given (blocks, embedding, head), synthetic data split by rank
                              and, for context parallelism, by sequence chunks (zigzag or not)
     CLI                      the shared flags, one-line errors, a run's variant, --check-flags,

@@ -268,13 +268,13 @@ def wrap_dense(model: torch.nn.Module, blocks: list[torch.nn.Module], expert_par
     return model, {"sent": predicted["sent"], "state": predicted["state"]}
 
 
-def comm_by_dim(stats: common.Stats, mesh) -> dict[str, float]:
+def comm_by_dim(stats: common.Stats) -> dict[str, float]:
     """The measured bytes of each mesh dim: ep's, the all-to-alls (nothing else sends one; at ep
-    = world its group is the world's, so not told by group); dp's, what was sent on its group
-    (the experts' gradients); the rest was sent over all ranks (the dense part, the counts)."""
+    = world its group is the world's, so it is not told by group); dp's, the rest, the data
+    parallelism's (the dense part over all ranks, the experts over their replicas, the counts),
+    as the planner splits them."""
     ep = sum(mb for kind, mb in stats.comm_mb_by_kind.items() if kind.startswith("alltoall"))
-    dp = (stats.comm_mb_by_group or {}).get(mesh.get_group("dp").group_name, 0.0)
-    return {"ep": round(ep, 3), "dp": round(dp, 3), "all": round(stats.comm_mb - ep - dp, 3)}
+    return {"ep": round(ep, 3), "dp": round(stats.comm_mb - ep, 3)}
 
 
 def main():
@@ -342,7 +342,7 @@ def main():
     count_bytes = sum(r.tokens_per_expert.numel() * 8 for r in routers)
     replicas = common.ring_allreduce_mb(expert_bytes, world // ep) if world > ep else 0.0
     everyone = dense["sent"] / 2**20 + common.ring_allreduce_mb(count_bytes, world)
-    by_dim = comm_by_dim(stats, mesh)
+    by_dim = comm_by_dim(stats)
     tokens = world * args.batch_size * args.seq_len
     unwrapped = model if args.fsdp else model.module
     common.record(args, topo, stats, baseline="baseline_moe", model=unwrapped, optimizer=opt,
@@ -355,8 +355,8 @@ def main():
                   alltoall_mb=by_dim["ep"], comm_mb_by_dim=by_dim,
                   **load_figures(loads, args.warmup),
                   theory={"comm_mb": alltoall / 2**20 + replicas + everyone,
-                          "comm_mb_by_dim": {dim: round(mb, 3) for dim, mb in (
-                              ("ep", alltoall / 2**20), ("dp", replicas), ("all", everyone))},
+                          "comm_mb_by_dim": {"ep": round(alltoall / 2**20, 3),
+                                             "dp": round(replicas + everyone, 3)},
                           "state_mb": (dense["state"] + 4 * expert_bytes) / 2**20,
                           "alltoall_mb": alltoall / 2**20,
                           "alltoall_uniform_mb": uniform / 2**20,
