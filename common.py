@@ -34,6 +34,7 @@ import faulthandler
 import functools
 import gc
 import importlib.metadata
+import inspect
 import itertools
 import json
 import math
@@ -994,6 +995,12 @@ def setup(args: argparse.Namespace | None = None, timeout_s: float = 300,
 # warn); older releases, such as a GPU image's preinstalled torch, have only the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# DDP without its broadcast of the buffers before each forward (a recipe keeps them equal
+# itself): `forward_sync_buffers` in 2.14, where the old `broadcast_buffers` warns; only the
+# old name before.
+DDP_NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                      inspect.signature(nn.parallel.DistributedDataParallel).parameters
+                      else {"broadcast_buffers": False})
 
 
 class _SummedOnArrival:

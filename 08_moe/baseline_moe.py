@@ -99,7 +99,7 @@ def main():
     routers = [block.mlp.gate for block in common.transformer_blocks(model)]
     # the routers' buffers stay equal on every rank by balance_experts: nothing to broadcast
     model = DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-                broadcast_buffers=False, gradient_as_bucket_view=True)
+                gradient_as_bucket_view=True, **common.DDP_NO_BUFFER_SYNC)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rate = args.bias_rate if args.moe_balance == "bias" else 0.0
     loads = []

@@ -253,7 +253,7 @@ def wrap_dense(model: torch.nn.Module, blocks: list[torch.nn.Module], expert_par
             model, [name for name, p in model.named_parameters() if id(p) in experts])
         values = sum(p.numel() for _, p in dense)
         wrapped = DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-                      broadcast_buffers=False, gradient_as_bucket_view=True)
+                      gradient_as_bucket_view=True, **common.DDP_NO_BUFFER_SYNC)
         return wrapped, {"sent": common.ring_allreduce_mb(4 * values, world) * 2**20,
                          "state": 16.0 * values}
     mesh = init_device_mesh(topo.device.type, (world,))

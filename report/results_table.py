@@ -92,7 +92,7 @@ def why_not_compared(rec: dict, base: dict | None) -> str | None:
     return f"baseline ran with other {', '.join(unlike)}" if unlike else None
 
 
-def _flag_groups(variant: str | None) -> set[str]:
+def flag_groups(variant: str | None) -> set[str]:
     """A variant's flags, each with its values: "--stage 3 --clip-grad-norm 0.5" -> two."""
     return set(re.findall(r"--\S+(?: (?!--)\S+)*", variant or ""))
 
@@ -102,11 +102,11 @@ def baseline_run(rec: dict, by_key: dict) -> dict | None:
     flags are the most of `rec`'s (06's `--batch-size 1 --seq-len 32` beside its
     `--replicated-optimizer`, a flag the baseline lacks), whatever its status, so that a row
     says why it is not compared (`baseline failed`) rather than pick another run."""
-    ours = _flag_groups(rec.get("variant"))
+    ours = flag_groups(rec.get("variant"))
     theirs = [run for run in by_key.values() if run.get("script") == rec.get("baseline")
               and common.run_key(run) == common.run_key(rec)
-              and _flag_groups(run.get("variant")) <= ours]
-    return max(theirs, key=lambda run: len(_flag_groups(run.get("variant"))), default=None)
+              and flag_groups(run.get("variant")) <= ours]
+    return max(theirs, key=lambda run: len(flag_groups(run.get("variant"))), default=None)
 
 
 # A spoiled comparison says so. Both tests read what a run records (`step_ms_iqr`, `load_avg`,

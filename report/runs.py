@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import common
-from report.results_table import max_loss_diff, over_tolerance, why_not_compared
+from report.results_table import flag_groups, max_loss_diff, over_tolerance, why_not_compared
 
 _SCRIPT_ERROR = re.compile(r"^(\S+\.py: error: .*|rank \d+ failed: .*)$", re.M)
 _FIRST_DEATH = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
@@ -56,11 +56,14 @@ def failure_line(output: str, exit_code: int) -> str:
 
 
 def _own_record(results: Path, script: Path, variant: str | None, since: float) -> dict | None:
-    """The record the run of `script` (with `variant`) begun at `since` wrote, if any."""
+    """The record the run of `script` (with `variant`) begun at `since` wrote, if any. The
+    variant's flags in any order: the command line's is the run list's, the record's the
+    order the script defines them (`--long-run --moe-balance none` is `--moe-balance none
+    --long-run`)."""
     since_time = datetime.datetime.fromtimestamp(int(since), datetime.UTC)
     return next((rec for rec in reversed(common.load_results(results))
-                 if (rec.get("folder"), rec.get("script"), rec.get("variant")) ==
-                 (script.resolve().parent.name, script.stem, variant)
+                 if (rec.get("folder"), rec.get("script"), flag_groups(rec.get("variant"))) ==
+                 (script.resolve().parent.name, script.stem, flag_groups(variant))
                  and datetime.datetime.fromisoformat(rec["time"]) >= since_time), None)
 
 
