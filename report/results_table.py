@@ -266,7 +266,7 @@ def _sweep_table(sweeps: list[dict], by_key: dict) -> str:
                        "", "", "", ""] for row in rec["sweep"]]
     return tabulate(table, SWEEP_HEADERS, tablefmt="github") + \
         "\n\nbusbw = bytes / time x 2(N-1)/N (all-reduce), (N-1)/N (all-gather, " \
-        "reduce-scatter), 1 (send/recv); speedup = baseline time / this time."
+        "reduce-scatter, all-to-all), 1 (send/recv); speedup = baseline time / this time."
 
 
 def render_report(records: list[dict]) -> str:
