@@ -41,7 +41,7 @@ FOLDERS := $(sort $(patsubst %/,%,$(wildcard [0-9][0-9]_*/)))
 TECHNIQUES := $(foreach f,$(FOLDERS),$(word 2,$(subst _, ,$(f))))
 
 # The variables a run uses, checked before anything starts: one line that says what to change.
-RUN_GOALS := all smoke fsdp-ablation $(TECHNIQUES)
+RUN_GOALS := all smoke fsdp-ablation calibrate $(TECHNIQUES)
 positive = $(shell [ "$(1)" -ge 1 ] 2>/dev/null && echo yes)
 ifneq ($(filter $(RUN_GOALS),$(MAKECMDGOALS)),)
 ifeq ($(filter $(SIZE),tiny small medium large),)
@@ -124,11 +124,11 @@ TORCHRUN := $(PY) -m torch.distributed.run --nproc_per_node=$$nproc --nnodes=$(N
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: help install preflight all smoke report traces plan list test fix-copies clean \
-	distclean fsdp-ablation $(TECHNIQUES)
+	distclean fsdp-ablation calibrate calibrated $(TECHNIQUES)
 
 # `make foo`: make's own answer ("No rule to make target") says nothing of what there is.
 GOALS := help install preflight all smoke report traces plan list test fix-copies clean \
-	distclean fsdp-ablation $(TECHNIQUES) $(INSTALLED)
+	distclean fsdp-ablation calibrate calibrated $(TECHNIQUES) $(INSTALLED)
 ifneq ($(filter-out $(GOALS),$(MAKECMDGOALS)),)
 $(error no target '$(firstword $(filter-out $(GOALS),$(MAKECMDGOALS)))': run `make` for the list)
 endif
@@ -145,6 +145,8 @@ help:
 	@echo "  make report         table of outputs/results.jsonl, also written to outputs/report.md"
 	@echo "                      with charts in outputs/charts/"
 	@echo "  make traces         where each traced step's time went (after make all TRACE=1)"
+	@echo "  make calibrate      this host's rates for the step-time model (a minute), into"
+	@echo "                      outputs/calibration.json: every record then has predicted_step_ms"
 	@echo "  make plan ARGS='--params 7e9 --gpus 8 --gpu-mem 80'   which strategy fits, and its bytes"
 	@echo "  make plan           the planner's picks for ResNet-50, GPT-2 1.5B, LLaMA-7B, 70B (--cases)"
 	@echo "  make list           every script with the first line of its docstring"
@@ -172,7 +174,8 @@ endif
 	.venv/bin/pip install -r requirements.txt
 	touch $@
 
-all: $(TECHNIQUES)
+# first this host's calibration at SIZE, where it has none: every record then has a prediction
+all: calibrated $(TECHNIQUES)
 
 # Runs a folder makes beyond one per script, as "script flags" (the script's default runs
 # anyway): PyTorch's own implementation of a second technique beside the hand-written one; a
@@ -276,6 +279,16 @@ $(if $(strip $(ARGS)),$(PY) \
 	$$(ls $$folder/baseline_*.py $$folder/optimized_*.py 2>/dev/null | head -1) \
 	$(SCRIPT_FLAGS) --check-flags || exit 2,true)
 endef
+
+# The step-time model's rates at the process counts the folders run (NPROC and the mesh runs'),
+# measured at SIZE: `make calibrate` measures again; `make all` measures only what is missing
+# (a folder's target alone uses whatever calibration there is).
+CALIBRATED_WORLDS := $(sort $(NPROC) $(foreach t,$(TECHNIQUES),$(MESH_NPROC_$(t))))
+calibrate: preflight
+	@$(PY) -m report calibrate --size $(SIZE) --worlds $(CALIBRATED_WORLDS)
+
+calibrated: preflight
+	@$(PY) -m report calibrate --size $(SIZE) --worlds $(CALIBRATED_WORLDS) --if-missing
 
 # One folder: every baseline, then every optimized script, then its extra runs, then its mesh
 # runs (on GPUs, the baseline again only where the mesh's world is not NPROC's).

@@ -14,6 +14,8 @@ Sections, in reading order:
     Bytes sent               the bytes handed to collectives, counted or from the ring formula
     Planned figures          PlanInput: the numbers report/planner.py hands a script's PLANNED
                              formulas (a script without a planner row needs none of it)
+    Step time                the cost model: compute, exposed collectives, the optimizer, a
+                             pipeline's bubble, at this host's calibrated rates (Rates, StepWork)
     Timing                   warm-up then timed steps, step statistics
     Memory                   a step's peak (allocator or live tensors), state from the tensors
     Tracing                  step ranges, NVTX, profiler traces
@@ -1068,6 +1070,11 @@ _FUNCTIONAL_SENT_PER_BYTE = {
 }
 
 
+# The functional collectives under the c10d kind that runs the same exchange
+_C10D_NAME = {"all_reduce": "allreduce", "all_gather_into_tensor": "allgather",
+              "reduce_scatter_tensor": "reduce_scatter"}
+
+
 class CollectiveBytes(TorchDispatchMode):
     """Counts the bytes this rank sends in the collectives issued in its context (on this
     thread), from the tensors handed to them."""
@@ -1077,6 +1084,8 @@ class CollectiveBytes(TorchDispatchMode):
         self.bytes = 0.0
         self.by_kind: dict[str, float] = {}  # "<collective> <dtype>" -> bytes
         self.by_group: dict[str, float] = {}  # process group name -> bytes (a mesh dim's group)
+        # "<collective>/<group size>" -> [bytes, calls]: what the step-time model prices
+        self.by_op: dict[str, list[float]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
@@ -1096,6 +1105,9 @@ class CollectiveBytes(TorchDispatchMode):
 
     def count(self, name: str, tensors: list[torch.Tensor], group: dist.ProcessGroup,
               per_byte: Callable[[int], float]) -> None:
+        op = f"{_C10D_NAME.get(name, name.strip('_').removesuffix('_base'))}/{group.size()}"
+        sent_by_op = self.by_op.setdefault(op, [0.0, 0])
+        sent_by_op[1] += 1  # one call, whatever the tensors it hands over
         for t in tensors:
             sent_bytes = per_byte(group.size()) * t.numel() * t.element_size()
             dtype = str(t.dtype).removeprefix("torch.")
@@ -1103,6 +1115,7 @@ class CollectiveBytes(TorchDispatchMode):
             self.bytes += sent_bytes
             self.by_kind[kind] = self.by_kind.get(kind, 0.0) + sent_bytes
             self.by_group[group.group_name] = self.by_group.get(group.group_name, 0.0) + sent_bytes
+            sent_by_op[0] += sent_bytes
 
 
 def ring_allreduce_mb(nbytes: float, world: int) -> float:
@@ -1161,6 +1174,170 @@ class PlanInput:
         return self.params - self.embedding - self.head
 
 
+# ==== Step time ===================================================================================
+# The cost model behind a record's `predicted_step_ms` and the planner's step times, one formula
+# for both: compute (FLOPs over the rate achieved at the workload's shapes, a forward more where
+# activations are recomputed; the rest of the ops per token and layer), the optimizer's step,
+# each collective's latency and bytes, less what the technique hides under compute, and a
+# pipeline's bubble. `make calibrate` (report/calibrate.py) measures this host's rates into
+# outputs/calibration.json; report/planner.py gives a GPU's from its datasheet.
+CALIBRATION = ROOT / "outputs" / "calibration.json"
+# The compute a collective can hide under, as a fraction of the step's compute: DDP's buckets
+# and ZeRO-2's reduce-scatters go out as backward (2/3 of the FLOPs) makes gradients; FSDP's
+# prefetched gathers and its reduce-scatters span forward and backward.
+OVERLAP_WINDOWS = {"backward": 2 / 3, "step": 1.0}
+# What a record's `overlapped=` says of the common wrappers: DDP's bucketed all-reduce under
+# backward; FSDP's gathers (prefetched) under the step, its reduce-scatters under backward.
+DDP_OVERLAP = {"allreduce": "backward"}
+FSDP_OVERLAP = {"allgather": "step", "reduce_scatter": "backward"}
+
+
+def matmul_weights_per_token(size: Size, model: str) -> float:
+    """The weights a token multiplies through (2 FLOPs each, forward): every Linear of the
+    blocks and the head; of a MoE layer, its router, its top_k routed experts and the shared
+    expert. Lookups (embeddings, positions) are no matmuls."""
+    d, layers = size.d_model, size.n_layers
+    if model == "gpt":
+        return 12 * d * d * layers + d * size.vocab_size
+    head_dim = d // size.n_heads
+    attention = 2 * d * d + 2 * d * size.n_kv_heads * head_dim
+    mlp = 3 * d * llama_ffn_dim(d) if model == "llama" else \
+        d * size.n_experts + 3 * d * (size.top_k * size.expert_ffn + size.shared_expert_ffn)
+    return (attention + mlp) * layers + d * size.vocab_size
+
+
+def train_flops(size: Size, model: str, tokens: float, seq_len: int) -> tuple[float, float]:
+    """A training step's FLOPs over `tokens` in sequences of `seq_len` (backward: twice the
+    forward), as torchtitan counts them for MFU: the matmuls', 6 x the weights a token meets x
+    tokens, and attention's, its scores and weighted sum (2 x 2 x seq x d_model a token and
+    layer forward, the causal mask's skipped half counted as done), 12 x layers x seq x
+    d_model a token."""
+    return (6 * matmul_weights_per_token(size, model) * tokens,
+            12 * size.n_layers * seq_len * size.d_model * tokens)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What a step's parts cost on one host or GPU: the achieved matmul and attention FLOP/s
+    (one process's, with the host's other processes busy too), the rest of the ops a token and
+    layer, the optimizer's step a parameter, each collective's (op, group size): seconds a
+    message and a byte sent; and the fraction of a collective's time that compute hides when
+    the two run at once."""
+
+    matmul_flops: float
+    attention_flops: float
+    other_s: float  # a token and layer: norms, activations, residuals, the loss, autograd
+    optimizer_s: float  # a parameter the optimizer steps (AdamW)
+    links: Mapping[str, tuple[float, float]]  # "allreduce/2" -> (s a message, s a byte sent)
+    overlap: float
+    source: str  # which calibration or datasheet
+
+    def link(self, op: str, group: int) -> tuple[float, float]:
+        """(latency, s a byte) of `op` over `group` ranks: measured at that size, else the
+        nearest group measured, else the all-reduce's (every collective a ring's steps)."""
+        if f"{op}/{group}" in self.links:
+            return self.links[f"{op}/{group}"]
+        same = sorted((abs(int(key.split("/")[1]) - group), key) for key in self.links
+                      if key.split("/")[0] == op)
+        if same:
+            return self.links[same[0][1]]
+        nearest = min(self.links, key=lambda key: abs(int(key.split("/")[1]) - group))
+        return self.links[nearest]
+
+
+def rates_from_calibration(calibration: Mapping, world: int, model: str) -> Rates | None:
+    """This host's Rates for a world of `world` processes and `model`, from one size's entry of
+    outputs/calibration.json, measured at that world; None where it has none."""
+    measured = calibration.get("worlds", {}).get(str(world))
+    if not measured or model not in measured["compute"]:
+        return None
+    compute = measured["compute"][model]
+    return Rates(compute["matmul_flops"], compute["attention_flops"], compute["other_s"],
+                 measured["optimizer_s"], {key: tuple(value) for key, value in
+                                           measured["collectives"].items()},
+                 measured["overlap"], calibration["id"])
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One rank's work a step, in plain numbers: FLOPs (matmul, attention) and token-layers
+    (the ops that are no matmul), recompute (activation checkpointing: the blocks' forward
+    again), the parameters it steps, its collectives {"allreduce/2": (bytes sent, messages)},
+    which of them hide under compute ({"allreduce": "backward"}, OVERLAP_WINDOWS), and the
+    fraction of the step a pipeline's stage idles (its bubble)."""
+
+    matmul_flops: float
+    attention_flops: float
+    token_layers: float
+    stepped_params: float
+    collectives: Mapping[str, tuple[float, int]]
+    overlapped: Mapping[str, str]
+    recompute: bool = False
+    bubble: float = 0.0
+
+
+def predict_step(work: StepWork, rates: Rates) -> dict[str, float | str]:
+    """The step's time in ms, and its parts: compute (with recompute, a third more: one forward
+    of three), the optimizer, the collectives' time left exposed (less `rates.overlap` of the
+    compute window each hides under), the bubble's idle time, and what binds the step (the
+    largest part)."""
+    compute = (work.matmul_flops / rates.matmul_flops
+               + work.attention_flops / rates.attention_flops
+               + work.token_layers * rates.other_s) * (4 / 3 if work.recompute else 1)
+    exposed = 0.0
+    for key, (sent, messages) in work.collectives.items():
+        op, group = key.split("/")
+        latency, per_byte = rates.link(op, int(group))
+        cost = messages * latency + sent * per_byte
+        window = OVERLAP_WINDOWS.get(work.overlapped.get(op, ""), 0.0) * compute
+        exposed += cost - rates.overlap * min(cost, window)
+    bubble = compute * work.bubble / (1 - work.bubble)
+    optimizer = work.stepped_params * rates.optimizer_s
+    parts = {"compute": compute, "communication": exposed, "bubble": bubble,
+             "optimizer": optimizer}
+    return {"step_ms": 1e3 * sum(parts.values()),
+            **{f"{name}_ms": 1e3 * value for name, value in parts.items()},
+            "bound_by": max(parts, key=parts.get)}
+
+
+def load_calibration(path: Path = CALIBRATION) -> dict | None:
+    """outputs/calibration.json (`make calibrate`), or None before the first calibration."""
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def predicted_step(args: argparse.Namespace, topo: Topology, stats: Stats,
+                   model: nn.Module, optimizer: torch.optim.Optimizer | None, dp_world: int,
+                   overlapped: Mapping[str, str], recompute: bool, bubble: float
+                   ) -> dict[str, float | str]:
+    """A run's step time as the cost model predicts it at this host's calibration: this rank's
+    share of the step's FLOPs (the step's tokens over the world: data, tensor, pipeline and
+    context parallelism each give a rank 1/N of the work), the parameters its optimizer steps,
+    the collectives it handed over in the measured step (CollectiveBytes: bytes and calls by
+    op and group), `overlapped` (which of them hide under compute, OVERLAP_WINDOWS), activation
+    checkpointing's recompute and a pipeline's bubble. Without a calibration that applies,
+    {"why": what to run}."""
+    calibration = load_calibration()
+    if args.model not in ("gpt", "llama", "moe"):
+        return {"why": "no cost model for the ResNet's convolutions"}
+    sized = (calibration or {}).get("sizes", {}).get(args.size)
+    if sized is None:
+        return {"why": f"no calibration at size {args.size}: run make calibrate SIZE={args.size}"}
+    rates = rates_from_calibration(sized, topo.world_size, args.model)
+    if rates is None or sized["device"] != topo.device.type or sized["dtype"] != args.dtype:
+        return {"why": f"no calibration of {topo.world_size} {topo.device.type} processes in "
+                       f"{args.dtype}: run make calibrate SIZE={args.size}"}
+    size = SIZES[args.size]
+    tokens = items_per_step(args, dp_world) / topo.world_size
+    matmul, attention = train_flops(size, args.model, tokens, args.seq_len)
+    steps = [t for p in (model.parameters() if optimizer is None else
+                         (p for group in optimizer.param_groups for p in group["params"]))
+             for t in _plain(p)]
+    work = StepWork(matmul, attention, tokens * size.n_layers, sum(t.numel() for t in steps),
+                    {op: (mb * 2**20, calls) for op, (mb, calls) in
+                     (stats.comm_by_op or {}).items()}, overlapped, recompute, bubble)
+    return {**predict_step(work, rates), "calibration": rates.source}
+
+
 # ==== Timing ======================================================================================
 # Warm-up steps, then timed ones, each bracketed by device synchronisation.
 @dataclass
@@ -1176,6 +1353,7 @@ class Stats:
     comm_mb: float | None = None  # sent by this rank in the last warm-up step, counted
     comm_mb_by_kind: dict[str, float] | None = None  # the same, by collective and dtype
     comm_mb_by_group: dict[str, float] | None = None  # the same, by process group name
+    comm_by_op: dict[str, list[float]] | None = None  # "allreduce/2" -> [MB, calls]
 
 
 def summarize_times(seconds: Sequence[float]) -> tuple[float, float, tuple[float, float]]:
@@ -1277,7 +1455,9 @@ def _measured_step(step: Callable[[], torch.Tensor], memory_of: Sequence, device
             loss = step()
     return loss, {"memory": memory, "comm_mb": sent.bytes / 2**20,
                   "comm_mb_by_kind": {k: v / 2**20 for k, v in sent.by_kind.items()},
-                  "comm_mb_by_group": {k: v / 2**20 for k, v in sent.by_group.items()}}
+                  "comm_mb_by_group": {k: v / 2**20 for k, v in sent.by_group.items()},
+                  "comm_by_op": {k: [sent / 2**20, calls] for k, (sent, calls) in
+                                 sent.by_op.items()}}
 
 
 # ==== Memory ======================================================================================
@@ -1558,10 +1738,12 @@ def run_key(rec: dict) -> tuple:
 def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: str | None,
            model: nn.Module, optimizer: torch.optim.Optimizer | None, comm_mb: float | None,
            theory: dict, loss_tolerance: float | None = None, dp_world: int | None = None,
-           **extra) -> dict:
+           overlapped: Mapping[str, str] | None = None, **extra) -> dict:
     """Append this run's result (rank 0) and print its summary; `dp_world` as `timed_steps`'.
     `note=`: what the host changed of the run's settings (a mesh without dp, weights not
-    gathered in float8), in one line: the summary line ends with it, the report shows it."""
+    gathered in float8), in one line: the summary line ends with it, the report shows it.
+    `overlapped`: the collectives the technique runs under compute, as the step-time model
+    reads them ({"allreduce": "backward"}: DDP's buckets; see OVERLAP_WINDOWS)."""
     items = items_per_step(args, dp_world or topo.world_size)
     # The report shows the busiest rank: on CPU the one with the most live tensor bytes, and the
     # most state (a pipeline's ranks hold stages of different sizes).
@@ -1570,6 +1752,10 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
                                    state_mb(model, optimizer)))
     allocator_peak = max(peak for peak, _, _ in ranks)
     memory = max((m for _, m, _ in ranks if m), key=lambda m: m["total"], default=None)
+    prediction = predicted_step(args, topo, stats, model, optimizer,
+                                dp_world or topo.world_size, overlapped or {},
+                                bool(extra.get("checkpointing")),
+                                theory.get("bubble", theory.get("bubble_uniform", 0.0)))
     rec = base_record(args, topo, baseline, "ok", None)
     rec.update({
         "params": sum(p.numel() for p in model.parameters()),  # a tied weight counts once
@@ -1590,6 +1776,11 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         "seed": args.seed, "lr": args.lr,
         "seq_len": None if args.model == "resnet" else args.seq_len, "dtype": args.dtype,
         "startup_s": round(stats.startup_s, 2), "warmup_s": round(stats.warmup_s, 2),
+        "predicted_step_ms": round(prediction["step_ms"], 3) if "step_ms" in prediction else None,
+        "prediction": {k: round(v, 3) if isinstance(v, float) else v
+                       for k, v in prediction.items() if k != "step_ms"},
+        "comm_by_op": {op: [round(mb, 3), calls] for op, (mb, calls) in
+                       (stats.comm_by_op or {}).items()},
     })
     if topo.device.type == "cuda":
         rec["reserved_mb"] = round(torch.cuda.max_memory_reserved(topo.device) / 2**20, 1)

@@ -82,6 +82,7 @@ def main():
     buckets = common.ddp_bucket_bytes(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     common.record(args, topo, stats, baseline=None, model=model.module,
+                  overlapped=common.DDP_OVERLAP,
                   optimizer=opt, comm_mb=common.ring_allreduce_mb(sum(buckets), topo.world_size),
                   collectives_per_step=len(buckets), bucket_mb=round(bucket_mb, 2),
                   theory={"attn_saved_mb": attention_saved_mb(args),

@@ -117,6 +117,7 @@ def main():
     if args.accum > 1:
         theory["comm_mb_without_no_sync"] = args.accum * theory["comm_mb"]
     common.record(args, topo, stats, baseline="baseline_ddp", model=model.module, optimizer=opt,
+                  overlapped=common.DDP_OVERLAP,
                   comm_mb=common.ring_allreduce_mb(sum(buckets), topo.world_size),
                   collectives_per_step=len(buckets), accum=args.accum,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype],

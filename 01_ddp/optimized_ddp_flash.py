@@ -88,6 +88,7 @@ def main():
     buckets = common.ddp_bucket_bytes(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     common.record(args, topo, stats, baseline="baseline_ddp_flash", model=model.module,
+                  overlapped=common.DDP_OVERLAP,
                   optimizer=opt, comm_mb=common.ring_allreduce_mb(sum(buckets), topo.world_size),
                   collectives_per_step=len(buckets), bucket_mb=round(bucket_mb, 2),
                   loss_tolerance=LOSS_TOLERANCE[args.dtype],

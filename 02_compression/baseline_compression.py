@@ -75,6 +75,7 @@ def main():
     buckets = common.ddp_bucket_bytes(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
+                  overlapped=common.DDP_OVERLAP,
                   comm_mb=common.ring_allreduce_mb(sum(buckets), topo.world_size),
                   collectives_per_step=len(buckets),
                   theory={"comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size)})

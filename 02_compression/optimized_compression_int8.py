@@ -274,6 +274,7 @@ def main():
     comm_mb = state.sent_bytes / 2**20
     compression = 4 / (1 + 4 / args.block)  # 4 bytes a value become 1, plus a scale a block
     common.record(args, topo, stats, baseline="baseline_compression", model=model.module,
+                  overlapped=common.DDP_OVERLAP,
                   optimizer=opt, comm_mb=comm_mb, collectives_per_step=2 * len(buckets),
                   compression=fp32_mb / comm_mb if comm_mb else None,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype],

@@ -326,6 +326,7 @@ def main():
     fp32_mb = common.ring_allreduce_mb(sum(buckets), topo.world_size)
     comm_mb = state.sent_bytes / 2**20
     common.record(args, topo, stats, baseline="baseline_compression", model=model.module,
+                  overlapped=common.DDP_OVERLAP,
                   optimizer=opt, comm_mb=comm_mb, impl="hand",
                   uncompressed=[name for name, p in named.items() if id(p) in state.kept_whole],
                   start_iter=start_iter,

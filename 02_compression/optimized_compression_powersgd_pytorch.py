@@ -197,6 +197,7 @@ def main():
     fp32_mb = common.ring_allreduce_mb(sum(buckets), topo.world_size)
     comm_mb = sent_bytes(state, model.module, topo.world_size) / 2**20
     common.record(args, topo, stats, baseline="baseline_compression", model=model.module,
+                  overlapped=common.DDP_OVERLAP,
                   optimizer=opt, comm_mb=comm_mb, impl="torch", uncompressed=[],
                   start_iter=start_iter, collectives_per_step=3 * len(buckets),
                   compressed_matrices=compressed,

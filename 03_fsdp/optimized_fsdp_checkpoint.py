@@ -313,6 +313,7 @@ def main():
     strategy = ("hybrid_" if args.hsdp > 1 else "") + ("full_shard" if resharded else
                                                         "shard_grad_op")
     common.record(args, topo, stats, baseline="baseline_fsdp", model=model, optimizer=opt,
+                  overlapped=common.FSDP_OVERLAP,
                   comm_mb=stats.comm_mb, strategy=strategy, wrap=args.wrap,
                   mesh=list(mesh.shape), prefetch=len(units) > 1 and not args.no_prefetch,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,

@@ -269,6 +269,7 @@ def main():
     # the host's world decides what FSDP gathers in float8: said in the summary and the report
     note = float8_gather_note(rows_of(model, converted), topo.world_size, args.dtype)
     common.record(args, topo, stats, baseline="optimized_fsdp", model=model, optimizer=opt,
+                  overlapped=common.FSDP_OVERLAP,
                   comm_mb=stats.comm_mb, gathered_mb=gathered, checkpointing=checkpointing,
                   note=note,
                   activation_mb=(stats.memory or {}).get("activations"),  # CPU's split

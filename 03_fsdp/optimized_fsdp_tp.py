@@ -501,6 +501,7 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     common.record(args, topo, stats, baseline="baseline_fsdp", model=model, optimizer=opt,
+                  overlapped=common.FSDP_OVERLAP,
                   comm_mb=stats.comm_mb, mesh={"dp": dp, "tp": tp},
                   comm_mb_by_dim=comm_by_dim(stats, mesh), resumed_from=start,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,

@@ -118,6 +118,7 @@ def main():
         b.numel() * b.element_size() for b in model.buffers()) / 2**20
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
+                  overlapped=common.DDP_OVERLAP,
                   comm_mb=stats.comm_mb, theory=theory, stage=0,
                   clip_grad_norm=args.clip_grad_norm, **measured)
     if args.summary:

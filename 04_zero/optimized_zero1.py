@@ -377,6 +377,7 @@ def main():
               "padding_mb_max": bytes_per * (n - 1) * len(opt.buckets) / 2**20}
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
+                  overlapped={"allgather": "step"},
                   comm_mb=stats.comm_mb, theory=theory, stage=1,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
                   **measured)

@@ -497,6 +497,7 @@ def main():
     gathered = {"gathered_mb": round(stats.memory["params"] - measured["params_mb"], 3)} \
         if stats.memory and "params" in stats.memory else {}
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
+                  overlapped=common.FSDP_OVERLAP,
                   comm_mb=stats.comm_mb, theory=predicted, stage=3,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
                   **measured, **gathered)

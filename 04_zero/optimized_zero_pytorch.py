@@ -213,6 +213,7 @@ def main():
     theory["comm_mb"] = predicted["sent"] / 2**20
     measured = common.state_split_mb(model, counted_opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=counted_opt,
+                  overlapped={**common.DDP_OVERLAP, **common.FSDP_OVERLAP},
                   comm_mb=stats.comm_mb, theory=theory, stage=args.stage,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
                   **measured)

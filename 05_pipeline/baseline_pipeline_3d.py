@@ -129,6 +129,7 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     predicted = ddp_bytes(params, topo.world_size, 4, 4, 8)  # fp32 weights, AdamW's 2 moments
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
+                  overlapped=common.DDP_OVERLAP,
                   comm_mb=stats.comm_mb, strategy="ddp", clip_grad_norm=args.clip_grad_norm,
                   theory={"state_mb": predicted["state"] / 2**20,
                           "comm_mb": predicted["sent"] / 2**20})

@@ -617,6 +617,7 @@ def main():
     predicted["state_mb_even"] = 16 * params / (pp * dp * tp) / 2**20
     predicted["bubble_uniform"] = round(uniform_bubble(pp, m), 4)
     common.record(args, topo, stats, baseline="baseline_pipeline_3d", model=stage, optimizer=opt,
+                  overlapped=common.FSDP_OVERLAP,
                   comm_mb=stats.comm_mb, params=params, mesh={"pp": pp, "dp": dp, "tp": tp},
                   comm_mb_by_dim={dim: round(sum(sent.get(g, 0.0) for g in names), 3)
                                   for dim, names in groups.items()},

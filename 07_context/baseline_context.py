@@ -106,6 +106,7 @@ def main():
     attention_gflop = args.batch_size * size.n_layers * attention_flops(
         torch.arange(args.seq_len), size.d_model) / 1e9
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
+                  overlapped=common.DDP_OVERLAP,
                   comm_mb=stats.comm_mb,
                   theory={"activations_mb": activation_mb(args, args.batch_size * args.seq_len),
                           "attention_gflop": attention_gflop,

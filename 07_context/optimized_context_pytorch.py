@@ -169,6 +169,7 @@ def main():
     kv_allgather_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items()
                           if kind.startswith("all_gather_into_tensor"))
     common.record(recorded_settings(settings, cp), topo, stats, baseline="baseline_context",
+                  overlapped=common.DDP_OVERLAP,
                   model=model.module, optimizer=opt, comm_mb=stats.comm_mb, cp=cp,
                   rotate=args.rotate, loss_tolerance=LOSS_TOLERANCE[args.dtype],
                   **({"kv_allgather_mb": round(kv_allgather_mb, 3)}

@@ -467,6 +467,7 @@ def main():
     unwrapped = model if args.fsdp else model.module
     ring_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items() if kind.startswith("send"))
     common.record(recorded_settings(settings, cp), topo, stats,
+                  overlapped={**common.DDP_OVERLAP, **common.FSDP_OVERLAP},
                   baseline="baseline_context", model=unwrapped, optimizer=opt,
                   comm_mb=stats.comm_mb, loss_tolerance=LOSS_TOLERANCE[args.dtype], cp=cp,
                   balance=args.balance, overlap=not args.no_overlap,

@@ -254,6 +254,7 @@ def main():
     ulysses_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items()
                      if kind.startswith("alltoall"))
     common.record(recorded_settings(settings, cp), topo, stats,
+                  overlapped=common.DDP_OVERLAP,
                   baseline="baseline_context", model=model.module,
                   optimizer=opt, comm_mb=stats.comm_mb, cp=cp,
                   ulysses_mb=round(ulysses_mb, 3), loss_tolerance=LOSS_TOLERANCE[args.dtype],

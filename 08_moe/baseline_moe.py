@@ -118,6 +118,7 @@ def main():
     count_bytes = sum(r.tokens_per_expert.numel() * 8 for r in routers)
     tokens = topo.world_size * args.batch_size * args.seq_len
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
+                  overlapped=common.DDP_OVERLAP,
                   comm_mb=stats.comm_mb, moe_balance=args.moe_balance,
                   **load_figures(loads, args.warmup),
                   theory={"comm_mb": common.ring_allreduce_mb(param_bytes + count_bytes,

@@ -346,6 +346,7 @@ def main():
     tokens = world * args.batch_size * args.seq_len
     unwrapped = model if args.fsdp else model.module
     common.record(args, topo, stats, baseline="baseline_moe", model=unwrapped, optimizer=opt,
+                  overlapped={**common.DDP_OVERLAP, **common.FSDP_OVERLAP},
                   comm_mb=stats.comm_mb,
                   # the model's, not this rank's: every ep rank holds as many experts as this one
                   params=sum(p.numel() for p in unwrapped.parameters()) + (ep - 1) * sum(

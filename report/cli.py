@@ -17,7 +17,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 import common
+from report.calibrate import calibrate, render_calibration
 from report.charts import write_charts
 from report.planner import (
     STATE_BYTES,
@@ -140,6 +143,17 @@ def main(argv: Sequence[str]) -> int:
     fail.add_argument("--log", type=Path, required=True, help="the run's output")
     fail.add_argument("--world-size", type=int, default=1)
     fail.add_argument("--no-record", action="store_true", help="print only (not node 0)")
+    cal = sub.add_parser("calibrate", help="(`make calibrate`) this host's rates for the "
+                         "step-time model, into outputs/calibration.json")
+    cal.add_argument("--worlds", type=common.int_at_least(1), nargs="+", default=[2, 4, 8],
+                     help="process counts to measure at (default: make all's 2, 4 and 8)")
+    cal.add_argument("--size", choices=sorted(common.SIZES), default="small")
+    cal.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                     help="default: bf16 on CUDA, fp32 on CPU (as the recipes)")
+    cal.add_argument("--reps", type=common.int_at_least(1), default=5,
+                     help="timed calls a figure (their median)")
+    cal.add_argument("--if-missing", action="store_true", help="only if outputs/calibration"
+                     ".json lacks this size, device, dtype or one of the worlds")
     run = sub.add_parser("smoke", help="(`make smoke`) every run once, one line each",
                          epilog="Give the runs (a script and its flags, quoted) after --.")
     run.add_argument("--nproc", type=int, required=True)
@@ -151,6 +165,16 @@ def main(argv: Sequence[str]) -> int:
     args, rest = cli.parse_args(argv[:split]), argv[split + 1:]
     if args.command == "smoke":
         return smoke(rest, args.nproc, args.flags.split(), args.out.parent / "smoke", args.timeout)
+    if args.command == "calibrate":
+        dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
+        have = (common.load_calibration() or {}).get("sizes", {}).get(args.size, {})
+        if args.if_missing and have.get("dtype") == dtype and have.get("device") == (
+                "cuda" if torch.cuda.is_available() else "cpu") and \
+                {str(w) for w in args.worlds} <= set(have.get("worlds", {})):
+            return 0
+        print(render_calibration(calibrate(args.worlds, args.size, dtype, args.reps,
+                                           common.CALIBRATION)))
+        return 0
     if args.command == "mark-failed":
         print(mark_failed(args.script, rest, args.since, args.exit_code, args.log,
                           args.world_size, record=not args.no_record))

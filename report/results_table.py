@@ -150,7 +150,7 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
     status = rec.get("status", "?")
     if status != "ok":
         return [row_label(rec), _size_label(rec), rec.get("world_size"), rec.get("device"),
-                *[""] * 9, f"{status}: {rec.get('reason') or ''}"]
+                *[""] * 10, f"{status}: {rec.get('reason') or ''}"]
     throughput = rec.get("tokens_per_s") or rec.get("samples_per_s")
     speedup = mem_ratio = dloss = ""
     why = why_not_compared(rec, base)
@@ -175,7 +175,8 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
     status += f"; {rec['note']}" if rec.get("note") else ""  # what the host changed of the run
     theory = _theory_cell(rec)
     return [row_label(rec), _size_label(rec), _world_label(rec), rec.get("device"),
-            f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _fmt(throughput, ",.0f"),
+            f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _predicted_cell(rec),
+            _fmt(throughput, ",.0f"),
             speedup, _fmt(rec.get("peak_mem_mb"), ",.0f"), mem_ratio,
             _fmt(rec.get("state_mb")), _fmt(rec.get("comm_mb"), ",.2f"), dloss, theory, status]
 
@@ -228,7 +229,48 @@ def _theory_cell(rec: dict) -> str:
     return "; ".join(cells)
 
 
-REPORT_HEADERS = ["script", "size", "world", "device", "step ms (p90)", "tok/s (img/s)",
+def prediction_error(rec: dict) -> float | None:
+    """How far the cost model's step time is from the measured one, as a fraction of it."""
+    predicted = rec.get("predicted_step_ms")
+    return None if predicted is None or not rec.get("step_ms") else \
+        predicted / rec["step_ms"] - 1
+
+
+def _predicted_cell(rec: dict) -> str:
+    """The predicted step time, how far from the measured one, and what binds it."""
+    error = prediction_error(rec)
+    if error is None:
+        return ""
+    return f"{rec['predicted_step_ms']:.1f} ({error:+.0%} {rec['prediction']['bound_by']})"
+
+
+# The cost model's target on the runs it can see: a prediction this close to the measured step
+PREDICTION_BAND, PREDICTION_MISS = 0.15, 0.30
+
+
+def prediction_summary(runs: list[dict]) -> str:
+    """How many of the table's predicted rows fall within PREDICTION_BAND of the measured step,
+    from which calibration, and each row off by more than PREDICTION_MISS."""
+    predicted = [r for r in runs if prediction_error(r) is not None]
+    if not predicted:
+        return ""
+    near = [r for r in predicted if abs(prediction_error(r)) <= PREDICTION_BAND]
+    misses = sorted((r for r in predicted if abs(prediction_error(r)) > PREDICTION_MISS),
+                    key=prediction_error)
+    used = sorted({r["prediction"]["calibration"] for r in predicted})
+    line = (f"predicted = the step-time model's (common.predict_step: compute, exposed "
+            f"collectives, optimizer, bubble) at this host's calibration ({'; '.join(used)}): "
+            f"{len(near)} of {len(predicted)} rows within ±{PREDICTION_BAND:.0%} of the "
+            f"measured step, the part named the largest.")
+    if misses:
+        line += f" Off by more than {PREDICTION_MISS:.0%}: " + ", ".join(
+            f"{row_label(r)} ({_size_label(r)}, {r['world_size']}: "
+            f"{prediction_error(r):+.0%})" for r in misses) + "."
+    return line
+
+
+REPORT_HEADERS = ["script", "size", "world", "device", "step ms (p90)", "predicted ms",
+                  "tok/s (img/s)",
                   "speedup", "peak MB", "mem vs base", "state MB", "comm MB/step",
                   "max Δloss", "theory", "status"]
 
@@ -297,6 +339,8 @@ def render_report(records: list[dict]) -> str:
                 "(`final +x%`: a long run's final loss against its baseline's, checked against "
                 "its stated relative tolerance).",
                 ""]
+    summary = prediction_summary([r for r in runs if "sweep" not in r])
+    out += [summary, ""] if summary else []
     if any(busy_host(r) for r in runs) or \
             any(within_noise(rec, base) for rec, base in compared_pairs(records)):
         out += [NOISE_NOTE, ""]
