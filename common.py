@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import faulthandler
 import functools
@@ -1225,46 +1226,65 @@ class Rates:
     the two run at once."""
 
     matmul_flops: float
-    attention_flops: float
+    attention_flops: float  # at any length, unless attention_by_length says otherwise
     other_s: float  # a token and layer: norms, activations, residuals, the loss, autograd
     optimizer_s: float  # a parameter the optimizer steps (AdamW)
     links: Mapping[str, tuple[float, float]]  # "allreduce/2" -> (s a message, s a byte sent)
     overlap: float
     source: str  # which calibration or datasheet
+    layer_s: float = 0.0  # a layer's forward and backward whatever its tokens: op dispatch
+    attention_by_length: tuple[tuple[int, float], ...] = ()  # (sequence length, FLOP/s)
 
-    def link(self, op: str, group: int) -> tuple[float, float]:
-        """(latency, s a byte) of `op` over `group` ranks: measured at that size, else the
-        nearest group measured, else the all-reduce's (every collective a ring's steps)."""
-        if f"{op}/{group}" in self.links:
-            return self.links[f"{op}/{group}"]
-        same = sorted((abs(int(key.split("/")[1]) - group), key) for key in self.links
-                      if key.split("/")[0] == op)
-        if same:
-            return self.links[same[0][1]]
-        nearest = min(self.links, key=lambda key: abs(int(key.split("/")[1]) - group))
-        return self.links[nearest]
+    def attention_rate(self, seq: int) -> float:
+        """Attention's FLOP/s at sequence length `seq`: between two lengths measured, linear in
+        log length; past the ends, the nearest end's (a longer sequence's kernel does not
+        slow down; a shorter one's is the shortest measured)."""
+        points = sorted(self.attention_by_length)
+        if not points:
+            return self.attention_flops
+        if seq <= points[0][0]:
+            return points[0][1]
+        for (short, low), (long, high) in itertools.pairwise(points):
+            if seq <= long:
+                return low + (high - low) * math.log(seq / short) / math.log(long / short)
+        return points[-1][1]
+
+    def link(self, key: str) -> tuple[float, float]:
+        """(latency, s a byte) of a collective "op/group": measured at that group size, else
+        at the nearest group measured, else the nearest group's all-reduce (each collective
+        a ring's steps). A GPU's links are named by mesh dim and where they run instead
+        ("dp/network")."""
+        if key in self.links:
+            return self.links[key]
+        op, group = key.split("/")
+        measured = [k for k in self.links if k.split("/")[0] == op] or \
+            [k for k in self.links if k.startswith("allreduce/")]
+        return self.links[min(measured, key=lambda k: abs(int(k.split("/")[1]) - int(group)))]
 
 
 def rates_from_calibration(calibration: Mapping, world: int, model: str) -> Rates | None:
     """This host's Rates for a world of `world` processes and `model`, from one size's entry of
     outputs/calibration.json, measured at that world; None where it has none."""
     measured = calibration.get("worlds", {}).get(str(world))
-    if not measured or model not in measured["compute"]:
-        return None
+    if not measured or "layer_s" not in measured["compute"].get(model, {}):
+        return None  # not measured here, or by an older `make calibrate`
     compute = measured["compute"][model]
     return Rates(compute["matmul_flops"], compute["attention_flops"], compute["other_s"],
                  measured["optimizer_s"], {key: tuple(value) for key, value in
                                            measured["collectives"].items()},
-                 measured["overlap"], calibration["id"])
+                 measured["overlap"], calibration["id"], compute["layer_s"],
+                 tuple((int(seq), rate) for seq, rate in compute["attention_by_length"]))
 
 
 @dataclass(frozen=True)
 class StepWork:
-    """One rank's work a step, in plain numbers: FLOPs (matmul, attention) and token-layers
-    (the ops that are no matmul), recompute (activation checkpointing: the blocks' forward
-    again), the parameters it steps, its collectives {"allreduce/2": (bytes sent, messages)},
-    which of them hide under compute ({"allreduce": "backward"}, OVERLAP_WINDOWS), and the
-    fraction of the step a pipeline's stage idles (its bubble)."""
+    """One rank's work a step, in plain numbers: FLOPs (matmul, attention in blocks of
+    `seq_len` tokens: the rate it runs at), token-layers (the ops that are no matmul, by token) and
+    layer passes (by layer: a pipeline's stage runs each of its layers once a micro-batch),
+    recompute (activation checkpointing: the blocks' forward again), the parameters it steps,
+    its collectives {"allreduce/2": (bytes sent, messages)}, which of them hide under compute
+    ({"allreduce": "backward"}, OVERLAP_WINDOWS), and the fraction of the step a pipeline's
+    stage idles (its bubble)."""
 
     matmul_flops: float
     attention_flops: float
@@ -1274,6 +1294,8 @@ class StepWork:
     overlapped: Mapping[str, str]
     recompute: bool = False
     bubble: float = 0.0
+    seq_len: int = 0
+    layer_passes: float = 0.0
 
 
 def predict_step(work: StepWork, rates: Rates) -> dict[str, float | str]:
@@ -1282,14 +1304,14 @@ def predict_step(work: StepWork, rates: Rates) -> dict[str, float | str]:
     compute window each hides under), the bubble's idle time, and what binds the step (the
     largest part)."""
     compute = (work.matmul_flops / rates.matmul_flops
-               + work.attention_flops / rates.attention_flops
-               + work.token_layers * rates.other_s) * (4 / 3 if work.recompute else 1)
+               + work.attention_flops / rates.attention_rate(work.seq_len)
+               + work.token_layers * rates.other_s
+               + work.layer_passes * rates.layer_s) * (4 / 3 if work.recompute else 1)
     exposed = 0.0
     for key, (sent, messages) in work.collectives.items():
-        op, group = key.split("/")
-        latency, per_byte = rates.link(op, int(group))
+        latency, per_byte = rates.link(key)
         cost = messages * latency + sent * per_byte
-        window = OVERLAP_WINDOWS.get(work.overlapped.get(op, ""), 0.0) * compute
+        window = OVERLAP_WINDOWS.get(work.overlapped.get(key.split("/")[0], ""), 0.0) * compute
         exposed += cost - rates.overlap * min(cost, window)
     bubble = compute * work.bubble / (1 - work.bubble)
     optimizer = work.stepped_params * rates.optimizer_s
@@ -1307,15 +1329,19 @@ def load_calibration(path: Path = CALIBRATION) -> dict | None:
 
 def predicted_step(args: argparse.Namespace, topo: Topology, stats: Stats,
                    model: nn.Module, optimizer: torch.optim.Optimizer | None, dp_world: int,
-                   overlapped: Mapping[str, str], recompute: bool, bubble: float
+                   overlapped: Mapping[str, str], recompute: bool, bubble: float,
+                   layer_passes: float, cp: int = 1, attention_busiest: float = 1.0
                    ) -> dict[str, float | str]:
     """A run's step time as the cost model predicts it at this host's calibration: this rank's
     share of the step's FLOPs (the step's tokens over the world: data, tensor, pipeline and
     context parallelism each give a rank 1/N of the work), the parameters its optimizer steps,
     the collectives it handed over in the measured step (CollectiveBytes: bytes and calls by
     op and group), `overlapped` (which of them hide under compute, OVERLAP_WINDOWS), activation
-    checkpointing's recompute and a pipeline's bubble. Without a calibration that applies,
-    {"why": what to run}."""
+    checkpointing's recompute, a pipeline's bubble and the layer passes a rank runs (a pipeline
+    stage's layers once a micro-batch); context parallelism's attention at the rate of its
+    blocks, 1/cp of the sequence, and as the busiest rank's (`attention_busiest` times an even
+    share: every rank waits for it). Without a calibration that applies, {"why": what to
+    run}."""
     calibration = load_calibration()
     if args.model not in ("gpt", "llama", "moe"):
         return {"why": "no cost model for the ResNet's convolutions"}
@@ -1332,10 +1358,14 @@ def predicted_step(args: argparse.Namespace, topo: Topology, stats: Stats,
     steps = [t for p in (model.parameters() if optimizer is None else
                          (p for group in optimizer.param_groups for p in group["params"]))
              for t in _plain(p)]
-    work = StepWork(matmul, attention, tokens * size.n_layers, sum(t.numel() for t in steps),
+    work = StepWork(matmul, attention * attention_busiest, tokens * size.n_layers,
+                    sum(t.numel() for t in steps),
                     {op: (mb * 2**20, calls) for op, (mb, calls) in
-                     (stats.comm_by_op or {}).items()}, overlapped, recompute, bubble)
-    return {**predict_step(work, rates), "calibration": rates.source}
+                     (stats.comm_by_op or {}).items()}, overlapped, recompute, bubble,
+                    args.seq_len // cp, size.n_layers * layer_passes)
+    return {**predict_step(work, rates), "calibration": rates.source,
+            "work": {**dataclasses.asdict(work), "collectives": {
+                op: list(value) for op, value in work.collectives.items()}}}
 
 
 # ==== Timing ======================================================================================
@@ -1752,10 +1782,15 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
                                    state_mb(model, optimizer)))
     allocator_peak = max(peak for peak, _, _ in ranks)
     memory = max((m for _, m, _ in ranks if m), key=lambda m: m["total"], default=None)
+    # a pipeline stage's layers run once a micro-batch: its share of the layers, m times
+    mesh = extra.get("mesh") if isinstance(extra.get("mesh"), dict) else {}
+    stages = mesh.get("pp") or (topo.world_size if "microbatches" in extra else 1)
     prediction = predicted_step(args, topo, stats, model, optimizer,
                                 dp_world or topo.world_size, overlapped or {},
                                 bool(extra.get("checkpointing")),
-                                theory.get("bubble", theory.get("bubble_uniform", 0.0)))
+                                theory.get("bubble", theory.get("bubble_uniform", 0.0)),
+                                extra.get("microbatches", 1) / stages, extra.get("cp", 1),
+                                theory.get("attention_busiest", 1.0))
     rec = base_record(args, topo, baseline, "ok", None)
     rec.update({
         "params": sum(p.numel() for p in model.parameters()),  # a tied weight counts once
@@ -1777,6 +1812,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         "seq_len": None if args.model == "resnet" else args.seq_len, "dtype": args.dtype,
         "startup_s": round(stats.startup_s, 2), "warmup_s": round(stats.warmup_s, 2),
         "predicted_step_ms": round(prediction["step_ms"], 3) if "step_ms" in prediction else None,
+        # its parts, the calibration it used and the work it priced (common.StepWork's fields)
         "prediction": {k: round(v, 3) if isinstance(v, float) else v
                        for k, v in prediction.items() if k != "step_ms"},
         "comm_by_op": {op: [round(mb, 3), calls] for op, (mb, calls) in

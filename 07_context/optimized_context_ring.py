@@ -387,6 +387,8 @@ def theory(settings, positions: list[torch.Tensor], data_parallel: dict[str, flo
                       size.n_heads, cp, size.n_layers, value_bytes) / 2**20
     return {"activations_mb": activation_mb(settings, tokens),
             "attention_gflop": max(flops) / 1e9, "attention_balance": max(flops) / min(flops),
+            # what the step waits for: the busiest rank's attention over an even share
+            "attention_busiest": max(flops) * cp / sum(flops),
             "ring_mb": ring, "comm_mb": data_parallel["comm"] / 2**20 + ring,
             "state_mb": data_parallel["state"] / 2**20}
 

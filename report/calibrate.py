@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
+from report.gpus import ADAMW_BYTES
 
 MODELS = ("gpt", "llama", "moe")
 # The collectives a step hands over, by CollectiveBytes' kind names: the c10d call that runs each
@@ -87,17 +88,25 @@ def build_model(name: str, size: common.Size, device: torch.device, autocast) ->
 def measure_compute(name: str, size_name: str, device: torch.device, dtype: str, reps: int,
                     decompose: bool) -> dict[str, float]:
     """One model's forward and backward at the size's batch (`step_s`) and, with `decompose`,
-    its rates: matmul and attention FLOP/s and the rest's seconds a token and layer (the whole
-    less its Linears' matmuls and its attention, each timed alone)."""
+    its rates: matmul FLOP/s (its Linears, each timed alone), attention's at the size's length
+    and at its long one (07's), and the rest (the whole less those) split into what a layer
+    costs whatever its tokens (dispatch, autograd) and what a token adds, from the whole at the
+    size's batch and at one sequence."""
     size = common.SIZES[size_name]
     autocast = torch.bfloat16 if dtype == "bf16" else None
     model = build_model(name, size, device, autocast)
     tokens = torch.randint(size.vocab_size, (size.batch_size, size.seq_len + 1), device=device)
-    n = size.batch_size * size.seq_len
+    n, layers = size.batch_size * size.seq_len, size.n_layers
+
+    def whole_s(batch: int) -> float:
+        return _median_s(lambda: model(tokens[:batch, :-1], tokens[:batch, 1:]).backward(),
+                         device, reps)
+
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-        whole = _median_s(lambda: model(tokens[:, :-1], tokens[:, 1:]).backward(), device, reps)
+        whole = whole_s(size.batch_size)
         if not decompose:
             return {"step_s": whole}
+        one = whole_s(1)
         matmul_s = matmul_flops = 0.0
         for (rows, fan_in, fan_out), count in linear_shapes(model, size, n).items():
             x = torch.randn(rows, fan_in, device=device, requires_grad=True)
@@ -105,29 +114,53 @@ def measure_compute(name: str, size_name: str, device: torch.device, dtype: str,
             matmul_s += count * _median_s(lambda x=x, w=w: _forward_backward(F.linear, x, w),
                                           device, reps)
             matmul_flops += count * 6 * rows * fan_in * fan_out
-        head_dim = size.d_model // size.n_heads
-        kv_heads = size.n_heads if name == "gpt" else size.n_kv_heads
-        q = torch.randn(size.batch_size, size.n_heads, size.seq_len, head_dim, device=device,
-                        requires_grad=True)
-        k, v = (torch.randn(size.batch_size, kv_heads, size.seq_len, head_dim, device=device,
-                            requires_grad=True) for _ in range(2))
-        attention_s = size.n_layers * _median_s(
-            lambda: _forward_backward(common.causal_sdpa, q, k, v), device, reps)
-    attention_flops = common.train_flops(size, name, n, size.seq_len)[1]
-    rest = max(whole - matmul_s - attention_s, 0.0)
-    return {"matmul_flops": matmul_flops / matmul_s, "attention_flops": attention_flops /
-            attention_s, "other_s": rest / (n * size.n_layers), "step_s": whole,
-            "matmul_s": matmul_s, "attention_s": attention_s}
+        attention = layers * attention_s(name, size, size.batch_size, size.seq_len, device,
+                                         reps)
+    rest = max(whole - matmul_s - attention, 0.0)
+    # at one sequence: the matmuls and attention a batch's 1/batch_size (the same lengths)
+    rest_one = max(one - (matmul_s + attention) / size.batch_size, 0.0)
+    per_token = max(rest - rest_one, 0.0) / (layers * (n - size.seq_len))
+    return {"matmul_flops": matmul_flops / matmul_s,
+            "attention_flops": common.train_flops(size, name, n, size.seq_len)[1] / attention,
+            "other_s": per_token, "layer_s": max(rest / layers - per_token * n, 0.0),
+            "step_s": whole, "matmul_s": matmul_s, "attention_s": attention}
+
+
+def attention_by_length(size_name: str, device: torch.device, reps: int
+                        ) -> list[list[float]]:
+    """[[length, FLOP/s]] of the GPT's attention (the models share its kernel) on one sequence
+    of the size's long length and of four times it: a longer sequence's kernel runs nearer the
+    matmul's rate, and context parallelism's blocks are that long."""
+    size = common.SIZES[size_name]
+    out = []
+    for seq in (size.long_seq_len, 4 * size.long_seq_len):
+        seconds = attention_s("gpt", size, 1, seq, device, reps)
+        out.append([seq, common.train_flops(size, "gpt", seq, seq)[1] / size.n_layers / seconds])
+    return out
+
+
+def attention_s(name: str, size: common.Size, batch: int, seq: int, device: torch.device,
+                reps: int) -> float:
+    """One layer's attention, forward and backward, on `batch` sequences of `seq`."""
+    head_dim = size.d_model // size.n_heads
+    kv_heads = size.n_heads if name == "gpt" else size.n_kv_heads
+    q = torch.randn(batch, size.n_heads, seq, head_dim, device=device, requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, seq, head_dim, device=device, requires_grad=True)
+            for _ in range(2))
+    return _median_s(lambda: _forward_backward(common.causal_sdpa, q, k, v), device, reps)
 
 
 def scaled_compute(decomposed: dict[str, float], step_s: float) -> dict[str, float]:
-    """A world's rates from the first world's decomposition, every part slowed alike by what
-    the whole step took here: past one process a core the processes share the cores by time
+    """A world's rates from the first world's decomposition, every part slowed alike, to a
+    whole step of `step_s` here: past one process a core the processes share the cores by time
     slices, which a microbenchmark shorter than a slice would not see."""
     slower = step_s / decomposed["step_s"]
     return {"matmul_flops": decomposed["matmul_flops"] / slower,
             "attention_flops": decomposed["attention_flops"] / slower,
-            "other_s": decomposed["other_s"] * slower, "step_s": step_s, "slowdown": slower}
+            "attention_by_length": [[seq, rate / slower] for seq, rate in
+                                    decomposed["attention_by_length"]],
+            "other_s": decomposed["other_s"] * slower,
+            "layer_s": decomposed["layer_s"] * slower, "step_s": step_s, "slowdown": slower}
 
 
 def measure_optimizer(device: torch.device, reps: int) -> tuple[float, float]:
@@ -179,15 +212,18 @@ def _collective(op: str, nbytes: int, group: dist.ProcessGroup, device: torch.de
 
 
 def measure_collectives(world: int, device: torch.device, reps: int
-                        ) -> dict[str, list[float]]:
-    """{"op/group": [seconds a message, seconds a byte sent]} for every group size dividing
-    the world, all groups of that size busy at once: the latency from the small message (more
-    calls: its median is noisier), the time a byte from the large one less that."""
-    out = {}
+                        ) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """({"op/group": [seconds a message, seconds a byte sent]}, {"group": the wake-up}) for
+    every group size dividing the world, all groups of that size busy at once. A message's time
+    is what it costs inside a step: its small message's back to back (more calls: its median
+    is noisier) and the wake-up (`wake_up_s`) each collective pays there; a byte's, the large
+    message's less the small's."""
+    out, woken = {}, {}
     rank = dist.get_rank()
     for g in [g for g in range(2, world + 1) if world % g == 0]:
         groups = [dist.new_group(list(range(start, start + g))) for start in range(0, world, g)]
         group = groups[rank // g]
+        woken[str(g)] = wake_up_s(group, device, reps)
         for op in COLLECTIVES:
             if op == "send" and g != 2:
                 continue
@@ -197,8 +233,33 @@ def measure_collectives(world: int, device: torch.device, reps: int
             t_small = _median_s(small, device, 4 * reps) / messages
             t_large = _median_s(large, device, reps) / messages
             per_byte = max(t_large - t_small, 0.0) / ((large_sent - small_sent) / messages)
-            out[f"{op}/{g}"] = [t_small - per_byte * small_sent / messages, per_byte]
-    return out
+            out[f"{op}/{g}"] = [t_small - per_byte * small_sent / messages + woken[str(g)],
+                                per_byte]
+    return out, woken
+
+
+def wake_up_s(group: dist.ProcessGroup, device: torch.device, reps: int) -> float:
+    """What a small all-reduce costs more after compute than back to back, as a step's
+    collectives come between layers: the ranks arrive apart (each its own compute's jitter,
+    and on a shared core its turn), and gloo's threads, idle since the last one, wake. The
+    median of 8 rounds of (a matmul burst, an all-reduce) less 8 bursts alone and 8
+    all-reduces back to back, a round (twice the calls of a figure: a difference of three)."""
+    a, x = torch.randn(256, 256, device=device), torch.ones(SMALL_BYTES // 4, device=device)
+
+    def burst():
+        for _ in range(4):
+            a @ a
+
+    def rounds(with_compute: bool, with_collective: bool):
+        for _ in range(8):
+            if with_compute:
+                burst()
+            if with_collective:
+                dist.all_reduce(x, group=group)
+    both = _median_s(lambda: rounds(True, True), device, 2 * reps)
+    compute = _median_s(lambda: rounds(True, False), device, 2 * reps)
+    back_to_back = _median_s(lambda: rounds(False, True), device, 2 * reps)
+    return max(both - compute - back_to_back, 0.0) / 8
 
 
 def measure_overlap(device: torch.device, reps: int) -> float:
@@ -215,9 +276,9 @@ def measure_overlap(device: torch.device, reps: int) -> float:
         work = dist.all_reduce(grads, async_op=True)
         compute()
         work.wait()
-    alone = _median_s(compute, device, reps)
-    reduce = _median_s(lambda: dist.all_reduce(grads), device, reps)
-    together = _median_s(both, device, reps)
+    alone = _median_s(compute, device, 2 * reps)
+    reduce = _median_s(lambda: dist.all_reduce(grads), device, 2 * reps)
+    together = _median_s(both, device, 2 * reps)
     return min(max((alone + reduce - together) / min(alone, reduce), 0.0), 1.0)
 
 
@@ -225,19 +286,28 @@ def measure_world(world: int, size: str, dtype: str, reps: int, first: dict | No
     """This rank's part of a world's calibration; the ranks' median of each figure on rank 0.
     The first world measured (`first` None) decomposes each model's step; the others scale it."""
     topo = common.setup(timeout_s=300)
+    # past the first world, the GPT's step alone: every model slows alike when ranks share cores
     compute = {name: measure_compute(name, size, topo.device, dtype, reps, first is None)
-               for name in MODELS}
+               for name in (MODELS if first is None else MODELS[:1])}
+    if first is None:
+        longer = attention_by_length(size, topo.device, reps)
+        for rates in compute.values():
+            rates["attention_by_length"] = [[common.SIZES[size].seq_len,
+                                             rates["attention_flops"]], *longer]
     figures = {"compute": compute}
     figures["optimizer_s"], figures["memory_bytes_per_s"] = measure_optimizer(topo.device, reps)
-    figures["collectives"] = measure_collectives(world, topo.device, reps) if world > 1 else {}
+    figures["collectives"], figures["wake_up_s"] = \
+        measure_collectives(world, topo.device, reps) if world > 1 else ({}, {})
     figures["overlap"] = measure_overlap(topo.device, reps) if world > 1 else 0.0
     gathered = [None] * world
     dist.all_gather_object(gathered, figures)
     dist.destroy_process_group()
     figures = _median_of(gathered)
     if first is not None:
-        figures["compute"] = {name: scaled_compute(first["compute"][name], c["step_s"])
-                              for name, c in figures["compute"].items()}
+        step_s = figures["compute"][MODELS[0]]["step_s"]
+        figures["compute"] = {name: scaled_compute(decomposed, decomposed["step_s"] * step_s /
+                                                   first["compute"][MODELS[0]]["step_s"])
+                              for name, decomposed in first["compute"].items()}
     return figures
 
 
@@ -246,7 +316,7 @@ def _median_of(values: Sequence):
     first = values[0]
     if isinstance(first, dict):
         return {key: _median_of([v[key] for v in values]) for key in first}
-    if isinstance(first, list):
+    if isinstance(first, (list, tuple)):
         return [_median_of([v[i] for v in values]) for i in range(len(first))]
     return statistics.median(values)
 
@@ -313,18 +383,26 @@ def calibrate(worlds: Sequence[int], size: str, dtype: str, reps: int, path: Pat
 
 
 def render_calibration(calibration: dict) -> str:
-    """The figures a prediction uses, a line a world and model."""
+    """The figures a prediction uses, a line a world and model (and collective)."""
     lines = [f"calibration {calibration['id']} ({calibration['size']}, {calibration['dtype']}, "
              f"{calibration['seconds']} s)"]
     for world, figures in calibration["worlds"].items():
+        bandwidth = figures["memory_bytes_per_s"]
         lines.append(f"  {world} processes: AdamW {figures['optimizer_s'] * 1e9:.2f} ns a "
-                     f"parameter, memory {figures['memory_bytes_per_s'] / 1e9:.1f} GB/s, "
-                     f"overlap {figures['overlap']:.2f}")
+                     f"parameter (as {figures['optimizer_s'] * bandwidth:.0f} bytes at the "
+                     f"triad's {bandwidth / 1e9:.1f} GB/s; report/gpus.py counts "
+                     f"{ADAMW_BYTES} on a GPU), overlap {figures['overlap']:.2f}")
         for name, c in figures["compute"].items():
-            lines.append(f"    {name:<5} matmul {c['matmul_flops'] / 1e9:6.1f} GFLOP/s, attention "
-                         f"{c['attention_flops'] / 1e9:6.1f} GFLOP/s, the rest "
-                         f"{c['other_s'] * 1e9:7.1f} ns a token and layer (step "
-                         f"{c['step_s'] * 1e3:.0f} ms)")
+            by_length = ", ".join(f"{rate / 1e9:.1f} at {seq:.0f}"
+                                  for seq, rate in c["attention_by_length"])
+            lines.append(f"    {name:<5} matmul {c['matmul_flops'] / 1e9:5.1f} GFLOP/s, attention "
+                         f"{by_length}; a layer {c['layer_s'] * 1e6:,.0f} us + "
+                         f"{c['other_s'] * 1e9:,.0f} ns a token (a step "
+                         f"{c['step_s'] * 1e3:,.0f} ms)")
+        if figures["wake_up_s"]:
+            lines.append("    a collective after compute: " + ", ".join(
+                f"{woken * 1e6:,.0f} us more over {g}" for g, woken in
+                figures["wake_up_s"].items()) + " (in each latency below)")
         for key, (latency, per_byte) in figures["collectives"].items():
             lines.append(f"    {key:<16} {latency * 1e6:8.1f} us a message, "
                          f"{1 / per_byte / 1e9 if per_byte else float('inf'):6.2f} GB/s sent")

@@ -22,6 +22,7 @@ import torch
 import common
 from report.calibrate import calibrate, render_calibration
 from report.charts import write_charts
+from report.gpus import GPUS
 from report.planner import (
     STATE_BYTES,
     add_moe_flags,
@@ -29,6 +30,7 @@ from report.planner import (
     plan_input,
     render_cases,
     render_plan,
+    render_published,
     tp_degree,
 )
 from report.results_table import render_report
@@ -80,6 +82,14 @@ A training run (status ok) also:
                         allowed, or (a long lossy run) how far the final loss may be from the
                         baseline's final loss, as a fraction of it
   theory                what the technique predicts, computed, beside the measured keys
+  predicted_step_ms, prediction
+                        the step-time model's step (common.predict_step) at this host's
+                        calibration (`make calibrate`), null without one; prediction holds
+                        its parts (compute_ms, communication_ms, bubble_ms, optimizer_ms),
+                        bound_by (the largest), calibration (its id) and work (the FLOPs,
+                        collectives and parameters it priced), or why (no calibration)
+  comm_by_op            the collectives of the measured step by op and group size:
+                        {"allreduce/2": [MB sent, calls]}
   note                  what the host changed of the run's settings, in one line, where it did
                         (a mesh without dp, no weight gathered in float8 at this world): the
                         summary line ends with it, the report's status shows it
@@ -130,6 +140,14 @@ def main(argv: Sequence[str]) -> int:
     plan.add_argument("--pp", type=common.int_at_least(2), default=None,
                       help="PP x FSDP x TP's stages (default: the fewest at which it fits)")
     add_moe_flags(plan)
+    plan.add_argument("--gpu", choices=sorted(GPUS), default="h100",
+                      help="the GPU whose datasheet prices the step (report/gpus.py)")
+    plan.add_argument("--run-as", choices=("eager", "compiled", "float8"), default="eager",
+                      help="how the step runs: eager, torch.compile, or compiled with float8 "
+                           "matmuls (each at the share of the peak torchtitan's runs achieve)")
+    plan.add_argument("--published", action="store_true", help="the published runs the "
+                      "step-time model is held to (torchtitan's, Megatron-LM's) beside its "
+                      "predictions; the other flags are not read")
     plan.add_argument("--cases", action="store_true", help="the decision matrix's worked cases "
                       "(ResNet-50, GPT-2 1.5B, LLaMA-7B, LLaMA-70B, Qwen3-30B-A3B): what the "
                       "planner picks and why; the other flags are not read")
@@ -183,7 +201,10 @@ def main(argv: Sequence[str]) -> int:
         missing = [flag for flag in ("--params", "--gpus", "--gpu-mem")
                    if getattr(args, flag[2:].replace("-", "_")) is None]
         shaped = [action.option_strings[0] for action in plan._actions if action.dest not in
-                  ("help", "cases") and getattr(args, action.dest) != action.default]
+                  ("help", "cases", "published") and getattr(args, action.dest) != action.default]
+        if args.published:
+            print(render_published())
+            return 0
         if args.cases or not shaped:  # `make plan` alone: the worked cases, a first look
             print(render_cases())
             return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import json
 import math
 import re
 import types
@@ -14,6 +15,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 import common
+from report.gpus import FITTED_ON, GPU, GPUS, LLAMA31, flops_per_token, gpu_rates, llama_params
 
 GB = 1e9
 # Bytes per parameter: (weights, gradients, optimizer state) with AdamW. fp32: 4 + 4 + 8 (two
@@ -164,6 +166,154 @@ def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpoi
                if key in figures}}
 
 
+def plan_flops_per_token(args: argparse.Namespace) -> tuple[float, float]:
+    """(all, attention's) training FLOPs a token at the planner's flags: the weights a token
+    multiplies through are the parameters less the input tables (plus a tied head's, which
+    the head multiplies by), a MoE's routed experts at top_k of them (gpus.flops_per_token)."""
+    layout = plan_input(args)
+    routed_off = expert_params(args) * (1 - args.top_k / args.experts) if args.experts else 0.0
+    matmul = args.params - layout.embedding + layout.tied - routed_off
+    attention = 12 * args.layers * args.hidden * args.seq_len
+    return flops_per_token(matmul, args.layers, args.hidden, args.seq_len), attention
+
+
+def planned_step(args: argparse.Namespace, row: dict, figures: dict, gpu: GPU, achieved: float,
+                 async_tp: bool = False) -> dict:
+    """A planned row's step on `gpu` by common.predict_step: a GPU's share of the step's FLOPs
+    at `achieved` of the peak (a third more with checkpointing), each mesh dim's bytes over
+    NVLink, or the network for what the row sends across nodes (data parallelism's first, then
+    the pipeline's, then EP's), data parallelism's hidden under compute (FSDP's and ZeRO-3's
+    prefetched gathers under the step, the others' gradients under backward), context
+    parallelism's under its attention, TP's only with `async_tp`; the optimizer's step at the
+    HBM bandwidth; the bubble. Adds tokens/s a GPU, MFU and what binds the step."""
+    per_token, attention = plan_flops_per_token(args)
+    tokens = row["sequences"] * args.seq_len / args.gpus
+    collectives, network = {}, row["network"]
+    for dim, sent in (figures.get("by_dim") or {"dp": figures["sent"]}).items():
+        across = min(network, sent) if dim in ("dp", "pp", "ep") else 0.0
+        network -= across
+        collectives[f"{dim}/nvlink"] = (sent - across, 0)
+        if across:
+            collectives[f"{dim}/network"] = (across, 0)
+    sharded = "FSDP" in row["strategy"] or "ZeRO-3" in row["strategy"]
+    overlapped = {"dp": "step" if sharded else "backward", "cp": "step",
+                  **({"tp": "step"} if async_tp else {})}
+    work = common.StepWork((per_token - attention) * tokens, attention * tokens, 0.0,
+                           figures["state"] / sum(STATE_BYTES[args.dtype]), collectives,
+                           overlapped, row["checkpointing"], figures.get("bubble", 0.0))
+    step = common.predict_step(work, gpu_rates(gpu, achieved))
+    tokens_per_s = tokens / (step["step_ms"] / 1e3)
+    bound = step["bound_by"]
+    if bound == "communication":
+        bound = "network" if any(key.endswith("network") for key in collectives) else "NVLink"
+    return {"step_s": step["step_ms"] / 1e3, "tokens_per_gpu_s": tokens_per_s,
+            "mfu": per_token * tokens_per_s / gpu.bf16_flops,
+            "bound_by": bound if row["fits"] else "memory"}
+
+
+def layout_args(shape: dict, gpus: int, seq: int, micro_batch: int,
+                micro_batches: int | None = None, gpu: str = "h100", run_as: str = "eager",
+                llama: bool = True) -> argparse.Namespace:
+    """The planner's flags for a model of `shape` (gpus.LLAMA31's keys; a GPT's with
+    `llama` False: a 4x MLP, tied head, a position table) on `gpus` GPUs, 8 a node, bf16."""
+    h, layers, vocab = shape["hidden"], shape["layers"], shape["vocab"]
+    params = llama_params(shape)[0] if llama else \
+        layers * (12 * h * h + 13 * h) + (vocab + seq) * h + 2 * h
+    return argparse.Namespace(**{**CASE_FLAGS, "params": params, "gpus": gpus, "layers": layers,
+                                 "hidden": h, "vocab": vocab, "seq_len": seq,
+                                 "micro_batch": micro_batch, "micro_batches": micro_batches,
+                                 "llama": llama, "gpu_mem": 1e9, "gpu": gpu,
+                                 "run_as": run_as})
+
+
+def predict_layout(args: argparse.Namespace, tp: int = 1, pp: int = 1,
+                   checkpointing: bool = False, async_tp: bool = False,
+                   bubble: float | None = None, achieved_fraction: float | None = None) -> dict:
+    """One layout's step (planned_step) at the planner's flags, not the planner's pick: FSDP
+    over every GPU, FSDP x TP with `tp`, or PP x FSDP x TP with `pp` stages; its bytes from
+    the script's own PLANNED formulas. `bubble` in place of the formula's (a schedule the
+    scripts do not run: interleaved 1F1B), `achieved_fraction` in place of the fitted one."""
+    strategy = "PP x FSDP x TP" if pp > 1 else "FSDP x TP" if tp > 1 else "FSDP full"
+    entry = next(e for e in planned_strategies() if e["strategy"] == strategy)
+    figures = entry["figures"](plan_input(args, tp, pp))
+    if bubble is not None:
+        figures = {**figures, "bubble": bubble}
+    row = planned_row(args, strategy, figures, checkpointing)
+    return {**row, **planned_step(args, row, figures, GPUS[args.gpu], achieved(args.run_as)
+                                  if achieved_fraction is None else achieved_fraction, async_tp)}
+
+
+# Published shapes beside gpus.LLAMA31: Megatron-LM's 70B GPT (its README's model table)
+PUBLISHED_SHAPES = {**LLAMA31, "megatron-70b": {"layers": 84, "hidden": 8192, "heads": 64,
+                                                "vocab": 131072}}
+
+
+def predict_published(row: dict) -> dict:
+    """A published run (tests/fixtures/published_steps.json) as predict_layout sees it: its
+    model, GPUs, mesh and `local_batch` sequences a data-parallel rank (a TP group's together,
+    a pipeline's micro-batches of one sequence); a pipeline's bubble that of its schedule with
+    one micro-batch a sequence, (p-1)/(m+p-1), interleaved 1F1B two stages a GPU, (p-1)/(2m+
+    p-1)."""
+    tp, pp, local = row["tp"], row["pp"], row["local_batch"]
+    llama = row["model"] in LLAMA31
+    if pp > 1:  # the script's micro-batch: a TP group's tp sequences, one a GPU
+        args = layout_args(PUBLISHED_SHAPES[row["model"]], row["gpus"], row["seq"], 1,
+                           local // tp, row["gpu"], row["run_as"], llama)
+        stages = 2 if row.get("schedule") == "Interleaved 1F1B" else 1
+        bubble = (pp - 1) / (stages * local + pp - 1)
+    else:
+        args = layout_args(PUBLISHED_SHAPES[row["model"]], row["gpus"], row["seq"], local / tp,
+                           None, row["gpu"], row["run_as"], llama)
+        bubble = None
+    return predict_layout(args, tp, pp, row["checkpointing"], row.get("async_tp", False),
+                          bubble)
+
+
+PUBLISHED = common.ROOT / "tests" / "fixtures" / "published_steps.json"
+
+
+def render_published(path: Path = PUBLISHED) -> str:
+    """Each published run the step-time model is held to (its sources in the file) beside the
+    model's prediction: tokens/s a GPU (MFU where only that is published), and what binds it."""
+    published = json.loads(path.read_text())
+    table = []
+    for row in published["rows"]:
+        predicted = predict_published(row)
+        if row["tokens_per_gpu_s"] is None:
+            measured, ours = f"MFU {row['mfu']:.0%}", f"MFU {predicted['mfu']:.1%}"
+            error = predicted["mfu"] / row["mfu"] - 1
+        else:
+            measured, ours = f"{row['tokens_per_gpu_s']:,.0f}", \
+                f"{predicted['tokens_per_gpu_s']:,.0f}"
+            error = predicted["tokens_per_gpu_s"] / row["tokens_per_gpu_s"] - 1
+        table.append([row["table"], row["label"], measured, ours, f"{error:+.0%}",
+                      predicted["bound_by"]])
+    fitted = ", ".join(f"{mode} {achieved(mode):.1%}" for mode in FITTED_ON)
+    return "\n".join([tabulate(table, ["published run", "row", "tokens/s a GPU", "predicted",
+                                       "off by", "bound by"], tablefmt="github"), "",
+                      f"The share of the bf16 peak a step's compute achieves, fitted on "
+                      f"torchtitan's Table 1 (Llama 3.1 8B, FSDP on 8 GPUs) and used unchanged "
+                      f"above: {fitted}. Sources: tests/fixtures/published_steps.json."])
+
+
+@functools.cache
+def achieved(run_as: str) -> float:
+    """The fraction of the bf16 peak a GPU's matmuls and attention achieve in a training step,
+    run `run_as` ("eager", "compiled": torch.compile, "float8": compiled with float8 matmuls,
+    counted against the bf16 peak as MFU is): the one that makes the cost model give
+    torchtitan's Table 1 row (gpus.FITTED_ON: Llama 3.1 8B, FSDP on 8 of its H100s, 2
+    sequences of 8,192 a GPU), found by bisection. Everything else the model predicts on GPUs,
+    the other published rows included, uses it unchanged."""
+    args = layout_args(LLAMA31["8B"], 8, 8192, 2, gpu="h100-96gb-500w", run_as=run_as)
+    low, high = 0.01, 1.0
+    for _ in range(50):
+        mid = (low + high) / 2
+        faster = predict_layout(args, achieved_fraction=mid)["tokens_per_gpu_s"] > \
+            FITTED_ON[run_as]
+        low, high = (low, mid) if faster else (mid, high)
+    return (low + high) / 2
+
+
 def plan_strategies(args: argparse.Namespace) -> list[dict]:
     """Every planned strategy, with and without activation checkpointing, at the planner's
     flags. A pipelined one (PP x FSDP x TP) at the smallest pp at which it fits (fewest stages:
@@ -181,21 +331,28 @@ def plan_strategies(args: argparse.Namespace) -> list[dict]:
             depths = pipeline_depths(args, tp) if entry.get("pipelined") else [1]
             figures = [entry["figures"](plan_input(args, tp, pp)) for pp in depths]
         for checkpointing in (False, True) if figures else ():
-            tried = [planned_row(args, entry["strategy"], f, checkpointing) for f in figures]
-            rows.append(next((r for r in tried if r["fits"]), tried[-1]))
+            tried = [(planned_row(args, entry["strategy"], f, checkpointing), f) for f in figures]
+            row, f = next(((r, f) for r, f in tried if r["fits"]), tried[-1])
+            rows.append({**row, **planned_step(args, row, f, GPUS[args.gpu],
+                                               achieved(args.run_as))})
     return rows
 
 
+# Step times within this fraction of the fastest are no reason to choose a more complex layout
+PICK_MARGIN = 0.05
+
+
 def choose(rows: list[dict]) -> dict | None:
-    """The planner's pick, a decision matrix: of what fits, what fits without activation
-    checkpointing if anything does (recomputing the forward costs about a third more compute);
-    of those the fewest bytes a trained sequence across nodes (the slow link: none on one node,
-    where NVLink makes bytes cheap); ties to the first in the table's order, the simplest (DDP,
-    then the ZeRO stages, FSDP, ..., the composed layouts). It weighs neither a pipeline's
-    bubble nor compute."""
+    """The planner's pick: of what fits, the most tokens/s a GPU by the step-time model (which
+    prices checkpointing's recompute, the bytes on their links, the bubble and the optimizer);
+    within PICK_MARGIN of that, the first in the table's order, the simplest (DDP, then the
+    ZeRO stages, FSDP, ..., the composed layouts; without checkpointing before with)."""
     fitting = [r for r in rows if r["fits"]]
-    plain = [r for r in fitting if not r["checkpointing"]] or fitting
-    return min(plain, key=lambda r: round(r["network"] / r["sequences"]), default=None)
+    if not fitting:
+        return None
+    fastest = max(r["tokens_per_gpu_s"] for r in fitting)
+    near = [r for r in fitting if r["tokens_per_gpu_s"] >= (1 - PICK_MARGIN) * fastest]
+    return min(near, key=lambda r: r["checkpointing"])
 
 
 def row_name(row: dict) -> str:
@@ -204,30 +361,26 @@ def row_name(row: dict) -> str:
 
 
 def why_picked(rows: list[dict], best: dict, gpu_mem: float) -> str:
-    """`choose`'s pick and why, in a sentence: what it needs, what the simplest (DDP, if
-    planned) or anything without checkpointing would need, and across nodes, what it sends
-    there against the next best that fits."""
-    why = [f"{best['total'] / GB:,.1f} of {gpu_mem:g} GB a GPU"]
+    """`choose`'s pick and why, in a sentence: its predicted speed and what binds it, what it
+    needs of a GPU's memory against DDP (if planned), the next fastest that fits, and across
+    nodes what it sends there."""
+    why = [f"{best['tokens_per_gpu_s']:,.0f} tokens/s a GPU (MFU {best['mfu']:.0%}, a step "
+           f"{seconds(best['step_s'])}, bound by {best['bound_by']})",
+           f"{best['total'] / GB:,.1f} of {gpu_mem:g} GB a GPU"]
     # DDP without checkpointing: the whole model and its state on every GPU
     ddp = next((r for r in rows if r["strategy"] == "DDP" and not r["checkpointing"]), None)
     if ddp is not None and best is not ddp:
         why.append(f"DDP needs {ddp['total'] / GB:,.1f}")
-    if best["checkpointing"]:
-        leanest = min((r for r in rows if not r["checkpointing"]), key=lambda r: r["total"])
-        why.append(f"without checkpointing the leanest ({row_name(leanest)}) needs "
-                   f"{leanest['total'] / GB:,.1f}")
+    others = [r for r in rows if r["fits"] and r is not best]
+    if others:
+        other = max(others, key=lambda r: r["tokens_per_gpu_s"])
+        ahead = other["tokens_per_gpu_s"] / best["tokens_per_gpu_s"] - 1
+        why.append(f"{row_name(other)} is {ahead:.0%} faster, within {PICK_MARGIN:.0%}: the "
+                   "simpler picked" if ahead > 0 else
+                   f"the next fastest, {row_name(other)}: {other['tokens_per_gpu_s']:,.0f}")
     if any(r["network"] for r in rows):
-        per_sequence = [r for r in rows if r["fits"] and r["checkpointing"] ==
-                        best["checkpointing"] and r["strategy"] != best["strategy"]]
-        line = (f"it sends {best['network'] / GB:,.2f} GB a GPU across nodes a step of "
-                f"{best['sequences']} sequences")
-        if per_sequence:
-            other = min(per_sequence, key=lambda r: r["network"] / r["sequences"])
-            line += (f" (the next fewest a sequence, {other['strategy']}: "
-                     f"{other['network'] / GB:,.2f} GB for {other['sequences']})")
-        why.append(line)
-    else:
-        why.append("on one node the simplest that fits")
+        why.append(f"it sends {best['network'] / GB:,.2f} GB a GPU across nodes a step of "
+                   f"{best['sequences']} sequences")
     bubble = f"; its bubble idles {best['bubble']:.0%} of the step" if best["bubble"] else ""
     return f"{row_name(best)}: {'; '.join(why)}{bubble}."
 
@@ -302,13 +455,35 @@ def moe_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+def seconds(value: float) -> str:
+    return f"{value:,.2f} s" if value >= 1 else f"{value * 1e3:,.1f} ms"
+
+
+def step_cells(row: dict) -> list[str]:
+    """A row's predicted step: its time, tokens/s a GPU, MFU, what binds it."""
+    return [seconds(row["step_s"]), f"{row['tokens_per_gpu_s']:,.0f}", f"{row['mfu']:.0%}",
+            row["bound_by"]]
+
+
+def step_note(args: argparse.Namespace) -> str:
+    """Where the step times come from, in a line."""
+    gpu = GPUS[args.gpu]
+    return (f"Step times: common.predict_step on {gpu.name} ({gpu.bf16_flops / 1e12:,.0f} "
+            f"TFLOP/s bf16 peak, {args.run_as} at {achieved(args.run_as):.0%} of it, as "
+            "torchtitan's Llama 3.1 8B FSDP row on 8 GPUs gives; NVLink and the network at "
+            "report/gpus.py's LINK_EFFICIENCY of their rate); MFU = 6 x the weights a token "
+            "meets + attention's 12 x layers x hidden x seq, a GPU's tokens/s, over the peak; "
+            "bound by the largest part (compute, NVLink, network, bubble, optimizer; memory: "
+            "it does not fit).")
+
+
 def render_plan(args: argparse.Namespace) -> str:
     rows = plan_strategies(args)
     table = [[r["strategy"], "yes" if r["checkpointing"] else "no", f"{r['state'] / GB:,.1f}",
               f"{r['activations'] / GB:,.1f}", f"{r['total'] / GB:,.1f}",
               "yes" if r["fits"] else "no", r["sequences"], f"{r['sent'] / GB:,.2f}",
               f"{r['network'] / GB:,.2f}", f"{r['bubble']:.2f}" if r["bubble"] else "",
-              by_dim_text(r)] for r in rows]
+              *step_cells(r), by_dim_text(r)] for r in rows]
     fitting = [r for r in rows if r["fits"]]
     nodes = -(-args.gpus // args.gpus_per_node)
     moe = (f"; {args.experts} experts a layer, top-{args.top_k}, {expert_params(args):.3g} "
@@ -319,8 +494,9 @@ def render_plan(args: argparse.Namespace) -> str:
              f"{args.seq_len} tokens", "",
              tabulate(table, ["strategy", "act. ckpt", "state GB", "activations (+gathered) GB",
                               "total GB", "fits", "sequences/step", "GB sent/GPU/step",
-                              "of which across nodes", "bubble", "mesh: GB by dim"],
-                      tablefmt="github"), ""]
+                              "of which across nodes", "bubble", "step", "tok/s/GPU",
+                              "MFU", "bound by", "mesh: GB by dim"],
+                      tablefmt="github"), "", step_note(args), ""]
     crossovers = crossover_lines(rows)
     lines += [*crossovers, ""] if crossovers else []
     if fitting:
@@ -364,15 +540,15 @@ CASES = [("ResNet-50 on 8 GPUs", {"params": 25.6e6, "gpus": 8, "layers": 16, "hi
           "a MoE: its activations counted as a Llama's of its width")]
 CASE_FLAGS = {"gpu_mem": 80.0, "gpus_per_node": 8, "micro_batch": 1, "micro_batches": None,
               "dtype": "bf16", "llama": False, "pp": None, "experts": 0, "top_k": 0,
-              "expert_ffn": 0, "moe_layers": None}
+              "expert_ffn": 0, "moe_layers": None, "gpu": "h100", "run_as": "eager"}
 
 
 def render_cases() -> str:
     """Each of CASES with what the planner picks (`choose`) and why, one paragraph a case."""
     lines = [f"GPUs of {CASE_FLAGS['gpu_mem']:g} GB, {CASE_FLAGS['gpus_per_node']} a node, "
-             f"{CASE_FLAGS['dtype']}, micro-batch {CASE_FLAGS['micro_batch']} a GPU unless said. "
-             "Pick: what fits, without activation checkpointing if anything does; then the fewest "
-             "bytes a sequence across nodes; then the simplest.", ""]
+             f"{CASE_FLAGS['dtype']}, micro-batch {CASE_FLAGS['micro_batch']} a GPU unless said, "
+             f"{GPUS[CASE_FLAGS['gpu']].name}, eager. Pick: of what fits, the most tokens/s a GPU "
+             f"the step-time model predicts; within {PICK_MARGIN:.0%} of it, the simplest.", ""]
     for name, flags, note in CASES:
         args = argparse.Namespace(**{**CASE_FLAGS, **flags})
         rows = plan_strategies(args)

@@ -5,6 +5,7 @@ recorded and measured in real runs (tests/fixtures)."""
 import argparse
 import contextlib
 import io
+import json
 import math
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 import common
-from report import cli, planner
+from report import cli, gpus, planner
 
 FIXTURE = common.ROOT / "tests" / "fixtures" / "records_small.jsonl"
 MESH_FIXTURE = common.ROOT / "tests" / "fixtures" / "records_mesh.jsonl"
@@ -459,3 +460,82 @@ def test_bad_moe_input_is_one_line(flags, hint):
     run = plan("--params", "7e9", "--gpus", "8", "--gpu-mem", "80", *flags)
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1
     assert hint in run.stderr
+
+
+# ---- Step times: the cost model on GPUs, against published runs (tests/fixtures) ------------
+PUBLISHED = json.loads((common.ROOT / "tests" / "fixtures" / "published_steps.json").read_text())
+
+
+def published_error(row: dict) -> float:
+    """How far the model's prediction is from a published run: its tokens/s a GPU, or, for a
+    row that publishes MFU only (Megatron-LM's), its MFU."""
+    predicted = planner.predict_published(row)
+    if row["tokens_per_gpu_s"] is None:
+        return predicted["mfu"] / row["mfu"] - 1
+    return predicted["tokens_per_gpu_s"] / row["tokens_per_gpu_s"] - 1
+
+
+def test_the_achieved_fraction_gives_back_the_row_it_was_fitted_on():
+    for run_as, tokens_per_s in gpus.FITTED_ON.items():
+        args = planner.layout_args(gpus.LLAMA31["8B"], 8, 8192, 2, gpu="h100-96gb-500w",
+                                   run_as=run_as)
+        predicted = planner.predict_layout(args)["tokens_per_gpu_s"]
+        assert predicted == pytest.approx(tokens_per_s, rel=1e-6)
+    # compile and float8 make more of the peak than eager
+    assert planner.achieved("eager") < planner.achieved("compiled") < planner.achieved("float8")
+
+
+def test_published_runs_are_predicted_within_a_fifth():
+    """torchtitan's H100 tables (8B and 70B; FSDP, FSDP x TP, with PP: 405B's) and Megatron-LM's
+    70B MFU, none of them the rows the model was fitted on: at least 4 of 6 within 20%."""
+    rows = PUBLISHED["rows"]
+    layouts = {("FSDP" if r["tp"] == 1 else "FSDP x TP" if r["pp"] == 1 else "PP") for r in rows}
+    assert len(rows) >= 6 and layouts == {"FSDP", "FSDP x TP", "PP"}
+    assert {r["model"] for r in rows} >= {"8B", "70B"} and \
+        any(r["source"] == "megatron-lm" for r in rows)
+    errors = [published_error(r) for r in rows]
+    near = sum(abs(e) <= 0.2 for e in errors)
+    assert near / len(rows) >= 4 / 6, [f"{r['table']} {r['label']}: {e:+.0%}"
+                                       for r, e in zip(rows, errors, strict=True)]
+
+
+def test_the_order_of_strategies_in_each_published_table():
+    """Within each table (one model and mesh, one change a row: compile, float8, async TP, the
+    schedule), the faster row published is the faster row predicted."""
+    tables = {}
+    for row in PUBLISHED["rows"]:
+        if row["tokens_per_gpu_s"] is not None:
+            tables.setdefault(row["table"], []).append(row)
+    assert len(tables) >= 4
+    for name, rows in tables.items():
+        published = sorted(rows, key=lambda r: r["tokens_per_gpu_s"])
+        predicted = sorted(rows, key=lambda r: planner.predict_published(r)["tokens_per_gpu_s"])
+        assert [r["label"] for r in predicted] == [r["label"] for r in published], name
+
+
+def test_every_planned_row_has_a_step_time_mfu_and_what_binds_it():
+    run = plan("--params", "7e9", "--gpus", "16", "--gpu-mem", "80", "--llama")
+    assert run.returncode == 0, run.stderr
+    assert "| step " in run.stdout and "tok/s/GPU" in run.stdout and "bound by" in run.stdout
+    args = argparse.Namespace(**{**planner.CASE_FLAGS, "params": 7e9, "gpus": 16,
+                                 "layers": 32, "hidden": 4096, "vocab": 32000,
+                                 "seq_len": 4096, "llama": True})
+    rows = planner.plan_strategies(args)
+    assert rows and all(r["step_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    assert {r["bound_by"] for r in rows} <= {"compute", "NVLink", "network", "bubble",
+                                             "optimizer", "memory"}
+    # a row that does not fit is bound by memory; checkpointing's recompute costs time
+    assert all(r["bound_by"] == "memory" for r in rows if not r["fits"])
+    ddp = {r["checkpointing"]: r for r in rows if r["strategy"] == "DDP"}
+    assert ddp[True]["step_s"] > ddp[False]["step_s"]
+    # a faster GPU, the same plan: a shorter step
+    faster = planner.plan_strategies(argparse.Namespace(**{**vars(args), "gpu": "b200"}))
+    assert all(f["step_s"] < r["step_s"] for f, r in zip(faster, rows, strict=True))
+
+
+def test_the_cases_say_their_step_mfu_and_what_binds_it():
+    run = plan("--cases")
+    cases = [line for line in run.stdout.splitlines() if " GPUs (" in line]
+    assert len(cases) == len(planner.CASES)
+    assert all("Predicted step" in line and "MFU" in line and "bound by" in line
+               for line in cases)
