@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import common
-from report.calibrate import calibrate, render_calibration
+from report.calibrate import MODELS, calibrate, render_calibration
 from report.charts import write_charts
 from report.gpus import GPUS
 from report.planner import (
@@ -186,9 +186,11 @@ def main(argv: Sequence[str]) -> int:
     if args.command == "calibrate":
         dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
         have = (common.load_calibration() or {}).get("sizes", {}).get(args.size, {})
+        # present and of this `make calibrate`: every world's rates for every model
         if args.if_missing and have.get("dtype") == dtype and have.get("device") == (
                 "cuda" if torch.cuda.is_available() else "cpu") and \
-                {str(w) for w in args.worlds} <= set(have.get("worlds", {})):
+                all(common.rates_from_calibration(have, world, model)
+                    for world in args.worlds for model in MODELS):
             return 0
         print(render_calibration(calibrate(args.worlds, args.size, dtype, args.reps,
                                            common.CALIBRATION)))

@@ -272,9 +272,22 @@ def predict_published(row: dict) -> dict:
 PUBLISHED = common.ROOT / "tests" / "fixtures" / "published_steps.json"
 
 
+def render_gpus() -> str:
+    """report/gpus.py's table: each GPU's datasheet figures and their sources."""
+    return tabulate([[f"`{key}`", gpu.name, f"{gpu.bf16_flops / 1e12:,.0f}",
+                      f"{gpu.fp8_flops / 1e12:,.0f}" if gpu.fp8_flops else "none",
+                      f"{gpu.memory_gb:g} GB, {gpu.hbm_bytes_per_s / 1e12:g} TB/s",
+                      f"{gpu.nvlink_bytes_per_s / GB:g} GB/s",
+                      f"{gpu.network_bytes_per_s / GB:g} GB/s", gpu.sources]
+                     for key, gpu in GPUS.items()],
+                    ["--gpu", "GPU", "bf16 dense TFLOP/s", "fp8", "HBM", "NVLink a direction",
+                     "network a GPU", "sources"], tablefmt="github")
+
+
 def render_published(path: Path = PUBLISHED) -> str:
-    """Each published run the step-time model is held to (its sources in the file) beside the
-    model's prediction: tokens/s a GPU (MFU where only that is published), and what binds it."""
+    """The GPUs (render_gpus), then each published run the step-time model is held to (its
+    sources in the file) beside the model's prediction: tokens/s a GPU (MFU where only that is
+    published), and what binds it."""
     published = json.loads(path.read_text())
     table = []
     for row in published["rows"]:
@@ -289,7 +302,8 @@ def render_published(path: Path = PUBLISHED) -> str:
         table.append([row["table"], row["label"], measured, ours, f"{error:+.0%}",
                       predicted["bound_by"]])
     fitted = ", ".join(f"{mode} {achieved(mode):.1%}" for mode in FITTED_ON)
-    return "\n".join([tabulate(table, ["published run", "row", "tokens/s a GPU", "predicted",
+    return "\n".join([render_gpus(), "",
+                      tabulate(table, ["published run", "row", "tokens/s a GPU", "predicted",
                                        "off by", "bound by"], tablefmt="github"), "",
                       f"The share of the bf16 peak a step's compute achieves, fitted on "
                       f"torchtitan's Table 1 (Llama 3.1 8B, FSDP on 8 GPUs) and used unchanged "

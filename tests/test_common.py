@@ -438,7 +438,7 @@ def test_a_row_compared_with_another_than_its_folders_baseline_names_it_and_show
             results_table.render_report(records).splitlines() if line.startswith("| optimized")}
     assert set(rows) == {"optimized_fsdp", "optimized_fsdp_fp8 vs optimized_fsdp"}
     fp8 = rows["optimized_fsdp_fp8 vs optimized_fsdp"]
-    assert fp8.split("|")[7].strip() == "0.50x"  # 50 ms / 100 ms: against optimized_fsdp
+    assert fp8.split("|")[8].strip() == "0.50x"  # 50 ms / 100 ms: against optimized_fsdp
     assert fp8.rstrip(" |").endswith(f"ok; {note}")
     assert rows["optimized_fsdp"].rstrip(" |").endswith("| ok")
 
@@ -477,7 +477,7 @@ def test_a_baseline_that_did_not_run_is_what_its_optimized_rows_say():
         "ok; not compared: baseline skipped")
     assert rows["optimized_ddp_lone"].rstrip(" |").endswith(
         "ok; not compared: no baseline_ddp_lone run on this setup")
-    assert all(row.split("|")[7].strip() == "" and "other" not in row for row in rows.values())
+    assert all(row.split("|")[8].strip() == "" and "other" not in row for row in rows.values())
 
 
 def test_a_run_is_compared_with_its_baselines_run_of_the_same_flags_else_its_default():
@@ -498,7 +498,7 @@ def test_a_run_is_compared_with_its_baselines_run_of_the_same_flags_else_its_def
                     variant="--clip-grad-norm 1.0")]
     rows = {line.split("|")[1].strip(): line for line in
             results_table.render_report(records).splitlines() if line.startswith("| optimized")}
-    speedups = {label: row.split("|")[7].strip() for label, row in rows.items()}
+    speedups = {label: row.split("|")[8].strip() for label, row in rows.items()}
     assert speedups == {"optimized_symmem_training --batch-size 1 --seq-len 32": "2.00x",
                         "optimized_symmem_training --replicated-optimizer": "1.25x",
                         "optimized_zero_pytorch --stage 3 --clip-grad-norm 0.5": "2.00x",
@@ -558,10 +558,10 @@ def test_a_speedup_within_the_runs_spread_and_a_busy_host_are_marked_and_explain
         return rows, text
 
     rows, text = table(base, apart)
-    assert rows["optimized_ddp"][7] == "1.25x" and rows["optimized_ddp"][-2] == "ok"
+    assert rows["optimized_ddp"][8] == "1.25x" and rows["optimized_ddp"][-2] == "ok"
     assert results_table.NOISE_NOTE not in text  # the note comes with a mark only
     rows, text = table(base, dict(apart, step_ms_iqr=[75.0, 96.0]))  # overlaps [95, 130]
-    assert rows["optimized_ddp"][7] == "~1.25x" and results_table.NOISE_NOTE in text
+    assert rows["optimized_ddp"][8] == "~1.25x" and results_table.NOISE_NOTE in text
     rows, text = table(dict(base, load_avg=[2.1, 3.1]), apart)
     assert rows["baseline_ddp"][-2] == "ok (busy host)" and rows["optimized_ddp"][-2] == "ok"
     assert results_table.NOISE_NOTE in text

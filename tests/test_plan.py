@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -358,11 +359,11 @@ def test_tp_traffic_stays_in_the_node():
             if line.startswith("| ") and " x TP" in line]
     assert len(rows) == 4
     for row in rows:
-        by_dim = dict(part.rsplit(" ", 1) for part in row[10].split(": ")[1].split(" / "))
+        by_dim = dict(part.rsplit(" ", 1) for part in row[-1].split(": ")[1].split(" / "))
         assert float(row[8]) == pytest.approx(sum(float(by_dim[d]) for d in ("FSDP", "PP")
                                                   if d in by_dim), abs=0.02)
         assert float(row[7]) == pytest.approx(sum(map(float, by_dim.values())), abs=0.03)
-    assert all(row[10].startswith("pp 4 x dp 2 x tp 8, m 8") for row in rows[2:])
+    assert all(row[-1].startswith("pp 4 x dp 2 x tp 8, m 8") for row in rows[2:])
 
 
 def test_the_decision_matrix_cases():
@@ -371,18 +372,15 @@ def test_the_decision_matrix_cases():
     picks = {line.split(" (")[0]: line.split("): ", 1)[1].split(":")[0]
              for line in run.stdout.splitlines() if " GPUs (" in line}
     assert picks == {
-        "ResNet-50 on 8 GPUs": "DDP", "GPT-2 1.5B on 4 GPUs": "DDP",
-        # ZeRO-1 fits 7B (61 GB: fp32 Adam state over 8, bf16 weights and grads whole) and sends
-        # DDP's bytes, two thirds of FSDP's: sharding the weights too is not needed
+        # the most tokens/s a GPU; within 5% the simplest: DDP's optimizer steps every
+        # parameter on every GPU, ZeRO-2's a quarter of them (1.5B x 28 bytes of HBM a step)
+        "ResNet-50 on 8 GPUs": "DDP", "GPT-2 1.5B on 4 GPUs": "ZeRO-2",
         "LLaMA-7B on 8 GPUs": "ZeRO-1",
-        # the one layout that fits 70B without activation checkpointing: each 4,096-token
-        # sequence over 2 GPUs. The pick weighs no time: FSDP's 412 GB a GPU across nodes a
-        # step against PP x FSDP x TP's recomputation is the step-time planner's to price
-        "LLaMA-70B on 64 GPUs": "FSDP x CP (dp 32 x cp 2)",
-        # a MoE: EP (dp 1 x ep 16) sends 1.16 GB a sequence across nodes, the all-to-all's
-        # share off the node and the dense part's all-reduce; two stages of TP 8 in a node send
-        # 0.07 GB a step of 32 sequences (TP splits each expert as it splits a dense MLP)
-        "Qwen3-30B-A3B on 16 GPUs": "PP x FSDP x TP (pp 2 x dp 1 x tp 8, m 4)"}
+        # FSDP x CP (dp 32 x cp 2) fits without checkpointing but sends 412 GB a GPU across
+        # nodes a step; TP inside the node and FSDP across, with checkpointing, is faster
+        "LLaMA-70B on 64 GPUs": "FSDP x TP (dp 8 x tp 8) with activation checkpointing",
+        # two stages of the whole model a node: its bubble costs less than TP's exposed bytes
+        "Qwen3-30B-A3B on 16 GPUs": "pipeline"}
 
 
 def test_plan_alone_shows_the_cases():
@@ -537,5 +535,5 @@ def test_the_cases_say_their_step_mfu_and_what_binds_it():
     run = plan("--cases")
     cases = [line for line in run.stdout.splitlines() if " GPUs (" in line]
     assert len(cases) == len(planner.CASES)
-    assert all("Predicted step" in line and "MFU" in line and "bound by" in line
-               for line in cases)
+    assert all(re.search(r"[\d,]+ tokens/s a GPU \(MFU \d+%, a step [\d.,]+ m?s, bound by "
+                         r"(compute|NVLink|network|bubble|optimizer)\)", line) for line in cases)

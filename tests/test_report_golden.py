@@ -27,7 +27,8 @@ PLANS = {"plan_cases": ["--cases"],
          "plan_70b_64_llama": ["--params", "70e9", "--gpus", "64", "--gpu-mem", "80", "--llama"],
          "plan_1b_4_fp32": ["--params", "1.5e9", "--gpus", "4", "--gpu-mem", "24", "--dtype",
                             "fp32", "--layers", "48", "--hidden", "1600", "--vocab", "50257",
-                            "--seq-len", "1024"]}
+                            "--seq-len", "1024"],
+         "plan_published": ["--published"]}
 
 
 def _report(*flags: str) -> str:
