@@ -384,6 +384,11 @@ def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> N
     if rank == 0:
         torch.save(found, out_file)
     dist.destroy_process_group()
+    # past here only the interpreter's teardown, where gloo's threads may still abort the
+    # process (SIGABRT), failing a world whose checks all ran: leave without it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
