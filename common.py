@@ -1207,14 +1207,22 @@ def matmul_weights_per_token(size: Size, model: str) -> float:
     return (attention + mlp) * layers + d * size.vocab_size
 
 
+def train_flops_per_token(matmul_weights: float, layers: int, d_model: int, seq_len: int
+                          ) -> tuple[float, float]:
+    """A token's training FLOPs (backward: twice the forward), as torchtitan counts them for
+    MFU: (all, attention's). The matmuls', 6 x the weights it multiplies through; attention's,
+    its scores and weighted sum (2 x 2 x seq x d_model a layer forward, the causal mask's
+    skipped half counted as done), 12 x layers x seq x d_model."""
+    attention = 12 * layers * seq_len * d_model
+    return 6 * matmul_weights + attention, attention
+
+
 def train_flops(size: Size, model: str, tokens: float, seq_len: int) -> tuple[float, float]:
-    """A training step's FLOPs over `tokens` in sequences of `seq_len` (backward: twice the
-    forward), as torchtitan counts them for MFU: the matmuls', 6 x the weights a token meets x
-    tokens, and attention's, its scores and weighted sum (2 x 2 x seq x d_model a token and
-    layer forward, the causal mask's skipped half counted as done), 12 x layers x seq x
-    d_model a token."""
-    return (6 * matmul_weights_per_token(size, model) * tokens,
-            12 * size.n_layers * seq_len * size.d_model * tokens)
+    """A training step's (matmul, attention) FLOPs over `tokens` in sequences of `seq_len`:
+    train_flops_per_token of the model's shape, times the tokens."""
+    every, attention = train_flops_per_token(matmul_weights_per_token(size, model),
+                                             size.n_layers, size.d_model, seq_len)
+    return (every - attention) * tokens, attention * tokens
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,9 @@ from report.gpus import ADAMW_BYTES
 MODELS = ("gpt", "llama", "moe")
 # The collectives a step hands over, by CollectiveBytes' kind names: the c10d call that runs each
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "send")
+# Bytes a rank of n sends a byte handed over, as common.CollectiveBytes counts each kind
+SENT_PER_BYTE = {f"{name.strip('_').removesuffix('_base')}": rule
+                 for name, (_, _, rule) in common._SENT_PER_BYTE.items()}
 # Message sizes (bytes of the tensor handed over) whose times give latency and time a byte
 SMALL_BYTES, LARGE_BYTES = 2**14, 2**24
 
@@ -182,8 +185,7 @@ def _collective(op: str, nbytes: int, group: dist.ProcessGroup, device: torch.de
     count: the ring's share of what is handed over)."""
     n, rank = group.size(), group.rank()
     x = torch.ones(nbytes // 4, device=device)
-    per_byte = {"allreduce": 2 * (n - 1) / n, "allgather": n - 1, "reduce_scatter": (n - 1) / n,
-                "alltoall": (n - 1) / n, "broadcast": (n - 1) / n, "send": 1}[op]
+    per_byte = SENT_PER_BYTE[op](n)
     if op == "allreduce":
         return lambda: dist.all_reduce(x, group=group), per_byte * nbytes
     if op == "allgather":  # `nbytes` gathered: each rank hands over its 1/n

@@ -93,12 +93,6 @@ def llama_params(shape: dict) -> tuple[float, float]:
     return shape["layers"] * layer + 2 * table + h, table
 
 
-def flops_per_token(matmul_weights: float, layers: int, hidden: int, seq: int) -> float:
-    """torchtitan's count, common.train_flops': 6 x the weights a token multiplies through + 12 x
-    layers x hidden x seq (attention, the causal half counted)."""
-    return 6 * matmul_weights + 12 * layers * hidden * seq
-
-
 def gpu_rates(gpu: GPU, achieved: float) -> common.Rates:
     """A GPU's Rates at `achieved` of its peak: links are named by mesh dim and where they run
     ("tp/nvlink", "dp/network"), priced per byte at LINK_EFFICIENCY of the link."""

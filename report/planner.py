@@ -15,7 +15,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 import common
-from report.gpus import FITTED_ON, GPU, GPUS, LLAMA31, flops_per_token, gpu_rates, llama_params
+from report.gpus import FITTED_ON, GPU, GPUS, LLAMA31, gpu_rates, llama_params
 
 GB = 1e9
 # Bytes per parameter: (weights, gradients, optimizer state) with AdamW. fp32: 4 + 4 + 8 (two
@@ -169,12 +169,12 @@ def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpoi
 def plan_flops_per_token(args: argparse.Namespace) -> tuple[float, float]:
     """(all, attention's) training FLOPs a token at the planner's flags: the weights a token
     multiplies through are the parameters less the input tables (plus a tied head's, which
-    the head multiplies by), a MoE's routed experts at top_k of them (gpus.flops_per_token)."""
+    the head multiplies by), a MoE's routed experts at top_k of them (common's
+    train_flops_per_token: the records' count)."""
     layout = plan_input(args)
     routed_off = expert_params(args) * (1 - args.top_k / args.experts) if args.experts else 0.0
     matmul = args.params - layout.embedding + layout.tied - routed_off
-    attention = 12 * args.layers * args.hidden * args.seq_len
-    return flops_per_token(matmul, args.layers, args.hidden, args.seq_len), attention
+    return common.train_flops_per_token(matmul, args.layers, args.hidden, args.seq_len)
 
 
 def planned_step(args: argparse.Namespace, row: dict, figures: dict, gpu: GPU, achieved: float,
