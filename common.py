@@ -43,6 +43,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import resource
 import socket
@@ -887,11 +888,33 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands to sockets that bind port 0 (gloo's pairs, every client)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):  # not Linux: IANA's dynamic range
+        low, high = 49152, 65535
+    return range(low, high + 1)
+
+
+def free_port(block: int = 1) -> int:
+    """A TCP port p on 127.0.0.1 where p .. p + block - 1 are all free right now, drawn outside
+    the kernel's ephemeral range: there a later connection or a gloo pair would never take it
+    between this check and the store's bind, so a test may use p + k for its k-th group."""
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in range(10000, 65536 - block)
+                  if p + block <= ephemeral.start or p >= ephemeral.stop]
+    for port in random.Random().sample(candidates, k=min(200, len(candidates))):
+        try:
+            with contextlib.ExitStack() as sockets:
+                for k in range(block):
+                    s = sockets.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port + k))
+            return port
+        except OSError:
+            continue
+    raise SetupError(f"no {block} free TCP port(s) in a row on 127.0.0.1 outside the ephemeral "
+                     f"range {ephemeral.start}-{ephemeral.stop - 1}: set MASTER_PORT")
 
 
 def first_slurm_host(nodelist: str) -> str:

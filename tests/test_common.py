@@ -1,10 +1,12 @@
 """Unit tests for common.py: timing statistics, sharding, memory counting, workload, report."""
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -918,3 +920,14 @@ def test_a_model_given_its_own_positions_computes_the_same_loss(model_name):
     shard = common.sequence_positions(16, 0, 2)
     xs, ys = x[:, shard], y[:, shard]
     assert not torch.equal(model(xs, ys, positions=shard), model(xs, ys))
+
+
+def test_a_free_port_block_is_free_and_outside_the_ephemeral_range():
+    # gloo's pairs and every client socket bind port 0 and get a port in the ephemeral range: a
+    # test's store at port + k, chosen there, was once taken between the check and the bind
+    ephemeral = common._ephemeral_ports()
+    port = common.free_port(block=40)
+    assert port + 40 <= ephemeral.start or port >= ephemeral.stop
+    with contextlib.ExitStack() as sockets:
+        for k in range(40):
+            sockets.enter_context(socket.socket()).bind(("127.0.0.1", port + k))

@@ -506,7 +506,8 @@ def spawned(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("runtimes")
     for world in (2, 3):
-        mp.spawn(_spawned, args=(world, common.free_port(), str(out)), nprocs=world)
+        port = common.free_port(block=8)  # the runtimes' store, then the Llama's (up to 7)
+        mp.spawn(_spawned, args=(world, port, str(out)), nprocs=world)
     return out
 
 

@@ -214,7 +214,8 @@ def spawned_world(tmp_path_factory):
     def at(world: int):
         if world not in done:
             out = tmp_path_factory.mktemp(f"world{world}")
-            mp.spawn(_run_the_world, args=(world, common.free_port(), str(out)), nprocs=world)
+            port = common.free_port(block=len(RUNS[world]) + 1)  # each run's store, then the units'
+            mp.spawn(_run_the_world, args=(world, port, str(out)), nprocs=world)
             done[world] = out
         return done[world]
 
