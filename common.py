@@ -1059,7 +1059,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
         raise ValueError(f"reduce_scatter on gloo sums or averages, not {op}")
     n = dist.get_world_size(group)
     copies = torch.empty_like(inp)  # row k: rank k's copy of this rank's chunk
-    work = dist.all_to_all_single(copies, inp, group=group, async_op=True)
+    with CollectiveBytes.counted_as("reduce_scatter"):  # the step-time model prices one
+        work = dist.all_to_all_single(copies, inp, group=group, async_op=True)
 
     def sum_copies(_: torch.futures.Future) -> None:
         torch.sum(copies.view(n, -1), dim=0, out=out.view(-1))
@@ -1111,6 +1112,19 @@ class CollectiveBytes(TorchDispatchMode):
         # "<collective>/<group size>" -> [bytes, calls]: what the step-time model prices
         self.by_op: dict[str, list[float]] = {}
 
+    _op_named: str | None = None  # set by counted_as
+
+    @classmethod
+    @contextlib.contextmanager
+    def counted_as(cls, op: str):
+        """The collectives issued inside count in `by_op` as `op`: gloo's reduce-scatter here
+        is an all-to-all, which calibration measures as a reduce-scatter too."""
+        cls._op_named = op
+        try:
+            yield
+        finally:
+            cls._op_named = None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
         if func.namespace == "c10d" and name == "alltoall_base_" and args[4]:
@@ -1129,7 +1143,8 @@ class CollectiveBytes(TorchDispatchMode):
 
     def count(self, name: str, tensors: list[torch.Tensor], group: dist.ProcessGroup,
               per_byte: Callable[[int], float]) -> None:
-        op = f"{_C10D_NAME.get(name, name.strip('_').removesuffix('_base'))}/{group.size()}"
+        priced = self._op_named or _C10D_NAME.get(name, name.strip("_").removesuffix("_base"))
+        op = f"{priced}/{group.size()}"
         sent_by_op = self.by_op.setdefault(op, [0.0, 0])
         sent_by_op[1] += 1  # one call, whatever the tensors it hands over
         for t in tensors:
@@ -1265,6 +1280,7 @@ class Rates:
     source: str  # which calibration or datasheet
     layer_s: float = 0.0  # a layer's forward and backward whatever its tokens: op dispatch
     attention_by_length: tuple[tuple[int, float], ...] = ()  # (sequence length, FLOP/s)
+    float8_matmul_flops: float = 0.0  # torchao's Float8Linear; 0: not measured (matmul_flops)
 
     def attention_rate(self, seq: int) -> float:
         """Attention's FLOP/s at sequence length `seq`: between two lengths measured, linear in
@@ -1288,8 +1304,12 @@ class Rates:
         if key in self.links:
             return self.links[key]
         op, group = key.split("/")
+        if group == "1":  # a group of one sends nothing (a world of one's DDP, say)
+            return 0.0, 0.0
         measured = [k for k in self.links if k.split("/")[0] == op] or \
             [k for k in self.links if k.startswith("allreduce/")]
+        if not group.isdigit() or not measured:
+            raise KeyError(f"{self.source} has no link for {key!r}; it has {sorted(self.links)}")
         return self.links[min(measured, key=lambda k: abs(int(k.split("/")[1]) - int(group)))]
 
 
@@ -1304,7 +1324,8 @@ def rates_from_calibration(calibration: Mapping, world: int, model: str) -> Rate
                  measured["optimizer_s"], {key: tuple(value) for key, value in
                                            measured["collectives"].items()},
                  measured["overlap"], calibration["id"], compute["layer_s"],
-                 tuple((int(seq), rate) for seq, rate in compute["attention_by_length"]))
+                 tuple((int(seq), rate) for seq, rate in compute["attention_by_length"]),
+                 compute.get("float8_matmul_flops") or 0.0)
 
 
 @dataclass(frozen=True)
@@ -1314,8 +1335,8 @@ class StepWork:
     layer passes (by layer: a pipeline's stage runs each of its layers once a micro-batch),
     recompute (activation checkpointing: the blocks' forward again), the parameters it steps,
     its collectives {"allreduce/2": (bytes sent, messages)}, which of them hide under compute
-    ({"allreduce": "backward"}, OVERLAP_WINDOWS), and the fraction of the step a pipeline's
-    stage idles (its bubble)."""
+    ({"allreduce": "backward"}, OVERLAP_WINDOWS), the fraction of the step a pipeline's
+    stage idles (its bubble), and the share of the matmul FLOPs in float8 linears."""
 
     matmul_flops: float
     attention_flops: float
@@ -1327,6 +1348,7 @@ class StepWork:
     bubble: float = 0.0
     seq_len: int = 0
     layer_passes: float = 0.0
+    float8_share: float = 0.0
 
 
 def predict_step(work: StepWork, rates: Rates) -> dict[str, float | str]:
@@ -1334,7 +1356,9 @@ def predict_step(work: StepWork, rates: Rates) -> dict[str, float | str]:
     of three), the optimizer, the collectives' time left exposed (less `rates.overlap` of the
     compute window each hides under), the bubble's idle time, and what binds the step (the
     largest part)."""
-    compute = (work.matmul_flops / rates.matmul_flops
+    float8_rate = rates.float8_matmul_flops or rates.matmul_flops
+    compute = (work.matmul_flops * (1 - work.float8_share) / rates.matmul_flops
+               + work.matmul_flops * work.float8_share / float8_rate
                + work.attention_flops / rates.attention_rate(work.seq_len)
                + work.token_layers * rates.other_s
                + work.layer_passes * rates.layer_s) * (4 / 3 if work.recompute else 1)
@@ -1353,8 +1377,10 @@ def predict_step(work: StepWork, rates: Rates) -> dict[str, float | str]:
             "bound_by": max(parts, key=parts.get)}
 
 
-def load_calibration(path: Path = CALIBRATION) -> dict | None:
-    """outputs/calibration.json (`make calibrate`), or None before the first calibration."""
+def load_calibration(path: Path | None = None) -> dict | None:
+    """`path`, by default CALIBRATION (outputs/calibration.json, `make calibrate`), or None
+    before the first calibration."""
+    path = path or CALIBRATION
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -1389,11 +1415,15 @@ def predicted_step(args: argparse.Namespace, topo: Topology, stats: Stats,
     steps = [t for p in (model.parameters() if optimizer is None else
                          (p for group in optimizer.param_groups for p in group["params"]))
              for t in _plain(p)]
+    # torchao's Float8Linear (03's FP8 run), by name: a run without torchao never imports it
+    float8 = sum(m.in_features * m.out_features for m in model.modules()
+                 if type(m).__name__ == "Float8Linear")
     work = StepWork(matmul, attention * attention_busiest, tokens * size.n_layers,
                     sum(t.numel() for t in steps),
                     {op: (mb * 2**20, calls) for op, (mb, calls) in
                      (stats.comm_by_op or {}).items()}, overlapped, recompute, bubble,
-                    args.seq_len // cp, size.n_layers * layer_passes)
+                    args.seq_len // cp, size.n_layers * layer_passes,
+                    float8 / matmul_weights_per_token(size, args.model))
     return {**predict_step(work, rates), "calibration": rates.source,
             "work": {**dataclasses.asdict(work), "collectives": {
                 op: list(value) for op, value in work.collectives.items()}}}

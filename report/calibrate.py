@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import signal
@@ -39,6 +40,10 @@ import torch.nn.functional as F
 import common
 from report.gpus import ADAMW_BYTES
 
+# Each world is forked from this interpreter, and CUDA once initialised does not survive a fork:
+# torch.cuda.is_available() asks NVML, not the CUDA driver (the parent never initialises CUDA).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
 MODELS = ("gpt", "llama", "moe")
 # The collectives a step hands over, by CollectiveBytes' kind names: the c10d call that runs each
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "send")
@@ -47,20 +52,37 @@ SENT_PER_BYTE = {f"{name.strip('_').removesuffix('_base')}": rule
                  for name, (_, _, rule) in common._SENT_PER_BYTE.items()}
 # Message sizes (bytes of the tensor handed over) whose times give latency and time a byte
 SMALL_BYTES, LARGE_BYTES = 2**14, 2**24
+# A timing's length at least (calls back to back, at most MAX_CALLS): several of the host's time
+# slices, so that two calibrations agree to a few per cent
+TIMING_WINDOW_S, MAX_CALLS = 0.015, 32
 
 
 def _median_s(run: Callable[[], object], device: torch.device, reps: int) -> float:
-    """The median seconds of `reps` calls of `run`, after one untimed call, the ranks starting
-    each measurement together."""
+    """The median seconds a call of `run` over `reps` timings, after two untimed calls, the
+    ranks starting each timing together. A timing runs `run` back to back for TIMING_WINDOW_S
+    at least, the same calls on every rank (a collective's ranks must agree): a mean of many
+    calls that the host's time slices (processes outnumbering cores) and a collective's
+    two-speed latency shift far less than one call's; on a GPU, kernels queued behind each
+    other as in a step, not each behind its launch and a synchronisation."""
     run()
+    common._sync(device)
+    start = time.perf_counter()
+    run()
+    common._sync(device)
+    once = time.perf_counter() - start
+    calls = torch.tensor([min(MAX_CALLS, math.ceil(TIMING_WINDOW_S / max(once, 1e-9)))],
+                         device=device)
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    calls = int(calls.item())
     dist.barrier()
     times = []
     for _ in range(reps):
         common._sync(device)
         start = time.perf_counter()
-        run()
+        for _ in range(calls):
+            run()
         common._sync(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
@@ -69,8 +91,9 @@ def _forward_backward(module: Callable[..., torch.Tensor], *inputs: torch.Tensor
 
 
 def linear_shapes(model: nn.Module, size: common.Size, tokens: int) -> dict[tuple, int]:
-    """{(rows, in, out): how many} of the model's Linears in one forward: every Linear at the
-    batch's tokens, a MoE's routed experts at their even share (tokens x top_k / experts)."""
+    """{(rows, in, out): how many} of the model's matmuls with a weight in one forward: every
+    Linear (and MoE router) at the batch's tokens, a MoE's routed experts at their even share
+    (tokens x top_k / experts)."""
     shapes: dict[tuple, int] = {}
     experts = {id(m) for e in model.modules() if isinstance(e, common.Experts)
                for m in e.modules() if isinstance(m, nn.Linear)}
@@ -78,7 +101,11 @@ def linear_shapes(model: nn.Module, size: common.Size, tokens: int) -> dict[tupl
     for m in model.modules():
         if isinstance(m, nn.Linear):
             key = (routed if id(m) in experts else tokens, m.in_features, m.out_features)
-            shapes[key] = shapes.get(key, 0) + 1
+        elif isinstance(m, common.TopKRouter):  # its F.linear, which train_flops counts too
+            key = (tokens, m.weight.shape[1], m.weight.shape[0])
+        else:
+            continue
+        shapes[key] = shapes.get(key, 0) + 1
     return shapes
 
 
@@ -111,14 +138,20 @@ def measure_compute(name: str, size_name: str, device: torch.device, dtype: str,
             return {"step_s": whole}
         one = whole_s(1)
         matmul_s = matmul_flops = 0.0
-        for (rows, fan_in, fan_out), count in linear_shapes(model, size, n).items():
+        shapes = linear_shapes(model, size, n)
+        for (rows, fan_in, fan_out), count in shapes.items():
             x = torch.randn(rows, fan_in, device=device, requires_grad=True)
             w = torch.randn(fan_out, fan_in, device=device, requires_grad=True)
             matmul_s += count * _median_s(lambda x=x, w=w: _forward_backward(F.linear, x, w),
                                           device, reps)
             matmul_flops += count * 6 * rows * fan_in * fan_out
         attention = layers * attention_s(name, size, size.batch_size, size.seq_len, device,
-                                         reps)
+                                         reps, dtype)
+        float8 = float8_matmul_flops(shapes, device, reps) if name != "moe" else None
+    # Kernels timed alone that still add up to more than the whole (a GPU's step overlaps one
+    # kernel's launch with the last's run): the whole is the step, so their rates rise alike.
+    faster = max(1.0, (matmul_s + attention) / whole)
+    matmul_s, attention = matmul_s / faster, attention / faster
     rest = max(whole - matmul_s - attention, 0.0)
     # at one sequence: the matmuls and attention a batch's 1/batch_size (the same lengths)
     rest_one = max(one - (matmul_s + attention) / size.batch_size, 0.0)
@@ -126,10 +159,38 @@ def measure_compute(name: str, size_name: str, device: torch.device, dtype: str,
     return {"matmul_flops": matmul_flops / matmul_s,
             "attention_flops": common.train_flops(size, name, n, size.seq_len)[1] / attention,
             "other_s": per_token, "layer_s": max(rest / layers - per_token * n, 0.0),
-            "step_s": whole, "matmul_s": matmul_s, "attention_s": attention}
+            "step_s": whole, "matmul_s": matmul_s, "attention_s": attention,
+            "parts_over_whole": faster,
+            **({"float8_matmul_flops": float8 / faster} if float8 else {})}
 
 
-def attention_by_length(size_name: str, device: torch.device, reps: int
+def float8_matmul_flops(shapes: dict[tuple, int], device: torch.device, reps: int
+                        ) -> float | None:
+    """The FLOP/s of torchao's Float8Linear (03's optimized_fsdp_fp8) at the model's matmul
+    shapes that float8 takes (multiples of 16), forward and backward: the casts to E4M3 and E5M2
+    with their scales and the matmuls (emulated where the host has no float8 units, as on a
+    CPU). None without torchao, or where float8 does not run."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        return None
+    seconds = flops = 0.0
+    for (rows, fan_in, fan_out), count in shapes.items():
+        if fan_in % 16 or fan_out % 16:
+            continue
+        linear = nn.Sequential(nn.Linear(fan_in, fan_out, bias=False)).to(device)
+        convert_to_float8_training(linear)
+        x = torch.randn(rows, fan_in, device=device, requires_grad=True)
+        try:
+            seconds += count * _median_s(lambda x=x, linear=linear: _forward_backward(linear, x),
+                                         device, reps)
+        except RuntimeError:  # a GPU without float8 matmuls (before sm89)
+            return None
+        flops += count * 6 * rows * fan_in * fan_out
+    return flops / seconds if seconds else None
+
+
+def attention_by_length(size_name: str, device: torch.device, reps: int, dtype: str
                         ) -> list[list[float]]:
     """[[length, FLOP/s]] of the GPT's attention (the models share its kernel) on one sequence
     of the size's long length and of four times it: a longer sequence's kernel runs nearer the
@@ -137,19 +198,22 @@ def attention_by_length(size_name: str, device: torch.device, reps: int
     size = common.SIZES[size_name]
     out = []
     for seq in (size.long_seq_len, 4 * size.long_seq_len):
-        seconds = attention_s("gpt", size, 1, seq, device, reps)
+        seconds = attention_s("gpt", size, 1, seq, device, reps, dtype)
         out.append([seq, common.train_flops(size, "gpt", seq, seq)[1] / size.n_layers / seconds])
     return out
 
 
 def attention_s(name: str, size: common.Size, batch: int, seq: int, device: torch.device,
-                reps: int) -> float:
-    """One layer's attention, forward and backward, on `batch` sequences of `seq`."""
+                reps: int, dtype: str) -> float:
+    """One layer's attention, forward and backward, on `batch` sequences of `seq`: q, k and v
+    in the step's compute dtype, as the projection before it hands them over."""
     head_dim = size.d_model // size.n_heads
     kv_heads = size.n_heads if name == "gpt" else size.n_kv_heads
-    q = torch.randn(batch, size.n_heads, seq, head_dim, device=device, requires_grad=True)
-    k, v = (torch.randn(batch, kv_heads, seq, head_dim, device=device, requires_grad=True)
-            for _ in range(2))
+    kind = torch.bfloat16 if dtype == "bf16" else torch.float32
+    q = torch.randn(batch, size.n_heads, seq, head_dim, device=device, dtype=kind,
+                    requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, seq, head_dim, device=device, dtype=kind,
+                        requires_grad=True) for _ in range(2))
     return _median_s(lambda: _forward_backward(common.causal_sdpa, q, k, v), device, reps)
 
 
@@ -163,13 +227,16 @@ def scaled_compute(decomposed: dict[str, float], step_s: float) -> dict[str, flo
             "attention_by_length": [[seq, rate / slower] for seq, rate in
                                     decomposed["attention_by_length"]],
             "other_s": decomposed["other_s"] * slower,
-            "layer_s": decomposed["layer_s"] * slower, "step_s": step_s, "slowdown": slower}
+            "layer_s": decomposed["layer_s"] * slower, "step_s": step_s, "slowdown": slower,
+            **({"float8_matmul_flops": decomposed["float8_matmul_flops"] / slower}
+               if "float8_matmul_flops" in decomposed else {})}
 
 
 def measure_optimizer(device: torch.device, reps: int) -> tuple[float, float]:
-    """AdamW's step a parameter (seconds), over 4M parameters with gradients, and the memory
-    bandwidth (bytes/s) of a triad over 16M floats: two read, one written."""
-    params = [torch.zeros(2**20, device=device, requires_grad=True) for _ in range(4)]
+    """AdamW's step a parameter (seconds), over 16M parameters with gradients, and the memory
+    bandwidth (bytes/s) of a triad over 16M floats: two read, one written. 16M parameters: on a
+    GPU a few million would time the launches of AdamW's kernels, not their memory traffic."""
+    params = [torch.zeros(2**22, device=device, requires_grad=True) for _ in range(4)]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-3)
@@ -232,7 +299,7 @@ def measure_collectives(world: int, device: torch.device, reps: int
             messages = 2 if op == "send" else 1
             small, small_sent = _collective(op, SMALL_BYTES, group, device)
             large, large_sent = _collective(op, LARGE_BYTES, group, device)
-            t_small = _median_s(small, device, 4 * reps) / messages
+            t_small = _median_s(small, device, 2 * reps) / messages
             t_large = _median_s(large, device, reps) / messages
             per_byte = max(t_large - t_small, 0.0) / ((large_sent - small_sent) / messages)
             out[f"{op}/{g}"] = [t_small - per_byte * small_sent / messages + woken[str(g)],
@@ -292,7 +359,7 @@ def measure_world(world: int, size: str, dtype: str, reps: int, first: dict | No
     compute = {name: measure_compute(name, size, topo.device, dtype, reps, first is None)
                for name in (MODELS if first is None else MODELS[:1])}
     if first is None:
-        longer = attention_by_length(size, topo.device, reps)
+        longer = attention_by_length(size, topo.device, reps, dtype)
         for rates in compute.values():
             rates["attention_by_length"] = [[common.SIZES[size].seq_len,
                                              rates["attention_flops"]], *longer]
@@ -397,7 +464,10 @@ def render_calibration(calibration: dict) -> str:
         for name, c in figures["compute"].items():
             by_length = ", ".join(f"{rate / 1e9:.1f} at {seq:.0f}"
                                   for seq, rate in c["attention_by_length"])
-            lines.append(f"    {name:<5} matmul {c['matmul_flops'] / 1e9:5.1f} GFLOP/s, attention "
+            float8 = (f" (float8 {c['float8_matmul_flops'] / 1e9:.1f})"
+                      if "float8_matmul_flops" in c else "")
+            lines.append(f"    {name:<5} matmul {c['matmul_flops'] / 1e9:5.1f} GFLOP/s{float8}, "
+                         "attention "
                          f"{by_length}; a layer {c['layer_s'] * 1e6:,.0f} us + "
                          f"{c['other_s'] * 1e9:,.0f} ns a token (a step "
                          f"{c['step_s'] * 1e3:,.0f} ms)")

@@ -12,7 +12,6 @@
 """
 
 import argparse
-import functools
 import json
 import os
 import subprocess
@@ -70,14 +69,12 @@ def stats(comm_by_op: dict | None = None) -> common.Stats:
 
 
 def with_calibration(monkeypatch, tmp_path, calibration: dict | None) -> None:
-    """predicted_step reads `calibration` (None: no file) through load_calibration, from a file
-    in tmp_path. load_calibration's default path is bound when common is imported, so setting
-    common.CALIBRATION alone would not reach it: the function is given the path instead."""
+    """predicted_step reads `calibration` (None: no file) from common.CALIBRATION, here a file
+    in tmp_path."""
     path = tmp_path / "calibration.json"
     if calibration is not None:
         path.write_text(json.dumps(calibration))
-    monkeypatch.setattr(common, "load_calibration",
-                        functools.partial(common.load_calibration, path))
+    monkeypatch.setattr(common, "CALIBRATION", path)
 
 
 # --- FLOPs ------------------------------------------------------------------------------------
@@ -116,17 +113,15 @@ def test_the_moes_matmul_weights_a_token_are_its_active_parameters_less_the_inpu
 
 
 @pytest.mark.parametrize("name", DECODERS)
-def test_calibrates_linear_shapes_are_train_flops_matmuls_but_the_routers(name):
-    """What calibrate times as the matmuls: every Linear at the batch's tokens, each routed
-    expert at its even share. The MoE's router is an F.linear, no Linear: its matmul is the one
-    train_flops counts and linear_shapes leaves out (its time lands in `other_s`)."""
+def test_calibrates_linear_shapes_are_train_flops_matmuls(name):
+    """What calibrate times as the matmuls: every Linear and MoE router at the batch's tokens,
+    each routed expert at its even share: train_flops' matmuls, none left in `other_s`."""
     n = TINY.batch_size * TINY.seq_len
     model = calibrate.build_model(name, TINY, torch.device("cpu"), None)
     shapes = calibrate.linear_shapes(model, TINY, n)
     timed = sum(count * 6 * rows * fan_in * fan_out
                 for (rows, fan_in, fan_out), count in shapes.items())
-    router = 6 * n * TINY.n_layers * TINY.d_model * TINY.n_experts if name == "moe" else 0
-    assert timed + router == common.train_flops(TINY, name, n, TINY.seq_len)[0]
+    assert timed == common.train_flops(TINY, name, n, TINY.seq_len)[0]
     if name == "moe":
         routed = (n * TINY.top_k // TINY.n_experts, TINY.d_model, TINY.expert_ffn)
         # gate, up and down of each expert of each layer: 64 x 64 at tiny, a share of 64 rows
@@ -174,6 +169,15 @@ def test_predict_step_with_layer_passes_recompute_a_bubble_and_attention_by_leng
                                   "bound_by": "compute"})
 
 
+def test_float8_linears_run_at_the_float8_rate_measured_else_the_matmul_rate():
+    work = common.StepWork(**{**WORK.__dict__, "float8_share": 0.75, "collectives": {}})
+    # 0.5 ms of matmuls at 1 GFLOP/s, 1.5 ms in float8 at 0.5 GFLOP/s (emulated: slower), plus
+    # 1 ms of attention and 1 ms of the rest
+    slower = common.Rates(**{**RATES.__dict__, "float8_matmul_flops": 5e8})
+    assert common.predict_step(work, slower)["compute_ms"] == pytest.approx(0.5 + 3 + 2)
+    assert common.predict_step(work, RATES)["compute_ms"] == pytest.approx(4)  # none measured
+
+
 def test_predict_step_with_no_overlap_shows_every_collective_whole():
     rates = common.Rates(**{**RATES.__dict__, "overlap": 0.0})
     step = common.predict_step(WORK, rates)
@@ -202,6 +206,9 @@ def test_a_link_is_the_measured_one_else_the_nearest_group_else_the_nearest_all_
     assert rates.link("send/4") == (4.0, 4.5)
     assert rates.link("alltoall/3") == (1.0, 1.5)  # never measured: the nearest all-reduce
     assert rates.link("reduce_scatter/16") == (2.0, 2.5)
+    assert rates.link("allreduce/1") == (0.0, 0.0)  # a group of one sends nothing
+    assert common.Rates(1.0, 1.0, 0.0, 0.0, {}, 0.0, "a world of one").link("allgather/1") == \
+        (0.0, 0.0)
 
 
 def test_a_gpus_links_named_by_mesh_dim_are_read_as_they_are_named():
@@ -209,6 +216,8 @@ def test_a_gpus_links_named_by_mesh_dim_are_read_as_they_are_named():
                                                "dp/nvlink": (1e-6, 1e-12)}, 1.0, "datasheet")
     assert gpu.link("dp/network") == (1e-5, 1e-11)
     assert gpu.link("dp/nvlink") == (1e-6, 1e-12)
+    with pytest.raises(KeyError, match="datasheet has no link for 'tp/nvlink'"):
+        gpu.link("tp/nvlink")
 
 
 def test_rates_from_calibration_are_the_worlds_and_models_figures_or_none():
@@ -236,9 +245,13 @@ def _count_by_op(rank: int, world: int, port: int) -> None:
         for _ in range(3):
             dist.all_reduce(x)
         common.all_gather_single(gathered, x)
-    # a ring all-reduce sends 2(n-1)/n of the tensor, an all-gather (n-1) x this rank's share
+        common.reduce_scatter(x[:500], x)  # on gloo an all-to-all, priced as a reduce-scatter
+        dist.all_to_all_single(torch.empty_like(x), x)
+    # a ring all-reduce sends 2(n-1)/n of the tensor, an all-gather (n-1) x this rank's share,
+    # a reduce-scatter and an all-to-all (n-1)/n of what they are handed
     assert sent.by_op == {"allreduce/2": [3 * 2 * (1 / 2) * 4000, 3],
-                          "allgather/2": [1 * 4000, 1]}, sent.by_op
+                          "allgather/2": [1 * 4000, 1], "reduce_scatter/2": [2000, 1],
+                          "alltoall/2": [2000, 1]}, sent.by_op
     assert sent.bytes == sum(sent_bytes for sent_bytes, _ in sent.by_op.values())
     dist.barrier()
     dist.destroy_process_group()
