@@ -479,3 +479,42 @@ def render_calibration(calibration: dict) -> str:
             lines.append(f"    {key:<16} {latency * 1e6:8.1f} us a message, "
                          f"{1 / per_byte / 1e9 if per_byte else float('inf'):6.2f} GB/s sent")
     return "\n".join(lines)
+
+
+def calibration_figures(entry: dict) -> dict[str, float]:
+    """Every figure a calibration measured, by its path ("2/compute/gpt/matmul_flops",
+    "4/collectives/allreduce/2/latency"): what two calibrations are compared on. The
+    attention lengths are settings, not figures."""
+    figures = {}
+    for world, measured in entry["worlds"].items():
+        for name, c in measured["compute"].items():
+            for key, value in c.items():
+                if key == "attention_by_length":
+                    figures |= {f"{world}/compute/{name}/attention at {seq:.0f}": rate
+                                for seq, rate in value}
+                else:
+                    figures[f"{world}/compute/{name}/{key}"] = value
+        for key in ("optimizer_s", "memory_bytes_per_s", "overlap"):
+            figures[f"{world}/{key}"] = measured[key]
+        figures |= {f"{world}/wake_up_s/{g}": value for g, value in measured["wake_up_s"].items()}
+        for link, (latency, per_byte) in measured["collectives"].items():
+            figures[f"{world}/collectives/{link}/latency_s"] = latency
+            figures[f"{world}/collectives/{link}/s_a_byte"] = per_byte
+    return figures
+
+
+def compare_calibrations(first: dict, second: dict, tolerance: float = 0.10) -> str:
+    """How far two calibrations of one size apart agree: the figures within `tolerance` of each
+    other (relative to the larger), and every one that is not, farthest first."""
+    a, b = calibration_figures(first), calibration_figures(second)
+    apart = []
+    for path in a.keys() & b.keys():
+        larger = max(abs(a[path]), abs(b[path]))
+        gap = abs(a[path] - b[path]) / larger if larger else 0.0
+        if gap > tolerance:
+            apart.append((gap, path))
+    lines = [f"{first['id']} against {second['id']}: {len(a.keys() & b.keys()) - len(apart)} of "
+             f"{len(a.keys() & b.keys())} figures within {tolerance:.0%}"]
+    lines += [f"  {gap:4.0%} apart: {path} {a[path]:.4g} and {b[path]:.4g}"
+              for gap, path in sorted(apart, reverse=True)]
+    return "\n".join(lines)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import common
-from report.calibrate import MODELS, calibrate, render_calibration
+from report.calibrate import MODELS, calibrate, compare_calibrations, render_calibration
 from report.charts import write_charts
 from report.gpus import GPUS
 from report.planner import (
@@ -172,6 +172,9 @@ def main(argv: Sequence[str]) -> int:
                      help="timings a figure, their median (a timing: 15 ms of calls at least)")
     cal.add_argument("--if-missing", action="store_true", help="only if outputs/calibration"
                      ".json lacks this size, device, dtype or one of the worlds")
+    cal.add_argument("--compare", type=Path, nargs=2, metavar=("A", "B"), default=None,
+                     help="measure nothing: how far two calibration files' figures at --size "
+                     "agree (within 10%%, and every one that does not)")
     run = sub.add_parser("smoke", help="(`make smoke`) every run once, one line each",
                          epilog="Give the runs (a script and its flags, quoted) after --.")
     run.add_argument("--nproc", type=int, required=True)
@@ -183,6 +186,11 @@ def main(argv: Sequence[str]) -> int:
     args, rest = cli.parse_args(argv[:split]), argv[split + 1:]
     if args.command == "smoke":
         return smoke(rest, args.nproc, args.flags.split(), args.out.parent / "smoke", args.timeout)
+    if args.command == "calibrate" and args.compare:
+        first, second = (common.load_calibration(path)["sizes"][args.size]
+                         for path in args.compare)
+        print(compare_calibrations(first, second))
+        return 0
     if args.command == "calibrate":
         dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
         have = (common.load_calibration() or {}).get("sizes", {}).get(args.size, {})

@@ -2,8 +2,9 @@
 records of one `make all report` and `make all report MODEL=llama` (2 CPU processes at `small`,
 the composed runs at 4 and 8) and tests/fixtures/calibration_small.json the calibration they
 were predicted with. Each record's predicted_step_ms is the model's answer to the work it
-recorded; the README's hit rate is theirs, and it names every row the model misses by more than
-30%."""
+recorded; report/README.md's hit rate is theirs, and it names every row the model misses by more
+than 30%. tests/fixtures/records_h200.jsonl holds runs of one process on an H200 and
+calibration_h200.json the calibration of that GPU they are priced at in report/README.md."""
 
 import json
 import re
@@ -14,16 +15,17 @@ import common
 from report import results_table
 
 FIXTURES = common.ROOT / "tests" / "fixtures"
+README = common.ROOT / "report" / "README.md"
 CALIBRATION = json.loads((FIXTURES / "calibration_small.json").read_text())
 RECORDS = [r for r in common.load_results(FIXTURES / "records_steptime.jsonl")
            if r.get("predicted_step_ms") is not None]
 
 
-def repredicted(rec: dict) -> dict:
-    """The model's step for a record's own work at the fixture's calibration."""
+def repredicted(rec: dict, calibration: dict = CALIBRATION) -> dict:
+    """The model's step for a record's own work at a fixture's calibration."""
     work = dict(rec["prediction"]["work"])
     work["collectives"] = {op: tuple(value) for op, value in work["collectives"].items()}
-    rates = common.rates_from_calibration(CALIBRATION["sizes"][rec["size"]], rec["world_size"],
+    rates = common.rates_from_calibration(calibration["sizes"][rec["size"]], rec["world_size"],
                                           rec["model"])
     return common.predict_step(common.StepWork(**work), rates)
 
@@ -51,16 +53,54 @@ def test_the_readme_states_the_hit_rate_the_records_give():
     from another run."""
     near = [r for r in RECORDS
             if abs(results_table.prediction_error(r)) <= results_table.PREDICTION_BAND]
-    readme = (common.ROOT / "README.md").read_text()
+    readme = README.read_text()
     assert f"{len(near)} of {len(RECORDS)} rows within ±15%" in readme, \
         results_table.prediction_summary(RECORDS)
 
 
 def test_the_readme_explains_every_miss_over_30_percent():
     """Each script off by more than 30% is named in the README's list of the model's misses."""
-    readme = (common.ROOT / "README.md").read_text()
+    readme = README.read_text()
     misses = readme.split("<!-- misses:start -->")[1].split("<!-- misses:end -->")[0]
     over = {r["script"] for r in RECORDS
             if abs(results_table.prediction_error(r)) > results_table.PREDICTION_MISS}
     named = set(re.findall(r"`(\w+)`", misses))
     assert over <= named, over - named
+
+
+# --- one H200 ---------------------------------------------------------------------------------
+H200_CALIBRATION = json.loads((FIXTURES / "calibration_h200.json").read_text())
+H200_RECORDS = common.load_results(FIXTURES / "records_h200.jsonl")
+
+
+def h200_table() -> str:
+    """report/README.md's table of the H200 runs: each run's measured step beside the model's
+    for its recorded work at the fixture's calibration (the runs before it carry the
+    prediction of an earlier calibration: they are priced again)."""
+    from tabulate import tabulate
+
+    rows = []
+    for rec in H200_RECORDS:
+        predicted = repredicted(rec, H200_CALIBRATION)
+        rows.append([f"`{results_table.script_label(rec)}`", rec["model"], rec["size"],
+                     f"{rec['step_ms']:.1f}", f"{predicted['step_ms']:.1f}",
+                     f"{predicted['step_ms'] / rec['step_ms'] - 1:+.0%}",
+                     f"{predicted['compute_ms']:.1f} + {predicted['optimizer_ms']:.1f}"])
+    return tabulate(rows, ["run", "model", "size", "measured ms", "predicted ms", "off by",
+                           "compute + AdamW ms"], tablefmt="github")
+
+
+def test_the_h200_runs_are_one_gpu_in_bf16_and_the_last_ones_carry_the_fixtures_prediction():
+    assert {(r["device"], r["world_size"], r["dtype"]) for r in H200_RECORDS} == {
+        ("NVIDIA H200", 1, "bf16")}
+    ids = {entry["id"] for entry in H200_CALIBRATION["sizes"].values()}
+    priced_here = [r for r in H200_RECORDS if r["prediction"]["calibration"] in ids]
+    assert len(priced_here) == 3
+    for rec in priced_here:
+        assert repredicted(rec, H200_CALIBRATION)["step_ms"] == pytest.approx(
+            rec["predicted_step_ms"], rel=1e-3)
+
+
+def test_the_readme_shows_the_h200_table_the_fixtures_give():
+    block = README.read_text().split("<!-- h200:start -->\n")[1].split("<!-- h200:end -->")[0]
+    assert block.strip() == h200_table(), "\n" + h200_table()

@@ -9,7 +9,8 @@ import pytest
 
 import common
 
-READMES = [common.ROOT / "README.md", *sorted(common.ROOT.glob("[0-9][0-9]_*/README.md"))]
+READMES = [common.ROOT / "README.md", common.ROOT / "report" / "README.md",
+           *sorted(common.ROOT.glob("[0-9][0-9]_*/README.md"))]
 ACTIVATE = "source .venv/bin/activate"
 SHELLS = {"", "bash", "sh", "shell", "console"}
 # a command word, after a prompt, `srun` or environment variables: what the shell runs

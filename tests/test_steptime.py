@@ -425,6 +425,11 @@ def test_calibrate_writes_each_worlds_positive_rates_at_its_size(calibrated):
             assert ("slowdown" in c) == (world == "2") and ("matmul_s" in c) == (world == "1")
             assert c["layer_s"] >= 0 and [seq for seq, _ in c["attention_by_length"]] == [
                 TINY.seq_len, TINY.long_seq_len, 4 * TINY.long_seq_len]
+            # torchao's float8 linears, timed for the dense models (03's FP8 run refuses a MoE)
+            assert ("float8_matmul_flops" in c) == (c is not figures["compute"]["moe"])
+            if world == "1":  # the parts never add up to more than the whole step
+                assert c["parts_over_whole"] >= 1
+                assert c["matmul_s"] + c["attention_s"] <= c["step_s"] * (1 + 1e-9)
         assert figures["optimizer_s"] > 0 and figures["memory_bytes_per_s"] > 0
         assert 0 <= figures["overlap"] <= 1
     assert entry["worlds"]["1"]["collectives"] == {} and entry["worlds"]["1"]["overlap"] == 0
@@ -454,6 +459,7 @@ def test_render_calibration_has_a_line_for_each_world_and_link(calibrated):
     assert all(f"{op}/2 " in text for op in calibrate.COLLECTIVES)
     assert "a collective after compute: " in text  # world 2's wake-up
     assert text.count(" matmul ") == 2 * len(DECODERS)
+    assert text.count(" GFLOP/s (float8 ") == 2 * 2  # the GPT's and the Llama's, each world
 
 
 @pytest.mark.parametrize("flags, measures", [
@@ -476,3 +482,20 @@ def test_calibrate_if_missing_measures_only_what_the_file_lacks(flags, measures,
     calls.clear()
     assert cli.main(["calibrate", "--size", "tiny", *flags]) == 0  # always, without the flag
     assert len(calls) == 1 and "rendered" in capsys.readouterr().out
+
+
+def test_two_calibrations_compare_figure_by_figure_and_name_each_apart():
+    first, second = size_entry(worlds=(2,)), size_entry(worlds=(2,))
+    second["id"] = "later"
+    second["worlds"]["2"]["compute"]["gpt"]["matmul_flops"] = 1.05e9  # 5%: within 10%
+    second["worlds"]["2"]["collectives"]["allreduce/2"] = [2e-4, 1e-9]  # twice the latency
+    second["worlds"]["2"]["compute"]["llama"]["attention_by_length"] = [[32, 5e8], [128, 8e8]]
+    figures = calibrate.calibration_figures(first)
+    # each model's 5 figures and 2 lengths' rates, 3 of the world, a wake-up, 2 links' 2 each
+    assert len(figures) == 3 * 7 + 3 + 1 + 4
+    assert figures["2/collectives/allreduce/2/latency_s"] == 1e-4
+    assert figures["2/compute/gpt/attention at 128"] == 1e9
+    text = calibrate.compare_calibrations(first, second).splitlines()
+    assert text[0] == f"{first['id']} against later: 27 of 29 figures within 10%"
+    assert text[1:] == ["   50% apart: 2/collectives/allreduce/2/latency_s 0.0001 and 0.0002",
+                        "   20% apart: 2/compute/llama/attention at 128 1e+09 and 8e+08"]
