@@ -168,7 +168,7 @@ def main(argv: Sequence[str]) -> int:
     cal.add_argument("--size", choices=sorted(common.SIZES), default="small")
     cal.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                      help="default: bf16 on CUDA, fp32 on CPU (as the recipes)")
-    cal.add_argument("--reps", type=common.int_at_least(1), default=3,
+    cal.add_argument("--reps", type=common.int_at_least(1), default=5,
                      help="timings a figure, their median (a timing: 15 ms of calls at least)")
     cal.add_argument("--if-missing", action="store_true", help="only if outputs/calibration"
                      ".json lacks this size, device, dtype or one of the worlds")
