@@ -1312,46 +1312,6 @@ class Rates:
             raise KeyError(f"{self.source} has no link for {key!r}; it has {sorted(self.links)}")
         return self.links[min(measured, key=lambda k: abs(int(k.split("/")[1]) - int(group)))]
 
-    def at_speed(self, speed: float) -> Rates:
-        """These rates on a host running its compute `speed` times as fast as when they were
-        measured (host_speed): every compute rate times it, every compute time over it; the
-        links as measured."""
-        return dataclasses.replace(
-            self, matmul_flops=self.matmul_flops * speed,
-            attention_flops=self.attention_flops * speed,
-            attention_by_length=tuple((seq, rate * speed) for seq, rate in
-                                      self.attention_by_length),
-            float8_matmul_flops=self.float8_matmul_flops * speed, other_s=self.other_s / speed,
-            layer_s=self.layer_s / speed, optimizer_s=self.optimizer_s / speed)
-
-
-def host_probe_s(device: torch.device) -> float:
-    """Seconds of a fixed workload on this rank (four fp32 matmuls, 512 square on a CPU, 4096 on
-    a GPU), the median of five: what `make calibrate` records at each world, every rank at
-    once, and what a run measures again when it records (host_speed)."""
-    n = 4096 if device.type == "cuda" else 512
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    times = []
-    for _ in range(6):  # the first warms up
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
-def host_speed(calibrated_probe_s: float, device: torch.device) -> float:
-    """How fast this host computes now against when it was calibrated: the calibration's
-    probe over this one, the ranks' median, every rank probing at once as they did then. A
-    shared host drifts: this VM's runs of one script at one calibration were 10% to 30% slower
-    an hour later (report/README.md)."""
-    dist.barrier()
-    probes = [None] * dist.get_world_size()
-    dist.all_gather_object(probes, host_probe_s(device))
-    return calibrated_probe_s / statistics.median(probes)
-
 
 def rates_from_calibration(calibration: Mapping, world: int, model: str) -> Rates | None:
     """This host's Rates for a world of `world` processes and `model`, from one size's entry of
@@ -1437,10 +1397,8 @@ def predicted_step(args: argparse.Namespace, topo: Topology, stats: Stats,
     checkpointing's recompute, a pipeline's bubble and the layer passes a rank runs (a pipeline
     stage's layers once a micro-batch); context parallelism's attention at the rate of its
     blocks, 1/cp of the sequence, and as the busiest rank's (`attention_busiest` times an even
-    share: every rank waits for it). Its compute at the host's speed now against the
-    calibration's (host_speed: every rank probes, a few hundred ms), beside the prediction at
-    the calibration's own (at_calibration_ms). Without a calibration that applies, {"why":
-    what to run}."""
+    share: every rank waits for it). Without a calibration that applies, {"why": what to
+    run}."""
     calibration = load_calibration()
     if args.model not in ("gpt", "llama", "moe"):
         return {"why": "no cost model for the ResNet's convolutions"}
@@ -1466,10 +1424,7 @@ def predicted_step(args: argparse.Namespace, topo: Topology, stats: Stats,
                      (stats.comm_by_op or {}).items()}, overlapped, recompute, bubble,
                     args.seq_len // cp, size.n_layers * layer_passes,
                     float8 / matmul_weights_per_token(size, args.model))
-    probe = sized["worlds"][str(topo.world_size)].get("probe_s")
-    speed = host_speed(probe, topo.device) if probe else 1.0
-    return {**predict_step(work, rates.at_speed(speed)), "calibration": rates.source,
-            "host_speed": speed, "at_calibration_ms": predict_step(work, rates)["step_ms"],
+    return {**predict_step(work, rates), "calibration": rates.source,
             "work": {**dataclasses.asdict(work), "collectives": {
                 op: list(value) for op, value in work.collectives.items()}}}
 

@@ -12,9 +12,7 @@ threads a rank, backend and device), every rank at once measures:
 - each collective, over every group size the world divides into (all groups busy at once, as a
   mesh's are): its time at two message sizes, hence the latency a message and the time a byte
   sent (bytes counted as common.CollectiveBytes counts them);
-- overlap: the share of an all-reduce's time that compute running at once hides;
-- the host's probe (common.host_probe_s): a run probes again when it records, and its compute
-  is priced at the host's speed then against now (common.host_speed).
+- overlap: the share of an all-reduce's time that compute running at once hides.
 """
 
 from __future__ import annotations
@@ -365,8 +363,7 @@ def measure_world(world: int, size: str, dtype: str, reps: int, first: dict | No
         for rates in compute.values():
             rates["attention_by_length"] = [[common.SIZES[size].seq_len,
                                              rates["attention_flops"]], *longer]
-    dist.barrier()  # every rank at once, as a run probes when it records (common.host_speed)
-    figures = {"compute": compute, "probe_s": common.host_probe_s(topo.device)}
+    figures = {"compute": compute}
     figures["optimizer_s"], figures["memory_bytes_per_s"] = measure_optimizer(topo.device, reps)
     figures["collectives"], figures["wake_up_s"] = \
         measure_collectives(world, topo.device, reps) if world > 1 else ({}, {})
@@ -497,9 +494,8 @@ def calibration_figures(entry: dict) -> dict[str, float]:
                                 for seq, rate in value}
                 else:
                     figures[f"{world}/compute/{name}/{key}"] = value
-        for key in ("optimizer_s", "memory_bytes_per_s", "overlap", "probe_s"):
-            if key in measured:
-                figures[f"{world}/{key}"] = measured[key]
+        for key in ("optimizer_s", "memory_bytes_per_s", "overlap"):
+            figures[f"{world}/{key}"] = measured[key]
         figures |= {f"{world}/wake_up_s/{g}": value for g, value in measured["wake_up_s"].items()}
         for link, (latency, per_byte) in measured["collectives"].items():
             figures[f"{world}/collectives/{link}/latency_s"] = latency

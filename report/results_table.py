@@ -262,10 +262,6 @@ def prediction_summary(runs: list[dict]) -> str:
             f"collectives, optimizer, bubble) at this host's calibration ({'; '.join(used)}): "
             f"{len(near)} of {len(predicted)} rows within ±{PREDICTION_BAND:.0%} of the "
             f"measured step, the part named the largest.")
-    speeds = [r["prediction"]["host_speed"] for r in predicted if "host_speed" in r["prediction"]]
-    if speeds:
-        line += (f" Compute priced at the host's speed at each run, {min(speeds):.2f} to "
-                 f"{max(speeds):.2f} of its calibration's (common.host_speed).")
     if misses:
         line += f" Off by more than {PREDICTION_MISS:.0%}: " + ", ".join(
             f"{row_label(r)} ({_size_label(r)}, {r['world_size']}: "

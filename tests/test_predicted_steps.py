@@ -27,8 +27,7 @@ def repredicted(rec: dict, calibration: dict = CALIBRATION) -> dict:
     work["collectives"] = {op: tuple(value) for op, value in work["collectives"].items()}
     rates = common.rates_from_calibration(calibration["sizes"][rec["size"]], rec["world_size"],
                                           rec["model"])
-    return common.predict_step(common.StepWork(**work),
-                               rates.at_speed(rec["prediction"].get("host_speed", 1.0)))
+    return common.predict_step(common.StepWork(**work), rates)
 
 
 def test_the_fixture_is_one_make_all_of_each_model_with_its_calibration():

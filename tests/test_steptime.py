@@ -169,29 +169,6 @@ def test_predict_step_with_layer_passes_recompute_a_bubble_and_attention_by_leng
                                   "bound_by": "compute"})
 
 
-def test_rates_at_a_speed_scale_compute_and_keep_the_links():
-    rates = common.Rates(**{**RATES.__dict__, "attention_by_length": ((32, 5e8),),
-                            "float8_matmul_flops": 4e8})
-    half = rates.at_speed(0.5)
-    assert (half.matmul_flops, half.attention_flops, half.float8_matmul_flops) == (5e8, 2.5e8,
-                                                                                  2e8)
-    assert half.attention_by_length == ((32, 2.5e8),)
-    assert (half.other_s, half.layer_s, half.optimizer_s) == (2e-6, 2e-4, 4e-9)
-    assert half.links == rates.links and half.overlap == rates.overlap
-
-
-def test_host_speed_is_the_calibrated_probe_over_this_ones(monkeypatch):
-    """In a world of one: the calibration's probe took 30 ms, this host's takes 40 now."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{common.free_port()}",
-                            rank=0, world_size=1)
-    try:
-        assert common.host_probe_s(torch.device("cpu")) > 0
-        monkeypatch.setattr(common, "host_probe_s", lambda device: 0.04)
-        assert common.host_speed(0.03, torch.device("cpu")) == pytest.approx(0.75)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_float8_linears_run_at_the_float8_rate_measured_else_the_matmul_rate():
     work = common.StepWork(**{**WORK.__dict__, "float8_share": 0.75, "collectives": {}})
     # 0.5 ms of matmuls at 1 GFLOP/s, 1.5 ms in float8 at 0.5 GFLOP/s (emulated: slower), plus
@@ -338,24 +315,9 @@ def test_a_runs_prediction_prices_its_share_of_the_step_at_its_worlds_rates(tmp_
                            {"allreduce/2": (1.5 * 2**20, 2)}, common.DDP_OVERLAP,
                            seq_len=TINY.seq_len, layer_passes=TINY.n_layers)
     rates = common.rates_from_calibration(entry, 2, "gpt")
-    at_calibration = common.predict_step(work, rates)
-    assert got == {**at_calibration, "calibration": entry["id"], "host_speed": 1.0,
-                   "at_calibration_ms": at_calibration["step_ms"],  # no probe calibrated
+    assert got == {**common.predict_step(work, rates), "calibration": entry["id"],
                    "work": {**work.__dict__, "collectives": {"allreduce/2": [1.5 * 2**20, 2]}}}
     assert got["step_ms"] > got["communication_ms"] > 0
-
-    # a calibration with the host's probe: compute at the speed the run finds, links as measured
-    entry["worlds"]["2"]["probe_s"] = 0.01
-    with_calibration(monkeypatch, tmp_path, {"sizes": {"tiny": entry}})
-    monkeypatch.setattr(common, "host_speed", lambda probe, device: probe / 0.0125)
-    slower = common.predicted_step(args, cpu_topology(2), stats({"allreduce/2": [1.5, 2]}),
-                                   model, None, 2, common.DDP_OVERLAP, False, 0.0, 1)
-    assert slower["host_speed"] == pytest.approx(0.8)
-    assert slower["at_calibration_ms"] == pytest.approx(at_calibration["step_ms"])
-    assert slower["compute_ms"] == pytest.approx(at_calibration["compute_ms"] / 0.8)
-    assert slower["optimizer_ms"] == pytest.approx(at_calibration["optimizer_ms"] / 0.8)
-    monkeypatch.undo()
-    with_calibration(monkeypatch, tmp_path, {"sizes": {"tiny": size_entry()}})
 
     first_two = list(model.parameters())[:2]  # a shard's optimizer steps its own parameters
     optimizer = torch.optim.AdamW(first_two)
@@ -469,7 +431,6 @@ def test_calibrate_writes_each_worlds_positive_rates_at_its_size(calibrated):
                 assert c["parts_over_whole"] >= 1
                 assert c["matmul_s"] + c["attention_s"] <= c["step_s"] * (1 + 1e-9)
         assert figures["optimizer_s"] > 0 and figures["memory_bytes_per_s"] > 0
-        assert figures["probe_s"] > 0  # what a run's host_speed compares against
         assert 0 <= figures["overlap"] <= 1
     assert entry["worlds"]["1"]["collectives"] == {} and entry["worlds"]["1"]["overlap"] == 0
     assert entry["worlds"]["1"]["wake_up_s"] == {}
