@@ -145,7 +145,7 @@ help:
 	@echo "  make report         table of outputs/results.jsonl, also written to outputs/report.md"
 	@echo "                      with charts in outputs/charts/"
 	@echo "  make traces         where each traced step's time went (after make all TRACE=1)"
-	@echo "  make calibrate      this host's rates for the step-time model (a minute), into"
+	@echo "  make calibrate      this host's rates for the step-time model (90 s on 2 cores), into"
 	@echo "                      outputs/calibration.json: every record then has predicted_step_ms"
 	@echo "  make plan ARGS='--params 7e9 --gpus 8 --gpu-mem 80'   which strategy fits, and its bytes"
 	@echo "  make plan           the planner's picks for ResNet-50, GPT-2 1.5B, LLaMA-7B, 70B (--cases)"
