@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import functools
 import importlib.metadata
 import json
 import os
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import common
+from helpers import run_then_leave
 from report import cli, results_table, runs
 
 
@@ -886,7 +888,7 @@ def _reduce_scatter_equals_gloos_own(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_reduce_scatter_on_gloo_equals_reduce_scatter_tensor(world):
-    torch.multiprocessing.spawn(_reduce_scatter_equals_gloos_own,
+    torch.multiprocessing.spawn(functools.partial(run_then_leave, _reduce_scatter_equals_gloos_own),
                                 args=(world, common.free_port()), nprocs=world)
 
 

@@ -7,6 +7,7 @@ PyTorch's fused attention over the whole sequence, for every combination of bala
 and overlap, and rank 0 saves what all ranks found for the tests to assert on here.
 """
 
+import functools
 import itertools
 
 import pytest
@@ -15,7 +16,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import common
-from helpers import assert_bad_input_is_one_line, assert_skipped_with_why, load_recipe
+from helpers import (
+    assert_bad_input_is_one_line,
+    assert_skipped_with_why,
+    load_recipe,
+    run_then_leave,
+)
 
 SCRIPT = common.ROOT / "07_context" / "optimized_context_ring.py"
 ring = load_recipe(SCRIPT)
@@ -150,7 +156,8 @@ def ring_checks(rank: int, world: int, init_file: str, out_file: str) -> None:
 def spawned(tmp_path_factory):
     """Each rank's findings, from one spawned world of 4."""
     folder = tmp_path_factory.mktemp("world4")
-    mp.spawn(ring_checks, args=(4, str(folder / "init"), str(folder / "found.pt")), nprocs=4)
+    mp.spawn(functools.partial(run_then_leave, ring_checks),
+             args=(4, str(folder / "init"), str(folder / "found.pt")), nprocs=4)
     return torch.load(folder / "found.pt")
 
 

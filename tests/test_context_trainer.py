@@ -6,6 +6,7 @@ one process's training the same model on the whole sequences: `sdpa` with an unt
 spawn for all of it: each process imports `transformers` once."""
 
 import copy
+import functools
 import sys
 
 import torch
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import common
-from helpers import readme_python_block
+from helpers import readme_python_block, run_then_leave
 
 FOLDER = common.ROOT / "07_context"
 README = FOLDER / "README.md"
@@ -78,7 +79,8 @@ def test_the_readme_lines_train_a_hf_llama_context_parallel_like_one_process(tmp
     assert RING_LINE in block and "# Ulysses: UlyssesAttention(group), False" in block
     assert "position_ids=positions" in block and "labels=" not in block
     out = tmp_path / "found.pt"
-    mp.spawn(train_with_the_readme_lines, args=(2, common.free_port(), str(out)), nprocs=2)
+    mp.spawn(functools.partial(run_then_leave, train_with_the_readme_lines),
+             args=(2, common.free_port(), str(out)), nprocs=2)
     found = torch.load(out)
     assert set(found) == {("ring", "sdpa", False), ("ring", "eager", True),
                           ("ulysses", "sdpa", False)}

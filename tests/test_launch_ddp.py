@@ -7,6 +7,7 @@ tiny HuggingFace Llama (tests/hf_llama.py) against PyTorch's DDP.
 """
 
 import copy
+import functools
 import json
 import math
 import os
@@ -28,6 +29,7 @@ from helpers import (
     finish,
     only_record,
     readme_python_block,
+    run_then_leave,
 )
 from helpers import TINY as STEPS
 from helpers import torchrun as torchrun_script
@@ -260,7 +262,8 @@ def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_fil
 def test_the_readme_lines_train_a_hf_llama_like_ddp_and_keep_bf16_weights(tmp_path):
     out = tmp_path / "found.pt"
     ports = [common.free_port() for _ in range(len(hf_llama.VARIANTS) + 1)]
-    mp.spawn(train_with_the_readme_lines, args=(2, ports, str(out)), nprocs=2)
+    mp.spawn(functools.partial(run_then_leave, train_with_the_readme_lines),
+             args=(2, ports, str(out)), nprocs=2)
     found = torch.load(out)
     for variant in hf_llama.VARIANTS:
         readme, ddp = found[variant]["readme"], found[variant]["ddp"]

@@ -34,6 +34,7 @@ from helpers import (
     load_recipe,
     only_record,
     readme_python_block,
+    run_then_leave,
     torchrun,
 )
 from report import results_table
@@ -415,7 +416,8 @@ def test_the_readmes_lines_shard_a_hf_llama_seeded_apart_train_like_ddp_and_keep
     snippet = readme_python_block(FOLDER / "README.md")
     assert "shard(model, blocks, mesh)" in snippet and "list(model.model.layers)" in snippet
     out = tmp_path / "found.pt"
-    mp.spawn(_readme_lines_against_ddp, args=(2, common.free_port(), str(out)), nprocs=2)
+    mp.spawn(functools.partial(run_then_leave, _readme_lines_against_ddp),
+             args=(2, common.free_port(), str(out)), nprocs=2)
     found = torch.load(out)
     assert set(found) == {("sdpa", False), ("eager", True), "bf16"}
     for variant in [("sdpa", False), ("eager", True)]:
@@ -452,4 +454,5 @@ def _on_ranks_0_and_1_of_3(rank: int, world: int, port: int) -> None:
 
 
 def test_shard_on_a_sub_group_trains_like_ddp_on_it():
-    mp.spawn(_on_ranks_0_and_1_of_3, args=(3, common.free_port()), nprocs=3)
+    mp.spawn(functools.partial(run_then_leave, _on_ranks_0_and_1_of_3),
+             args=(3, common.free_port()), nprocs=3)

@@ -3,6 +3,7 @@ short one), the two data-parallel training runs and the three tensor-parallel on
 shared through one module-scoped fixture (the hand-written TP pair on the Llama, against
 the data-parallel run of the same model)."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from helpers import (
     finish,
     load_recipe,
     only_record,
+    run_then_leave,
     torchrun,
 )
 from report import results_table
@@ -65,7 +67,8 @@ def data_parallel(runs, tmp_path_factory):
     def of(model: str) -> dict:
         if model not in found:
             results = tmp_path_factory.mktemp(f"dp-{model}") / "results.jsonl"
-            mp.spawn(_data_parallel_run, args=(2, common.free_port(), model, str(results)),
+            mp.spawn(functools.partial(run_then_leave, _data_parallel_run),
+                     args=(2, common.free_port(), model, str(results)),
                      nprocs=2)
             found[model] = only_record(results)
         return found[model]

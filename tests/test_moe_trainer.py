@@ -7,6 +7,7 @@ step's loss is plain DDP's training the whole model on the same batches. One spa
 each process imports `transformers` once."""
 
 import copy
+import functools
 import sys
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import common
-from helpers import readme_python_block
+from helpers import readme_python_block, run_then_leave
 
 FOLDER = common.ROOT / "08_moe"
 README = FOLDER / "README.md"
@@ -136,7 +137,8 @@ def test_the_readme_lines_train_moe_models_expert_parallel_like_ddp(tmp_path):
     assert HF_LOSS_LINES in block and "reduce_expert_grads(" in block
     assert "labels=" not in block
     out = tmp_path / "found.pt"
-    mp.spawn(train_with_the_readme_lines, args=(WORLD, common.free_port(), str(out)),
+    mp.spawn(functools.partial(run_then_leave, train_with_the_readme_lines),
+             args=(WORLD, common.free_port(), str(out)),
              nprocs=WORLD)
     by_rank = torch.load(out)
     for rank, found in enumerate(by_rank):
