@@ -187,9 +187,13 @@ def main(argv: Sequence[str]) -> int:
     if args.command == "smoke":
         return smoke(rest, args.nproc, args.flags.split(), args.out.parent / "smoke", args.timeout)
     if args.command == "calibrate" and args.compare:
-        first, second = (common.load_calibration(path)["sizes"][args.size]
-                         for path in args.compare)
-        print(compare_calibrations(first, second))
+        entries = [(common.load_calibration(path) or {}).get("sizes", {}).get(args.size)
+                   for path in args.compare]
+        for path, entry in zip(args.compare, entries, strict=True):
+            if entry is None:
+                cli.error(f"--compare: {path} holds no calibration at --size {args.size} (is it "
+                          f"a file `make calibrate` wrote, at that size?)")
+        print(compare_calibrations(*entries))
         return 0
     if args.command == "calibrate":
         dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")

@@ -499,3 +499,12 @@ def test_two_calibrations_compare_figure_by_figure_and_name_each_apart():
     assert text[0] == f"{first['id']} against later: 27 of 29 figures within 10%"
     assert text[1:] == ["   50% apart: 2/collectives/allreduce/2/latency_s 0.0001 and 0.0002",
                         "   20% apart: 2/compute/llama/attention at 128 1e+09 and 8e+08"]
+
+
+def test_compare_names_a_file_without_the_size_in_one_line(tmp_path, capsys):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"sizes": {"small": size_entry()}}))
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["calibrate", "--compare", str(path), str(tmp_path / "missing.json")])
+    assert stopped.value.code == 2
+    assert "missing.json holds no calibration at --size small" in capsys.readouterr().err
