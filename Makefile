@@ -181,6 +181,14 @@ all: calibrated $(TECHNIQUES)
 # anyway): PyTorch's own implementation of a second technique beside the hand-written one; a
 # row that takes one change of two apart; a setting where the technique's cost is most of a step.
 EXTRA_RUNS_zero := "04_zero/optimized_zero_pytorch.py --stage 3"
+# 03's fine-tuning: a pretraining run saved after its 80th step, then full fine-tuning
+# (optimized_fsdp) and LoRA from it on the fine-tuning task, where LoRA's own run (from random
+# weights) shows what the pretrained start is worth. A decoder's: the task is its tokens.
+PRETRAINED := outputs/pretrained/$(or $(MODEL),gpt)-$(SIZE)
+EXTRA_RUNS_fsdp := $(if $(filter resnet,$(MODEL)),,\
+	"03_fsdp/optimized_fsdp_checkpoint.py --steps 75 --checkpoint-every 80 --checkpoint-dir $(PRETRAINED)" \
+	"03_fsdp/optimized_fsdp.py --init-from $(PRETRAINED)" \
+	"03_fsdp/optimized_fsdp_lora.py --init-from $(PRETRAINED)")
 # PowerSGD where it is meant to run: 110 steps beside the baseline's 110, at rank 8 (10x fewer
 # bytes at `small`), judged by its final loss; on the GPT, where 110 steps settle (README).
 EXTRA_RUNS_compression := $(if $(filter-out gpt,$(MODEL)),,\
@@ -256,7 +264,7 @@ FREE_PORT_OF_HOST := $(PY) -c 'import socket; s = socket.socket(); s.bind(("127.
 	print(s.getsockname()[1])'
 LOG_SETUP = .$(SIZE)$(if $(MODEL),.$(MODEL)).w$(WORLD)$(if $(LINK),.$(LINK))$(if $(filter-out 1,$(NNODES)),.node$(NODE_RANK))
 define launch
-log=outputs/logs/$$(basename $$script .py)$$(echo $$flags | tr -d ' ')$(LOG_SETUP).log; \
+log=outputs/logs/$$(basename $$script .py)$$(echo $$flags | tr -d ' ' | tr / _)$(LOG_SETUP).log; \
 since=$$(date +%s); \
 port=$(if $(FREE_PORT),$$($(FREE_PORT_OF_HOST)),$(MASTER_PORT)); \
 echo "== $$script$$flags: $(NNODES) node(s) x $$nproc process(es)$$([ $$nproc = $(NPROC) ] || \

@@ -568,15 +568,32 @@ class Classifier(nn.Module):
 
 NUM_CLASSES = 10
 _NOISE = 0.1  # fraction of tokens replaced by uniform noise: the loss floor stays above zero
+# The fine-tuning task (--init-from): the pretraining task's pattern with this share of its next
+# tokens redrawn. A model trained on the first already knows most of the second; the entries
+# that moved are what fine-tuning must learn (16 at `small`: few enough for rank-8 adapters).
+FINETUNE_REDRAWN = 1 / 64
 
 
-def global_token_batch(size: Size, seq_len: int, global_batch: int, step: int, seed: int
-                       ) -> torch.Tensor:
+def token_pattern(vocab: int, seed: int, finetune: bool = False) -> torch.Tensor:
+    """The task's permutation P of the vocabulary (next = P[prev]): drawn from `seed`; the
+    fine-tuning task's, the same with FINETUNE_REDRAWN of its entries shuffled among themselves
+    by seed + 1 (still a permutation)."""
+    table = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    if finetune:
+        gen = torch.Generator().manual_seed(seed + 1)
+        moved = torch.randperm(vocab, generator=gen)[:max(2, int(vocab * FINETUNE_REDRAWN))]
+        table[moved] = table[moved[torch.randperm(len(moved), generator=gen)]]
+    return table
+
+
+def global_token_batch(size: Size, seq_len: int, global_batch: int, step: int, seed: int,
+                       finetune: bool = False) -> torch.Tensor:
     """Step `step`'s global batch, (global_batch, seq_len + 1) tokens, whatever the world size:
-    next = P[prev] for a fixed random permutation P of the vocabulary, unless noise replaced it,
-    a pattern a small model learns in tens of steps (loss floor near 0.1 x ln(10 x vocab))."""
-    table = torch.randperm(size.vocab_size, generator=torch.Generator().manual_seed(seed))
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step + 1)
+    next = P[prev] for the task's permutation P (`token_pattern`), unless noise replaced it, a
+    pattern a small model learns in tens of steps (loss floor near 0.1 x ln(10 x vocab)). The
+    fine-tuning task's sequences are drawn from seed + 1, not the pretraining run's."""
+    table = token_pattern(size.vocab_size, seed, finetune)
+    gen = torch.Generator().manual_seed((seed + finetune) * 1_000_003 + step + 1)
     noise = torch.randint(size.vocab_size, (global_batch, seq_len + 1), generator=gen)
     keep = torch.rand(global_batch, seq_len + 1, generator=gen) >= _NOISE
     tokens = torch.empty(global_batch, seq_len + 1, dtype=torch.long)
@@ -631,9 +648,12 @@ def workload(args: argparse.Namespace, topo: Topology, attention: Callable = cau
     made up front. Data-parallel rank `dp_rank` of `dp_world` (default: all ranks) takes its
     slice of each global batch, so N ranks with batch b see the samples of one with batch N*b.
     `positions` (`sequence_positions`): the columns of each sequence this rank holds, a context-
-    parallel shard; the model is then called with them, `model(inputs, targets, positions)`."""
+    parallel shard; the model is then called with them, `model(inputs, targets, positions)`.
+    A script with --init-from (`add_init_from`) gets the fine-tuning task's batches under it;
+    the script loads the weights it names (`init_weights_from`)."""
     dp_rank = topo.rank if dp_rank is None else dp_rank
     dp_world = topo.world_size if dp_world is None else dp_world
+    finetune = vars(args).get("init_from") is not None  # --init-from: the fine-tuning task
     size = SIZES[args.size]
     autocast_dtype = torch.bfloat16 if args.dtype == "bf16" else None
     torch.manual_seed(args.seed)
@@ -641,7 +661,8 @@ def workload(args: argparse.Namespace, topo: Topology, attention: Callable = cau
     batches = []
     for step in range(args.warmup + args.steps):
         if args.model != "resnet":
-            tokens = global_token_batch(size, args.seq_len, global_batch, step, args.seed)
+            tokens = global_token_batch(size, args.seq_len, global_batch, step, args.seed,
+                                        finetune)
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
         else:
             inputs, targets = global_image_batch(size, global_batch, step, args.seed)
@@ -658,6 +679,34 @@ def workload(args: argparse.Namespace, topo: Topology, attention: Callable = cau
     else:
         model = Classifier(size.resnet, NUM_CLASSES, autocast_dtype)
     return model.to(topo.device), batches
+
+
+def init_weights_from(model: nn.Module, init_from: str | None) -> str | None:
+    """Load `model`'s weights (not yet sharded or wrapped) from --init-from: a checkpoint
+    03_fsdp/optimized_fsdp_checkpoint.py saved (DCP, its "model" part: every rank reads all of
+    it) or the folder of its `step-N` checkpoints (the newest); "scratch" or None loads nothing.
+    Returns the checkpoint read. A checkpoint of another --model or --size is one line."""
+    if init_from in (None, "scratch"):
+        return None
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(init_from)
+    steps = sorted(path.glob("step-*")) if path.is_dir() else []
+    path = steps[-1] if steps and not (path / ".metadata").exists() else path
+    if not (path / ".metadata").exists():
+        raise SetupError(f"--init-from {init_from}: no checkpoint there: run "
+                         "03_fsdp/optimized_fsdp_checkpoint.py first (it saves into "
+                         "checkpoints/ beside its --results), or pass --init-from scratch")
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {"model": model.state_dict()}
+    for name, t in state["model"].items():
+        shape = getattr(saved.get(f"model.{name}"), "size", None)
+        if shape != t.shape:
+            raise SetupError(f"--init-from {path}: its {name} is "
+                             f"{'missing' if shape is None else tuple(shape)}, this model's "
+                             f"{tuple(t.shape)}: pass the --model and --size it was saved at")
+    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())  # in place
+    return str(path)
 
 
 # The parts a technique is given. A technique takes the model's parts, never its attribute names:
@@ -816,6 +865,19 @@ class RecipeParser(argparse.ArgumentParser):
             elif getattr(ns, dest) != default:
                 chosen.append(_flag(dest, getattr(ns, dest)))
         return chosen
+
+
+def add_init_from(parser: RecipeParser, default: str | None = None) -> None:
+    """--init-from, a fine-tuning script's flag: the weights to start from and, with them, the
+    fine-tuning task (`token_pattern`). `common.workload` reads it; `init_weights_from` loads."""
+    parser.add_argument("--init-from", default=default, metavar="CHECKPOINT",
+                        help="fine-tune: start from the weights of a checkpoint "
+                             "03_fsdp/optimized_fsdp_checkpoint.py saved (a step-N folder, or "
+                             "the folder of them: the newest), saved at the same --model, "
+                             "--size and --seed, and train on the fine-tuning task (the "
+                             "pretraining pattern with 1/64 of it redrawn); `scratch`: that "
+                             "task from random weights" + (f" (default: {default})" if default
+                                                          else " (default: pretraining)"))
 
 
 def _flag(dest: str, value) -> str:
@@ -1585,6 +1647,8 @@ def peak_tensor_memory(step: Callable[[], object], tracked: Sequence, device: to
     # - MemTracker relabels a storage labelled after it was made (a backward hook allocates a
     #   gradient bucket, then makes parameters' .grad views into it) in its current snapshot
     #   only, not in the peak snapshot taken while it was made; no public hook sees a relabel.
+    # - MemTracker hooks the gradient of every parameter, and PyTorch refuses that hook on one
+    #   that takes none (LoRA's frozen base): a placeholder where it looks for the hook skips it.
     class LeafSafeModTracker(ModTracker):
         def _fw_pre_hook(self, mod: nn.Module, inputs) -> None:
             super()._fw_pre_hook(mod, tuple(a for a in inputs if not (
@@ -1597,6 +1661,13 @@ def peak_tensor_memory(step: Callable[[], object], tracked: Sequence, device: to
             if old_reftype is not None and current.get("Total") == \
                     self._peak_mem.get(winfo.device):
                 self._peak_mem_snap[winfo.device] = dict(current)
+
+        def _track_module_params_and_buffers(self, module: nn.Module,
+                                             install_grad_hooks: bool = True) -> tuple[int, int]:
+            for p in module.parameters():
+                if not p.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(p, (_NoHook, _NoHook))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     modules, tracker = LeafSafeModTracker(), PeakRelabellingTracker()
     tracker._mod_tracker = modules
@@ -1630,6 +1701,14 @@ def peak_tensor_memory(step: Callable[[], object], tracked: Sequence, device: to
     split = {kind: sum(peak.get(name, 0) for name in names) / 2**20
              for kind, names in MEMORY_KINDS.items()}
     return result, {"total": peak.get("Total", 0) / 2**20, **split}
+
+
+class _NoHook:
+    """What `peak_tensor_memory` files as a frozen parameter's gradient hooks: none to remove."""
+
+    @staticmethod
+    def remove() -> None:
+        pass
 
 
 def _plain(t: torch.Tensor) -> list[torch.Tensor]:

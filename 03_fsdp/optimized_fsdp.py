@@ -223,6 +223,7 @@ def main():
                         metavar="MAX", help="clip the gradient to this global 2-norm before "
                         "each step: torch.nn.utils.clip_grad_norm_ on the DTensor gradients, "
                         "each rank's shard once, the norm all-reduced (default: no clipping)")
+    common.add_init_from(parser)  # full fine-tuning, the baseline of optimized_fsdp_lora.py
     args = parser.parse_args()
     world = common.launch_world_size()
     if world % args.hsdp or (args.hsdp > 1 and args.hsdp == world):
@@ -237,6 +238,7 @@ def main():
     reshard = args.reshard_after_forward == "true"
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
+    started_from = common.init_weights_from(model, args.init_from)
     bf16 = args.dtype == "bf16"
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                      reduce_dtype=torch.float32 if bf16 else None)
@@ -266,6 +268,7 @@ def main():
                   comm_mb=stats.comm_mb, strategy=strategy, wrap=args.wrap,
                   mesh=list(mesh.shape), prefetch=len(units) > 1 and not args.no_prefetch,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
+                  init_from=args.init_from, started_from=started_from,
                   theory=theory(model, units, group, args.hsdp, reshard, 2 if bf16 else 4))
 
 

@@ -73,7 +73,7 @@ def _size_label(rec: dict) -> str:
 
 # An optimized row is compared with its baseline only if these settings match too.
 COMPARED = ("dtype", "batch_size", "seq_len", "steps", "warmup", "seed", "lr", "nnodes",
-            "clip_grad_norm", "moe_balance")
+            "clip_grad_norm", "moe_balance", "init_from")
 
 
 def why_not_compared(rec: dict, base: dict | None) -> str | None:

@@ -1,0 +1,174 @@
+"""Launch tests: 03_fsdp/optimized_fsdp_lora.py, fine-tuning a checkpoint under torchrun with CPU
+processes at `tiny`.
+
+Four launches and two single-process runs from one module-scoped fixture: a pretraining run of
+optimized_fsdp_checkpoint.py (40 steps, saved after the last); from its checkpoint, LoRA at 2
+and at 4 processes (4 and 2 sequences a rank: one global batch of 8) and full fine-tuning
+(optimized_fsdp.py --init-from) at 2; in one process with the batch of 8, LoRA from the
+checkpoint and from random weights. In spawned gloo processes: the README's LoRA lines on a tiny
+HuggingFace Llama and on the project's Llama.
+"""
+
+import functools
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import common
+from helpers import (
+    TINY,
+    cpu_env,
+    finish,
+    finish_all,
+    load_recipe,
+    only_record,
+    readme_python_block,
+    run_then_leave,
+    torchrun,
+)
+from report import results_table
+
+FOLDER = common.ROOT / "03_fsdp"
+LORA = FOLDER / "optimized_fsdp_lora.py"
+README_HEADING = "### Use it in your trainer, with LoRA"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    pretrained = root / "pretrained"
+    finish(torchrun(FOLDER / "optimized_fsdp_checkpoint.py", root / "pretrain.jsonl",
+                    "--steps", "38", "--checkpoint-every", "40", "--checkpoint-dir",
+                    str(pretrained)))
+    start = ["--init-from", str(pretrained)]
+    launches = {"lora_2": (LORA, 2, start), "lora_4": (LORA, 4, [*start, "--batch-size", "2"]),
+                "full_2": (FOLDER / "optimized_fsdp.py", 2, start)}
+    finish_all([functools.partial(torchrun, script, root / f"{name}.jsonl", *flags, nproc=nproc)
+                for name, (script, nproc, flags) in launches.items()])
+    singles = {"lora_1": start, "scratch_1": []}
+    for name, flags in singles.items():  # a world of one: plain python, no torchrun
+        done = subprocess.run([sys.executable, str(LORA), *TINY, "--batch-size", "8",
+                               "--results", str(root / f"{name}.jsonl"), *flags],
+                              cwd=common.ROOT, env=cpu_env(), capture_output=True, text=True,
+                              timeout=240)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = {name: only_record(root / f"{name}.jsonl") for name in [*launches, *singles]}
+    out["pretrain"] = only_record(root / "pretrain.jsonl")
+    out["checkpoint"] = sorted(p.name for p in pretrained.iterdir())
+    return out
+
+
+@pytest.mark.parametrize("name", ["lora_2", "lora_4"])
+def test_lora_at_2_and_4_processes_trains_as_lora_in_one(runs, name):
+    rec, one = runs[name], runs["lora_1"]
+    assert rec["status"] == "ok" and one["status"] == "ok" and one["world_size"] == 1
+    assert rec["started_from"].endswith("step-000040") and rec["init_from"]
+    assert max(abs(a - b) / b for a, b in zip(rec["losses"], one["losses"], strict=True)) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["lora_2", "lora_4"])
+def test_lora_state_and_bytes_by_kind_equal_their_theory(runs, name):
+    rec = runs[name]
+    assert rec["state_mb"] == pytest.approx(rec["theory"]["state_mb"], abs=0.005)  # 2 decimals
+    assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], rel=1e-3)
+    for kind in ("allgather", "reduce_scatter"):
+        assert rec["comm_by_kind_mb"][kind] == pytest.approx(
+            rec["theory"]["comm_by_kind_mb"][kind], rel=1e-3), kind
+    assert rec["trainable_params"] == rec["theory"]["trainable_params"]
+    assert rec["adapted"] == [f"blocks.{i}.attn.{n}" for i in range(2) for n in ("qkv", "proj")]
+
+
+def test_loras_gradient_bytes_are_full_fine_tunings_times_the_adapters_share(runs):
+    lora, full = runs["lora_2"], runs["full_2"]
+    assert full["status"] == "ok" and full["init_from"] == lora["init_from"]
+    full_reduced = full["comm_by_op"]["reduce_scatter/2"][0]
+    assert lora["theory"]["full_finetune_reduce_scatter_mb"] == pytest.approx(full_reduced,
+                                                                           rel=1e-3)
+    # at `tiny` (d_model 64) the rank-8 adapters are 5.6% of the weights; at `small`, 1.4%
+    # (tests/test_fsdp_lora.py)
+    assert lora["comm_by_kind_mb"]["reduce_scatter"] == pytest.approx(
+        lora["trainable_params"] / full["params"] * full_reduced, rel=0.01)
+    # the frozen base is gathered as in full fine-tuning (the adapters with it): what sharding
+    # it costs
+    gathered = full["comm_by_op"]["allgather/2"][0]
+    assert gathered < lora["comm_by_kind_mb"]["allgather"] <= 1.1 * gathered
+    # a frozen weight holds 4 bytes a rank, not full fine-tuning's 16
+    assert lora["state_mb"] < 0.35 * full["state_mb"]
+
+
+def test_fine_tuning_from_the_checkpoint_ends_lower_than_from_random_weights(runs):
+    pretrain, tuned, scratch = runs["pretrain"], runs["lora_1"], runs["scratch_1"]
+    assert runs["checkpoint"] == ["step-000040"]
+    assert pretrain["losses"][-1] < 0.8 * pretrain["losses"][0]  # the base learnt its task
+    assert scratch["init_from"] == "scratch" and scratch["started_from"] is None
+    assert tuned["losses"][-1] < 0.8 * scratch["losses"][-1]
+    assert scratch["loss_tolerance"] is None and "loss_tolerance_final_rel" not in scratch
+
+
+def test_the_report_holds_lora_to_full_fine_tuning_from_the_same_checkpoint(runs):
+    lora, full = runs["lora_2"], runs["full_2"]
+    assert lora["baseline"] == "optimized_fsdp" and lora["loss_tolerance_final_rel"] == 0.10
+    by_key = {i: run for i, run in enumerate([full, runs["scratch_1"]])}
+    assert results_table.baseline_run(lora, by_key) is full
+    assert results_table.why_not_compared(lora, full) is None
+
+
+# --- The README's lines ---------------------------------------------------------------------
+def _join(rank: int, world: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+
+
+def project_loss(snippet: str) -> str:
+    """The README's lines with the loss the project's models return (`model(inputs, targets)`)
+    in place of the two that compute it from a HuggingFace model's logits."""
+    lines = snippet.splitlines()
+    at = next(i for i, line in enumerate(lines) if "model(input_ids=inputs).logits" in line)
+    indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+    assert "F.cross_entropy(logits" in lines[at + 1]
+    return "\n".join([*lines[:at], f"{indent}loss = model(inputs, targets)", *lines[at + 2:]])
+
+
+def _readme_lines_on_two_llamas(rank: int, world: int, port: int, out_file: str) -> None:
+    """The README's LoRA lines on a tiny HuggingFace LlamaForCausalLM (its loss from the logits)
+    and on the project's Llama, each from a copy of the same weights in one process too."""
+    import hf_llama  # here: `transformers` costs every process that imports it seconds
+
+    _join(rank, world, port)
+    snippet = readme_python_block(FOLDER / "README.md", README_HEADING)
+    recipe = vars(load_recipe(LORA))
+    found = {}
+    for name in ("hf", "project"):
+        torch.manual_seed(0)
+        model = hf_llama.tiny_llama() if name == "hf" else common.Llama(common.SIZES["tiny"])
+        frozen = {n: p.detach().clone() for n, p in model.named_parameters()}
+        batches = hf_llama.token_batches(4, rank, world)
+        namespace = {**recipe, "model": model, "batches": batches}
+        exec(snippet if name == "hf" else project_loss(snippet), namespace)
+        losses = torch.tensor(namespace["losses"], dtype=torch.float64)
+        dist.all_reduce(losses)
+        found[name] = {"losses": (losses / world).tolist(),
+                       "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                       "frozen_kept": all(
+                           torch.equal(p.full_tensor(), frozen[n.replace(".base", "")])
+                           for n, p in model.named_parameters() if not p.requires_grad)}
+    if rank == 0:
+        torch.save(found, out_file)
+    dist.destroy_process_group()
+
+
+def test_the_readmes_lora_lines_fine_tune_a_hf_llama_and_the_projects(tmp_path):
+    snippet = readme_python_block(FOLDER / "README.md", README_HEADING)
+    assert "apply_lora(model" in snippet and "shard(model, blocks, mesh)" in snippet
+    out = tmp_path / "found.pt"
+    mp.spawn(functools.partial(run_then_leave, _readme_lines_on_two_llamas),
+             args=(2, common.free_port(), str(out)), nprocs=2)
+    found = torch.load(out)
+    for name in ("hf", "project"):
+        assert found[name]["frozen_kept"], name  # the base never moved
+        assert found[name]["losses"][-1] < found[name]["losses"][0], name
+        assert found[name]["trainable"] > 0
