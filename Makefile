@@ -180,13 +180,14 @@ all: calibrated $(TECHNIQUES)
 # Runs a folder makes beyond one per script, as "script flags" (the script's default runs
 # anyway): PyTorch's own implementation of a second technique beside the hand-written one; a
 # row that takes one change of two apart; a setting where the technique's cost is most of a step.
-EXTRA_RUNS_zero := "04_zero/optimized_zero_pytorch.py --stage 3"
-# 03's fine-tuning: a pretraining run saved after its 80th step, then full fine-tuning
+EXTRA_RUNS_zero := "04_zero/optimized_zero_pytorch.py --stage 3" \
+	"04_zero/optimized_zero_pytorch.py --stage 3 --cpu-offload"
+# 03's fine-tuning: a pretraining run saved after its 160th step, then full fine-tuning
 # (optimized_fsdp) and LoRA from it on the fine-tuning task, where LoRA's own run (from random
 # weights) shows what the pretrained start is worth. A decoder's: the task is its tokens.
 PRETRAINED := outputs/pretrained/$(or $(MODEL),gpt)-$(SIZE)
 EXTRA_RUNS_fsdp := $(if $(filter resnet,$(MODEL)),,\
-	"03_fsdp/optimized_fsdp_checkpoint.py --steps 75 --checkpoint-every 80 --checkpoint-dir $(PRETRAINED)" \
+	"03_fsdp/optimized_fsdp_checkpoint.py --steps 155 --checkpoint-every 160 --checkpoint-dir $(PRETRAINED)" \
 	"03_fsdp/optimized_fsdp.py --init-from $(PRETRAINED)" \
 	"03_fsdp/optimized_fsdp_lora.py --init-from $(PRETRAINED)")
 # PowerSGD where it is meant to run: 110 steps beside the baseline's 110, at rank 8 (10x fewer

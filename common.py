@@ -1268,6 +1268,7 @@ class PlanInput:
     moe_layers: int = 0  # the layers with experts
     expert_params: float = 0.0  # the routed experts' parameters, all MoE layers together
     ep: int = 1  # EP's degree: the GPUs a layer's experts are spread over
+    lora_params: float = 0.0  # LoRA fine-tuning's adapters, all layers (0: no LoRA row)
 
     @property
     def blocks(self) -> float:

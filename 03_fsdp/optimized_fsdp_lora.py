@@ -45,8 +45,6 @@ LOSS_TOLERANCE = None
 # from the same checkpoint (optimized_fsdp.py --init-from). LoRA trains under 2% of the weights:
 # what it cannot express of the new task, full fine-tuning can.
 FINAL_LOSS_TOLERANCE = 0.10
-# No planner row yet: the planner takes no adapter rank.
-PLANNED = []
 # The Linears adapted, by name (fnmatch): the GPT's attn.qkv and attn.proj, the Llama's and a
 # HuggingFace Llama's self_attn.{q,k,v,o}_proj; with --lora-mlp also the GPT's fc and fc_proj,
 # the Llamas' mlp.{gate,up,down}_proj.
@@ -92,6 +90,14 @@ def apply_lora(model: nn.Module, patterns=ATTENTION, rank: int = 8, alpha: float
         owner = model.get_submodule(parent)
         setattr(owner, child, LoRALinear(getattr(owner, child), rank, alpha))
     return adapted
+
+
+def keep_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every frozen floating-point parameter of `model` cast to `dtype` (bf16: 2 bytes a weight,
+    not fp32's 4), the trainable ones left as they are (fp32 for AdamW)."""
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(dtype)
 
 
 def merge_lora(model: nn.Module) -> None:
@@ -205,25 +211,58 @@ def padded_numel(p: torch.Tensor, group: int) -> int:
     return math.ceil(p.shape[0] / group) * group * math.prod(p.shape[1:])
 
 
-def lora_bytes(model: nn.Module, blocks: list[nn.Module], group: int, gather: int = 4
+def lora_bytes(blocks: float, root: float, trainable: float, group: int, gather: float = 4,
+               reduce: float = 4, frozen_bytes: float = 4, trained_bytes: float = 16
                ) -> dict[str, float]:
-    """LoRA under FSDP2's bytes a rank, from the parameters' padded shapes: state (4 bytes a
-    frozen value, 16 a trainable one with its gradient and AdamW's two moments, / group); sent
-    a step, (group-1)/group of every block's values gathered twice (forward, then backward:
-    the frozen weights carry the input's gradient), the root's once, `gather` bytes each, and
-    of the trainable ones' gradients reduce-scattered (4 bytes); what full fine-tuning of the
-    base would reduce-scatter: every frozen value's gradient."""
+    """LoRA under FSDP2's bytes a rank, from value counts (padded as FSDP pads them): `blocks`
+    and `root` all the values (frozen and trainable) of the blocks and of the root, `trainable`
+    the adapters'. State, / group: `frozen_bytes` a frozen value (no gradient, no AdamW state),
+    `trained_bytes` a trainable one. Sent a step, (group-1)/group of: every block's values
+    gathered twice (forward, then backward: a frozen weight carries the input's gradient), the
+    root's once, `gather` bytes each; the trainable ones' gradients reduce-scattered, `reduce`
+    bytes each. Beside them what full fine-tuning of the base would reduce-scatter: every
+    frozen value's gradient."""
+    share, frozen = (group - 1) / group, blocks + root - trainable
+    return {"state": (frozen_bytes * frozen + trained_bytes * trainable) / group,
+            "allgather": share * gather * (2 * blocks + root),
+            "reduce_scatter": share * reduce * trainable,
+            "full_reduce_scatter": share * reduce * frozen}
+
+
+def theory(model: nn.Module, blocks: list[nn.Module], group: int, rank: int, gather: int
+           ) -> dict:
+    """lora_bytes of the model's padded shapes (a frozen value kept in the gather dtype), and
+    the adapters' r (d_in + d_out) each."""
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    share = (group - 1) / group
-    values = {"frozen": 0, "trainable": 0, "gathered": 0}
+    values = {"blocks": 0, "root": 0, "trainable": 0}
     for p in model.parameters():
         n = padded_numel(p, group)
-        values["trainable" if p.requires_grad else "frozen"] += n
-        values["gathered"] += n * (2 if id(p) in in_blocks else 1)
-    return {"state": (4 * values["frozen"] + 16 * values["trainable"]) / group,
-            "allgather": share * gather * values["gathered"],
-            "reduce_scatter": share * 4 * values["trainable"],
-            "full_reduce_scatter": share * 4 * values["frozen"]}
+        values["blocks" if id(p) in in_blocks else "root"] += n
+        values["trainable"] += n if p.requires_grad else 0
+    predicted = lora_bytes(values["blocks"], values["root"], values["trainable"], group, gather,
+                           frozen_bytes=gather)
+    return {"state_mb": predicted["state"] / 2**20,
+            "comm_mb": (predicted["allgather"] + predicted["reduce_scatter"]) / 2**20,
+            "comm_by_kind_mb": {k: round(predicted[k] / 2**20, 4)
+                                for k in ("allgather", "reduce_scatter")},
+            "trainable_params": sum(rank * (m.base.in_features + m.base.out_features)
+                                    for m in model.modules() if isinstance(m, LoRALinear)),
+            "full_finetune_reduce_scatter_mb": predicted["full_reduce_scatter"] / 2**20}
+
+
+def planned_lora(plan: common.PlanInput) -> dict[str, float]:
+    """The planner's FSDP + LoRA row: the frozen model sharded over every GPU in the weights'
+    dtype, the adapters (PlanInput.lora_params) with their gradients and AdamW's state; sent,
+    lora_bytes; held gathered, the root and a block with its prefetched next. Its step: the
+    frozen weights' matmuls skip the weight gradient (4 of 6 FLOPs a weight, the adapters'
+    few ignored) and AdamW steps the adapters alone."""
+    w, g, o = plan.state_bytes
+    root, adapters = plan.embedding + plan.head, plan.lora_params
+    predicted = lora_bytes(plan.params - root + adapters, root, adapters, plan.gpus, w, g, w,
+                           w + g + o)
+    return {"state": predicted["state"], "sent": predicted["allgather"] +
+            predicted["reduce_scatter"], "gathered": w * (root + 2 * plan.blocks / plan.layers),
+            "matmul_share": 4 / 6, "stepped": adapters / plan.gpus}
 
 
 def main():
@@ -242,9 +281,9 @@ def main():
     started_from = common.init_weights_from(model, args.init_from)
     adapted = apply_lora(model, ATTENTION + (MLP if args.lora_mlp else ()), args.lora_rank,
                          args.lora_alpha)
-    formula = sum(args.lora_rank * (m.base.in_features + m.base.out_features)
-                  for m in model.modules() if isinstance(m, LoRALinear))
     bf16 = args.dtype == "bf16"
+    if bf16:  # what never trains needs no fp32 copy: the policy would compute with bf16 anyway
+        keep_frozen_in(model, torch.bfloat16)
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                      reduce_dtype=torch.float32 if bf16 else None)
     units = common.transformer_blocks(model)
@@ -261,28 +300,26 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    predicted = lora_bytes(model, units, topo.world_size, 2 if bf16 else 4)
     measured = {kind: sum(mb for op, (mb, _) in stats.comm_by_op.items()
                           if op.startswith(f"{kind}/")) for kind in ("allgather", "reduce_scatter")}
-    params = sum(p.numel() for p in model.parameters())
     fine_tuning = args.init_from not in (None, "scratch")
     common.record(args, topo, stats, baseline="optimized_fsdp", model=model, optimizer=opt,
-                  overlapped=common.FSDP_OVERLAP, comm_mb=stats.comm_mb, strategy="full_shard",
+                  overlapped=common.FSDP_OVERLAP, comm_mb=stats.comm_mb,
                   init_from=args.init_from, started_from=started_from, adapted=adapted,
                   lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                   trainable_params=sum(p.numel() for p in trainable),
-                  trainable_share=sum(p.numel() for p in trainable) / params,
-                  comm_by_kind_mb=measured,
+                  trainable_share=sum(p.numel() for p in trainable)
+                  / sum(p.numel() for p in model.parameters()),
+                  comm_by_kind_mb={k: round(v, 4) for k, v in measured.items()},
                   **({"loss_tolerance_final_rel": FINAL_LOSS_TOLERANCE} if fine_tuning
                      else {"loss_tolerance": LOSS_TOLERANCE}),
-                  theory={"state_mb": predicted["state"] / 2**20,
-                          "comm_mb": (predicted["allgather"] + predicted["reduce_scatter"])
-                          / 2**20,
-                          "comm_by_kind_mb": {k: predicted[k] / 2**20
-                                              for k in ("allgather", "reduce_scatter")},
-                          "trainable_params": formula,
-                          "full_finetune_reduce_scatter_mb":
-                              predicted["full_reduce_scatter"] / 2**20})
+                  theory=theory(model, units, topo.world_size, args.lora_rank,
+                                2 if bf16 else 4))
+
+
+# The planner's row, planned when `make plan` is given --lora-rank (fine-tuning, not training)
+PLANNED = [{"strategy": "FSDP + LoRA", "place": 55, "figures": planned_lora,
+            "fine_tuning": True}]
 
 
 if __name__ == "__main__":

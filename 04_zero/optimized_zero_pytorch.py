@@ -6,7 +6,8 @@ gradient, each rank runs AdamW on the parameters assigned to it (whole tensors, 
 ranks greedily by size) and broadcasts them to the others. `--stage 3` applies FSDP2's
 `fully_shard` to each transformer block and then to the model (the embeddings and final norm):
 the same units as optimized_zero3.py's buckets, with FSDP2's own prefetching, and under bf16
-autocast the same dtypes (MixedPrecisionPolicy: gathered in bf16, reduced in fp32).
+autocast the same dtypes (MixedPrecisionPolicy: gathered in bf16, reduced in fp32);
+`--stage 3 --cpu-offload` adds its CPUOffloadPolicy (CUDA), beside optimized_zero3_offload.py.
 Why it is here: a technique written by hand is checked against the library's. The losses must
 match the hand-written stage's to float rounding (tests/test_zero.py checks it), and
 `make zero report` puts the step time, peak memory and bytes sent side by side.
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -73,19 +74,24 @@ def same_weights_on_every_rank(model: torch.nn.Module, mesh: DeviceMesh) -> None
 
 
 def pytorch_zero3(model: nn.Module, blocks: list[nn.Module], lr: float,
-                  group: dist.ProcessGroup | None = None, param_dtype: torch.dtype | None = None):
+                  group: dist.ProcessGroup | None = None, param_dtype: torch.dtype | None = None,
+                  offload: bool = False):
     """FSDP2 on each block, then on the model for what is left (embeddings, final norm, head:
     the root unit of the hand-written stages), over `group` (None: the world) as a 1-D mesh,
     every rank starting from the group's first rank's weights, as under DDP. `param_dtype` as
-    ZeRO3's: gathered in it, reduced in the parameters' own dtype."""
+    ZeRO3's: gathered in it, reduced in the parameters' own dtype. `offload`: FSDP2's
+    CPUOffloadPolicy, the shards, their gradients and AdamW's state in host memory and the step
+    there (optimized_zero3_offload.py's by hand)."""
     param = next(model.parameters())
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, param.device.type)
     same_weights_on_every_rank(model, mesh)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype,
                                      reduce_dtype=param.dtype if param_dtype else None)
+    policy = {"mesh": mesh, "mp_policy": mp_policy,
+              **({"offload_policy": CPUOffloadPolicy()} if offload else {})}
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(block, **policy)
+    fully_shard(model, **policy)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     return model, opt, opt
 
@@ -171,8 +177,19 @@ def main():
                         "each step, with torch.nn.utils.clip_grad_norm_: on DDP's full "
                         "gradients (stage 1), on FSDP2's DTensor shards (stage 3, the norm "
                         "all-reduced) (default: no clipping)")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="with --stage 3: FSDP2's CPUOffloadPolicy, the shards and AdamW's "
+                             "state in host memory (CUDA only)")
     add_summary_flag(parser)
     args = parser.parse_args()
+    if args.cpu_offload and args.stage != 3:
+        parser.error("--cpu-offload is FSDP2's: add --stage 3")
+    if args.cpu_offload and args.clip_grad_norm:
+        parser.error("--clip-grad-norm with --cpu-offload: clip_grad_norm_ would all-reduce the "
+                     "norm of host-memory gradients over NCCL (pytorch/pytorch#148532): drop one")
+    if args.cpu_offload and not torch.cuda.is_available():
+        raise common.Skip("--cpu-offload moves the shards from the GPU to host memory; a CPU run "
+                          "keeps them there already: run on CUDA")
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
     n = topo.world_size
@@ -185,7 +202,8 @@ def main():
         model, opt, counted_opt = pytorch_zero1(model, topo, args.lr)
     else:
         model, opt, counted_opt = pytorch_zero3(
-            model, blocks, args.lr, param_dtype=torch.bfloat16 if args.dtype == "bf16" else None)
+            model, blocks, args.lr, param_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
+            offload=args.cpu_offload)
 
     def train_step(inputs, targets):
         opt.zero_grad(set_to_none=True)
@@ -216,7 +234,7 @@ def main():
                   overlapped={**common.DDP_OVERLAP, **common.FSDP_OVERLAP},
                   comm_mb=stats.comm_mb, theory=theory, stage=args.stage,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
-                  **measured)
+                  cpu_offload=args.cpu_offload, **measured)
     if args.summary:
         print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
                              theory=theory)

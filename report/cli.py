@@ -145,6 +145,10 @@ def main(argv: Sequence[str]) -> int:
     plan.add_argument("--run-as", choices=("eager", "compiled", "float8"), default="eager",
                       help="how the step runs: eager, torch.compile, or compiled with float8 "
                            "matmuls (each at the share of the peak torchtitan's runs achieve)")
+    plan.add_argument("--lora-rank", type=common.int_at_least(1), default=0,
+                      help="fine-tuning: plan FSDP + LoRA beside full training, rank-r adapters "
+                           "on every layer's attention projections, the rest frozen (03_fsdp/"
+                           "optimized_fsdp_lora.py)")
     plan.add_argument("--published", action="store_true", help="the published runs the "
                       "step-time model is held to (torchtitan's, Megatron-LM's) beside its "
                       "predictions; the other flags are not read")

@@ -69,6 +69,14 @@ def expert_params(args: argparse.Namespace) -> float:
     return float(moe_layers * args.experts * 3 * args.hidden * args.expert_ffn)
 
 
+def lora_params(args: argparse.Namespace) -> float:
+    """--lora-rank r's adapters, r (d_in + d_out) a projection of every layer's attention: a
+    GPT's fused qkv (h to 3h) and output projection, 6 r h a layer; a Llama's four, 8 r h a
+    layer, its key and value projections taken as h x h (grouped-query attention's are
+    narrower: fewer). 0 without --lora-rank."""
+    return float(args.layers * args.lora_rank * (8 if args.llama else 6) * args.hidden)
+
+
 def plan_input(args: argparse.Namespace, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
                ) -> common.PlanInput:
     """The planner's flags as the numbers a script's formulas take: GPT-2's layout (token and
@@ -92,7 +100,8 @@ def plan_input(args: argparse.Namespace, tp: int = 1, pp: int = 1, cp: int = 1, 
                             micro_batches=args.micro_batches, tp=tp, pp=pp, cp=cp, **parts,
                             experts=args.experts, top_k=args.top_k,
                             moe_layers=(layers if args.moe_layers is None else args.moe_layers)
-                            if args.experts else 0, expert_params=expert_params(args), ep=ep)
+                            if args.experts else 0, expert_params=expert_params(args), ep=ep,
+                            lora_params=lora_params(args))
 
 
 def planned_strategies() -> list[dict]:
@@ -198,8 +207,11 @@ def planned_step(args: argparse.Namespace, row: dict, figures: dict, gpu: GPU, a
     sharded = "FSDP" in row["strategy"] or "ZeRO-3" in row["strategy"]
     overlapped = {"dp": "step" if sharded else "backward", "cp": "step",
                   **({"tp": "step"} if async_tp else {})}
-    work = common.StepWork((per_token - attention) * tokens, attention * tokens, 0.0,
-                           figures["state"] / sum(STATE_BYTES[args.dtype]), collectives,
+    # a frozen weight's matmuls skip its gradient (LoRA: 4 FLOPs a weight of full training's 6),
+    # and AdamW steps what trains
+    matmul = (per_token - attention) * figures.get("matmul_share", 1.0)
+    stepped = figures.get("stepped", figures["state"] / sum(STATE_BYTES[args.dtype]))
+    work = common.StepWork(matmul * tokens, attention * tokens, 0.0, stepped, collectives,
                            overlapped, row["checkpointing"], figures.get("bubble", 0.0))
     step = common.predict_step(work, gpu_rates(gpu, achieved))
     tokens_per_s = tokens / (step["step_ms"] / 1e3)
@@ -207,7 +219,7 @@ def planned_step(args: argparse.Namespace, row: dict, figures: dict, gpu: GPU, a
     if bound == "communication":
         bound = "network" if any(key.endswith("network") for key in collectives) else "NVLink"
     return {"step_s": step["step_ms"] / 1e3, "tokens_per_gpu_s": tokens_per_s,
-            "mfu": per_token * tokens_per_s / gpu.bf16_flops,
+            "mfu": (matmul + attention) * tokens_per_s / gpu.bf16_flops,
             "bound_by": bound if row["fits"] else "memory"}
 
 
@@ -337,6 +349,8 @@ def plan_strategies(args: argparse.Namespace) -> list[dict]:
     tp = tp_degree(args.gpus, args.gpus_per_node)
     rows = []
     for entry in planned_strategies():
+        if entry.get("fine_tuning") and not args.lora_rank:
+            continue
         if entry.get("context_parallel"):
             figures = [entry["figures"](plan_input(args, cp=cp)) for cp in context_degrees(args)]
         elif entry.get("expert_parallel"):
@@ -486,7 +500,8 @@ def step_note(args: argparse.Namespace) -> str:
             f"TFLOP/s bf16 peak, {args.run_as} at {achieved(args.run_as):.0%} of it, as "
             "torchtitan's Llama 3.1 8B FSDP row on 8 GPUs gives; NVLink and the network at "
             "report/gpus.py's LINK_EFFICIENCY of their rate); MFU = 6 x the weights a token "
-            "meets + attention's 12 x layers x hidden x seq, a GPU's tokens/s, over the peak; "
+            "meets (4 x a frozen one: LoRA) + attention's 12 x layers x hidden x seq, a GPU's "
+            "tokens/s, over the peak; "
             "bound by the largest part (compute, NVLink, network, bubble, optimizer; memory: "
             "it does not fit).")
 
@@ -551,10 +566,16 @@ CASES = [("ResNet-50 on 8 GPUs", {"params": 25.6e6, "gpus": 8, "layers": 16, "hi
                                        "hidden": 2048, "vocab": 151936, "seq_len": 4096,
                                        "llama": True, "experts": 128, "top_k": 8,
                                        "expert_ffn": 768},
-          "a MoE: its activations counted as a Llama's of its width")]
+          "a MoE: its activations counted as a Llama's of its width"),
+         # the seed guide's fine-tuning row (FSDP + LoRA), on two GPUs of a workstation's size
+         ("Fine-tuning LLaMA-7B on 2 GPUs", {"params": 7e9, "gpus": 2, "gpu_mem": 24.0,
+                                             "layers": 32, "hidden": 4096, "vocab": 32000,
+                                             "seq_len": 4096, "llama": True, "lora_rank": 8},
+          "24 GB GPUs; LoRA of rank 8 on the attention allowed beside full training")]
 CASE_FLAGS = {"gpu_mem": 80.0, "gpus_per_node": 8, "micro_batch": 1, "micro_batches": None,
               "dtype": "bf16", "llama": False, "pp": None, "experts": 0, "top_k": 0,
-              "expert_ffn": 0, "moe_layers": None, "gpu": "h100", "run_as": "eager"}
+              "expert_ffn": 0, "moe_layers": None, "gpu": "h100", "run_as": "eager",
+              "lora_rank": 0}
 
 
 def render_cases() -> str:

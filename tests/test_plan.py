@@ -4,6 +4,7 @@ recorded and measured in real runs (tests/fixtures)."""
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -83,9 +84,12 @@ def run_input(rec: dict) -> common.PlanInput:
         micro_batch=micro_batch, micro_batches=m, dtype="fp32",
         llama=rec["model"] in ("llama", "moe"), experts=size.n_experts if moe else 0,
         top_k=size.top_k if moe else 0, expert_ffn=size.expert_ffn if moe else 0,
-        moe_layers=None)
-    return planner.plan_input(flags, mesh.get("tp", 1), mesh.get("pp", 1), rec.get("cp", 1),
-                              rec.get("ep", 1))
+        moe_layers=None, lora_rank=0)
+    layout = planner.plan_input(flags, mesh.get("tp", 1), mesh.get("pp", 1), rec.get("cp", 1),
+                                rec.get("ep", 1))
+    # LoRA's adapters as the run counted them (the Llama's grouped-query k and v: narrower)
+    return dataclasses.replace(layout, lora_params=rec.get("trainable_params", 0.0)) \
+        if rec.get("lora_rank") else layout
 
 
 def planned(strategy: str, rec: dict) -> dict:
@@ -380,7 +384,10 @@ def test_the_decision_matrix_cases():
         # nodes a step; TP inside the node and FSDP across, with checkpointing, is faster
         "LLaMA-70B on 64 GPUs": "FSDP x TP (dp 8 x tp 8) with activation checkpointing",
         # two stages of the whole model a node: its bubble costs less than TP's exposed bytes
-        "Qwen3-30B-A3B on 16 GPUs": "pipeline"}
+        "Qwen3-30B-A3B on 16 GPUs": "pipeline",
+        # full training's state alone (16 bytes x 7B / 2) is over 24 GB a GPU; the frozen
+        # model's 2 bytes a weight / 2 is 7 GB
+        "Fine-tuning LLaMA-7B on 2 GPUs": "FSDP + LoRA with activation checkpointing"}
 
 
 def test_plan_alone_shows_the_cases():

@@ -1,6 +1,7 @@
 """Unit tests for 04_zero's pure parts (units, the flat partitioner, flattening, sharding), and
 every stage against the DDP baseline at odd world sizes, 3 and 1, and clipped by the global
-norm (--clip-grad-norm) at 2 and 3 ranks.
+norm (--clip-grad-norm) at 2 and 3 ranks; ZeRO-3 with its optimizer offloaded against ZeRO-3
+at 3 ranks, and clipped at 2 and 3.
 
 Those run each script's own `main()` in spawned gloo processes (cheaper than torchrun
 launches), one spawn per world size; rank 0 writes the records and the tests compare them here.
@@ -11,9 +12,9 @@ accumulation against DDP (with no_sync), ranks seeded apart, a bf16 model stayin
 forward between backward and step, the ResNet's BatchNorm buffers; PyTorch's own ZeRO
 (optimized_zero_pytorch.py's units) on ranks seeded apart; ZeRO-3 under bf16 autocast against
 its theory (bytes by dtype, the peak's parameters, what forward keeps for backward); and the
-README's "Use it in your trainer" lines as written, for each stage, on a tiny transformers
-LlamaForCausalLM (tests/hf_llama.py: sdpa and eager, untied and tied, and bf16) against
-PyTorch's DDP on the same model.
+README's "Use it in your trainer" lines as written, for each stage and for ZeRO3Offload, on a
+tiny transformers LlamaForCausalLM (tests/hf_llama.py: sdpa and eager, untied and tied, and
+bf16) against PyTorch's DDP on the same model.
 """
 
 import copy
@@ -173,11 +174,12 @@ def test_flat_buffers_keep_the_parameters_dtype_and_refuse_a_mix(stage):
 
 # --- every stage at an odd world size, and clipped, in spawned processes --------------------
 SCRIPTS = ["baseline_zero", "optimized_zero1", "optimized_zero2", "optimized_zero3"]
+OFFLOAD = "optimized_zero3_offload"  # ZeRO-3's state in host memory: held to ZeRO-3's losses
 CLIP = ["--clip-grad-norm", "0.5"]  # under the tiny GPT's gradient norm (1.2 to 2.1): always clips
 PYTORCH = [("optimized_zero_pytorch", CLIP), ("optimized_zero_pytorch", [*CLIP, "--stage", "3"])]
 RUNS = {  # world size: the runs of its one spawn, (script, flags)
-    3: [(name, flags) for flags in ([], CLIP) for name in SCRIPTS],
-    2: [("baseline_zero", []), *((name, CLIP) for name in SCRIPTS), *PYTORCH],
+    3: [(name, flags) for flags in ([], CLIP) for name in [*SCRIPTS, OFFLOAD]],
+    2: [("baseline_zero", []), *((name, CLIP) for name in [*SCRIPTS, OFFLOAD]), *PYTORCH],
     1: [(name, []) for name in SCRIPTS],
 }
 
@@ -273,6 +275,26 @@ def test_each_stage_clips_by_the_global_norm_like_ddp(spawned, world, script, st
     # clipping did change the training: the unclipped baseline's losses are elsewhere
     unclipped = runs[("baseline_zero", 0, None)]["losses"]
     assert results_table.max_loss_diff(base["losses"], unclipped) > 10 * rec["loss_tolerance"]
+
+
+@pytest.mark.parametrize("world, clip", [(3, None), (3, float(CLIP[1])), (2, float(CLIP[1]))])
+def test_offloaded_zero3_trains_like_zero3_and_keeps_its_state_where_its_theory_says(
+        spawned, world, clip):
+    """At 3 ranks (the blocks' buckets padded) and clipped at 2 and 3: ZeRO-3's losses, the
+    compute shards alone on the "device", the fp32 masters and AdamW's moments in host memory,
+    and the bytes sent and copied across the host link, each its formula."""
+    runs = spawned(world)
+    rec, zero3 = runs[(OFFLOAD, 3, clip)], runs[("optimized_zero3", 3, clip)]
+    assert rec["status"] == "ok" and rec["world_size"] == world
+    assert relative_diff(rec["losses"], zero3["losses"]) <= 1e-5
+    assert rec["baseline"] == "optimized_zero3"
+    assert_within_its_tolerance(rec, zero3)
+    for key in ("device_state_mb", "host_state_mb", "host_link_mb", "comm_mb"):
+        assert rec[key] == pytest.approx(rec["theory"][key], abs=0.002), key
+    assert rec["comm_mb"] == zero3["comm_mb"]  # the network's bytes are ZeRO-3's
+    assert rec["host_state_mb"] == pytest.approx(3 * rec["device_state_mb"], abs=0.002)  # fp32
+    assert rec["state_mb"] == pytest.approx(zero3["state_mb"], abs=0.02)  # moved, not made
+    assert "CPU-only" in rec["offloaded_to"]
 
 
 # --- the ZeRO objects in a trainer's loop, in spawned processes ----------------------------
@@ -431,11 +453,14 @@ def zero3_under_bf16_autocast() -> dict:
             "shard_dtypes": sorted({str(p.dtype) for p in opt.shards})}
 
 
-def readme_block(stage: int) -> str:
-    """The README's "Use it in your trainer" lines, written for ZeRO2, for `stage`: ZeRO1 and
-    ZeRO3 are called the same way, ZeRO3 without wait_for_params (as the README says)."""
+def readme_block(stage: int | str) -> str:
+    """The README's "Use it in your trainer" lines, written for ZeRO2, for `stage`: ZeRO1,
+    ZeRO3 and ZeRO3Offload ("offload") are called the same way, ZeRO3 without wait_for_params
+    (as the README says)."""
     block = readme_python_block(README)
-    block = block.replace("ZeRO2", f"ZeRO{stage}").replace("zero2", f"zero{stage}")
+    name, module = ("ZeRO3Offload", "zero3_offload") if stage == "offload" else \
+        (f"ZeRO{stage}", f"zero{stage}")
+    block = block.replace("ZeRO2", name).replace("zero2", module)
     if stage == 3:
         block = "\n".join(line for line in block.splitlines()
                           if not line.startswith("opt.wait_for_params()"))
@@ -488,7 +513,7 @@ def readme_scenarios() -> dict:
         variant = dict(attn="sdpa", dtype=torch.bfloat16) if attn == "bf16" else dict(
             attn=attn, tied=tied)
         name = attn if attn == "bf16" else f"{attn} {'tied' if tied else 'untied'}"
-        for kind in ("ddp", 1, 2, 3):
+        for kind in ("ddp", 1, 2, 3, "offload"):
             calls[f"readme {kind} {name}"] = functools.partial(on_a_hf_llama, kind, **variant)
     return calls
 
@@ -648,7 +673,7 @@ def test_zero3_keeps_one_slice_per_rank_and_frees_the_full_parameters(units_run)
         assert torch.equal(joined[:values.numel()], values) and not joined[values.numel():].any()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3, "offload"])
 def test_the_readmes_lines_train_a_hf_llama_like_ddp(units_run, stage):
     """The README's "Use it in your trainer" block, run as written on a tiny transformers
     LlamaForCausalLM (sdpa with an untied head, eager with a tied one) on 2 ranks whose models
@@ -663,7 +688,7 @@ def test_the_readmes_lines_train_a_hf_llama_like_ddp(units_run, stage):
         assert_trains_like(got, want)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3, "offload"])
 def test_the_readmes_lines_keep_a_bf16_hf_llama_bf16(units_run, stage):
     runs = units_run(2)
     got, want = result(runs, f"readme {stage} bf16"), result(runs, "readme ddp bf16")
