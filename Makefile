@@ -183,13 +183,15 @@ all: calibrated $(TECHNIQUES)
 EXTRA_RUNS_zero := "04_zero/optimized_zero_pytorch.py --stage 3" \
 	"04_zero/optimized_zero_pytorch.py --stage 3 --cpu-offload"
 # 03's fine-tuning: a pretraining run saved after its 160th step, then full fine-tuning
-# (optimized_fsdp) and LoRA from it on the fine-tuning task, where LoRA's own run (from random
-# weights) shows what the pretrained start is worth. A decoder's: the task is its tokens.
+# (optimized_fsdp) and LoRA from it on the fine-tuning task (the attention's adapters, then the
+# MLP's too), where LoRA's own run (from random weights) shows what the pretrained start is
+# worth. A decoder's: the task is its tokens.
 PRETRAINED := outputs/pretrained/$(or $(MODEL),gpt)-$(SIZE)
 EXTRA_RUNS_fsdp := $(if $(filter resnet,$(MODEL)),,\
 	"03_fsdp/optimized_fsdp_checkpoint.py --steps 155 --checkpoint-every 160 --checkpoint-dir $(PRETRAINED)" \
 	"03_fsdp/optimized_fsdp.py --init-from $(PRETRAINED)" \
-	"03_fsdp/optimized_fsdp_lora.py --init-from $(PRETRAINED)")
+	"03_fsdp/optimized_fsdp_lora.py --init-from $(PRETRAINED)" \
+	"03_fsdp/optimized_fsdp_lora.py --init-from $(PRETRAINED) --lora-mlp")
 # PowerSGD where it is meant to run: 110 steps beside the baseline's 110, at rank 8 (10x fewer
 # bytes at `small`), judged by its final loss; on the GPT, where 110 steps settle (README).
 EXTRA_RUNS_compression := $(if $(filter-out gpt,$(MODEL)),,\

@@ -1286,8 +1286,9 @@ class PlanInput:
 CALIBRATION = ROOT / "outputs" / "calibration.json"
 # The compute a collective can hide under, as a fraction of the step's compute: DDP's buckets
 # and ZeRO-2's reduce-scatters go out as backward (2/3 of the FLOPs) makes gradients; FSDP's
-# prefetched gathers and its reduce-scatters span forward and backward.
-OVERLAP_WINDOWS = {"backward": 2 / 3, "step": 1.0}
+# prefetched gathers and its reduce-scatters span forward and backward; an offloaded
+# optimizer's host step runs under the next forward (1/3).
+OVERLAP_WINDOWS = {"backward": 2 / 3, "forward": 1 / 3, "step": 1.0}
 # What a record's `overlapped=` says of the common wrappers: DDP's bucketed all-reduce under
 # backward; FSDP's gathers (prefetched) under the step, its reduce-scatters under backward.
 DDP_OVERLAP = {"allreduce": "backward"}

@@ -399,9 +399,7 @@ class ZeRO3Offload(torch.optim.AdamW):
         with torch.cuda.stream(self.copies):
             self.masters[i].grad.copy_(grad, non_blocking=True)
             grad.record_stream(self.copies)  # freed on the compute stream, read on this one
-            arrived = torch.cuda.Event()
-            arrived.record()
-        return arrived
+            return self.copies.record_event()
 
     @torch.no_grad()  # grad mode is a thread's own: step()'s does not reach the host thread
     def update_bucket(self, i: int, down: torch.cuda.Event | None) -> torch.cuda.Event | None:
@@ -419,9 +417,7 @@ class ZeRO3Offload(torch.optim.AdamW):
             return None
         with torch.cuda.stream(self.copies):
             self.compute[i].copy_(master, non_blocking=True)
-            up = torch.cuda.Event()
-            up.record()
-        return up
+            return self.copies.record_event()
 
     def wait_for_params(self) -> None:
         """Every queued update landed: before reading the weights outside forward (saving
@@ -445,14 +441,15 @@ def planned_offload(plan: common.PlanInput) -> dict[str, float]:
     """The planner's ZeRO-3 + offload row: a GPU holds the compute shard (the weights' bytes a
     value / N) and, gathered, the root and two blocks, as ZeRO-3; the master and AdamW's state
     go to the host. Sent over the network, ZeRO-3's (zero3_bytes' formula: each block gathered
-    twice, the root once, every gradient reduce-scattered); `host_link`, what crosses PCIe."""
+    twice, the root once, every gradient reduce-scattered); `host_link`, what crosses PCIe;
+    `stepped`, the parameters the host's AdamW steps."""
     w, g, o = plan.state_bytes
     root, blocks, share = plan.embedding + plan.head, plan.blocks, (plan.gpus - 1) / plan.gpus
     predicted = offload_bytes(plan.params, plan.gpus, w)
     return {"state": predicted["device"], "host": predicted["host"],
             "host_link": predicted["host_link"],
             "sent": share * ((2 * w + g) * blocks + (w + g) * root),
-            "gathered": w * (root + 2 * blocks / plan.layers), "stepped_on_host": True}
+            "gathered": w * (root + 2 * blocks / plan.layers), "stepped": plan.params / plan.gpus}
 
 
 def theory(buckets: list[Bucket], world: int, compute_bytes: int, master_bytes: int,
@@ -464,7 +461,7 @@ def theory(buckets: list[Bucket], world: int, compute_bytes: int, master_bytes: 
     share = (world - 1) / world
     sent = share * ((2 * gather_bytes + master_bytes) * sum(blocks)
                     + (gather_bytes + master_bytes) * root + buffers_mb * 2**20)
-    return {"state_mb": (predicted["device"] + predicted["host"]) / 2**20,
+    return {"state_mb": predicted["device"] / 2**20,
             "device_state_mb": predicted["device"] / 2**20,
             "host_state_mb": predicted["host"] / 2**20,
             "host_link_mb": predicted["host_link"] / 2**20, "comm_mb": sent / 2**20}
@@ -506,9 +503,9 @@ def main():
                   "host memory, which on a CPU-only host is the device's too",
                   device_state_mb=round(device_mb, 3), host_state_mb=round(host_mb, 3),
                   host_link_mb=round((opt.bytes_down + opt.bytes_up) / 2**20, 3),
-                  # the compute shards are neither the model's parameters nor the optimizer's:
-                  # the state is both places' together (common.state_mb would miss them)
-                  state_mb=round(device_mb + host_mb, 2),
+                  # the state a rank's device holds, what offload shrinks (common.state_mb
+                  # would count the host's masters and moments, not the compute shards)
+                  state_mb=round(device_mb, 2),
                   theory=theory(opt.buckets, topo.world_size, compute_bytes, master_bytes,
                                 opt.unsharded[0].element_size(), buffers_mb))
 

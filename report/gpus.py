@@ -18,7 +18,9 @@ GB, TB = 1e9, 1e12
 @dataclass(frozen=True)
 class GPU:
     """A datasheet: peak dense (no 2:4 sparsity) tensor FLOP/s, HBM, and the bandwidth a GPU has
-    to its node's GPUs (NVLink, one direction) and to other nodes (its NIC, one direction)."""
+    to its node's GPUs (NVLink, one direction) and to other nodes (its NIC, one direction); for
+    optimizer offload, its link to the host (PCIe, one direction) and its share of the host's
+    memory bandwidth (the node's DRAM channels over its GPUs)."""
 
     name: str
     bf16_flops: float
@@ -28,6 +30,8 @@ class GPU:
     nvlink_bytes_per_s: float
     network_bytes_per_s: float
     sources: str
+    pcie_bytes_per_s: float = 64 * GB
+    host_memory_bytes_per_s: float = 77 * GB
 
 
 GPUS = {
@@ -35,27 +39,39 @@ GPUS = {
     # without", 80 GB at 3.35 TB/s, NVLink 900 GB/s (both directions: NVIDIA's HGX H100 text,
     # NVIDIA/nccl#1264); DGX H100: one 400 Gb/s ConnectX-7 NDR port a GPU. torchtitan's
     # tools/utils.py takes 989e12 as the H100 SXM's bf16 peak.
+    # Its host link, PCIe Gen5 x16: "128GB/s" both ways (the datasheet). DGX H100's two Xeon
+    # Platinum 8480C, 8 DDR5-4800 channels each: 2 x 8 x 38.4 GB/s = 614 GB/s, 77 a GPU.
     "h100": GPU("H100 SXM 80 GB", 989e12, 1979e12, 80, 3.35 * TB, 450 * GB, 50 * GB,
-                "NVIDIA H100 datasheet; DGX H100 user guide; NVIDIA/nccl#1264"),
+                "NVIDIA H100 datasheet; DGX H100 user guide; NVIDIA/nccl#1264",
+                pcie_bytes_per_s=64 * GB, host_memory_bytes_per_s=77 * GB),
     # The H100's compute (torchtitan's utils: 989e12) with 141 GB of HBM3e at 4.8 TB/s and the
     # same 18 NVLink 4 links (NVIDIA's MLPerf v4.1 H200 system: "18x 4th Gen NVLink, 900GB/s")
+    # PCIe Gen5 x16 and DGX H200's host, DGX H100's (the same two Xeon 8480C)
     "h200": GPU("H200 SXM 141 GB", 989e12, 1979e12, 141, 4.8 * TB, 450 * GB, 50 * GB,
-                "NVIDIA H200 announcement; MLPerf Inference v4.1 NVIDIA H200 system"),
+                "NVIDIA H200 announcement; MLPerf Inference v4.1 NVIDIA H200 system",
+                pcie_bytes_per_s=64 * GB, host_memory_bytes_per_s=77 * GB),
     # NVIDIA's A100 datasheet: 312 TFLOP/s bf16 dense, 80 GB at 2,039 GB/s, NVLink 3 at 600 GB/s
     # (300 each way); DGX A100: eight 200 Gb/s HDR ports for compute, one a GPU. No fp8.
+    # Its host link, PCIe Gen4 x16: "64GB/s" both ways. DGX A100's two EPYC 7742, 8 DDR4-3200
+    # channels each: 2 x 8 x 25.6 GB/s = 410 GB/s, 51 a GPU.
     "a100": GPU("A100 SXM 80 GB", 312e12, None, 80, 2.039 * TB, 300 * GB, 25 * GB,
-                "NVIDIA A100 datasheet; DGX A100 datasheet"),
+                "NVIDIA A100 datasheet; DGX A100 datasheet",
+                pcie_bytes_per_s=32 * GB, host_memory_bytes_per_s=51 * GB),
     # NVIDIA's Blackwell datasheet at 1,000 W (torchtitan's utils: 2.25e15 bf16 dense), 4,500
     # fp8 dense, 180 GB (HGX B200) at 8 TB/s, NVLink 5 at 1.8 TB/s (both directions); DGX B200:
     # eight 400 Gb/s ConnectX-7 NDR ports
+    # Its host link: DGX B200's Xeon Platinum 8570 speak PCIe Gen5 (the GPU's Gen6 waits for
+    # the CPU), 64 GB/s each way; their 8 DDR5-5600 channels each, 2 x 8 x 44.8 = 717 GB/s, 90 a GPU
     "b200": GPU("B200 (HGX, 1,000 W)", 2250e12, 4500e12, 180, 8.0 * TB, 900 * GB, 50 * GB,
-                "NVIDIA Blackwell datasheet; MLPerf Inference v6.0 Nebius B200 system"),
+                "NVIDIA Blackwell datasheet; MLPerf Inference v6.0 Nebius B200 system; DGX "
+                "B200 user guide", pcie_bytes_per_s=64 * GB, host_memory_bytes_per_s=90 * GB),
     # The H100s of torchtitan's published benchmarks (benchmarks/llama3_h100_202412_torchtitan.md):
     # "96GB HBM2e with 2.4 TB/sec", a 500 W limit, "400 Gb/s per GPU" between hosts; its MFU uses
     # the SXM's 989e12 ("the actual peak TFLOPs number is between SXM and NVL")
     "h100-96gb-500w": GPU("H100 96 GB HBM2e at 500 W (torchtitan's)", 989e12, 1979e12, 96,
                           2.4 * TB, 450 * GB, 50 * GB,
-                          "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"),
+                          "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md; "
+                          "its host taken as DGX H100's"),
 }
 
 # What NCCL's collectives reach of a link: nccl-tests-style bus bandwidth over the datasheet's
@@ -100,5 +116,8 @@ def gpu_rates(gpu: GPU, achieved: float) -> common.Rates:
              for dim in ("dp", "tp", "pp", "cp", "ep")
              for where, rate in (("nvlink", gpu.nvlink_bytes_per_s),
                                  ("network", gpu.network_bytes_per_s))}
+    # optimizer offload: the copies over PCIe, and the host's AdamW as a pass over host memory
+    links |= {"pcie/offload": (0.0, 1 / (LINK_EFFICIENCY * gpu.pcie_bytes_per_s)),
+              "host/offload": (0.0, 1 / gpu.host_memory_bytes_per_s)}
     return common.Rates(gpu.bf16_flops * achieved, gpu.bf16_flops * achieved, 0.0,
                         ADAMW_BYTES / gpu.hbm_bytes_per_s, links, GPU_OVERLAP, gpu.name)

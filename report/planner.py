@@ -15,7 +15,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 import common
-from report.gpus import FITTED_ON, GPU, GPUS, LLAMA31, gpu_rates, llama_params
+from report.gpus import ADAMW_BYTES, FITTED_ON, GPU, GPUS, LLAMA31, gpu_rates, llama_params
 
 GB = 1e9
 # Bytes per parameter: (weights, gradients, optimizer state) with AdamW. fp32: 4 + 4 + 8 (two
@@ -171,7 +171,8 @@ def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpoi
             "bubble": figures.get("bubble", 0.0),
             "sequences": figures.get("sequences", args.micro_batch * args.gpus),
             **{key: figures[key] for key in ("by_dim", "mesh", "crossover", "alltoall", "tokens",
-                                             "experts_data_parallel", "experts_replicas")
+                                             "experts_data_parallel", "experts_replicas",
+                                             "host", "host_link")
                if key in figures}}
 
 
@@ -205,19 +206,28 @@ def planned_step(args: argparse.Namespace, row: dict, figures: dict, gpu: GPU, a
         if across:
             collectives[f"{dim}/network"] = (across, 0)
     sharded = "FSDP" in row["strategy"] or "ZeRO-3" in row["strategy"]
-    overlapped = {"dp": "step" if sharded else "backward", "cp": "step",
+    overlapped = {"dp": "step" if sharded else "backward", "cp": "step", "host": "forward",
                   **({"tp": "step"} if async_tp else {})}
     # a frozen weight's matmuls skip its gradient (LoRA: 4 FLOPs a weight of full training's 6),
     # and AdamW steps what trains
     matmul = (per_token - attention) * figures.get("matmul_share", 1.0)
     stepped = figures.get("stepped", figures["state"] / sum(STATE_BYTES[args.dtype]))
+    if "host_link" in figures:  # offloaded: AdamW in host memory under the next forward, none
+        # of it on the GPU; the copies over PCIe counted exposed (they share that window)
+        collectives |= {"pcie/offload": (figures["host_link"], 0),
+                        "host/offload": (stepped * ADAMW_BYTES, 0)}
+        stepped = 0.0
     work = common.StepWork(matmul * tokens, attention * tokens, 0.0, stepped, collectives,
                            overlapped, row["checkpointing"], figures.get("bubble", 0.0))
     step = common.predict_step(work, gpu_rates(gpu, achieved))
     tokens_per_s = tokens / (step["step_ms"] / 1e3)
     bound = step["bound_by"]
-    if bound == "communication":
-        bound = "network" if any(key.endswith("network") for key in collectives) else "NVLink"
+    if bound == "communication":  # the link that costs the most
+        rates = gpu_rates(gpu, achieved)
+        dim, where = max(collectives, key=lambda k: collectives[k][0] * rates.link(k)[1]
+                         ).split("/")
+        bound = {"pcie": "host link", "host": "host memory"}.get(dim) or \
+            ("network" if where == "network" else "NVLink")
     return {"step_s": step["step_ms"] / 1e3, "tokens_per_gpu_s": tokens_per_s,
             "mfu": (matmul + attention) * tokens_per_s / gpu.bf16_flops,
             "bound_by": bound if row["fits"] else "memory"}
@@ -290,10 +300,13 @@ def render_gpus() -> str:
                       f"{gpu.fp8_flops / 1e12:,.0f}" if gpu.fp8_flops else "none",
                       f"{gpu.memory_gb:g} GB, {gpu.hbm_bytes_per_s / 1e12:g} TB/s",
                       f"{gpu.nvlink_bytes_per_s / GB:g} GB/s",
-                      f"{gpu.network_bytes_per_s / GB:g} GB/s", gpu.sources]
+                      f"{gpu.network_bytes_per_s / GB:g} GB/s",
+                      f"{gpu.pcie_bytes_per_s / GB:g} GB/s",
+                      f"{gpu.host_memory_bytes_per_s / GB:g} GB/s", gpu.sources]
                      for key, gpu in GPUS.items()],
                     ["--gpu", "GPU", "bf16 dense TFLOP/s", "fp8", "HBM", "NVLink a direction",
-                     "network a GPU", "sources"], tablefmt="github")
+                     "network a GPU", "PCIe a direction", "host memory a GPU", "sources"],
+                    tablefmt="github")
 
 
 def render_published(path: Path = PUBLISHED) -> str:
@@ -417,6 +430,8 @@ def by_dim_text(row: dict) -> str:
     """A composed row's bytes by mesh dim, in GB: TP's inside the node, FSDP's (dp) and the
     pipeline's (pp) across nodes; EP's all-to-all, and its dense part's data parallelism (DDP's
     when the row has no FSDP) with the experts' replicas'."""
+    if "host" in row:  # offload: what the host holds, what crosses PCIe
+        return f"host {row['host'] / GB:,.1f} GB, PCIe {row['host_link'] / GB:,.2f} GB/step"
     if "by_dim" not in row:
         return ""
     sent = row["by_dim"]
@@ -446,6 +461,24 @@ def crossover_lines(rows: list[dict]) -> list[str]:
             "accumulation) its all-to-alls outweigh the expert gradients it keeps from the "
             "all-reduce, and EP pays in memory (1/ep of the experts a GPU), not in bytes."))
     return list(lines.values())
+
+
+def offload_lines(rows: list[dict]) -> list[str]:
+    """Where offloading the optimizer beats ZeRO-3 alone, a line: ZeRO-3 fits in no form (even
+    with checkpointing), ZeRO-3 + offload does; what each needs of a GPU, what the host holds
+    and what crosses PCIe a step."""
+    def leanest(strategy):
+        return min((r for r in rows if r["strategy"] == strategy), key=lambda r: r["total"],
+                   default=None)
+    alone, offloaded = leanest("ZeRO-3"), leanest("ZeRO-3 + offload")
+    if alone is None or offloaded is None or alone["fits"] or not offloaded["fits"]:
+        return []
+    return [f"Offload: ZeRO-3 alone needs {alone['total'] / GB:,.1f} GB a GPU even with "
+            f"activation checkpointing; with its optimizer offloaded, "
+            f"{offloaded['total'] / GB:,.1f} (the host holding {offloaded['host'] / GB:,.1f} GB "
+            f"a GPU, {offloaded['host_link'] / GB:,.2f} GB over PCIe a step) at "
+            f"{offloaded['tokens_per_gpu_s']:,.0f} tokens/s a GPU, bound by "
+            f"{offloaded['bound_by']}."]
 
 
 def add_moe_flags(plan: argparse.ArgumentParser) -> None:
@@ -556,6 +589,10 @@ CASES = [("ResNet-50 on 8 GPUs", {"params": 25.6e6, "gpus": 8, "layers": 16, "hi
                                    "vocab": 50257, "seq_len": 1024}, None),
          ("LLaMA-7B on 8 GPUs", {"params": 7e9, "gpus": 8, "layers": 32, "hidden": 4096,
                                  "vocab": 32000, "seq_len": 4096, "llama": True}, None),
+         # where offload beats ZeRO-3 alone: GPUs too small for 16 bytes a parameter / 8
+         ("LLaMA-7B on 8 16-GB GPUs", {"params": 7e9, "gpus": 8, "gpu_mem": 16.0,
+                                          "layers": 32, "hidden": 4096, "vocab": 32000,
+                                          "seq_len": 4096, "llama": True}, None),
          ("LLaMA-70B on 64 GPUs", {"params": 70e9, "gpus": 64, "layers": 80, "hidden": 8192,
                                    "vocab": 32000, "seq_len": 4096, "llama": True}, None),
          # Qwen3-30B-A3B, from its Hugging Face config.json (Qwen/Qwen3-30B-A3B): 48 layers,
@@ -591,5 +628,5 @@ def render_cases() -> str:
         pick = why_picked(rows, best, args.gpu_mem) if best else "nothing fits."
         count = f"{args.params / 1e9:g}B" if args.params >= 1e9 else f"{args.params / 1e6:g}M"
         lines.append(f"{name} ({count} parameters{f'; {note}' if note else ''}): {pick}"
-                     + "".join(f" {line}" for line in crossover_lines(rows)))
+                     + "".join(f" {line}" for line in crossover_lines(rows) + offload_lines(rows)))
     return "\n".join(lines)

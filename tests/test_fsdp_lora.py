@@ -58,9 +58,12 @@ def test_at_small_rank_8_the_adapters_are_under_2_per_cent_and_send_under_5(name
     lora.apply_lora(model, rank=8)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert 0 < trainable / total < 0.02
-    predicted = lora.lora_bytes(model, common.transformer_blocks(model), world)
-    assert predicted["reduce_scatter"] < 0.05 * predicted["full_reduce_scatter"]
-    assert predicted["state"] == pytest.approx((4 * (total) + 16 * trainable) / world, rel=0.01)
+    predicted = lora.theory(model, common.transformer_blocks(model), world, 8, 4)
+    full = predicted["full_finetune_reduce_scatter_mb"]
+    assert predicted["comm_by_kind_mb"]["reduce_scatter"] < 0.05 * full
+    assert predicted["trainable_params"] == trainable
+    assert predicted["state_mb"] == pytest.approx((4 * total + 16 * trainable) / world / 2**20,
+                                                  rel=0.01)
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])

@@ -2,7 +2,8 @@
 
 Seven launches shared through one module-scoped fixture, on the GPT: the DDP baseline, ZeRO-1 and
 PyTorch's own ZeRO-1; on the Llama: the DDP baseline, ZeRO-2, ZeRO-3 (with --summary) and FSDP2
-as ZeRO-3, each compared with the baseline of its own model; and two short traced ZeRO-1
+as ZeRO-3, each compared with the baseline of its own model; one of ZeRO-3 with its optimizer
+offloaded, on the Llama, against ZeRO-3's; and two short traced ZeRO-1
 launches at `small` (a profiler crash they once hit). tests/test_zero.py runs every stage on
 the GPT in-process (3 ranks, 1, clipped at 2).
 """
@@ -157,3 +158,28 @@ def test_a_traced_run_survives_the_all_gathers_in_flight_when_the_trace_ends(tmp
                         "--warmup", "4", "--steps", "1"))
         assert len(list((tmp_path / "traces").glob("04_zero_optimized_zero1_rank*.json"))) == 2
         assert common.load_results(results)[0]["status"] == "ok"
+
+
+# --- ZeRO-3 with its optimizer offloaded (optimized_zero3_offload.py) ------------------------
+@pytest.fixture(scope="module")
+def offloaded(tmp_path_factory):
+    """One launch: the Llama, as the zero3 run above, its AdamW in host memory."""
+    results = tmp_path_factory.mktemp("offload") / "results.jsonl"
+    console = finish(torchrun(FOLDER / "optimized_zero3_offload.py", results, *LLAMA))
+    return common.load_results(results)[-1], console
+
+
+def test_offloaded_zero3_trains_like_zero3_with_its_optimizer_in_host_memory(runs, offloaded):
+    rec, _ = offloaded
+    zero3, _ = runs["zero3"]
+    assert rec["status"] == "ok" and rec["world_size"] == 2 and rec["model"] == "llama"
+    assert rec["baseline"] == "optimized_zero3" and rec["loss_tolerance"] == 1e-5
+    assert relative_diff(rec["losses"], zero3["losses"]) <= 1e-5
+    for key in ("state_mb", "device_state_mb", "host_state_mb", "host_link_mb", "comm_mb"):
+        assert rec[key] == pytest.approx(rec["theory"][key], abs=0.005), key
+    # the device keeps the compute shard alone (fp32 here: 4 bytes), the host 12 bytes a value
+    assert rec["device_state_mb"] == pytest.approx(4 * rec["params"] / 2 / 2**20, abs=0.005)
+    assert rec["host_state_mb"] == pytest.approx(3 * rec["device_state_mb"], abs=0.005)
+    assert rec["state_mb"] == pytest.approx(rec["device_state_mb"], abs=0.005)  # the device's
+    assert rec["device_state_mb"] + rec["host_state_mb"] == pytest.approx(zero3["state_mb"],
+                                                                          abs=0.01)

@@ -99,8 +99,9 @@ def test_failing_scripts_fail_the_target_show_their_log_and_are_reported(tmp_pat
 
 
 def test_a_folders_extra_runs_are_runs_of_their_own_with_their_flags(tmp_path):
-    """04_zero adds `optimized_zero_pytorch.py --stage 3` to its scripts' runs: its own log, and
-    a failed row that names its flags (the script here dies, so the Makefile writes the row)."""
+    """04_zero adds `optimized_zero_pytorch.py --stage 3` (and `--stage 3 --cpu-offload`) to its
+    scripts' runs: each its own log, and a failed row that names its flags (the script here
+    dies, so the Makefile writes the row)."""
     project_copy(tmp_path, "04_zero",
                  {"optimized_zero_pytorch.py": textwrap.dedent(DIES).lstrip()})
     make = ["make", f"PYTHON={sys.executable}", "NPROC=1", "SIZE=tiny",
@@ -112,7 +113,8 @@ def test_a_folders_extra_runs_are_runs_of_their_own_with_their_flags(tmp_path):
     # logs are named after the run's setup: a rerun at another size or world keeps this one
     assert (tmp_path / "outputs" / "logs" / "optimized_zero_pytorch--stage3.tiny.w1.log").exists()
     records = common.load_results(tmp_path / "outputs" / "results.jsonl")
-    assert sorted(str(r["variant"]) for r in records) == ["--stage 3", "None"]
+    assert sorted(str(r["variant"]) for r in records) == ["--stage 3", "--stage 3 --cpu-offload",
+                                                          "None"]
 
 
 def test_two_nodes_through_make(tmp_path):
