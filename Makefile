@@ -186,9 +186,12 @@ EXTRA_RUNS_zero := "04_zero/optimized_zero_pytorch.py --stage 3" \
 # (optimized_fsdp) and LoRA from it on the fine-tuning task (the attention's adapters, then the
 # MLP's too), where LoRA's own run (from random weights) shows what the pretrained start is
 # worth. A decoder's: the task is its tokens.
-PRETRAINED := outputs/pretrained/$(or $(MODEL),gpt)-$(SIZE)
+# `make smoke` runs them at tiny into outputs/smoke/; the pretraining's warm-up is its own, so
+# that its 160th step (the save) comes whatever warm-up the other runs take.
+PRETRAINED := $(strip $(if $(filter smoke,$(MAKECMDGOALS)),\
+	outputs/smoke/pretrained/$(or $(MODEL),gpt)-tiny,outputs/pretrained/$(or $(MODEL),gpt)-$(SIZE)))
 EXTRA_RUNS_fsdp := $(if $(filter resnet,$(MODEL)),,\
-	"03_fsdp/optimized_fsdp_checkpoint.py --steps 155 --checkpoint-every 160 --checkpoint-dir $(PRETRAINED)" \
+	"03_fsdp/optimized_fsdp_checkpoint.py --warmup 5 --steps 155 --checkpoint-every 160 --checkpoint-dir $(PRETRAINED)" \
 	"03_fsdp/optimized_fsdp.py --init-from $(PRETRAINED)" \
 	"03_fsdp/optimized_fsdp_lora.py --init-from $(PRETRAINED)" \
 	"03_fsdp/optimized_fsdp_lora.py --init-from $(PRETRAINED) --lora-mlp")

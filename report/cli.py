@@ -96,6 +96,9 @@ A training run (status ok) also:
   steps, warmup, batch_size, seq_len, dtype, seed, lr, startup_s, warmup_s
   load_avg, cpus        the host's 1-minute load at the first timed step and after the last,
                         and its logical cores
+A fine-tuning run (--init-from) also: init_from (the flag: a checkpoint folder, or `scratch`)
+and started_from (the checkpoint it read; null from random weights); the report compares only
+runs that started alike.
 A collectives sweep has `sweep`: one {op, bytes, ms, algbw_gbps, busbw_gbps} per op and size.
 A script adds what its technique measures (compression, bubble, timeline, optim_mb, ...).
 """

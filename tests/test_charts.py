@@ -46,9 +46,12 @@ def rows_of(ax) -> list[str]:
 
 # --- the real run ----------------------------------------------------------------------------
 def test_the_speedup_chart_draws_each_compared_pair_of_a_real_run(records):
+    """A row for every optimized run, bars for the pairs the table compares (the others, such as
+    full fine-tuning from a checkpoint beside DDP from scratch, say why not)."""
     speed, memory = charts.draw_charts(records)["speedup.png"].axes
     pairs = results_table.compared_pairs(records)
-    assert rows_of(speed) == [f"{r['folder']}  {results_table.row_label(r)}" for r, _ in pairs]
+    assert rows_of(speed) == [f"{r['folder']}  {results_table.row_label(r)}"
+                              for r, _ in results_table.optimized_runs(records)]
     # compared with optimized_fsdp, not with the baseline_fsdp rows it follows: its label says so
     assert "03_fsdp  optimized_fsdp_fp8 vs optimized_fsdp" in rows_of(speed)
     assert [w for w, _ in bars(speed).values()] == pytest.approx(
@@ -148,9 +151,11 @@ def test_nothing_on_the_speedup_chart_overlaps_at_any_number_of_rows(records, ro
     # height below the top)
     on_gpu = [dict(r, device="NVIDIA H100 80GB HBM3", world_size=1) for r in records]
     pairs = results_table.compared_pairs(records + on_gpu[:len(records) * (setups - 1)])[:rows]
-    fig = charts.draw_charts([run for pair in pairs for run in pair])["speedup.png"]
+    drawn = [run for pair in pairs for run in pair]
+    fig = charts.draw_charts(drawn)["speedup.png"]
     speed, memory = fig.axes
-    assert len(rows_of(speed)) == rows
+    # a row for each optimized run drawn: full fine-tuning, LoRA's baseline, has its own row
+    assert len(rows_of(speed)) == len(results_table.optimized_runs(drawn)) >= rows
     fig.draw_without_rendering()
     (title,) = _drawn_boxes(fig, fig.texts)  # the suptitle
     panel_titles = _drawn_boxes(fig, [speed.title, memory.title])
@@ -175,7 +180,7 @@ def test_the_speedup_chart_pairs_exactly_what_the_table_compares(records):
     compared = [line for line in table.splitlines() if line.startswith("| optimized")
                 and line.split("|")[1 + results_table.REPORT_HEADERS.index("speedup")]
                 .strip().endswith("x")]
-    assert len(pairs) == len(compared) == 24
+    assert len(pairs) == len(compared) == 29
     assert all(rec["baseline"] == base["script"] for rec, base in pairs)
 
 
