@@ -42,8 +42,8 @@ import common  # noqa: E402
 # training no per-step tolerance is claimed.
 LOSS_TOLERANCE = None
 # Fine-tuning from a checkpoint, of another kind: the final loss within 10% of full fine-tuning's
-# from the same checkpoint (optimized_fsdp.py --init-from). LoRA trains under 2% of the weights:
-# what it cannot express of the new task, full fine-tuning can.
+# from the same checkpoint (optimized_fsdp.py --init-from). LoRA trains a few per cent of the
+# weights: what it cannot express of the new task, full fine-tuning can.
 FINAL_LOSS_TOLERANCE = 0.10
 # The Linears adapted, by name (fnmatch): the GPT's attn.qkv and attn.proj, the Llama's and a
 # HuggingFace Llama's self_attn.{q,k,v,o}_proj; with --lora-mlp also the GPT's fc and fc_proj,
