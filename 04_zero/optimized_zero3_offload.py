@@ -425,6 +425,27 @@ class ZeRO3Offload(torch.optim.AdamW):
         self.wait_for(*list(self.updates))
 
 
+# Copied from 04_zero/optimized_zero3.py: zero3_bytes
+def zero3_bytes(params: float, blocks: list[float], root: float, world: int, weight: float,
+                grad: float, optim: float, gather: float, buffer_bytes: float = 0.0
+                ) -> dict[str, float]:
+    """ZeRO-3's bytes a rank, from value counts: weights, gradients and the optimizer's state
+    1/N each (`weight`, `grad`, `optim` bytes a value). Sent a step: each block's values
+    (`blocks`) all-gathered twice, `gather` bytes a value (the compute dtype), the `root`'s once
+    (kept gathered from forward to backward), every value reduce-scattered once, `grad` bytes,
+    (N-1)/N of each, and the buffers' broadcast. Held in full at once (`gathered`, beyond the
+    shards): at most the root and two neighbouring blocks. The planner's figures are FSDP
+    full's (03_fsdp/optimized_fsdp.py's fsdp_bytes), yet the two stay apart: each counts its
+    own implementation's padding, here the flat buckets' (under N values a bucket)."""
+    share = (world - 1) / world
+    kept = {"params": weight * params / world, "grads": grad * params / world,
+            "optim": optim * params / world}
+    two_blocks = max((a + b for a, b in zip(blocks, blocks[1:], strict=False)), default=sum(blocks))
+    sent = share * ((2 * gather + grad) * sum(blocks) + (gather + grad) * root + buffer_bytes)
+    return {**kept, "state": sum(kept.values()), "sent": sent,
+            "gathered": gather * (root + two_blocks)}
+
+
 def offload_bytes(params: float, world: int, compute: float, master: float = 4
                   ) -> dict[str, float]:
     """Where ZeRO-3 with its optimizer offloaded keeps a rank's state, from the padded value
@@ -440,27 +461,27 @@ def offload_bytes(params: float, world: int, compute: float, master: float = 4
 def planned_offload(plan: common.PlanInput) -> dict[str, float]:
     """The planner's ZeRO-3 + offload row: a GPU holds the compute shard (the weights' bytes a
     value / N) and, gathered, the root and two blocks, as ZeRO-3; the master and AdamW's state
-    go to the host. Sent over the network, ZeRO-3's (zero3_bytes' formula: each block gathered
-    twice, the root once, every gradient reduce-scattered); `host_link`, what crosses PCIe;
-    `stepped`, the parameters the host's AdamW steps."""
+    go to the host. Sent over the network and held gathered, ZeRO-3's (zero3_bytes, blocks of
+    equal size); `host_link`, what crosses PCIe; `stepped`, the parameters the host's AdamW
+    steps."""
     w, g, o = plan.state_bytes
-    root, blocks, share = plan.embedding + plan.head, plan.blocks, (plan.gpus - 1) / plan.gpus
+    zero3 = zero3_bytes(plan.params, [plan.blocks / plan.layers] * plan.layers,
+                        plan.embedding + plan.head, plan.gpus, w, g, o, w)
     predicted = offload_bytes(plan.params, plan.gpus, w)
     return {"state": predicted["device"], "host": predicted["host"],
-            "host_link": predicted["host_link"],
-            "sent": share * ((2 * w + g) * blocks + (w + g) * root),
-            "gathered": w * (root + 2 * blocks / plan.layers), "stepped": plan.params / plan.gpus}
+            "host_link": predicted["host_link"], "sent": zero3["sent"],
+            "gathered": zero3["gathered"], "stepped": plan.params / plan.gpus}
 
 
 def theory(buckets: list[Bucket], world: int, compute_bytes: int, master_bytes: int,
            gather_bytes: int, buffers_mb: float) -> dict:
-    """offload_bytes from the buckets (padding included), and what a step sends: ZeRO-3's."""
+    """offload_bytes from the buckets (padding included), and what a step sends: ZeRO-3's
+    (zero3_bytes, the masters' dtype reduced, `gather_bytes` gathered)."""
     padded = sum(b.numel for b in buckets)
     predicted = offload_bytes(padded, world, compute_bytes, master_bytes)
     *blocks, root = (b.numel for b in buckets)
-    share = (world - 1) / world
-    sent = share * ((2 * gather_bytes + master_bytes) * sum(blocks)
-                    + (gather_bytes + master_bytes) * root + buffers_mb * 2**20)
+    sent = zero3_bytes(padded, blocks, root, world, master_bytes, master_bytes,
+                       2 * master_bytes, gather_bytes, buffers_mb * 2**20)["sent"]
     return {"state_mb": predicted["device"] / 2**20,
             "device_state_mb": predicted["device"] / 2**20,
             "host_state_mb": predicted["host"] / 2**20,

@@ -30,8 +30,8 @@ class GPU:
     nvlink_bytes_per_s: float
     network_bytes_per_s: float
     sources: str
-    pcie_bytes_per_s: float = 64 * GB
-    host_memory_bytes_per_s: float = 77 * GB
+    pcie_bytes_per_s: float
+    host_memory_bytes_per_s: float
 
 
 GPUS = {
@@ -71,7 +71,8 @@ GPUS = {
     "h100-96gb-500w": GPU("H100 96 GB HBM2e at 500 W (torchtitan's)", 989e12, 1979e12, 96,
                           2.4 * TB, 450 * GB, 50 * GB,
                           "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md; "
-                          "its host taken as DGX H100's"),
+                          "its host taken as DGX H100's",
+                          pcie_bytes_per_s=64 * GB, host_memory_bytes_per_s=77 * GB),
 }
 
 # What NCCL's collectives reach of a link: nccl-tests-style bus bandwidth over the datasheet's
