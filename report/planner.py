@@ -591,8 +591,8 @@ CASES = [("ResNet-50 on 8 GPUs", {"params": 25.6e6, "gpus": 8, "layers": 16, "hi
                                  "vocab": 32000, "seq_len": 4096, "llama": True}, None),
          # where offload beats ZeRO-3 alone: GPUs too small for 16 bytes a parameter / 8
          ("LLaMA-7B on 8 16-GB GPUs", {"params": 7e9, "gpus": 8, "gpu_mem": 16.0,
-                                          "layers": 32, "hidden": 4096, "vocab": 32000,
-                                          "seq_len": 4096, "llama": True}, None),
+                                       "layers": 32, "hidden": 4096, "vocab": 32000,
+                                       "seq_len": 4096, "llama": True}, None),
          ("LLaMA-70B on 64 GPUs", {"params": 70e9, "gpus": 64, "layers": 80, "hidden": 8192,
                                    "vocab": 32000, "seq_len": 4096, "llama": True}, None),
          # Qwen3-30B-A3B, from its Hugging Face config.json (Qwen/Qwen3-30B-A3B): 48 layers,
