@@ -212,15 +212,15 @@ def test_the_llama_computes_huggingfaces_llama(attn_implementation):
     """common.Llama's weights in a transformers LlamaForCausalLM of its shapes (HuggingFace's
     default rotary, base 10,000, rotate_half's layout; repeat_kv, in eager attention written
     out): the same loss and gradients, to float rounding."""
-    import hf_llama
+    import hf_models
 
     torch.manual_seed(0)
     ours = common.Llama(common.SIZES["tiny"])
-    theirs = hf_llama.tiny_llama(attn_implementation, tied=False)
+    theirs = hf_models.tiny_llama(attn_implementation, tied=False)
     theirs.load_state_dict(ours.state_dict())
     tokens = common.global_token_batch(common.SIZES["tiny"], 16, 2, 0, seed=0)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    loss, expected = ours(x, y), hf_llama.hf_loss(theirs, x, y)
+    loss, expected = ours(x, y), hf_models.hf_loss(theirs, x, y)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     loss.backward()
     expected.backward()

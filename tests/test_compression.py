@@ -3,7 +3,7 @@
 The collective checks run once per world size in spawned gloo processes (a module-scoped
 fixture); each rank-0 process saves its measurements and the tests assert on them here. The
 README's two "Use it in your trainer" blocks (PowerSGD, INT8) run as they are in 2 more spawned
-processes, on a tiny HuggingFace Llama (tests/hf_llama.py) against PyTorch's DDP.
+processes, on a tiny HuggingFace Llama (tests/hf_models.py) against PyTorch's DDP.
 """
 
 import contextlib
@@ -523,7 +523,7 @@ SECTIONS = [("## Use it in your trainer", powersgd.LOSS_TOLERANCE["fp32"]),
 
 
 def group_mean(losses: list[float]) -> list[float]:
-    """Each step's loss averaged over the ranks: what hf_llama.ddp_losses returns."""
+    """Each step's loss averaged over the ranks: what hf_models.ddp_losses returns."""
     total = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(total)
     return (total / dist.get_world_size()).tolist()
@@ -532,22 +532,22 @@ def group_mean(losses: list[float]) -> list[float]:
 def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_file: str) -> None:
     """Trainers of one's own: each joins the group (the README's `common.setup()`), runs one of
     the README's blocks on a tiny LlamaForCausalLM its ranks seeded differently, and leaves; both
-    hooks in fp32 for each of hf_llama.VARIANTS, beside PyTorch's DDP on the same model and
+    hooks in fp32 for each of hf_models.VARIANTS, beside PyTorch's DDP on the same model and
     global batch; then PowerSGD's once in bf16."""
-    import hf_llama  # here: `transformers` costs every process that imports it seconds
+    import hf_models  # here: `transformers` costs every process that imports it seconds
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     sys.path.insert(0, str(FOLDER))  # where the trainer copied the recipes
-    batches = hf_llama.token_batches(TRAINER_STEPS, rank, world)
+    batches = hf_models.token_batches(TRAINER_STEPS, rank, world)
     trainers = [(heading, attn, tied, torch.float32) for heading, _ in SECTIONS
-                for attn, tied in hf_llama.VARIANTS]
+                for attn, tied in hf_models.VARIANTS]
     trainers.append((SECTIONS[0][0], "sdpa", False, torch.bfloat16))
     found, ddp = {}, {}
     for (heading, attn, tied, dtype), port in zip(trainers, ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
         torch.manual_seed(rank)
-        model = hf_llama.tiny_llama(attn, tied, dtype)
+        model = hf_models.tiny_llama(attn, tied, dtype)
         reference = copy.deepcopy(model)
         bf16 = dtype == torch.bfloat16
         lines = {"model": model, "batches": batches[:BF16_STEPS] if bf16 else batches}
@@ -558,7 +558,7 @@ def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_fil
                               for t in (p, p.grad)}, state.compressed_matrices)
         else:
             if (attn, tied) not in ddp:  # the same reference for both hooks
-                ddp[attn, tied] = hf_llama.ddp_losses(reference, batches)
+                ddp[attn, tied] = hf_models.ddp_losses(reference, batches)
             found[heading, attn, tied] = {
                 "readme": group_mean(lines["losses"]), "ddp": ddp[attn, tied],
                 **({"rank": state.rank, "compressed": state.compressed_matrices} if state else {})}
@@ -571,7 +571,7 @@ def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_fil
 def readme_runs(tmp_path_factory):
     """What the README trainers' rank 0 found, by (heading, attention, tied) and "bf16". The
     module's other spawned processes never import `transformers`: only this one's worker does."""
-    from hf_llama import VARIANTS
+    from hf_models import VARIANTS
 
     out = tmp_path_factory.mktemp("readme") / "found.pt"
     ports = [common.free_port() for _ in range(len(SECTIONS) * len(VARIANTS) + 1)]
@@ -585,7 +585,7 @@ def of_section(readme_runs: dict, heading: str) -> dict:
 
 
 @pytest.mark.parametrize("heading, tolerance", SECTIONS, ids=["powersgd", "int8"])
-def test_the_readme_lines_train_a_hf_llama_like_ddp_within_the_tolerance(readme_runs, heading,
+def test_the_readme_lines_train_hf_models_like_ddp_within_the_tolerance(readme_runs, heading,
                                                                          tolerance):
     variants = of_section(readme_runs, heading)
     assert set(variants) == {("sdpa", False), ("eager", True)}

@@ -26,14 +26,14 @@ TOLERANCE = 1e-5  # relative: the ring regroups the softmax sums by block (fp32 
 
 def whole_sequence_losses(model: torch.nn.Module, batches) -> list[float]:
     """The reference: one process, the whole sequences, AdamW, the README loops' loss."""
-    import hf_llama
+    import hf_models
 
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for inputs, targets in batches:
         opt.zero_grad(set_to_none=True)
-        loss = hf_llama.hf_loss(model, inputs, targets)
+        loss = hf_models.hf_loss(model, inputs, targets)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -48,7 +48,7 @@ def cp_mean(losses: list[float]) -> list[float]:
 
 
 def train_with_the_readme_lines(rank: int, world: int, port: int, out_file: str) -> None:
-    import hf_llama  # here: `transformers` costs every process that imports it seconds
+    import hf_models  # here: `transformers` costs every process that imports it seconds
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -57,13 +57,13 @@ def train_with_the_readme_lines(rank: int, world: int, port: int, out_file: str)
 
     block = readme_python_block(README)
     # the same whole sequences on both cp ranks: one global batch of 4, seq_len 32
-    batches = hf_llama.token_batches(STEPS, 0, 1, per_rank=4)
+    batches = hf_models.token_batches(STEPS, 0, 1, per_rank=4)
     found = {}
-    runs = [("ring", attn, tied, block) for attn, tied in hf_llama.VARIANTS]
+    runs = [("ring", attn, tied, block) for attn, tied in hf_models.VARIANTS]
     runs.append(("ulysses", "sdpa", False, block.replace(RING_LINE, ULYSSES_LINE)))
     for kind, attn, tied, lines in runs:
         torch.manual_seed(rank)  # ranks seeded apart: DDP starts them from rank 0's weights
-        model = hf_llama.tiny_llama(attn, tied)
+        model = hf_models.tiny_llama(attn, tied)
         reference = whole_sequence_losses(model, batches) if rank == 0 else None
         namespace = {"model": model, "batches": batches, "UlyssesAttention": UlyssesAttention}
         exec(lines, namespace)
@@ -74,7 +74,7 @@ def train_with_the_readme_lines(rank: int, world: int, port: int, out_file: str)
     dist.destroy_process_group()
 
 
-def test_the_readme_lines_train_a_hf_llama_context_parallel_like_one_process(tmp_path):
+def test_the_readme_lines_train_hf_models_context_parallel_like_one_process(tmp_path):
     block = readme_python_block(README)
     assert RING_LINE in block and "# Ulysses: UlyssesAttention(group), False" in block
     assert "position_ids=positions" in block and "labels=" not in block

@@ -92,25 +92,25 @@ def test_the_adapted_model_starts_as_the_base_and_merge_keeps_its_logits(name):
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
-def test_lora_finds_a_hf_llamas_projections_and_refuses_a_pattern_that_matches_nothing():
-    hf_llama = pytest.importorskip("hf_llama")
-    model = hf_llama.tiny_llama()
+def test_lora_finds_a_hf_models_projections_and_refuses_a_pattern_that_matches_nothing():
+    hf_models = pytest.importorskip("hf_models")
+    model = hf_models.tiny_llama()
     names = lora.apply_lora(model, lora.ATTENTION + lora.MLP)
     assert names[:7] == [f"model.layers.0.{n}" for n in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
     assert not model.lm_head.weight.requires_grad and not model.model.norm.weight.requires_grad
     with pytest.raises(ValueError, match=r"no Linear of LlamaForCausalLM is named like \['\*wq'\]"):
-        lora.apply_lora(hf_llama.tiny_llama(), ["*wq"])
+        lora.apply_lora(hf_models.tiny_llama(), ["*wq"])
 
 
-def test_hand_written_lora_trains_a_hf_llama_as_peft_does():
+def test_hand_written_lora_trains_a_hf_models_as_peft_does():
     """HuggingFace peft's LoraConfig on the same projections, rank and alpha, its A set to ours:
     the same losses, step for step, to float rounding."""
     peft = pytest.importorskip("peft")
-    hf_llama = pytest.importorskip("hf_llama")
+    hf_models = pytest.importorskip("hf_models")
     torch.manual_seed(0)
-    base = hf_llama.tiny_llama()
+    base = hf_models.tiny_llama()
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
     names = lora.apply_lora(ours, rank=4, alpha=8)
     theirs = peft.get_peft_model(theirs, peft.LoraConfig(
@@ -120,7 +120,7 @@ def test_hand_written_lora_trains_a_hf_llama_as_peft_does():
         for name in names:
             theirs.base_model.model.get_submodule(name).lora_A["default"].weight.copy_(
                 ours.get_submodule(name).lora_a)
-    batches = hf_llama.token_batches(4, 0, 1)
+    batches = hf_models.token_batches(4, 0, 1)
     losses = {}
     for key, model in [("ours", ours), ("peft", theirs)]:
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -130,7 +130,7 @@ def test_hand_written_lora_trains_a_hf_llama_as_peft_does():
         opt = torch.optim.AdamW(trainable, lr=1e-2)
         losses[key] = []
         for inputs, targets in batches:
-            loss = hf_llama.hf_loss(model, inputs, targets)
+            loss = hf_models.hf_loss(model, inputs, targets)
             loss.backward()
             opt.step()
             opt.zero_grad()

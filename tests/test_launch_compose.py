@@ -3,7 +3,7 @@ processes and 05_pipeline/optimized_pipeline_3d.py on (pp 2, dp 2, tp 2) and (pp
 of 8 and (pp 2, dp 1, tp 2) of 4, each against DDP on the same global batch, GPT and Llama,
 clipping the gradient; a DCP checkpoint saved at (dp 2, tp 2) resumed at (dp 1, tp 4) and as
 plain FSDP over 4 ranks with DDP's losses. The READMEs' 2-D and 3-D lines on a HuggingFace
-LlamaForCausalLM (tests/hf_llama.py), in fp32 and in bf16 weights, against PyTorch's DDP;
+LlamaForCausalLM (tests/hf_models.py), in fp32 and in bf16 weights, against PyTorch's DDP;
 parallelize refusing ranks that hold different weights; the default tp; the 3-D baseline
 skipping with the 3-D run.
 
@@ -18,7 +18,7 @@ import subprocess
 import sys
 from argparse import Namespace
 
-import hf_llama
+import hf_models
 import pytest
 import torch
 import torch.distributed as dist
@@ -197,7 +197,7 @@ def test_the_3d_baseline_skips_where_the_3d_run_skips(script, tmp_path, monkeypa
 
 def test_a_tp_that_splits_no_whole_heads_or_a_plan_of_other_names_is_one_line():
     fsdp_tp = load_recipe(FSDP_TP)
-    layers = list(hf_llama.tiny_llama().model.layers)
+    layers = list(hf_models.tiny_llama().model.layers)
     assert fsdp_tp.split_problem(layers, fsdp_tp.llama_layer_plan(), 2) is None
     assert fsdp_tp.split_problem(layers, fsdp_tp.llama_layer_plan(), 4) == (
         "tp 4 does not split the 2 heads of self_attn.k_proj: pass a mesh whose tp dim "
@@ -234,7 +234,7 @@ def _readme_ranks(rank: int, world: int, port: int, out: str) -> None:
 
     def seeded_apart(attn: str, tied: bool, dtype=torch.float32) -> LlamaForCausalLM:
         torch.manual_seed(rank)  # the lines start every rank from rank 0's weights
-        return hf_llama.tiny_llama(attn, tied, dtype)
+        return hf_models.tiny_llama(attn, tied, dtype)
 
     def world_mean(losses: list[float]) -> list[float]:
         summed = torch.tensor(losses, dtype=torch.float64)
@@ -244,7 +244,7 @@ def _readme_ranks(rank: int, world: int, port: int, out: str) -> None:
     def dtypes(module: torch.nn.Module) -> list[str]:
         return sorted({str(p.dtype) for p in module.parameters()})
 
-    runs = [(*variant, torch.float32) for variant in hf_llama.VARIANTS]
+    runs = [(*variant, torch.float32) for variant in hf_models.VARIANTS]
     runs = [*runs, ("sdpa", False, torch.bfloat16)] if world == 4 else runs[:1]
     if world == 4:  # the 2-D units without the lines' broadcast
         model = seeded_apart("sdpa", False)
@@ -259,8 +259,8 @@ def _readme_ranks(rank: int, world: int, port: int, out: str) -> None:
     for attn, tied, dtype in runs:
         name = attn if dtype == torch.float32 else "bf16"
         model = seeded_apart(attn, tied, dtype)
-        ddp = hf_llama.ddp_losses(model, hf_llama.token_batches(README_STEPS, rank, world))
-        lines = {**units_2d, "model": model, "batches": hf_llama.token_batches(
+        ddp = hf_models.ddp_losses(model, hf_models.token_batches(README_STEPS, rank, world))
+        lines = {**units_2d, "model": model, "batches": hf_models.token_batches(
             README_STEPS, dp_rank, dp, per_rank=2 * world // dp)}
         exec(two_d, lines)
         with torch.no_grad():  # no rank holds the whole vocabulary's logits
@@ -271,7 +271,7 @@ def _readme_ranks(rank: int, world: int, port: int, out: str) -> None:
                        list(logits.to_local().shape)]}
         if world == 4:
             lines = {**units_3d, "model": seeded_apart(attn, tied, dtype),
-                     "batches": hf_llama.token_batches(README_STEPS, 0, 1, per_rank=2 * world)}
+                     "batches": hf_models.token_batches(README_STEPS, 0, 1, per_rank=2 * world)}
             exec(three_d, lines)
             done[f"3d {name}"] = {"losses": lines["losses"], "ddp": ddp,
                                   "dtypes": dtypes(lines["stage"])}
@@ -301,7 +301,7 @@ def readme_ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world, attn", [(4, "sdpa"), (4, "eager"), (6, "sdpa")])
-def test_the_readmes_2d_lines_train_a_hf_llama_seeded_apart_like_ddp(readme_ranks, world, attn):
+def test_the_readmes_2d_lines_train_hf_models_seeded_apart_like_ddp(readme_ranks, world, attn):
     """sdpa with an untied head, eager (causal only through HuggingFace's mask) with a tied one,
     on (dp 2, tp 2) and (dp 3, tp 2); the head's logits a Shard(-1) DTensor, each rank its
     vocabulary's half."""
@@ -313,7 +313,7 @@ def test_the_readmes_2d_lines_train_a_hf_llama_seeded_apart_like_ddp(readme_rank
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_the_readmes_3d_lines_train_a_hf_llama_seeded_apart_like_ddp(readme_ranks, attn):
+def test_the_readmes_3d_lines_train_hf_models_seeded_apart_like_ddp(readme_ranks, attn):
     last = [rank[f"3d {attn}"] for rank in readme_ranks[4][2:]]  # pp rank 1: ranks 2 and 3
     assert all(not rank[f"3d {attn}"]["losses"] for rank in readme_ranks[4][:2])
     for run in last:

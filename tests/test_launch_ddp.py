@@ -3,7 +3,7 @@
 Each launch costs 10-20 s of start-up on a 2-core machine, so every script runs once (a
 module-scoped fixture) and the assertions share those runs; the attention pair runs the Llama.
 The README's "Use it in your trainer" lines run as they are in 2 spawned gloo processes, on a
-tiny HuggingFace Llama (tests/hf_llama.py) against PyTorch's DDP.
+tiny HuggingFace Llama (tests/hf_models.py) against PyTorch's DDP.
 """
 
 import copy
@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-import hf_llama
+import hf_models
 import pytest
 import torch
 import torch.distributed as dist
@@ -220,7 +220,7 @@ BF16_STEPS = 2  # enough to step bf16 weights with bf16 gradients
 
 
 def group_mean(losses: list[float]) -> list[float]:
-    """Each step's loss averaged over the ranks: what hf_llama.ddp_losses returns."""
+    """Each step's loss averaged over the ranks: what hf_models.ddp_losses returns."""
     total = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(total)
     return (total / dist.get_world_size()).tolist()
@@ -229,20 +229,20 @@ def group_mean(losses: list[float]) -> list[float]:
 def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_file: str) -> None:
     """Trainers of one's own: each joins the group (the README's `common.setup()`), runs the
     README's lines on a tiny LlamaForCausalLM its ranks seeded differently, and leaves; in fp32
-    for each of hf_llama.VARIANTS beside PyTorch's DDP on the same model and global batch, then
+    for each of hf_models.VARIANTS beside PyTorch's DDP on the same model and global batch, then
     once in bf16."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     sys.path.insert(0, str(DDP))  # where the trainer copied the recipe
     block = readme_python_block(DDP / "README.md")
-    batches = hf_llama.token_batches(TRAINER_STEPS, rank, world)
-    trainers = [(*variant, torch.float32) for variant in hf_llama.VARIANTS]
+    batches = hf_models.token_batches(TRAINER_STEPS, rank, world)
+    trainers = [(*variant, torch.float32) for variant in hf_models.VARIANTS]
     found = {}
     for (attn, tied, dtype), port in zip([*trainers, ("sdpa", False, torch.bfloat16)], ports,
                                          strict=True):
         os.environ["MASTER_PORT"] = str(port)
         torch.manual_seed(rank)
-        model = hf_llama.tiny_llama(attn, tied, dtype)
+        model = hf_models.tiny_llama(attn, tied, dtype)
         reference = copy.deepcopy(model)
         bf16 = dtype == torch.bfloat16
         lines = {"model": model, "batches": batches[:BF16_STEPS] if bf16 else batches}
@@ -252,20 +252,20 @@ def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_fil
                              for t in (p, p.grad)}
         else:
             found[attn, tied] = {"readme": group_mean(lines["losses"]),
-                                 "ddp": hf_llama.ddp_losses(reference, batches),
+                                 "ddp": hf_models.ddp_losses(reference, batches),
                                  "buckets": len(common.ddp_bucket_bytes(lines["model"]))}
         dist.destroy_process_group()
     if rank == 0:
         torch.save(found, out_file)
 
 
-def test_the_readme_lines_train_a_hf_llama_like_ddp_and_keep_bf16_weights(tmp_path):
+def test_the_readme_lines_train_hf_models_like_ddp_and_keep_bf16_weights(tmp_path):
     out = tmp_path / "found.pt"
-    ports = [common.free_port() for _ in range(len(hf_llama.VARIANTS) + 1)]
+    ports = [common.free_port() for _ in range(len(hf_models.VARIANTS) + 1)]
     mp.spawn(functools.partial(run_then_leave, train_with_the_readme_lines),
              args=(2, ports, str(out)), nprocs=2)
     found = torch.load(out)
-    for variant in hf_llama.VARIANTS:
+    for variant in hf_models.VARIANTS:
         readme, ddp = found[variant]["readme"], found[variant]["ddp"]
         assert max(abs(a - b) / b for a, b in zip(readme, ddp, strict=True)) <= 1e-5, variant
         assert readme[-1] < readme[0]

@@ -379,24 +379,24 @@ def _ddp_losses(batches: list, group=None, seed: int = 0) -> list[float]:
 
 def _readme_lines_against_ddp(rank: int, world: int, port: int, out_file: str) -> None:
     """A trainer of one's own runs the README's lines on a tiny LlamaForCausalLM its ranks seeded
-    differently: in fp32 for each of hf_llama.VARIANTS beside PyTorch's DDP on the same model
+    differently: in fp32 for each of hf_models.VARIANTS beside PyTorch's DDP on the same model
     and global batch, then once in bf16; rank 0 saves what it found."""
-    import hf_llama  # here: `transformers` costs every process that imports it seconds
+    import hf_models  # here: `transformers` costs every process that imports it seconds
 
     _join(rank, world, port)
     snippet = readme_python_block(FOLDER / "README.md")
     recipe = vars(load_recipe(FOLDER / "optimized_fsdp.py"))
-    batches = hf_llama.token_batches(4, rank, world)
+    batches = hf_models.token_batches(4, rank, world)
     found = {}
-    for attn, tied in hf_llama.VARIANTS:
+    for attn, tied in hf_models.VARIANTS:
         torch.manual_seed(rank)  # ranks seeded apart: shard starts them from rank 0's weights
-        model = hf_llama.tiny_llama(attn, tied)
-        ddp = hf_llama.ddp_losses(model, batches)  # on a copy: `model` stays untrained
+        model = hf_models.tiny_llama(attn, tied)
+        ddp = hf_models.ddp_losses(model, batches)  # on a copy: `model` stays untrained
         namespace = {**recipe, "model": model, "batches": batches}
         exec(snippet, namespace)
         found[attn, tied] = {"readme": _group_mean(namespace["losses"]), "ddp": ddp}
     # bf16 weights given: sharded, gathered, stepped in bf16 (no fp32 copy appears)
-    namespace = {**recipe, "model": hf_llama.tiny_llama(dtype=torch.bfloat16),
+    namespace = {**recipe, "model": hf_models.tiny_llama(dtype=torch.bfloat16),
                  "batches": batches[:1]}
     exec(snippet, namespace)
     found["bf16"] = {str(t.dtype) for p in namespace["model"].parameters() for t in (p, p.grad)}
@@ -406,13 +406,13 @@ def _readme_lines_against_ddp(rank: int, world: int, port: int, out_file: str) -
 
 
 def _group_mean(losses: list[float]) -> list[float]:
-    """Each step's loss averaged over the ranks: what hf_llama.ddp_losses returns."""
+    """Each step's loss averaged over the ranks: what hf_models.ddp_losses returns."""
     total = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(total)
     return (total / dist.get_world_size()).tolist()
 
 
-def test_the_readmes_lines_shard_a_hf_llama_seeded_apart_train_like_ddp_and_keep_bf16(tmp_path):
+def test_the_readmes_lines_shard_hf_models_seeded_apart_train_like_ddp_and_keep_bf16(tmp_path):
     snippet = readme_python_block(FOLDER / "README.md")
     assert "shard(model, blocks, mesh)" in snippet and "list(model.model.layers)" in snippet
     out = tmp_path / "found.pt"

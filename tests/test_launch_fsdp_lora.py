@@ -140,7 +140,7 @@ def project_loss(snippet: str) -> str:
 def _readme_lines_on_two_llamas(rank: int, world: int, port: int, out_file: str) -> None:
     """The README's LoRA lines on a tiny HuggingFace LlamaForCausalLM (its loss from the logits)
     and on the project's Llama, each from a copy of the same weights in one process too."""
-    import hf_llama  # here: `transformers` costs every process that imports it seconds
+    import hf_models  # here: `transformers` costs every process that imports it seconds
 
     _join(rank, world, port)
     snippet = readme_python_block(FOLDER / "README.md", README_HEADING)
@@ -148,9 +148,9 @@ def _readme_lines_on_two_llamas(rank: int, world: int, port: int, out_file: str)
     found = {}
     for name in ("hf", "project"):
         torch.manual_seed(0)
-        model = hf_llama.tiny_llama() if name == "hf" else common.Llama(common.SIZES["tiny"])
+        model = hf_models.tiny_llama() if name == "hf" else common.Llama(common.SIZES["tiny"])
         frozen = {n: p.detach().clone() for n, p in model.named_parameters()}
-        batches = hf_llama.token_batches(4, rank, world)
+        batches = hf_models.token_batches(4, rank, world)
         namespace = {**recipe, "model": model, "batches": batches}
         exec(snippet if name == "hf" else project_loss(snippet), namespace)
         losses = torch.tensor(namespace["losses"], dtype=torch.float64)
@@ -165,7 +165,7 @@ def _readme_lines_on_two_llamas(rank: int, world: int, port: int, out_file: str)
     dist.destroy_process_group()
 
 
-def test_the_readmes_lora_lines_fine_tune_a_hf_llama_and_the_projects(tmp_path):
+def test_the_readmes_lora_lines_fine_tune_hf_models_and_the_projects(tmp_path):
     snippet = readme_python_block(FOLDER / "README.md", README_HEADING)
     assert "apply_lora(model" in snippet and "shard(model, blocks, mesh)" in snippet
     out = tmp_path / "found.pt"

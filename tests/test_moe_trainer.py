@@ -95,7 +95,7 @@ def expert_numel(model: torch.nn.Module) -> int:
 
 
 def train_with_the_readme_lines(rank: int, world: int, port: int, out_file: str) -> None:
-    import hf_llama  # here: `transformers` costs every process that imports it seconds
+    import hf_models  # here: `transformers` costs every process that imports it seconds
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -103,7 +103,7 @@ def train_with_the_readme_lines(rank: int, world: int, port: int, out_file: str)
     from optimized_moe_ep import ExpertParallel
 
     block = readme_python_block(README)
-    batches = hf_llama.token_batches(STEPS, rank, world)  # this rank's own sequences
+    batches = hf_models.token_batches(STEPS, rank, world)  # this rank's own sequences
     runs = {"qwen3_moe": (tiny_qwen3_moe, hf_loss, block),
             "llama": (lambda: common.Llama(common.SIZES["tiny"], moe_balance="none"),
                       llama_loss, block.replace(HF_LOSS_LINES, LLAMA_LOSS_LINE))}

@@ -291,7 +291,7 @@ LOSS_RANK = {"baseline": -1, "gpipe": -1, "1f1b": -1, "dualpipev": 0, "dualpipe"
 TINY_SIZE, BATCH, MICRO, STEPS, LR = common.SIZES["tiny"], 8, 4, 3, 1e-3
 # the project's models seeded apart, rank r from seed r: each runtime once, each model twice
 SEEDED_APART = [("baseline", "llama"), ("1f1b", "gpt"), ("dualpipev", "llama"), ("dualpipe", "gpt")]
-# tests/hf_llama.py's LlamaForCausalLM on every runtime but 1F1B, which the README's lines run
+# tests/hf_models.py's LlamaForCausalLM on every runtime but 1F1B, which the README's lines run
 HF_RUNTIMES = ["baseline", "gpipe", "dualpipev", "dualpipe"]
 # bf16 weights against DDP in bf16, absolute per step: the 1F1B script allows 5e-2, the
 # README's lines hold 7e-5 here; 1e-3 keeps room and still fails a wrong start or mask
@@ -434,24 +434,24 @@ def readme_lines(attn: str, tied: bool, dtype: torch.dtype = torch.float32) -> s
     return lines
 
 
-def _train_hf_llama(rank: int, world: int, port: int, out: str) -> None:
-    """For each of tests/hf_llama.py's VARIANTS, on a process group of its own: the README's
+def _train_hf_models(rank: int, world: int, port: int, out: str) -> None:
+    """For each of tests/hf_models.py's VARIANTS, on a process group of its own: the README's
     lines (which seed rank r with r); then, in the group they joined and through their own
     `call_layer` (it reads its model's config and rotary embedding, the same in every model of
     the variant), HF_RUNTIMES on the variant's model built from seed r on rank r; and the
     reference, DDP from those models. Under the first variant also the HuggingFace layers on a
     group of one rank passed without `call_layer`, or through one that returns a tuple: the
     errors. Last, on a group of its own, the README's lines on bf16 weights, and DDP on them."""
-    import hf_llama  # here, not at the top: only these processes pay for importing transformers
+    import hf_models  # here, not at the top: only these processes pay for importing transformers
 
     sys.path.insert(0, str(FOLDER))  # the script next to the trainer, as the README says
-    results, ddp_batches = {}, hf_llama.token_batches(STEPS, rank, world, BATCH // world)
+    results, ddp_batches = {}, hf_models.token_batches(STEPS, rank, world, BATCH // world)
 
     def seeded(*variant, dtype=torch.float32):
         torch.manual_seed(rank)
-        return hf_llama.tiny_llama(*variant, dtype=dtype)
+        return hf_models.tiny_llama(*variant, dtype=dtype)
 
-    runs = [(*variant, torch.float32) for variant in hf_llama.VARIANTS]
+    runs = [(*variant, torch.float32) for variant in hf_models.VARIANTS]
     for k, (attn, tied, dtype) in enumerate([*runs, ("sdpa", False, torch.bfloat16)]):
         join(rank, world, port + k)
         namespace = {"__name__": "trainer"}
@@ -461,14 +461,14 @@ def _train_hf_llama(rank: int, world: int, port: int, out: str) -> None:
             if dtype == torch.bfloat16:
                 results["bf16"] = {"losses": namespace["losses"], "weights": [
                     q.detach().clone() for q in namespace["pipe"].layers.parameters()]}
-                results["bf16 ddp"] = hf_llama.ddp_losses(seeded(attn, tied, dtype=dtype),
+                results["bf16 ddp"] = hf_models.ddp_losses(seeded(attn, tied, dtype=dtype),
                                                           ddp_batches, LR)
                 continue
             results[(attn, "readme")] = namespace["losses"]
             call_layer = namespace["call_layer"]
             for kind in HF_RUNTIMES:
                 results[(attn, kind)] = train(kind, seeded(attn, tied), None, False, call_layer)
-            results[(attn, "ddp")] = hf_llama.ddp_losses(seeded(attn, tied), ddp_batches, LR)
+            results[(attn, "ddp")] = hf_models.ddp_losses(seeded(attn, tied), ddp_batches, LR)
             if k == 0:
                 alone = [dist.new_group([r]) for r in range(world)][rank]  # collective: all
                 one_stage = RUNTIMES["1f1b"].PipelineRank
@@ -492,7 +492,7 @@ def _spawned(rank: int, world: int, port: int, out: str) -> None:
     _train_every_runtime(rank, world, port, out)
     if world == 2:
         (Path(out) / "hf llama").mkdir(exist_ok=True)
-        _train_hf_llama(rank, world, port + 1, str(Path(out) / "hf llama"))
+        _train_hf_models(rank, world, port + 1, str(Path(out) / "hf llama"))
     # as run_main ends a script: no interpreter teardown, where gloo's ranks have aborted in
     # C++ after a good run ("terminate called without an active exception")
     sys.stdout.flush()
@@ -598,25 +598,25 @@ def test_ranks_seeded_apart_train_as_if_seeded_the_same(trained, kind, model_nam
 
 
 @pytest.fixture(scope="module")
-def hf_llama_trained(spawned):
-    """What `_train_hf_llama` saved, rank by rank."""
+def hf_models_trained(spawned):
+    """What `_train_hf_models` saved, rank by rank."""
     return [torch.load(spawned / "hf llama" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
 @pytest.mark.parametrize("kind", ["readme", *HF_RUNTIMES])
-def test_a_huggingface_llama_trains_like_ddp_with_ranks_seeded_apart(hf_llama_trained, kind):
+def test_a_huggingface_llama_trains_like_ddp_with_ranks_seeded_apart(hf_models_trained, kind):
     """HuggingFace's LlamaForCausalLM, sdpa with an untied head and eager with a tied one, rank
     r seeded r: the README's lines (1F1B) and every other runtime, through the README's
     `call_layer`, train DDP's model on the same global batch (its first rank's weights) to
     1e-5: eager is causal (its mask made as the model makes it), and no stage is another
     rank's initialisation."""
     for attn in ("sdpa", "eager"):
-        reference = hf_llama_trained[0][(attn, "ddp")]
+        reference = hf_models_trained[0][(attn, "ddp")]
         if kind == "readme":
-            losses = hf_llama_trained[-1][(attn, kind)]
-            assert hf_llama_trained[0][(attn, kind)] == [0.0] * STEPS  # not the last stage
+            losses = hf_models_trained[-1][(attn, kind)]
+            assert hf_models_trained[0][(attn, kind)] == [0.0] * STEPS  # not the last stage
         else:
-            losses = hf_llama_trained[LOSS_RANK[kind]][(attn, kind)]["losses"]
+            losses = hf_models_trained[LOSS_RANK[kind]][(attn, kind)]["losses"]
         assert max_relative_difference(losses, reference) <= 1e-5, attn
 
 
@@ -629,25 +629,25 @@ def test_the_readme_trains_huggingfaces_model_from_its_logits_as_written():
     assert "labels" not in lines and "F.cross_entropy(logits" in lines
 
 
-def test_the_readme_keeps_bf16_weights_bf16_and_trains_like_ddp_in_bf16(hf_llama_trained):
+def test_the_readme_keeps_bf16_weights_bf16_and_trains_like_ddp_in_bf16(hf_models_trained):
     """The README's lines (1F1B) on HuggingFace's Llama in bf16 weights (no autocast), ranks
     seeded apart: every stage's weights, and so the activations sent between stages, stay bf16;
     the last stage's losses are DDP's on the same bf16 model and global batch within
     BF16_TOLERANCE."""
     for rank in (0, 1):
-        assert {w.dtype for w in hf_llama_trained[rank]["bf16"]["weights"]} == {torch.bfloat16}
-    losses = hf_llama_trained[-1]["bf16"]["losses"]
+        assert {w.dtype for w in hf_models_trained[rank]["bf16"]["weights"]} == {torch.bfloat16}
+    losses = hf_models_trained[-1]["bf16"]["losses"]
     assert len(losses) == STEPS
-    assert max(abs(a - b) for a, b in zip(losses, hf_llama_trained[0]["bf16 ddp"], strict=True)
+    assert max(abs(a - b) for a, b in zip(losses, hf_models_trained[0]["bf16 ddp"], strict=True)
                ) <= BF16_TOLERANCE, losses
 
 
 def test_layers_the_runtime_cannot_call_stop_it_with_one_line_naming_call_layer(
-        hf_llama_trained):
+        hf_models_trained):
     """HuggingFace's decoder layers passed as they come (without `call_layer`), and a
     `call_layer` that returns a tuple: one line each, naming the layer and `call_layer`."""
     for rank in (0, 1):
-        missing, tupled = (hf_llama_trained[rank][("error", name)] for name in ("none", "tuple"))
+        missing, tupled = (hf_models_trained[rank][("error", name)] for name in ("none", "tuple"))
         assert "LlamaDecoderLayer" in missing and "as layer(x)" in missing
         assert "returns tuple, not a tensor" in tupled
         for error in (missing, tupled):

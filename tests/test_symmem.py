@@ -381,11 +381,11 @@ BF16_TOLERANCE = 1e-3
 def _train_the_readme_tp_lines(rank: int, world: int, port: int, members: list[int], out: str
                                ) -> None:
     """The README's tensor-parallel lines, as they are, over the group of `members` (the other
-    ranks idle) on a tiny transformers Llama of each hf_llama.VARIANTS and on a bf16 one, beside
+    ranks idle) on a tiny transformers Llama of each hf_models.VARIANTS and on a bf16 one, beside
     PyTorch's DDP on the same model, group and global batch, and on common.Llama; each rank
     seeded by its rank, so the lines must start them from the first's weights. Rank 0 saves each
     step's loss of the whole batch (and DDP's) and the dtypes of the weights trained."""
-    import hf_llama  # transformers: imported where used, not by every spawned rank
+    import hf_models  # transformers: imported where used, not by every spawned rank
 
     _start(rank, world, port)
     group = dist.new_group(members)
@@ -394,16 +394,16 @@ def _train_the_readme_tp_lines(rank: int, world: int, port: int, members: list[i
         return
     baseline = load_recipe(FOLDER / "baseline_symmem_tp.py")
     me, n = members.index(rank), len(members)
-    whole = hf_llama.token_batches(README_STEPS, 0, 1, per_rank=2 * n)  # every rank: all of it
+    whole = hf_models.token_batches(README_STEPS, 0, 1, per_rank=2 * n)  # every rank: all of it
     saved = {}
-    for variant in [*((*variant, torch.float32) for variant in hf_llama.VARIANTS),
+    for variant in [*((*variant, torch.float32) for variant in hf_models.VARIANTS),
                     ("sdpa", False, torch.bfloat16), "common.Llama"]:
         torch.manual_seed(rank)
         if variant == "common.Llama":
             model, ddp = common.Llama(common.SIZES["tiny"]), None
         else:
-            model = hf_llama.tiny_llama(*variant)
-            ddp = hf_llama.ddp_losses(model, hf_llama.token_batches(README_STEPS, me, n),
+            model = hf_models.tiny_llama(*variant)
+            ddp = hf_models.ddp_losses(model, hf_models.token_batches(README_STEPS, me, n),
                                       group=group)
         losses = []
         lines = {**vars(baseline), "model": model, "group": group}
@@ -418,19 +418,19 @@ def _train_the_readme_tp_lines(rank: int, world: int, port: int, members: list[i
     dist.destroy_process_group()
 
 
-def test_the_readme_tensor_parallel_lines_train_a_hf_llama_as_ddp_does_on_a_group(checks):
+def test_the_readme_tensor_parallel_lines_train_hf_models_as_ddp_does_on_a_group(checks):
     """Exactly the README's lines, ranks seeded apart, on a transformers LlamaForCausalLM as it
     comes (sdpa and an untied head, eager and a tied one): each step's loss DDP's on the same
     model and global batch (1e-5 relative); in bf16 weights, which stay bf16, DDP's in bf16
     within BF16_TOLERANCE; on common.Llama, the unsplit Llama's trained on the whole batch. On 2
     ranks, and on ranks {0, 1} of 3 (rank 2 idle) to the same bits."""
-    import hf_llama
+    import hf_models
 
     torch.manual_seed(0)
     model = common.Llama(common.SIZES["tiny"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     unsplit = []
-    for tokens, targets in hf_llama.token_batches(README_STEPS, 0, 1, per_rank=4):
+    for tokens, targets in hf_models.token_batches(README_STEPS, 0, 1, per_rank=4):
         opt.zero_grad()
         loss = model(tokens, targets)
         loss.backward()
@@ -438,7 +438,7 @@ def test_the_readme_tensor_parallel_lines_train_a_hf_llama_as_ddp_does_on_a_grou
         unsplit.append(loss.item())
     pair, subgroup = (torch.load(passed(checks(world), "tp readme") / "tp-readme.pt")
                       for world in (2, 3))
-    assert set(pair) == {*((*variant, torch.float32) for variant in hf_llama.VARIANTS),
+    assert set(pair) == {*((*variant, torch.float32) for variant in hf_models.VARIANTS),
                          ("sdpa", False, torch.bfloat16), "common.Llama"}
     for variant, run in pair.items():
         expected = unsplit if variant == "common.Llama" else run["ddp"]
@@ -765,25 +765,25 @@ def test_the_object_on_ranks_0_and_1_of_three_equals_a_world_of_two(checks):
 
 def _readme_lines(rank: int, world: int, port: int, out: str) -> None:
     """The README's SymmetricMemoryAdamW lines, as they are, on a tiny transformers Llama of
-    each hf_llama.VARIANTS (ranks seeded apart) and on a bf16 one, beside PyTorch's DDP on the
+    each hf_models.VARIANTS (ranks seeded apart) and on a bf16 one, beside PyTorch's DDP on the
     same model and global batch; rank 0 saves each step's losses and the bf16 run's dtypes."""
-    import hf_llama
+    import hf_models
 
     recipe = _join(rank, world, port)
     block = readme_python_block(
         FOLDER / "README.md", "### Shared-memory data parallelism: `SymmetricMemoryAdamW`")
-    batches = hf_llama.token_batches(README_STEPS, rank, world)
+    batches = hf_models.token_batches(README_STEPS, rank, world)
     saved = {}
-    for attn, tied, dtype in [(*variant, torch.float32) for variant in hf_llama.VARIANTS] + [
+    for attn, tied, dtype in [(*variant, torch.float32) for variant in hf_models.VARIANTS] + [
             ("sdpa", False, torch.bfloat16)]:
         torch.manual_seed(rank)
-        model = hf_llama.tiny_llama(attn, tied, dtype)
-        ddp = hf_llama.ddp_losses(model, batches)
+        model = hf_models.tiny_llama(attn, tied, dtype)
+        ddp = hf_models.ddp_losses(model, batches)
         losses = []
         lines = {"SymmetricMemoryAdamW": recipe.SymmetricMemoryAdamW, "F": F, "model": model,
                  "group": None, "accum": 2}
         lines["batches"] = _losses_before_each_step(
-            lambda x, y, model=model: hf_llama.hf_loss(model, x, y) / world, batches, losses)
+            lambda x, y, model=model: hf_models.hf_loss(model, x, y) / world, batches, losses)
         exec(block, lines)
         saved[attn, tied, dtype] = {
             "ours": losses, "ddp": ddp,
@@ -795,15 +795,15 @@ def _readme_lines(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_the_readme_lines_train_a_hf_llama_as_ddp_does_and_keep_bf16_weights(checks):
+def test_the_readme_lines_train_hf_models_as_ddp_does_and_keep_bf16_weights(checks):
     """Exactly the README's lines (2 micro-batches a step) on a transformers LlamaForCausalLM
     (sdpa and an untied head, eager and a tied one), ranks seeded apart: each step's loss DDP's
     on the same model and global batch, 1e-5 relative; a bf16 model's weights, gradients and
     AdamW moments stay bf16, its losses DDP's in bf16 to bf16's rounding."""
-    import hf_llama
+    import hf_models
 
     runs = torch.load(passed(checks(2), "readme") / "readme.pt")
-    assert {variant[:2] for variant in runs} == {*hf_llama.VARIANTS}
+    assert {variant[:2] for variant in runs} == {*hf_models.VARIANTS}
     for (attn, tied, dtype), run in runs.items():
         assert len(run["ours"]) == README_STEPS and run["ours"][-1] < run["ours"][0]
         assert run["dtypes"] == {dtype}, (attn, tied)

@@ -13,7 +13,7 @@ forward between backward and step, the ResNet's BatchNorm buffers; PyTorch's own
 (optimized_zero_pytorch.py's units) on ranks seeded apart; ZeRO-3 under bf16 autocast against
 its theory (bytes by dtype, the peak's parameters, what forward keeps for backward); and the
 README's "Use it in your trainer" lines as written, for each stage and for ZeRO3Offload, on a
-tiny transformers LlamaForCausalLM (tests/hf_llama.py: sdpa and eager, untied and tied, and
+tiny transformers LlamaForCausalLM (tests/hf_models.py: sdpa and eager, untied and tied, and
 bf16) against PyTorch's DDP on the same model.
 """
 
@@ -470,19 +470,19 @@ def readme_block(stage: int | str) -> str:
     return block
 
 
-def on_a_hf_llama(kind, attn: str = "sdpa", tied: bool = False, dtype=torch.float32) -> dict:
+def on_a_hf_models(kind, attn: str = "sdpa", tied: bool = False, dtype=torch.float32) -> dict:
     """The README's lines as written (kind: a ZeRO stage), or PyTorch's DDP (kind "ddp": the
     reference), on a tiny transformers LlamaForCausalLM seeded by rank: each step's loss and the
     loss after training, averaged over the ranks, and the dtypes of the weights and of the
     optimizer's parameters and state."""
-    import hf_llama  # transformers: imported by the processes that use it, not every spawn
+    import hf_models  # transformers: imported by the processes that use it, not every spawn
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(rank)
-    model = hf_llama.tiny_llama(attn, tied, dtype)
-    *batches, (eval_x, eval_y) = hf_llama.token_batches(STEPS + 1, rank, world)
+    model = hf_models.tiny_llama(attn, tied, dtype)
+    *batches, (eval_x, eval_y) = hf_models.token_batches(STEPS + 1, rank, world)
     if kind == "ddp":  # the loss before a step is the one after the last: the evaluation
-        *losses, final = hf_llama.ddp_losses(model, [*batches, (eval_x, eval_y)], lr=LR)
+        *losses, final = hf_models.ddp_losses(model, [*batches, (eval_x, eval_y)], lr=LR)
         return {"losses": losses, "final": final}
     sys.path.insert(0, str(FOLDER))
     scope, losses = {"model": model}, []
@@ -495,7 +495,7 @@ def on_a_hf_llama(kind, attn: str = "sdpa", tied: bool = False, dtype=torch.floa
     scope["batches"] = each_step()
     exec(readme_block(kind), scope)
     with torch.no_grad():
-        losses.append(hf_llama.hf_loss(model, eval_x, eval_y).item())
+        losses.append(hf_models.hf_loss(model, eval_x, eval_y).item())
     mean = torch.tensor(losses, dtype=torch.float64)
     torch.distributed.all_reduce(mean)
     opt = scope["opt"]
@@ -507,17 +507,17 @@ def on_a_hf_llama(kind, attn: str = "sdpa", tied: bool = False, dtype=torch.floa
 
 
 def readme_scenarios() -> dict:
-    """The README's lines for each stage on each of hf_llama.VARIANTS, and in bf16, beside
+    """The README's lines for each stage on each of hf_models.VARIANTS, and in bf16, beside
     DDP's run of the same model: one reference a variant, shared by the three stages."""
-    import hf_llama
+    import hf_models
 
     calls = {}
-    for attn, tied in [*hf_llama.VARIANTS, ("bf16", False)]:
+    for attn, tied in [*hf_models.VARIANTS, ("bf16", False)]:
         variant = dict(attn="sdpa", dtype=torch.bfloat16) if attn == "bf16" else dict(
             attn=attn, tied=tied)
         name = attn if attn == "bf16" else f"{attn} {'tied' if tied else 'untied'}"
         for kind in ("ddp", 1, 2, 3, "offload"):
-            calls[f"readme {kind} {name}"] = functools.partial(on_a_hf_llama, kind, **variant)
+            calls[f"readme {kind} {name}"] = functools.partial(on_a_hf_models, kind, **variant)
     return calls
 
 
@@ -677,14 +677,14 @@ def test_zero3_keeps_one_slice_per_rank_and_frees_the_full_parameters(units_run)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3, "offload"])
-def test_the_readmes_lines_train_a_hf_llama_like_ddp(units_run, stage):
+def test_the_readmes_lines_train_hf_models_like_ddp(units_run, stage):
     """The README's "Use it in your trainer" block, run as written on a tiny transformers
     LlamaForCausalLM (sdpa with an untied head, eager with a tied one) on 2 ranks whose models
     were seeded apart: each step's loss and the loss after training are DDP's, to 1e-5."""
-    import hf_llama
+    import hf_models
 
     runs = units_run(2)
-    for attn, tied in hf_llama.VARIANTS:
+    for attn, tied in hf_models.VARIANTS:
         name = f"{attn} {'tied' if tied else 'untied'}"
         got, want = result(runs, f"readme {stage} {name}"), result(runs, f"readme ddp {name}")
         assert len(got["losses"]) == STEPS and got["dtypes"] == ["torch.float32"]
@@ -692,7 +692,7 @@ def test_the_readmes_lines_train_a_hf_llama_like_ddp(units_run, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3, "offload"])
-def test_the_readmes_lines_keep_a_bf16_hf_llama_bf16(units_run, stage):
+def test_the_readmes_lines_keep_a_bf16_hf_models_bf16(units_run, stage):
     runs = units_run(2)
     got, want = result(runs, f"readme {stage} bf16"), result(runs, "readme ddp bf16")
     assert got["dtypes"] == ["torch.bfloat16"]  # weights, shards, AdamW's moments
