@@ -343,21 +343,89 @@ class TensorParallelBlock(nn.Module):
         return x + (RowParallel.apply(h, self.fc_proj.weight, self.comm) + self.fc_proj.bias)
 
 
+# Copied from 06_symmem/baseline_symmem_tp.py: rotate
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on x (batch, heads, seq, head_dim) by the model's angles (cos and sin,
+    broadcast to x), in HuggingFace's layout (`rotate_half`): the first and second halves of
+    each head are the pairs turned."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+# Copied from 06_symmem/baseline_symmem_tp.py: joint_bias
+def joint_bias(linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
+    """The biases of linears multiplied as one (their rows side by side): None if none has one,
+    zeros for one that has none."""
+    if all(linear.bias is None for linear in linears):
+        return None
+    return torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None
+                      else linear.bias for linear in linears])
+
+
+# Copied from 06_symmem/baseline_symmem_tp.py: plus_bias
+def plus_bias(y: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """A row-parallel output with its linear's bias, if any: added once, to the reduced shard."""
+    return y if linear.bias is None else y + linear.bias
+
+
+# Copied from 06_symmem/baseline_symmem_tp.py: unsupported_feature
+def unsupported_feature(layer: nn.Module) -> str | None:
+    """What of a decoder layer TensorParallelLlamaLayer would compute otherwise than the model,
+    in a phrase that names the module or config key; None when it computes all of it. (The
+    sliding window depends on the sequence: the layer checks it in forward.)"""
+    # the modules it computes, by owner ("": the layer); any other (a fused projection, q/k
+    # norms, another norm) it would skip
+    computed = {"self_attn": {"q_proj", "k_proj", "v_proj", "o_proj"},
+                "mlp": {"gate_proj", "up_proj", "down_proj", "act_fn"},
+                "": {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}}
+    for owner, known in computed.items():
+        for name, _ in layer.get_submodule(owner).named_children():
+            if name not in known:
+                where = f"{owner}.{name}" if owner else name
+                return (f"{where}: a module TensorParallelLlamaLayer does not compute (its "
+                        f"{owner or 'layer'} holds {', '.join(sorted(known))} only)")
+    attn = layer.self_attn
+    config = getattr(attn, "config", None)  # HuggingFace's; common.Llama's layers have none
+    if (act := getattr(config, "hidden_act", "silu")) not in ("silu", "swish"):
+        return f"hidden_act {act!r}: TensorParallelLlamaLayer's MLP is SwiGLU (silu)"
+    if (cap := getattr(config, "attn_logit_softcapping", None)) is not None:
+        return f"attn_logit_softcapping {cap}: TensorParallelLlamaLayer's attention has no cap"
+    if getattr(attn, "scaling", attn.head_dim**-0.5) != attn.head_dim**-0.5:
+        return (f"scaling {attn.scaling}: TensorParallelLlamaLayer's attention scales by "
+                f"1/sqrt(head_dim {attn.head_dim})")
+    if dropout := getattr(attn, "attention_dropout", 0.0):
+        return (f"attention_dropout {dropout}: TensorParallelLlamaLayer's attention drops "
+                "nothing (set it to 0)")
+    return None
+
+
 # Copied from 06_symmem/baseline_symmem_tp.py: TensorParallelLlamaLayer
 class TensorParallelLlamaLayer(nn.Module):
-    """A Llama decoder layer (HuggingFace's names: self_attn.q/k/v/o_proj, mlp.gate/up/down_proj,
-    two RMSNorms, no biases) with my KV heads, their query heads and my SwiGLU units: q, k, v
-    and gate, up column-parallel (each trio or pair one gather: their rows side by side), o and
-    down row-parallel. A rank holds whole KV groups: KV heads that do not divide by N split
-    unevenly, as the GPT's heads; more ranks than KV heads are skipped before setup.
-    `attention(q, k, v)`: causal, on (batch, heads, seq, head_dim), each KV head repeated for
-    its query heads (common.causal_sdpa takes them as they are); rotary is common's."""
+    """A Llama-shaped decoder layer (HuggingFace's names: self_attn.q/k/v/o_proj,
+    mlp.gate/up/down_proj, input_layernorm, post_attention_layernorm: Llama, Qwen2, Mistral)
+    with my KV heads, their query heads and my SwiGLU units: q, k, v and gate, up
+    column-parallel (each trio or pair one gather: their rows side by side, their biases
+    with them), o and down row-parallel (a bias whole, added once to the reduced shard). A
+    rank holds whole KV groups: KV heads that do not divide by N split unevenly, as the GPT's
+    heads. `attention(q, k, v)`: causal, on (batch, heads, seq, head_dim), each KV head
+    repeated for its query heads (common.causal_sdpa takes them as they are). Rotary: the
+    model's angles, which forward takes (TensorParallelDecoder's `rotary`). A module or
+    setting it would compute otherwise than the model is refused (unsupported_feature)."""
 
     def __init__(self, layer: nn.Module, comm, attention: Callable = common.causal_sdpa):
         super().__init__()
+        if why := unsupported_feature(layer):
+            raise ValueError(why)
         attn, mlp, self.comm, self.attention = layer.self_attn, layer.mlp, comm, attention
         self.head_dim = attn.head_dim
         kv_heads = attn.k_proj.out_features // self.head_dim
+        if kv_heads < comm.world:
+            raise ValueError(f"{kv_heads} KV heads cannot split over {comm.world} ranks (a rank "
+                             f"holds whole KV heads): use a group of at most {kv_heads}")
+        # HuggingFace's: on the attention (Qwen2's sliding layers) or for every layer (Mistral)
+        self.sliding_window = getattr(attn, "sliding_window",
+                                      getattr(getattr(attn, "config", None), "sliding_window",
+                                              None))
         group = attn.q_proj.out_features // attn.k_proj.out_features  # query heads a KV head
         mine = my_share(kv_heads, comm.rank, comm.world)
         kv_rows = slice(mine.start * self.head_dim, mine.stop * self.head_dim)
@@ -365,45 +433,65 @@ class TensorParallelLlamaLayer(nn.Module):
         units = my_share(mlp.gate_proj.out_features, comm.rank, comm.world)
         self.input_layernorm, self.self_attn = layer.input_layernorm, attn
         self.post_attention_layernorm, self.mlp = layer.post_attention_layernorm, mlp
-        for linear, rows in ((attn.q_proj, q_rows), (attn.k_proj, kv_rows),
-                             (attn.v_proj, kv_rows), (mlp.gate_proj, units), (mlp.up_proj, units)):
+        columns = ((attn.q_proj, q_rows), (attn.k_proj, kv_rows), (attn.v_proj, kv_rows),
+                   (mlp.gate_proj, units), (mlp.up_proj, units))
+        for linear, rows in columns:
             keep_rows(linear, rows)
         keep_columns(attn.o_proj, q_rows)
         keep_columns(mlp.down_proj, units)
-        self.sliced = [p for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                        mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-                       for p in linear.parameters()]
+        # o's and down's biases stay whole: replicated, their gradients all-reduced
+        self.sliced = [*(linear.weight for linear, _ in columns), attn.o_proj.weight,
+                       mlp.down_proj.weight,
+                       *(linear.bias for linear, _ in columns if linear.bias is not None)]
 
-    def forward(self, x: torch.Tensor, seq_len: int, batch: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_len: int, batch: int,
+                rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`rotary`: the model's (cos, sin) of positions 0..seq_len-1, (1, seq, head_dim)."""
+        if self.sliding_window is not None and self.sliding_window < seq_len:
+            raise ValueError(f"sliding_window {self.sliding_window} is shorter than the "
+                             f"{seq_len}-token sequence: TensorParallelLlamaLayer attends to "
+                             f"the whole sequence (train at most {self.sliding_window} tokens)")
+        if (turned := rotary[0].shape[-1]) != self.head_dim:
+            raise ValueError(f"the rotary turns {turned} of the {self.head_dim} dims of a head "
+                             "(partial_rotary_factor): TensorParallelLlamaLayer turns them all")
         attn, mlp = self.self_attn, self.mlp
-        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]  # my rows
-        qkv = ColumnParallel.apply(self.input_layernorm(x), torch.cat(weights), None, self.comm)
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)  # my rows
+        qkv = ColumnParallel.apply(self.input_layernorm(x),
+                                   torch.cat([linear.weight for linear in projections]),
+                                   joint_bias(projections), self.comm)
         q, k, v = (t.reshape(seq_len, batch, -1, self.head_dim).permute(1, 2, 0, 3)
-                   for t in qkv.split([w.shape[0] for w in weights], dim=-1))
-        q, k = common.apply_rotary(q), common.apply_rotary(k)  # the whole sequence: 0..T-1
+                   for t in qkv.split([linear.weight.shape[0] for linear in projections], -1))
+        # (1, 1, seq, head_dim): every head alike, in q's dtype (the compute dtype)
+        cos, sin = (t.unsqueeze(1).to(q.dtype) for t in rotary)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # the whole sequence: 0..T-1
         if self.attention is not common.causal_sdpa:  # SDPA groups the KV heads itself
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         y = self.attention(q, k, v).permute(2, 0, 1, 3).reshape(seq_len * batch, -1)
-        x = x + RowParallel.apply(y, attn.o_proj.weight, self.comm)
-        gate, up = ColumnParallel.apply(self.post_attention_layernorm(x), torch.cat(
-            [mlp.gate_proj.weight, mlp.up_proj.weight]), None, self.comm).chunk(2, dim=-1)
-        return x + RowParallel.apply(F.silu(gate) * up, mlp.down_proj.weight, self.comm)
+        x = x + plus_bias(RowParallel.apply(y, attn.o_proj.weight, self.comm), attn.o_proj)
+        gate, up = ColumnParallel.apply(
+            self.post_attention_layernorm(x), torch.cat([mlp.gate_proj.weight,
+                                                         mlp.up_proj.weight]),
+            joint_bias((mlp.gate_proj, mlp.up_proj)), self.comm).chunk(2, dim=-1)
+        return x + plus_bias(RowParallel.apply(F.silu(gate) * up, mlp.down_proj.weight,
+                                               self.comm), mlp.down_proj)
 
 
 # Copied from 06_symmem/baseline_symmem_tp.py: TensorParallelDecoder
 class TensorParallelDecoder(nn.Module):
     """A decoder split over comm's group, from its parts: the TP blocks, and replicated parts
     each rank runs on its sequence shard (token embedding, a position table if the model has
-    one, final norm, head, tied or not). `replicated_parameters()`: every parameter no block
-    sliced, whose gradients the ranks all-reduce. `forward` returns its shard's share of the
-    mean loss (the sum over ranks is the loss)."""
+    one, final norm, head, tied or not). `rotary`, the model's rotary embedding, is called as
+    HuggingFace's `rotary_emb(x, position_ids) -> (cos, sin)`, once a forward, and its angles
+    handed to every block: the model's base, scaling and attention factor. Every parameter no
+    block sliced is in `replicated_parameters()`, whose gradients the ranks all-reduce.
+    `forward` returns its shard's share of the mean loss (the sum over ranks is the loss)."""
 
     def __init__(self, blocks: list[nn.Module], token_embedding: nn.Embedding,
                  final_norm: nn.Module, head: nn.Module, comm,
                  position_embedding: nn.Embedding | None = None,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, rotary: Callable | None = None):
         super().__init__()
-        self.comm, self.autocast_dtype = comm, autocast_dtype
+        self.comm, self.autocast_dtype, self.rotary = comm, autocast_dtype, rotary
         self.token_embedding, self.position_embedding = token_embedding, position_embedding
         self.final_norm, self.head, self.blocks = final_norm, head, nn.ModuleList(blocks)
 
@@ -413,15 +501,20 @@ class TensorParallelDecoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         batch, seq_len = tokens.shape
+        if seq_len * batch % self.comm.world:
+            raise ValueError(f"{batch} x {seq_len} tokens do not split over {self.comm.world} "
+                             "ranks: feed a batch whose tokens are a multiple of the group's size")
         mine = my_share(seq_len * batch, self.comm.rank, self.comm.world)  # (T, B) rows
+        positions = torch.arange(seq_len, device=tokens.device)
         with torch.autocast(tokens.device.type, dtype=self.autocast_dtype,
                             enabled=self.autocast_dtype is not None):
             x = self.token_embedding(tokens.t().reshape(-1)[mine])
             if self.position_embedding is not None:
-                positions = torch.arange(seq_len, device=tokens.device).repeat_interleave(batch)
-                x = x + self.position_embedding(positions[mine])
+                x = x + self.position_embedding(positions.repeat_interleave(batch)[mine])
+            angles = None if self.rotary is None else self.rotary(x, positions[None])
             for block in self.blocks:
-                x = block(x, seq_len, batch)
+                x = block(x, seq_len, batch) if angles is None else block(x, seq_len, batch,
+                                                                          angles)
             logits = self.head(self.final_norm(x))
         return F.cross_entropy(logits.float(), targets.t().reshape(-1)[mine],
                                reduction="sum") / (seq_len * batch)
@@ -439,18 +532,27 @@ def same_weights_as_first_rank(model: nn.Module, group=None) -> None:
 # Copied from 06_symmem/baseline_symmem_tp.py: tensor_parallel
 def tensor_parallel(model: common.Decoder, comm) -> TensorParallelDecoder:
     """The project's decoders split by TensorParallelDecoder (main's adapter: a trainer of
-    one's own passes its own parts)."""
+    one's own passes its own parts). common.Llama's rotary is common.apply_rotary's (base
+    10,000), given here in the call shape of HuggingFace's rotary_emb."""
     blocks = common.transformer_blocks(model)
     final_norm = model.pipeline_layers()[-1].ln_f  # the LossHead's: the GPT's ln_f, model.norm
     if isinstance(model, common.GPT):
         return TensorParallelDecoder([TensorParallelBlock(b, comm) for b in blocks],
                                      model.tok_emb, final_norm, model.head, comm,
                                      model.pos_emb, model.autocast_dtype)
+    head_dim = blocks[0].self_attn.head_dim
+
+    def rotary(x: torch.Tensor, position_ids: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = common.rotary_table(position_ids.shape[-1], head_dim, x.device, x.dtype,
+                                       10_000.0, position_ids[0])
+        return cos[None], sin[None]
+
     return TensorParallelDecoder([TensorParallelLlamaLayer(b, comm, b.self_attn.attention)
                                   for b in blocks],
                                  common.input_embedding(model), final_norm,
                                  common.output_head(model), comm,
-                                 autocast_dtype=model.autocast_dtype)
+                                 autocast_dtype=model.autocast_dtype, rotary=rotary)
 
 
 # Copied from 06_symmem/baseline_symmem_tp.py: tp_degree_problem

@@ -10,11 +10,15 @@ to the unsplit Llama, more ranks than KV heads `skipped`. The training object
 ranks seeded differently, the model's zero_grad too, BatchNorm buffers as DDP keeps them; a
 backward after step() without its zero_grad() refused; a bf16 Llama kept bf16, as DDP in bf16;
 on ranks {0, 1} of 3 equal to a world of 2. TP's autograd Functions multiply in forward's dtype
-in backward too. Both README "Use it in your trainer" blocks, exactly as written, train a
-transformers LlamaForCausalLM (sdpa and eager, tied and untied, ranks seeded apart) as PyTorch's
-DDP does, a bf16 one kept bf16."""
+in backward too. Both README "Use it in your trainer" blocks, exactly as written, train
+transformers Llama, Qwen2 and Mistral (sdpa and eager, tied and untied, ranks seeded apart) and
+a Llama with scaled rotary as PyTorch's DDP does, bf16 ones kept bf16; SymmetricMemoryAdamW
+trains Phi-3's fused projections too, which the TP layer refuses by name. The TP layer at one
+rank computes transformers models unsplit, every bias and the model's own rotary included, and
+refuses in one line each feature it does not compute."""
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -360,6 +364,120 @@ def test_a_world_of_one_computes_the_model_unsplit(family):
                              for norm in ("input_layernorm", "post_attention_layernorm"))}
 
 
+def _split_alone(model: torch.nn.Module, comm=None, rotary=None) -> torch.nn.Module:
+    """A transformers CausalLM split by the README's parts over `comm` (default: _Alone), its
+    rotary the model's rotary_emb unless `rotary` is given."""
+    tp = load_recipe(FOLDER / "baseline_symmem_tp.py")
+    comm = comm or _Alone()
+    return tp.TensorParallelDecoder(
+        [tp.TensorParallelLlamaLayer(layer, comm) for layer in model.model.layers],
+        model.model.embed_tokens, model.model.norm, model.lm_head, comm,
+        rotary=rotary or model.model.rotary_emb)
+
+
+def test_a_world_of_one_computes_transformers_models_unsplit():
+    """Every fp32 model the README blocks train (Qwen2's non-zero q/k/v biases and rope_theta
+    1e6, a linearly scaled rotary), a Llama with every bias (one k_proj without: zeros in its
+    place) and a Mistral whose window is as long as the sequence (no window): at one rank the
+    transformers model's loss and every gradient. The replicated parameters are what no layer
+    slices: the embedding, the norms, the head, and o_proj's and down_proj's biases."""
+    import hf_models
+
+    tokens = torch.randint(hf_models.SIZE.vocab_size, (3, hf_models.SEQ_LEN + 1),
+                           generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    models = {label: build for label, build in _readme_models(hf_models, every_bias=True).items()
+              if label != "fused" and not label.endswith("bf16")}
+    models["window as long as the sequence"] = functools.partial(
+        hf_models.tiny_model, "mistral", "eager", sliding_window=hf_models.SEQ_LEN)
+    for label, build in models.items():
+        torch.manual_seed(0)
+        model = build()
+        if label == "every bias":
+            model.model.layers[0].self_attn.k_proj.bias = None
+        loss = hf_models.hf_loss(model, x, y)
+        loss.backward()
+        expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad()
+        split = _split_alone(model)
+        ours = split(x, y)
+        ours.backward()
+        assert ours.item() == pytest.approx(loss.item(), rel=1e-6), label
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, case=(label, name): f"{case}: {m}")
+        replicated = {name for name, p in model.named_parameters()
+                      if any(p is q for q in split.replicated_parameters())}
+        assert replicated == {name for name, _ in model.named_parameters()
+                              if "norm" in name or "embed" in name or "lm_head" in name
+                              or name.endswith(("o_proj.bias", "down_proj.bias"))}, label
+
+
+def _with(model: torch.nn.Module, owner: str, name: str, value) -> torch.nn.Module:
+    """`model` with its first layer's `owner` ("": the layer) given `name` = `value`."""
+    setattr(model.model.layers[0].get_submodule(owner), name, value)
+    return model
+
+
+# A feature TensorParallelLlamaLayer does not compute, on a tiny transformers model: (the model,
+# the module or config key its one-line refusal names). An added module's work is beside the
+# point (Identity): the layer would skip it. The sliding windows and the partial rotary are
+# refused at the first forward (the sequence, the angles are known there); the rest when the
+# layer is built.
+REFUSED = {
+    "fused q, k, v (Phi-3)": (lambda hf: hf.tiny_model("fused"), "qkv_proj"),
+    "fused gate and up": (lambda hf: _with(hf.tiny_model(), "mlp", "gate_up_proj",
+                                           torch.nn.Identity()), "gate_up_proj"),
+    "q/k norms": (lambda hf: _with(hf.tiny_model(), "self_attn", "q_norm", torch.nn.Identity()),
+                  "q_norm"),
+    "a third norm": (lambda hf: _with(hf.tiny_model(), "", "pre_feedforward_layernorm",
+                                      torch.nn.Identity()), "pre_feedforward_layernorm"),
+    "GELU": (lambda hf: hf.tiny_model(hidden_act="gelu_pytorch_tanh"), "hidden_act"),
+    "softcapping": (lambda hf: hf.tiny_model(attn_logit_softcapping=50.0),
+                    "attn_logit_softcapping"),
+    "another scaling": (lambda hf: _with(hf.tiny_model(), "self_attn", "scaling", 0.1),
+                        "scaling"),
+    "attention dropout": (lambda hf: hf.tiny_model(attention_dropout=0.1), "attention_dropout"),
+    "Mistral's window shorter than the sequence": (
+        lambda hf: hf.tiny_model("mistral", sliding_window=16), "sliding_window"),
+    "Qwen2's sliding layers": (lambda hf: hf.tiny_model(
+        "qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0),
+        "sliding_window"),
+}
+
+
+@pytest.mark.parametrize("feature", [*REFUSED, "partial rotary"])
+def test_a_feature_the_layer_does_not_compute_is_refused_in_one_line(feature):
+    import hf_models
+
+    tokens = torch.randint(hf_models.SIZE.vocab_size, (2, hf_models.SEQ_LEN + 1))
+    if feature == "partial rotary":
+        model, name = hf_models.tiny_model(), "partial_rotary_factor"
+
+        def rotary(x, positions):  # the model's angles for half of each head
+            return [t[..., :8] for t in model.model.rotary_emb(x, positions)]
+    else:
+        (build, name), rotary = REFUSED[feature], None
+        model = build(hf_models)
+    with pytest.raises(ValueError) as refusal:
+        _split_alone(model, rotary=rotary)(tokens[:, :-1], tokens[:, 1:])
+    message = str(refusal.value)
+    assert name in message and "\n" not in message, message
+
+
+def test_a_split_the_group_cannot_make_is_refused_in_one_line():
+    """More ranks than KV heads, when the layers are built; a batch whose tokens do not divide
+    over the ranks, at forward, before any collective."""
+    import hf_models
+
+    tiny = hf_models.tiny_model()
+    with pytest.raises(ValueError, match=r"^2 KV heads cannot split over 3 ranks .* at most 2$"):
+        _split_alone(tiny, SimpleNamespace(rank=0, world=3))
+    tokens = torch.randint(hf_models.SIZE.vocab_size, (3, 32))  # 3 x 31 tokens over 2 ranks
+    with pytest.raises(ValueError, match=r"^3 x 31 tokens do not split over 2 ranks: [^\n]*$"):
+        _split_alone(tiny, SimpleNamespace(rank=0, world=2))(tokens[:, :-1], tokens[:, 1:])
+
+
 def _losses_before_each_step(loss_of, batches, losses: list, group=None):
     """`batches`, each yielded once `loss_of(inputs, targets)` (no grad, summed over the group)
     is appended to `losses`: the loss of the weights a step starts from, on its batch, as DDP
@@ -376,15 +494,43 @@ README_STEPS = 3
 # bf16 weights against DDP in bf16, absolute per step: the recipe allows 5e-2, the lines hold
 # 1.5e-4 here; 1e-3 keeps room and still fails a wrong start or split
 BF16_TOLERANCE = 1e-3
+# The README blocks' models beyond hf_models.CASES (fp32): one case a family in bf16, whose
+# weights stay bf16; the two unsupported models; for the TP block also a Llama with every bias
+# (o_proj's and down_proj's whole, added once)
+BF16_CASES = [("llama", "sdpa", False), ("qwen2", "eager", True), ("mistral", "sdpa", False)]
+
+
+def _readme_models(hf_models, every_bias: bool = False) -> dict:
+    """label -> a function building that model from the current seed: every hf_models case in
+    fp32, BF16_CASES in bf16, "fused" and "rope scaling", and with `every_bias` "every bias"
+    (a Llama's q, k, v, o, gate, up and down biases, drawn non-zero)."""
+    def with_every_bias():
+        model = hf_models.tiny_model("llama", attention_bias=True, mlp_bias=True)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(std=0.5)
+        return model
+
+    models = {str(case): functools.partial(hf_models.tiny_model, *case)
+              for case in hf_models.CASES}
+    for case in BF16_CASES:
+        models[f"{hf_models.Case(*case)} bf16"] = functools.partial(
+            hf_models.tiny_model, *case, dtype=torch.bfloat16)
+    for name in hf_models.UNSUPPORTED:
+        models[name] = functools.partial(hf_models.tiny_model, name)
+    if every_bias:
+        models["every bias"] = with_every_bias
+    return models
 
 
 def _train_the_readme_tp_lines(rank: int, world: int, port: int, members: list[int], out: str
                                ) -> None:
     """The README's tensor-parallel lines, as they are, over the group of `members` (the other
-    ranks idle) on a tiny transformers Llama of each hf_models.VARIANTS and on a bf16 one, beside
-    PyTorch's DDP on the same model, group and global batch, and on common.Llama; each rank
-    seeded by its rank, so the lines must start them from the first's weights. Rank 0 saves each
-    step's loss of the whole batch (and DDP's) and the dtypes of the weights trained."""
+    ranks idle) on each of _readme_models, beside PyTorch's DDP on the same model, group and
+    global batch; each rank seeded by its rank, so the lines must start them from the first's
+    weights. Rank 0 saves each step's loss of the whole batch (and DDP's) and the dtypes of
+    the weights trained, or the message a model was refused with."""
     import hf_models  # transformers: imported where used, not by every spawned rank
 
     _start(rank, world, port)
@@ -393,61 +539,55 @@ def _train_the_readme_tp_lines(rank: int, world: int, port: int, members: list[i
         dist.destroy_process_group()
         return
     baseline = load_recipe(FOLDER / "baseline_symmem_tp.py")
+    block = readme_python_block(FOLDER / "README.md",
+                                "### Tensor parallelism: `TensorParallelDecoder`")
     me, n = members.index(rank), len(members)
     whole = hf_models.token_batches(README_STEPS, 0, 1, per_rank=2 * n)  # every rank: all of it
     saved = {}
-    for variant in [*((*variant, torch.float32) for variant in hf_models.VARIANTS),
-                    ("sdpa", False, torch.bfloat16), "common.Llama"]:
+    for label, build in _readme_models(hf_models, every_bias=True).items():
         torch.manual_seed(rank)
-        if variant == "common.Llama":
-            model, ddp = common.Llama(common.SIZES["tiny"]), None
-        else:
-            model = hf_models.tiny_llama(*variant)
-            ddp = hf_models.ddp_losses(model, hf_models.token_batches(README_STEPS, me, n),
-                                      group=group)
+        model = build()
+        assert hf_models.seeded_apart(model, group), label
+        ddp = hf_models.ddp_losses(model, hf_models.token_batches(README_STEPS, me, n),
+                                   group=group)
         losses = []
         lines = {**vars(baseline), "model": model, "group": group}
         lines["batches"] = _losses_before_each_step(
             lambda x, y, lines=lines: lines["tp_model"](x, y), whole, losses, group)
-        exec(readme_python_block(FOLDER / "README.md",
-                                  "### Tensor parallelism: `TensorParallelDecoder`"), lines)
-        saved[variant] = {"tp": losses, "ddp": ddp,
-                          "dtypes": {p.dtype for p in lines["tp_model"].parameters()}}
+        try:
+            exec(block, lines)
+        except ValueError as refusal:  # the test checks which models, and what it says
+            saved[label] = {"refused": str(refusal)}
+            continue
+        saved[label] = {"tp": losses, "ddp": ddp,
+                        "dtypes": {p.dtype for p in lines["tp_model"].parameters()}}
     if rank == 0:
         torch.save(saved, out)
     dist.destroy_process_group()
 
 
 def test_the_readme_tensor_parallel_lines_train_hf_models_as_ddp_does_on_a_group(checks):
-    """Exactly the README's lines, ranks seeded apart, on a transformers LlamaForCausalLM as it
-    comes (sdpa and an untied head, eager and a tied one): each step's loss DDP's on the same
-    model and global batch (1e-5 relative); in bf16 weights, which stay bf16, DDP's in bf16
-    within BF16_TOLERANCE; on common.Llama, the unsplit Llama's trained on the whole batch. On 2
+    """Exactly the README's lines, ranks seeded apart, on every hf_models case (Llama; Qwen2
+    with non-zero q/k/v biases and rope_theta 1e6; Mistral, its sliding window longer than the
+    sequence), a Llama with every bias and one with scaled rotary: each step's loss DDP's on the
+    same model and global batch (1e-5 relative); in bf16 weights, which stay bf16, DDP's in bf16
+    within BF16_TOLERANCE. Phi-3's fused projections refused in one line naming qkv_proj. On 2
     ranks, and on ranks {0, 1} of 3 (rank 2 idle) to the same bits."""
     import hf_models
 
-    torch.manual_seed(0)
-    model = common.Llama(common.SIZES["tiny"])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    unsplit = []
-    for tokens, targets in hf_models.token_batches(README_STEPS, 0, 1, per_rank=4):
-        opt.zero_grad()
-        loss = model(tokens, targets)
-        loss.backward()
-        opt.step()
-        unsplit.append(loss.item())
     pair, subgroup = (torch.load(passed(checks(world), "tp readme") / "tp-readme.pt")
                       for world in (2, 3))
-    assert set(pair) == {*((*variant, torch.float32) for variant in hf_models.VARIANTS),
-                         ("sdpa", False, torch.bfloat16), "common.Llama"}
-    for variant, run in pair.items():
-        expected = unsplit if variant == "common.Llama" else run["ddp"]
-        bf16 = variant[-1] == torch.bfloat16
-        assert run["dtypes"] == {torch.bfloat16 if bf16 else torch.float32}, variant
-        assert len(run["tp"]) == README_STEPS and run["tp"][-1] < run["tp"][0], variant
-        assert run["tp"] == (pytest.approx(expected, abs=BF16_TOLERANCE) if bf16 else
-                             pytest.approx(expected, rel=1e-5)), variant
-        assert subgroup[variant]["tp"] == run["tp"], variant
+    assert set(pair) == set(_readme_models(hf_models, every_bias=True))
+    refused = pair.pop("fused")["refused"]
+    assert "qkv_proj" in refused and "\n" not in refused, refused
+    for label, run in pair.items():
+        assert "refused" not in run, (label, run.get("refused"))
+        bf16 = label.endswith("bf16")
+        assert run["dtypes"] == {torch.bfloat16 if bf16 else torch.float32}, label
+        assert len(run["tp"]) == README_STEPS and run["tp"][-1] < run["tp"][0], label
+        assert run["tp"] == (pytest.approx(run["ddp"], abs=BF16_TOLERANCE) if bf16 else
+                             pytest.approx(run["ddp"], rel=1e-5)), label
+        assert subgroup[label]["tp"] == run["tp"], label
 
 
 def test_heads_and_units_padded_for_dtensor_compute_the_same_and_stay_zero():
@@ -546,9 +686,11 @@ def test_dtensor_tp_of_the_llama_equals_the_unsplit_llama(checks):
 def test_more_ranks_than_the_llamas_kv_heads_are_skipped_with_the_reason(tmp_path, monkeypatch,
                                                                            script):
     """tiny's Llama has 4 heads in 2 KV groups: 3 ranks are refused before any group forms,
-    where the GPT's 4 heads split."""
+    where the GPT's 4 heads split (5 ranks are refused there)."""
     tp = load_recipe(FOLDER / script)
     assert tp.tp_degree_problem(argparse.Namespace(size="tiny", model="gpt"), 3) is None
+    assert tp.tp_degree_problem(argparse.Namespace(size="tiny", model="gpt"), 5) == (
+        "--size tiny has 4 heads, fewer than the 5 processes to split them over: launch at most 4")
     assert tp.tp_degree_problem(argparse.Namespace(size="tiny", model="llama"), 2) is None
     results = tmp_path / "results.jsonl"
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -764,9 +906,9 @@ def test_the_object_on_ranks_0_and_1_of_three_equals_a_world_of_two(checks):
 
 
 def _readme_lines(rank: int, world: int, port: int, out: str) -> None:
-    """The README's SymmetricMemoryAdamW lines, as they are, on a tiny transformers Llama of
-    each hf_models.VARIANTS (ranks seeded apart) and on a bf16 one, beside PyTorch's DDP on the
-    same model and global batch; rank 0 saves each step's losses and the bf16 run's dtypes."""
+    """The README's SymmetricMemoryAdamW lines, as they are, on each of _readme_models (ranks
+    seeded apart), beside PyTorch's DDP on the same model and global batch; rank 0 saves each
+    step's losses and the dtypes of the weights, gradients and AdamW moments."""
     import hf_models
 
     recipe = _join(rank, world, port)
@@ -774,10 +916,10 @@ def _readme_lines(rank: int, world: int, port: int, out: str) -> None:
         FOLDER / "README.md", "### Shared-memory data parallelism: `SymmetricMemoryAdamW`")
     batches = hf_models.token_batches(README_STEPS, rank, world)
     saved = {}
-    for attn, tied, dtype in [(*variant, torch.float32) for variant in hf_models.VARIANTS] + [
-            ("sdpa", False, torch.bfloat16)]:
+    for label, build in _readme_models(hf_models).items():
         torch.manual_seed(rank)
-        model = hf_models.tiny_llama(attn, tied, dtype)
+        model = build()
+        assert hf_models.seeded_apart(model), label
         ddp = hf_models.ddp_losses(model, batches)
         losses = []
         lines = {"SymmetricMemoryAdamW": recipe.SymmetricMemoryAdamW, "F": F, "model": model,
@@ -785,7 +927,7 @@ def _readme_lines(rank: int, world: int, port: int, out: str) -> None:
         lines["batches"] = _losses_before_each_step(
             lambda x, y, model=model: hf_models.hf_loss(model, x, y) / world, batches, losses)
         exec(block, lines)
-        saved[attn, tied, dtype] = {
+        saved[label] = {
             "ours": losses, "ddp": ddp,
             "dtypes": {t.dtype for p in model.parameters() for t in (p, p.grad)} | {
                 v.dtype for state in lines["opt"].optimizer.state.values()
@@ -796,19 +938,21 @@ def _readme_lines(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_the_readme_lines_train_hf_models_as_ddp_does_and_keep_bf16_weights(checks):
-    """Exactly the README's lines (2 micro-batches a step) on a transformers LlamaForCausalLM
-    (sdpa and an untied head, eager and a tied one), ranks seeded apart: each step's loss DDP's
-    on the same model and global batch, 1e-5 relative; a bf16 model's weights, gradients and
-    AdamW moments stay bf16, its losses DDP's in bf16 to bf16's rounding."""
+    """Exactly the README's lines (2 micro-batches a step), ranks seeded apart, on every
+    hf_models case (Llama, Qwen2, Mistral; sdpa and eager; tied and untied heads), on Phi-3's
+    fused projections and on a Llama with scaled rotary: each step's loss DDP's on the same
+    model and global batch, 1e-5 relative; a bf16 model's weights, gradients and AdamW moments
+    stay bf16, its losses DDP's in bf16 to bf16's rounding."""
     import hf_models
 
     runs = torch.load(passed(checks(2), "readme") / "readme.pt")
-    assert {variant[:2] for variant in runs} == {*hf_models.VARIANTS}
-    for (attn, tied, dtype), run in runs.items():
-        assert len(run["ours"]) == README_STEPS and run["ours"][-1] < run["ours"][0]
-        assert run["dtypes"] == {dtype}, (attn, tied)
+    assert set(runs) == set(_readme_models(hf_models))
+    for label, run in runs.items():
+        dtype = torch.bfloat16 if label.endswith("bf16") else torch.float32
+        assert len(run["ours"]) == README_STEPS and run["ours"][-1] < run["ours"][0], label
+        assert run["dtypes"] == {dtype}, label
         rel = 1e-5 if dtype == torch.float32 else 5e-3
-        assert run["ours"] == pytest.approx(run["ddp"], rel=rel), (attn, tied, dtype)
+        assert run["ours"] == pytest.approx(run["ddp"], rel=rel), label
 
 
 def _train_llama(rank: int, world: int, port: int, results: str) -> None:
