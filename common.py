@@ -121,12 +121,19 @@ def gpt_param_count(size: Size, seq_len: int) -> int:
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Default attention: PyTorch's fused kernel. Shapes (batch, heads, seq, head_dim). k and v
-    may have fewer heads than q (grouped-query attention): KV head h serves query heads
-    h*g..h*g+g-1, g = q's heads / k's, as HuggingFace's repeat_kv lays them out, and SDPA reads
-    each KV head for its g query heads itself, with no copy of K and V."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    """Default attention: PyTorch's fused kernel, O(T) memory. Shapes (batch, heads, seq,
+    head_dim). k and v may have fewer heads than q (grouped-query attention): KV head h serves
+    query heads h*g..h*g+g-1, g = q's heads / k's, as HuggingFace's repeat_kv lays them out.
+    On CPU, and on CUDA in bf16 or fp16 (the flash kernel), SDPA reads each KV head for its g
+    query heads itself (`enable_gqa`), with no copy of K and V. In fp32 on CUDA flash does not
+    run and the memory-efficient kernel takes no grouped heads: SDPA would fall back to its math
+    kernel, which builds the T x T scores. There each KV head is repeated for its query heads
+    instead (K and V copied g times over, still O(T)), which the memory-efficient kernel takes."""
+    grouped = k.shape[1] != q.shape[1]
+    if grouped and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        grouped = False
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
 
 
 class CausalSelfAttention(nn.Module):
@@ -362,6 +369,14 @@ MOE_BALANCING = ("bias", "aux", "none")
 AUX_LOSS_COEF = 0.01  # the classic auxiliary loss's weight (Switch Transformer's)
 
 
+def expert_counts(top_k_index: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """The routed slots each of `n_experts` experts got, counted where the index lives: no host
+    sync on a GPU, where torch.bincount reads the largest index back to size its output."""
+    flat = top_k_index.flatten()
+    return torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.long))
+
+
 class TopKRouter(nn.Module):
     """A MoE layer's `gate`: each token's top_k experts and their weights. The top_k are chosen on
     logit + `expert_bias` (DeepSeek-V3's aux-loss-free balancing: the bias, no parameter, only
@@ -389,8 +404,7 @@ class TopKRouter(nn.Module):
         # inside backward (torch names no public test for that; a graph task is running)
         if self.training and torch._C._current_graph_task_id() == -1:
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(experts.flatten(),
-                                                         minlength=self.weight.shape[0])
+                self.tokens_per_expert += expert_counts(experts, self.weight.shape[0])
         return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), experts, scores
 
 
@@ -398,7 +412,7 @@ def auxiliary_balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch
     """The classic load-balancing loss (Switch Transformer, GShard): n_experts x the sum over
     experts of (share of routed slots) x (mean score); 1 when the load is even."""
     n = scores.shape[-1]
-    share = torch.bincount(experts.flatten(), minlength=n).to(scores.dtype) / experts.numel()
+    share = expert_counts(experts, n).to(scores.dtype) / experts.numel()
     return n * (share * scores.mean(dim=0)).sum()
 
 
@@ -431,7 +445,8 @@ class Experts(nn.ModuleList):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         order = top_k_index.flatten().argsort(stable=True)
         token_of = order // top_k_index.shape[1]
-        counts = torch.bincount(top_k_index.flatten(), minlength=len(self)).tolist()
+        # the split sizes, read on the host: the layer's one sync on a GPU
+        counts = expert_counts(top_k_index, len(self)).tolist()
         rows = tokens[token_of].split(counts)
         routed = torch.cat([expert(part) for expert, part in zip(self, rows, strict=True)])
         weighted = routed * top_k_weights.flatten()[order, None]

@@ -43,14 +43,15 @@ def balance_experts(routers: list[torch.nn.Module], rate: float,
     expert's selection bias moves toward equal load, up under the mean and down over it, by
     `rate` x its distance from the mean, relative (DeepSeek-V3 moves it by a fixed step, the
     distance's sign, over thousands of steps; in proportion it settles in the tens a CPU run
-    has). No gradient; the same on every rank, since the counts are. The counts restart."""
+    has). No gradient; the same on every rank, since the counts are. The counts restart.
+    Computed where the counts are: no value is read back to the host (a sync a step on a GPU)."""
     counts = torch.stack([router.tokens_per_expert for router in routers])
     dist.all_reduce(counts, group=group)
     with torch.no_grad():
         for router, count in zip(routers, counts, strict=True):
             mean = count.double().mean()
-            if rate and mean > 0:  # no token routed (no forward since the last step): no news
-                router.expert_bias += rate * (mean - count) / mean
+            if rate:  # no token routed (no forward since the last step): no news, no move
+                router.expert_bias += torch.where(mean > 0, rate * (mean - count) / mean, 0.0)
             router.tokens_per_expert.zero_()
     return counts
 

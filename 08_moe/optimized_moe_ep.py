@@ -68,27 +68,59 @@ class AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
-class ExpertParallel(torch.nn.ModuleList):
+class ExpertParallel(torch.nn.Module):
     """A drop-in for a MoE layer's `experts`, called as HuggingFace calls them (tokens,
-    top_k_index, top_k_weights), holding this rank's experts only: global experts
-    [rank x E/ep, (rank + 1) x E/ep) of `n_experts`, rank being this one's in `group`."""
+    top_k_index, top_k_weights): keeps this rank's E/ep of `experts` (global experts
+    [rank x E/ep, (rank + 1) x E/ep), rank this one's in `group`) as `local`, and sends each
+    routed row to the rank that holds its expert. `experts` is the layer's own, cut in place: a
+    list of modules, one an expert (the project's `common.Experts`), or HuggingFace's fused
+    module, every parameter (E, ...) an expert's slice on dim 0, called as its layer calls it,
+    so that it computes as the model does (its activation, biases, `experts_implementation`).
+    A layout it cannot cut that way is refused in one line."""
 
-    def __init__(self, local_experts: list[torch.nn.Module], n_experts: int,
-                 group: dist.ProcessGroup):
-        super().__init__(local_experts)
-        if n_experts != len(self) * dist.get_world_size(group):
-            raise ValueError(f"{len(self)} experts a rank over {dist.get_world_size(group)} "
-                             f"ranks are not the {n_experts}: give each rank n_experts / ep")
-        self.n_experts, self.group = n_experts, group
+    def __init__(self, experts: torch.nn.Module, group: dist.ProcessGroup):
+        super().__init__()
+        ep, me = dist.get_world_size(group), dist.get_rank(group)
+        fused = not isinstance(experts, torch.nn.ModuleList)
+        if fused:
+            params = dict(experts.named_parameters())
+            n_experts = getattr(experts, "num_experts", None) or next(
+                (p.shape[0] for p in params.values()), 0)
+            for name, p in params.items():
+                if p.shape[:1] != (n_experts,):
+                    raise ValueError(f"experts' {name} {tuple(p.shape)} is not one slice an "
+                                     f"expert on dim 0 ({n_experts} experts): ExpertParallel "
+                                     f"cannot cut it")
+            if buffers := [name for name, _ in experts.named_buffers()]:
+                raise ValueError(f"experts' buffers {buffers}: ExpertParallel cuts parameters "
+                                 f"only")
+        else:
+            n_experts = len(experts)
+        if not n_experts or n_experts % ep:
+            raise ValueError(f"ep {ep} does not divide the {n_experts} experts: use an ep that "
+                             f"divides {n_experts}")
+        local = n_experts // ep
+        mine = slice(me * local, (me + 1) * local)
+        if fused:
+            for name, p in params.items():
+                owner, _, leaf = name.rpartition(".")
+                setattr(experts.get_submodule(owner), leaf,
+                        torch.nn.Parameter(p.detach()[mine].clone(), p.requires_grad))
+            if hasattr(experts, "num_experts"):  # HuggingFace's forward reads it
+                experts.num_experts = local
+        else:  # the list keeps its class, renumbered from 0
+            del experts[mine.stop:], experts[:mine.start]
+        self.local, self.n_experts, self.group = experts, n_experts, group
         self.exchanged = (0, 0, 0)  # the last forward's rows sent to peers, received, value bytes
 
     def forward(self, tokens: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        ep, me, local = dist.get_world_size(self.group), dist.get_rank(self.group), len(self)
+        ep, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        local = self.n_experts // ep
         # the routed slots sorted by expert, so by the rank that holds it
         order = top_k_index.flatten().argsort(stable=True)
         token_of = order // top_k_index.shape[1]
-        counts = torch.bincount(top_k_index.flatten(), minlength=self.n_experts)
+        counts = common.expert_counts(top_k_index, self.n_experts)
         arriving = torch.empty_like(counts)  # arriving[p x local + e]: rank p's rows for my e
         dist.all_to_all_single(arriving, counts, group=self.group)
         # the exchanges' split sizes, read on the host at once (one sync a layer on a GPU)
@@ -98,37 +130,54 @@ class ExpertParallel(torch.nn.ModuleList):
         if torch.is_autocast_enabled(rows.device.type):  # the experts compute in it: send it
             rows = rows.to(torch.get_autocast_dtype(rows.device.type))
         rows = AllToAll.apply(rows, send, recv, self.group)
-        # rows arrive by source rank, then expert: grouped by expert, each expert runs once
-        expert_of_row = torch.arange(local, device=rows.device).repeat(ep)
-        by_expert = expert_of_row.repeat_interleave(arriving, output_size=len(rows)).argsort(
-            stable=True)
-        per_expert = [sum(column) for column in zip(*theirs, strict=True)]
-        outs = torch.cat([expert(part) for expert, part in
-                          zip(self, rows[by_expert].split(per_expert), strict=True)])
-        back = torch.empty_like(outs).index_copy(0, by_expert, outs)  # by source rank again
-        combined = AllToAll.apply(back, recv, send, self.group)
+        # rows arrive by source rank, then expert: each one's local expert
+        expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(
+            arriving, output_size=len(rows))
+        outs = self.compute(rows, expert_of_row,
+                            [sum(column) for column in zip(*theirs, strict=True)])
+        combined = AllToAll.apply(outs, recv, send, self.group)
         self.exchanged = (sum(send) - send[me], sum(recv) - recv[me], rows.element_size())
         weighted = combined * top_k_weights.flatten()[order, None]
         return torch.zeros_like(tokens).index_add_(0, token_of, weighted.to(tokens.dtype))
 
+    def compute(self, rows: torch.Tensor, expert_of_row: torch.Tensor,
+                per_expert: list[int]) -> torch.Tensor:
+        """Each row through its local expert, the outputs in the rows' order. A list: grouped
+        by expert, each expert runs once on its rows (`per_expert`, on the host already), even
+        on none, so its weights always get a gradient. Fused: the module itself, each row
+        routed to its expert at weight 1."""
+        if isinstance(self.local, torch.nn.ModuleList):
+            by_expert = expert_of_row.argsort(stable=True)
+            outs = torch.cat([expert(part) for expert, part in
+                              zip(self.local, rows[by_expert].split(per_expert), strict=True)])
+            return torch.empty_like(outs).index_copy(0, by_expert, outs)
+        if not len(rows):  # its output would be zeros outside the graph, and the combine's
+            return rows.clone()  # backward a collective this rank would then skip
+        return self.local(rows, expert_of_row[:, None], rows.new_ones(len(rows), 1))
+
 
 def shard_experts(blocks: list[torch.nn.Module], group: dist.ProcessGroup) -> list:
-    """Keep this rank's E/ep experts of each block's MoE (`block.mlp.experts`) behind an
-    ExpertParallel over `group`; every rank built the same seeded model, so a slice is this
-    rank's share of it. Returns the local experts' parameters."""
-    ep, me = dist.get_world_size(group), dist.get_rank(group)
-    for block in blocks:
-        experts = list(block.mlp.experts)
-        local = len(experts) // ep
-        block.mlp.experts = ExpertParallel(experts[me * local:(me + 1) * local], len(experts),
-                                           group)
-    return [p for block in blocks for p in block.mlp.experts.parameters()]
+    """Keep this rank's E/ep experts of each block's MoE (`block.mlp.experts`; a block without
+    one stays as it is) behind an ExpertParallel over `group`, sliced from what this rank
+    holds: every rank must hold the same weights. Returns the local experts' parameters; a
+    model with no experts is refused in one line."""
+    moes = [block.mlp for block in blocks if hasattr(getattr(block, "mlp", None), "experts")]
+    if not moes:
+        raise ValueError("no block has an mlp.experts: expert parallelism needs a MoE model")
+    for moe in moes:
+        moe.experts = ExpertParallel(moe.experts, group)
+    return [p for moe in moes for p in moe.experts.parameters()]
 
 
 def reduce_expert_grads(expert_params: list[torch.Tensor], dp_group: dist.ProcessGroup,
                         world: int) -> None:
     """An expert's gradient summed its ep group's tokens: summed over its dp replicas too (one
-    all-reduce, none when ep = world) and divided by the world, it is the mean DDP takes."""
+    all-reduce, none when ep = world) and divided by the world, it is the mean DDP takes. A
+    fused slice whose experts got no row this step has no gradient: it gets zeros, what DDP's
+    whole tensor holds there (AdamW still steps it)."""
+    for p in expert_params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     grads = [p.grad for p in expert_params]
     if dist.get_world_size(dp_group) > 1:
         flat = torch.cat([g.flatten() for g in grads])
@@ -169,14 +218,15 @@ def balance_experts(routers: list[torch.nn.Module], rate: float,
     expert's selection bias moves toward equal load, up under the mean and down over it, by
     `rate` x its distance from the mean, relative (DeepSeek-V3 moves it by a fixed step, the
     distance's sign, over thousands of steps; in proportion it settles in the tens a CPU run
-    has). No gradient; the same on every rank, since the counts are. The counts restart."""
+    has). No gradient; the same on every rank, since the counts are. The counts restart.
+    Computed where the counts are: no value is read back to the host (a sync a step on a GPU)."""
     counts = torch.stack([router.tokens_per_expert for router in routers])
     dist.all_reduce(counts, group=group)
     with torch.no_grad():
         for router, count in zip(routers, counts, strict=True):
             mean = count.double().mean()
-            if rate and mean > 0:  # no token routed (no forward since the last step): no news
-                router.expert_bias += rate * (mean - count) / mean
+            if rate:  # no token routed (no forward since the last step): no news, no move
+                router.expert_bias += torch.where(mean > 0, rate * (mean - count) / mean, 0.0)
             router.tokens_per_expert.zero_()
     return counts
 
@@ -268,6 +318,16 @@ def wrap_dense(model: torch.nn.Module, blocks: list[torch.nn.Module], expert_par
     return model, {"sent": predicted["sent"], "state": predicted["state"]}
 
 
+def adamw(model: torch.nn.Module, expert_params: list, **kwargs) -> torch.optim.AdamW:
+    """AdamW with the experts in a parameter group of their own: under --fsdp the dense part's
+    parameters are FSDP2's DTensors and the experts plain tensors, and a foreach step (AdamW's
+    default on GPUs) over a list that mixes them raises "got mixed torch.Tensor and DTensor";
+    each group steps alone. `kwargs`: AdamW's (lr, foreach, ...)."""
+    experts = {id(p) for p in expert_params}
+    dense = [p for p in model.parameters() if id(p) not in experts]
+    return torch.optim.AdamW([{"params": dense}, {"params": expert_params}], **kwargs)
+
+
 def comm_by_dim(stats: common.Stats) -> dict[str, float]:
     """The measured bytes of each mesh dim: ep's, the all-to-alls (nothing else sends one; at ep
     = world its group is the world's, so it is not told by group); dp's, the rest, the data
@@ -313,7 +373,7 @@ def main():
     routers = [block.mlp.gate for block in blocks]
     expert_params = shard_experts(blocks, mesh.get_group("ep"))
     model, dense = wrap_dense(model, blocks, expert_params, topo, args.fsdp)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = adamw(model, expert_params, lr=args.lr)
     rate = args.bias_rate if args.moe_balance == "bias" else 0.0
     loads, exchanged = [], []  # a step's tokens per expert, and rows each layer exchanged
 

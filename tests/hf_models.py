@@ -138,3 +138,14 @@ def ddp_losses(model: torch.nn.Module, batches, lr: float = 1e-3,
         dist.all_reduce(mean, group=group)
         losses.append(mean.item() / dist.get_world_size(group))
     return losses
+
+
+def seeded_apart(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether the ranks of `group` hold different weights (float64 sums per parameter): a
+    recipe matching DDP, which starts every rank from the first's, proves nothing otherwise."""
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
+    first = sums.clone()
+    dist.broadcast(first, dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+    differ = torch.tensor(float(not torch.equal(sums, first)))
+    dist.all_reduce(differ, group=group)
+    return differ.item() > 0
