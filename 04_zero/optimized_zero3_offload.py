@@ -302,6 +302,18 @@ class GradReducer:
                                "these hooks need every parameter to take part in every backward")
 
 
+def host_thread(device: torch.device) -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that steps AdamW in host memory, bound on CUDA to `device`: the current
+    GPU is a thread's own and a new thread's is GPU 0, where its first CUDA call (waiting for a
+    copy's event, the optimizer's graph-capture check, leaving a stream's context) would open a
+    context, a few hundred MB that `max_memory_allocated` does not count, for every rank."""
+    if device.type != "cuda":
+        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-adamw")
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-adamw",
+                                                 initializer=torch.cuda.set_device,
+                                                 initargs=(device,))
+
+
 class ZeRO3Offload(torch.optim.AdamW):
     """AdamW over this rank's fp32 master slices in host memory, with the optimizer's contract:
     `zero_grad()`, one or more `loss.backward()` (each reduce-scatters its gradients on the
@@ -335,7 +347,7 @@ class ZeRO3Offload(torch.optim.AdamW):
             self.per_bucket.append(adam)
         self.cuda = device.type == "cuda"
         self.copies = torch.cuda.Stream(device) if self.cuda else None  # host <-> device
-        self.host = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-adamw")
+        self.host = host_thread(device)
         self.updates: dict[int, concurrent.futures.Future] = {}  # bucket -> its update
         self.bytes_down = self.bytes_up = 0  # the last step's over the host link (two threads)
         self.wait_for_updates_before_gathers(model, blocks)

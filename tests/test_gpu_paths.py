@@ -9,6 +9,7 @@ import inspect
 import re
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -307,6 +308,80 @@ def test_float8_weights_are_gathered_in_float8_only_where_their_rows_split_evenl
         model = common.GPT(common.SIZES["tiny"], 32)
         converted, gathered = fp8.convert_to_fp8(model, [common.output_head(model)], world)
         assert gathered is in_float8 and "blocks.0.fc" in converted
+
+
+# --- the offload's host thread on its rank's GPU ------------------------------------------------
+def test_the_offloads_host_thread_runs_on_its_ranks_gpu_not_gpu_0(group, monkeypatch):
+    """CUDA's current device is a thread's own, GPU 0 in a new thread: unbound, the host
+    thread's first CUDA call (an event's synchronize, AdamW's capture check, leaving a stream's
+    context) opens a context on GPU 0 in every rank. torch.cuda.set_device and current_device
+    run as they are, over the CUDA runtime's per-thread device, stubbed: the thread a rank on
+    GPU 3 steps on is on GPU 3, the training thread's device untouched; and the optimizer
+    builds its thread for its model's device."""
+    offload = load_recipe(common.ROOT / "04_zero" / "optimized_zero3_offload.py")
+    current = threading.local()  # the runtime's current device: per thread, GPU 0 at first
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", lambda i: setattr(current, "device", i))
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: getattr(current, "device", 0))
+    host = offload.host_thread(torch.device("cuda", 3))
+    assert host.submit(torch.cuda.current_device).result() == 3
+    assert torch.cuda.current_device() == 0
+    host.shutdown()
+    built_for, host_thread = [], offload.host_thread
+    monkeypatch.setattr(offload, "host_thread",
+                        lambda device: built_for.append(device) or host_thread(device))
+    model = common.GPT(common.SIZES["tiny"], 8)
+    opt = offload.ZeRO3Offload(model, common.transformer_blocks(model))
+    assert built_for == [torch.device("cpu")]
+    assert opt.host.submit(torch.cuda.current_device).result() == 0  # on CPU: never bound
+    opt.host.shutdown()
+
+
+# --- fp32 grouped-query attention on CUDA keeps an O(T) kernel ----------------------------------
+@pytest.mark.parametrize("device, dtype, kv_heads_seen, grouped", [
+    ("cuda", torch.float32, 4, False),  # repeated: the memory-efficient kernel takes it
+    ("cuda", torch.bfloat16, 2, True), ("cuda", torch.float16, 2, True),  # flash groups them
+    ("cpu", torch.float32, 2, True)])  # so does CPU's flash kernel, in fp32 too
+def test_grouped_query_attention_reaches_sdpa_as_a_fused_kernel_takes_it(
+        device, dtype, kv_heads_seen, grouped, monkeypatch):
+    """On CUDA, flash runs bf16 and fp16 only and the memory-efficient kernel refuses grouped
+    heads (torch's check_batch_size_and_num_heads_dense): fp32 with enable_gqa falls back to
+    the math kernel and its T x T scores. What common.causal_sdpa hands SDPA, on fake CUDA
+    tensors (FakeTensorMode: shapes, dtypes and devices, no GPU): 4 query heads, 2 KV heads."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        seen.append((k.shape[1], v.shape[1], kwargs["enable_gqa"]))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    with FakeTensorMode():
+        q = torch.randn(2, 4, 32, 16, device=device, dtype=dtype)
+        k, v = (torch.randn(2, 2, 32, 16, device=device, dtype=dtype) for _ in range(2))
+        out = common.causal_sdpa(q, k, v)
+    assert out.shape == q.shape and out.device.type == device
+    assert seen == [(kv_heads_seen, kv_heads_seen, grouped)]
+
+
+def test_the_repeated_kv_heads_attend_as_the_grouped_ones():
+    """The fp32 CUDA path's values, on CPU: tensors that say they are on CUDA take
+    common.causal_sdpa's repeat, and its output and gradients are the grouped kernel's (KV head
+    h serving query heads 2h and 2h + 1, as enable_gqa reads them)."""
+    class SaysCuda(torch.Tensor):
+        is_cuda = property(lambda self: True)
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(2, heads, 32, 16) for heads in (4, 2, 2)]
+    grads = []
+    for kind in (torch.Tensor, SaysCuda):
+        q, k, v = (t.clone().as_subclass(kind).requires_grad_() for t in tensors)
+        out = common.causal_sdpa(q, k, v)
+        out.backward(torch.ones_like(out))
+        grads.append([out, q.grad, k.grad, v.grad])
+    for grouped, repeated in zip(*grads, strict=True):
+        assert torch.allclose(grouped, repeated.as_subclass(torch.Tensor), atol=1e-5)
 
 
 # --- 2: every script at the world sizes of a GPU host, Makefile defaults -----------------------

@@ -148,6 +148,14 @@ def test_every_script_refuses_a_clip_norm_not_above_zero_in_one_line(script, val
                                  "--clip-grad-norm", tmp_path)
 
 
+@pytest.mark.parametrize("flags, hint", [
+    (["--cpu-offload"], "--cpu-offload is FSDP2's: add --stage 3"),
+    (["--stage", "3", "--cpu-offload", "--clip-grad-norm", "1"],
+     "--clip-grad-norm with --cpu-offload")])
+def test_pytorchs_zero_refuses_flags_that_do_not_go_together_in_one_line(flags, hint, tmp_path):
+    assert_bad_input_is_one_line(FOLDER / "optimized_zero_pytorch.py", flags, hint, tmp_path)
+
+
 def test_a_traced_run_survives_the_all_gathers_in_flight_when_the_trace_ends(tmp_path):
     """ZeRO-1 leaves its all-gathers in flight after each step. Those of the last traced step
     held the stopped profiler's state, and dropping them segfaulted (2 runs in 3 at `small`,

@@ -12,9 +12,10 @@ accumulation against DDP (with no_sync), ranks seeded apart, a bf16 model stayin
 forward between backward and step, the ResNet's BatchNorm buffers; PyTorch's own ZeRO
 (optimized_zero_pytorch.py's units) on ranks seeded apart; ZeRO-3 under bf16 autocast against
 its theory (bytes by dtype, the peak's parameters, what forward keeps for backward); and the
-README's "Use it in your trainer" lines as written, for each stage and for ZeRO3Offload, on a
-tiny transformers LlamaForCausalLM (tests/hf_models.py: sdpa and eager, untied and tied, and
-bf16) against PyTorch's DDP on the same model.
+README's "Use it in your trainer" lines as written, with each stage's class and ZeRO3Offload,
+on tiny transformers models (tests/hf_models.py: Llama, Qwen2 and Mistral, sdpa and eager, each
+family in bf16 too, Phi-3's fused projections and a scaled rotary) seeded apart, against
+PyTorch's DDP on the same model.
 """
 
 import copy
@@ -306,6 +307,8 @@ def test_offloaded_zero3_trains_like_zero3_and_keeps_its_state_where_its_theory_
 # them all, on the world or on a sub-group, and rank 0 of each group writes what it saw.
 LR, STEPS = 3e-3, 3
 ZERO = {stage: getattr(STAGES[stage], f"ZeRO{stage}") for stage in (1, 2, 3)}
+# what a trainer passes the README's lines as `ZeRO`
+ZERO_CLASSES = {**ZERO, "offload": load_recipe(FOLDER / f"{OFFLOAD}.py").ZeRO3Offload}
 README = FOLDER / "README.md"
 
 
@@ -456,36 +459,41 @@ def zero3_under_bf16_autocast() -> dict:
             "shard_dtypes": sorted({str(p.dtype) for p in opt.shards})}
 
 
-def readme_block(stage: int | str) -> str:
-    """The README's "Use it in your trainer" lines, written for ZeRO2, for `stage`: ZeRO1,
-    ZeRO3 and ZeRO3Offload ("offload") are called the same way, ZeRO3 without wait_for_params
-    (as the README says)."""
-    block = readme_python_block(README)
-    name, module = ("ZeRO3Offload", "zero3_offload") if stage == "offload" else \
-        (f"ZeRO{stage}", f"zero{stage}")
-    block = block.replace("ZeRO2", name).replace("zero2", module)
-    if stage == 3:
-        block = "\n".join(line for line in block.splitlines()
-                          if not line.startswith("opt.wait_for_params()"))
-    return block
-
-
-def on_a_hf_models(kind, attn: str = "sdpa", tied: bool = False, dtype=torch.float32) -> dict:
-    """The README's lines as written (kind: a ZeRO stage), or PyTorch's DDP (kind "ddp": the
-    reference), on a tiny transformers LlamaForCausalLM seeded by rank: each step's loss and the
-    loss after training, averaged over the ranks, and the dtypes of the weights and of the
-    optimizer's parameters and state."""
+def readme_models() -> dict[str, dict]:
+    """The models the README's lines run on, by name: hf_models.tiny_model's arguments. Each of
+    hf_models.CASES (three families, sdpa and eager), each family's sdpa case in bf16, and the
+    two models with a feature some recipes do not implement (ZeRO shards whatever parameters a
+    model has and leaves its forward to it: both must train like DDP)."""
     import hf_models  # transformers: imported by the processes that use it, not every spawn
+
+    models = {str(case): dict(family=case.family, attn_implementation=case.attn, tied=case.tied)
+              for case in hf_models.CASES}
+    models.update({f"{case} bf16": {**models[str(case)], "dtype": torch.bfloat16}
+                   for case in hf_models.CASES if case.attn == "sdpa"})
+    models.update({name: dict(family=name) for name in hf_models.UNSUPPORTED})
+    return models
+
+
+def on_a_hf_model(kind, model_args: dict) -> dict:
+    """The README's lines as written, `ZeRO` the class of `kind` (a stage, or "offload"), or
+    PyTorch's DDP (kind "ddp": the reference), on hf_models.tiny_model(**model_args) seeded by
+    rank: each step's loss and the loss after training, averaged over the ranks, the dtypes of
+    the weights and of the optimizer's parameters and state, and whether the ranks' weights
+    differed before (else matching DDP, which starts from the first rank's, would prove
+    nothing)."""
+    import hf_models
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(rank)
-    model = hf_models.tiny_llama(attn, tied, dtype)
+    model = hf_models.tiny_model(**model_args)
     *batches, (eval_x, eval_y) = hf_models.token_batches(STEPS + 1, rank, world)
     if kind == "ddp":  # the loss before a step is the one after the last: the evaluation
         *losses, final = hf_models.ddp_losses(model, [*batches, (eval_x, eval_y)], lr=LR)
         return {"losses": losses, "final": final}
-    sys.path.insert(0, str(FOLDER))
-    scope, losses = {"model": model}, []
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
+    every_rank = [torch.empty_like(sums) for _ in range(world)]
+    torch.distributed.all_gather(every_rank, sums)
+    scope, losses = {"model": model, "ZeRO": ZERO_CLASSES[kind]}, []
 
     def each_step():  # the loop's batches; each step's loss read once the step is done
         for batch in batches:
@@ -493,32 +501,28 @@ def on_a_hf_models(kind, attn: str = "sdpa", tied: bool = False, dtype=torch.flo
             losses.append(scope["loss"].item())
 
     scope["batches"] = each_step()
-    exec(readme_block(kind), scope)
+    exec(readme_python_block(README), scope)
+    opt = scope["opt"]
+    if kind != 3:  # as the README says: ZeRO3 has nothing in flight after its step
+        opt.wait_for_params()
     with torch.no_grad():
         losses.append(hf_models.hf_loss(model, eval_x, eval_y).item())
     mean = torch.tensor(losses, dtype=torch.float64)
     torch.distributed.all_reduce(mean)
-    opt = scope["opt"]
     dtypes = {p.dtype for p in model.parameters()} | {
         t.dtype for g in opt.param_groups for t in g["params"]} | {
         v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"}
     return {"losses": (mean[:-1] / world).tolist(), "final": (mean[-1] / world).item(),
-            "dtypes": sorted(map(str, dtypes))}
+            "dtypes": sorted(map(str, dtypes)),
+            "seeded_apart": not torch.equal(every_rank[0], every_rank[1])}
 
 
 def readme_scenarios() -> dict:
-    """The README's lines for each stage on each of hf_models.VARIANTS, and in bf16, beside
-    DDP's run of the same model: one reference a variant, shared by the three stages."""
-    import hf_models
-
-    calls = {}
-    for attn, tied in [*hf_models.VARIANTS, ("bf16", False)]:
-        variant = dict(attn="sdpa", dtype=torch.bfloat16) if attn == "bf16" else dict(
-            attn=attn, tied=tied)
-        name = attn if attn == "bf16" else f"{attn} {'tied' if tied else 'untied'}"
-        for kind in ("ddp", 1, 2, 3, "offload"):
-            calls[f"readme {kind} {name}"] = functools.partial(on_a_hf_models, kind, **variant)
-    return calls
+    """The README's lines with each class on each of readme_models(), beside DDP's run of the
+    same model: one reference a model, shared by the four classes."""
+    return {f"readme {kind} {name}": functools.partial(on_a_hf_model, kind, model_args)
+            for name, model_args in readme_models().items()
+            for kind in ("ddp", 1, 2, 3, "offload")}
 
 
 def scenarios(world: int, rank: int) -> dict:
@@ -590,9 +594,9 @@ def result(runs: list[dict], name: str, rank: int = 0) -> dict:
     return got
 
 
-def assert_trains_like(got: dict, want: dict, rel: float = 1e-5) -> None:
-    assert relative_diff(got["losses"], want["losses"]) <= rel
-    assert relative_diff([got["final"]], [want["final"]]) <= rel
+def assert_trains_like(got: dict, want: dict, rel: float = 1e-5, what: str = "") -> None:
+    assert relative_diff(got["losses"], want["losses"]) <= rel, what
+    assert relative_diff([got["final"]], [want["final"]]) <= rel, what
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -677,26 +681,33 @@ def test_zero3_keeps_one_slice_per_rank_and_frees_the_full_parameters(units_run)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3, "offload"])
-def test_the_readmes_lines_train_hf_models_like_ddp(units_run, stage):
-    """The README's "Use it in your trainer" block, run as written on a tiny transformers
-    LlamaForCausalLM (sdpa with an untied head, eager with a tied one) on 2 ranks whose models
-    were seeded apart: each step's loss and the loss after training are DDP's, to 1e-5."""
+def test_the_readmes_lines_train_every_hf_family_like_ddp_from_the_first_ranks_weights(
+        units_run, stage):
+    """The README's "Use it in your trainer" block as written, `ZeRO` the stage's class, on 2
+    ranks whose models were seeded apart: on each of hf_models.CASES (Llama, Qwen2, Mistral;
+    sdpa and eager) and on Phi-3's fused projections and a Llama with a scaled rotary, each
+    step's loss and the loss after training are DDP's, to 1e-5: every rank started from the
+    first rank's weights, as DDP's do."""
     import hf_models
 
     runs = units_run(2)
-    for attn, tied in hf_models.VARIANTS:
-        name = f"{attn} {'tied' if tied else 'untied'}"
+    for name in [*map(str, hf_models.CASES), *hf_models.UNSUPPORTED]:
         got, want = result(runs, f"readme {stage} {name}"), result(runs, f"readme ddp {name}")
-        assert len(got["losses"]) == STEPS and got["dtypes"] == ["torch.float32"]
-        assert_trains_like(got, want)
+        assert got["seeded_apart"], name
+        assert len(got["losses"]) == STEPS and got["dtypes"] == ["torch.float32"], name
+        assert_trains_like(got, want, what=name)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3, "offload"])
-def test_the_readmes_lines_keep_a_bf16_hf_models_bf16(units_run, stage):
+def test_the_readmes_lines_keep_a_bf16_model_of_each_family_bf16(units_run, stage):
+    import hf_models
+
     runs = units_run(2)
-    got, want = result(runs, f"readme {stage} bf16"), result(runs, "readme ddp bf16")
-    assert got["dtypes"] == ["torch.bfloat16"]  # weights, shards, AdamW's moments
-    assert_trains_like(got, want, rel=2e-2)  # bf16 sums in another order
+    for case in (case for case in hf_models.CASES if case.attn == "sdpa"):
+        name = f"{case} bf16"
+        got, want = result(runs, f"readme {stage} {name}"), result(runs, f"readme ddp {name}")
+        assert got["dtypes"] == ["torch.bfloat16"], name  # weights, shards, AdamW's moments
+        assert_trains_like(got, want, rel=2e-2, what=name)  # bf16 sums in another order
 
 
 def test_zero3_under_bf16_autocast_holds_and_sends_what_its_theory_says(units_run):
