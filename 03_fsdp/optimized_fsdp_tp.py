@@ -9,7 +9,7 @@ head column-wise, its logits split by vocabulary for a loss under loss_parallel(
 over "dp": fully_shard on each block and the root, so each weight, already split tp ways, is
 sharded dp ways more: every parameter ends a 2-D DTensor, and gradient clipping takes one norm
 over the mesh. The GPT's fused qkv becomes three Linears (an even split of it would hand rank 0
-all of q); its tied head stays tied. The plans fit HuggingFace's Llama as it comes.
+all of q); its tied head stays tied. The plans fit HuggingFace's Llama, Qwen2, Mistral.
 Why it helps: TP divides every block's weights AND its activations by tp at the price of
 activation traffic each layer (fast links only); FSDP divides what is left by dp at the price of
 weight traffic once a step (slow links are fine). Why this order: fully_shard must see the TP
@@ -166,9 +166,11 @@ def gpt_block_plan() -> dict:
             "fc_proj": RowwiseParallel(output_layouts=Shard(1))}
 
 
-def llama_layer_plan() -> dict:
-    """torchtitan's plan of a Llama layer under HuggingFace's names: HuggingFace's
-    LlamaDecoderLayer and common.Llama's alike."""
+def decoder_layer_plan() -> dict:
+    """torchtitan's plan of a decoder layer under HuggingFace's module names: the layers of
+    HuggingFace's Llama, Qwen2 and Mistral, and common.Llama's, alike. A column-wise Linear's
+    bias (Qwen2's q, k, v) is split with its rows; a row-wise one's is replicated and added once,
+    to the sum of the ranks' partial products."""
     return {"": block_input(), "input_layernorm": GatheredSequenceParallel(),
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
@@ -226,23 +228,38 @@ def shard_over_dp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh
     reduce_scatter_by_all_to_all_on_gloo(model, dp_mesh)
 
 
-def split_problem(blocks: list[nn.Module], block_plan: dict, tp: int) -> str | None:
-    """Why `tp` ranks cannot each take whole heads and an even share of the MLP from the plan's
-    column-wise matrices (counted in heads where their module has a `head_dim`: HuggingFace's
-    attention and the project's), or cannot find a module the plan names; None if they can."""
+def split_problem(model: nn.Module, blocks: list[nn.Module], block_plan: dict, ends: dict,
+                  tp: int) -> str | None:
+    """Why `tp` ranks cannot split `model` by these plans, or None. The plans must name each
+    module they split and each module holding weights: parallelize_module warns and skips an
+    entry that matches no module, and leaves a module no entry names whole on every rank, so a
+    layer with fused q, k, v (Phi-3's qkv_proj) or a norm inside attention (Qwen3's q_norm)
+    would train wrong without a word. The block plan must fit every block (a pipeline stage
+    may hold none: the head alone), the ends plan what the blocks leave. And each column-wise
+    matrix must split into whole heads (counted where its module has a `head_dim`:
+    HuggingFace's attention and the project's) or equal shares of units."""
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    for root, plan, skip in [(model, ends, in_blocks), *((b, block_plan, set()) for b in blocks)]:
+        modules = dict(root.named_modules(remove_duplicate=False))
+        missing = [key for key in plan if key not in modules]
+        unnamed = [name for name, module in modules.items() if name not in plan and any(
+            id(p) not in skip for p in module.parameters(recurse=False))]
+        if missing or unnamed:
+            lacks = [f"it lacks {', '.join(missing)}, which the plan names"] if missing else []
+            holds = [f"it holds weights in {', '.join(unnamed)}, which the plan does not "
+                     f"name"] if unnamed else []
+            return (f"the {'ends' if root is model else 'layer'} plan does not fit "
+                    f"{type(root).__name__}: {'; '.join(lacks + holds)}: pass a plan that "
+                    f"names each of its modules with weights, a fused projection split into "
+                    f"its parts first")
     for key, style in block_plan.items():
-        try:
-            linear = blocks[0].get_submodule(key)
-        except AttributeError:
-            return (f"the plan names {key!r}, which {type(blocks[0]).__name__} lacks: pass a "
-                    f"plan in its own module names")
-        if isinstance(style, ColwiseParallel):
-            head_dim = getattr(blocks[0].get_submodule(key.rpartition(".")[0]), "head_dim", None)
-            width, what = ((linear.out_features // head_dim, "heads") if head_dim else
-                           (linear.out_features, "units"))
+        for block in blocks if isinstance(style, ColwiseParallel) else ():
+            head_dim = getattr(block.get_submodule(key.rpartition(".")[0]), "head_dim", None)
+            width = block.get_submodule(key).out_features
+            width, what = (width // head_dim, "heads") if head_dim else (width, "units")
             if width % tp:
-                return (f"tp {tp} does not split the {width} {what} of {key}: pass a mesh whose "
-                        f"tp dim divides {width}")
+                return (f"tp {tp} does not split the {width} {what} of {key}: pass a mesh "
+                        f"whose tp dim divides {width}")
     return None
 
 
@@ -253,8 +270,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], blo
     of `blocks` by `block_plan`, the root by `ends`; skipped at tp 1), then fully_shard over
     mesh["dp"] on each block and the root (`mp_policy`: FSDP's dtypes, default fp32). Every rank
     must hold the same weights first (same_weights_on_every_rank): each keeps its own slice of
-    what it holds, so ranks that differ are refused in one line."""
-    # A cheap check that they do: each parameter's sum and norm in float64 (the same weights give
+    what it holds, so ranks that differ are refused in one line, as are plans the model does
+    not split (split_problem), before anything is sent."""
+    tp = mesh["tp"].size()
+    if tp > 1 and (why := split_problem(model, blocks, block_plan, ends, tp)):
+        raise ValueError(why)
+    # A cheap check of the weights: each parameter's sum and norm in float64 (the same weights give
     # the same bits); their max over dp, then over tp, is the max over the ranks holding this
     # model (a 3-D mesh's stages hold other layers), that of their negatives minus the min.
     held = torch.stack([torch.stack([p.detach().sum(dtype=torch.float64),
@@ -266,10 +287,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], blo
     if not torch.equal(extremes[:len(held)], -extremes[len(held):]):
         raise ValueError("the mesh's ranks hold different weights: call "
                          "same_weights_on_every_rank(model, mesh) before parallelize")
-    tp = mesh["tp"].size()
     if tp > 1:
-        if why := split_problem(blocks, block_plan, tp):
-            raise ValueError(why)
         tensor_parallel(model, blocks, block_plan, ends, mesh["tp"])
     shard_over_dp(model, blocks, mesh["dp"], mp_policy or MixedPrecisionPolicy(),
                   reshard_after_forward)
@@ -432,7 +450,7 @@ def decoder_plans(model: common.Decoder) -> tuple[dict, dict]:
     """The block and ends plans of the project's decoders (main's adapter: a trainer of one's
     own writes the plan for its own module names). The GPT's qkv is split first."""
     if isinstance(model, common.Llama):
-        return llama_layer_plan(), ends_plan(["model.embed_tokens"], "model.norm", "lm_head")
+        return decoder_layer_plan(), ends_plan(["model.embed_tokens"], "model.norm", "lm_head")
     for block in model.blocks:
         block.attn = SplitQKVAttention(block.attn)
     return gpt_block_plan(), ends_plan(["tok_emb", "pos_emb"], "ln_f", "head")

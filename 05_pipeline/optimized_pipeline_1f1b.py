@@ -203,7 +203,10 @@ class PipelineRank:
                  call_layer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
                  autocast_dtype: torch.dtype | None = None, record_timeline: bool = False):
         self.layers, self.loss_fn, self.call_layer = nn.ModuleList(layers), loss_fn, call_layer
-        weight = next(self.layers.parameters())
+        weight = next(self.layers.parameters(), None)
+        if weight is None:  # more stages than the model has layers: this one was cut empty
+            raise ValueError(f"rank {dist.get_rank(group)}'s stage holds no layer with weights: "
+                             "cut into at most as many stages as the model has layers")
         self.device, self.shape, self.dtype = weight.device, tuple(shape), dtype or weight.dtype
         self.autocast_dtype, self.record_timeline = autocast_dtype, record_timeline
         self.group = dist.group.WORLD if group is None else group
@@ -446,13 +449,17 @@ def write_timeline_trace(timelines: Sequence[Sequence[TimedAction]], args: argpa
 
 # Copied from 05_pipeline/baseline_pipeline.py: skip_unless_pipelined
 def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
-    """Skip a world a pipeline of `stages` cannot use: it is the host's (NPROC), not a bad flag."""
-    layers = common.SIZES[size].n_layers + 2  # embeddings, blocks, norm + head + loss
+    """Skip a world a pipeline of `stages` cannot use: it is the host's (NPROC), not a bad flag.
+    The cut's layers are the embeddings, each decoder block and the loss head, and each may be a
+    stage alone: the runtimes run any list of layers, so a stage need not hold a block."""
+    blocks = common.SIZES[size].n_layers
     if world == 1:
         raise common.Skip("a pipeline runs its stages on two or more processes: launch two or more")
-    if stages > layers:
-        raise common.Skip(f"--size {size} has {layers} layers, fewer than the {stages} stages "
-                          f"on {world} processes: use fewer processes or a larger --size")
+    if stages > blocks + 2:
+        raise common.Skip(f"--size {size} cuts into {blocks + 2} layers (the embeddings, {blocks} "
+                          f"decoder blocks, the loss head), fewer than the {stages} stages on "
+                          f"{world} processes: launch fewer (--nproc_per_node) or pass a larger "
+                          f"--size")
 
 
 # Copied from 05_pipeline/baseline_pipeline.py: uniform_bubble

@@ -60,16 +60,31 @@ SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
 
+def stages_problem(args: argparse.Namespace, m: int) -> str | None:
+    """Why --pp stages of `m` micro-batches cannot pipeline --size's decoder, or None. pp counts
+    decoder layers, not the embedding and the head, which go with the first and last stages: a
+    first stage of the embedding alone would send on its table's output, not a block's. (The cut
+    by compute may leave the last stage the head alone, where the vocabulary costs as much as
+    layers, --size medium from pp 4: such a stage trains as any.) torch's 1F1B takes m >= pp
+    (the first stage runs pp forwards before its first backward)."""
+    pp, layers = args.pp, common.SIZES[args.size].n_layers
+    if pp > layers:
+        return (f"--pp {pp} is more stages than the {layers} decoder layers of --size "
+                f"{args.size}: use --pp {layers} or fewer")
+    if args.schedule == "1f1b" and m < pp:
+        return (f"--microbatches {m} is fewer than the --pp {pp} stages, which 1F1B needs: use "
+                f"--microbatches {pp} or more, or --schedule gpipe")
+    return None
+
+
 def mesh_problem(args: argparse.Namespace, world: int, tp: int, m: int, batch: int
                  ) -> str | None:
     """Why `world` ranks cannot form a --pp x dp x `tp` mesh for --size's decoder (a dp rank's
     `batch` sequences in `m` micro-batches), or None; within a stage, tp_problem's."""
-    pp, size = args.pp, common.SIZES[args.size]
+    pp = args.pp
     if world % (pp * tp):
         return (f"--pp {pp} x --tp {tp} = {pp * tp} does not divide the {world} processes: "
                 f"launch a multiple of {pp * tp}")
-    if pp > size.n_layers + 2:
-        return f"--pp {pp} is more stages than --size's {size.n_layers + 2} layers: lower --pp"
     if batch % m:
         return (f"a dp rank's {batch} sequences do not split into --microbatches {m}: use a "
                 f"divisor of {batch}")
@@ -196,10 +211,12 @@ def gpt_block_plan() -> dict:
             "fc_proj": RowwiseParallel(output_layouts=Shard(1))}
 
 
-# Copied from 03_fsdp/optimized_fsdp_tp.py: llama_layer_plan
-def llama_layer_plan() -> dict:
-    """torchtitan's plan of a Llama layer under HuggingFace's names: HuggingFace's
-    LlamaDecoderLayer and common.Llama's alike."""
+# Copied from 03_fsdp/optimized_fsdp_tp.py: decoder_layer_plan
+def decoder_layer_plan() -> dict:
+    """torchtitan's plan of a decoder layer under HuggingFace's module names: the layers of
+    HuggingFace's Llama, Qwen2 and Mistral, and common.Llama's, alike. A column-wise Linear's
+    bias (Qwen2's q, k, v) is split with its rows; a row-wise one's is replicated and added once,
+    to the sum of the ranks' partial products."""
     return {"": block_input(), "input_layernorm": GatheredSequenceParallel(),
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
@@ -261,23 +278,38 @@ def shard_over_dp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh
 
 
 # Copied from 03_fsdp/optimized_fsdp_tp.py: split_problem
-def split_problem(blocks: list[nn.Module], block_plan: dict, tp: int) -> str | None:
-    """Why `tp` ranks cannot each take whole heads and an even share of the MLP from the plan's
-    column-wise matrices (counted in heads where their module has a `head_dim`: HuggingFace's
-    attention and the project's), or cannot find a module the plan names; None if they can."""
+def split_problem(model: nn.Module, blocks: list[nn.Module], block_plan: dict, ends: dict,
+                  tp: int) -> str | None:
+    """Why `tp` ranks cannot split `model` by these plans, or None. The plans must name each
+    module they split and each module holding weights: parallelize_module warns and skips an
+    entry that matches no module, and leaves a module no entry names whole on every rank, so a
+    layer with fused q, k, v (Phi-3's qkv_proj) or a norm inside attention (Qwen3's q_norm)
+    would train wrong without a word. The block plan must fit every block (a pipeline stage
+    may hold none: the head alone), the ends plan what the blocks leave. And each column-wise
+    matrix must split into whole heads (counted where its module has a `head_dim`:
+    HuggingFace's attention and the project's) or equal shares of units."""
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    for root, plan, skip in [(model, ends, in_blocks), *((b, block_plan, set()) for b in blocks)]:
+        modules = dict(root.named_modules(remove_duplicate=False))
+        missing = [key for key in plan if key not in modules]
+        unnamed = [name for name, module in modules.items() if name not in plan and any(
+            id(p) not in skip for p in module.parameters(recurse=False))]
+        if missing or unnamed:
+            lacks = [f"it lacks {', '.join(missing)}, which the plan names"] if missing else []
+            holds = [f"it holds weights in {', '.join(unnamed)}, which the plan does not "
+                     f"name"] if unnamed else []
+            return (f"the {'ends' if root is model else 'layer'} plan does not fit "
+                    f"{type(root).__name__}: {'; '.join(lacks + holds)}: pass a plan that "
+                    f"names each of its modules with weights, a fused projection split into "
+                    f"its parts first")
     for key, style in block_plan.items():
-        try:
-            linear = blocks[0].get_submodule(key)
-        except AttributeError:
-            return (f"the plan names {key!r}, which {type(blocks[0]).__name__} lacks: pass a "
-                    f"plan in its own module names")
-        if isinstance(style, ColwiseParallel):
-            head_dim = getattr(blocks[0].get_submodule(key.rpartition(".")[0]), "head_dim", None)
-            width, what = ((linear.out_features // head_dim, "heads") if head_dim else
-                           (linear.out_features, "units"))
+        for block in blocks if isinstance(style, ColwiseParallel) else ():
+            head_dim = getattr(block.get_submodule(key.rpartition(".")[0]), "head_dim", None)
+            width = block.get_submodule(key).out_features
+            width, what = (width // head_dim, "heads") if head_dim else (width, "units")
             if width % tp:
-                return (f"tp {tp} does not split the {width} {what} of {key}: pass a mesh whose "
-                        f"tp dim divides {width}")
+                return (f"tp {tp} does not split the {width} {what} of {key}: pass a mesh "
+                        f"whose tp dim divides {width}")
     return None
 
 
@@ -289,8 +321,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], blo
     of `blocks` by `block_plan`, the root by `ends`; skipped at tp 1), then fully_shard over
     mesh["dp"] on each block and the root (`mp_policy`: FSDP's dtypes, default fp32). Every rank
     must hold the same weights first (same_weights_on_every_rank): each keeps its own slice of
-    what it holds, so ranks that differ are refused in one line."""
-    # A cheap check that they do: each parameter's sum and norm in float64 (the same weights give
+    what it holds, so ranks that differ are refused in one line, as are plans the model does
+    not split (split_problem), before anything is sent."""
+    tp = mesh["tp"].size()
+    if tp > 1 and (why := split_problem(model, blocks, block_plan, ends, tp)):
+        raise ValueError(why)
+    # A cheap check of the weights: each parameter's sum and norm in float64 (the same weights give
     # the same bits); their max over dp, then over tp, is the max over the ranks holding this
     # model (a 3-D mesh's stages hold other layers), that of their negatives minus the min.
     held = torch.stack([torch.stack([p.detach().sum(dtype=torch.float64),
@@ -302,10 +338,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], blo
     if not torch.equal(extremes[:len(held)], -extremes[len(held):]):
         raise ValueError("the mesh's ranks hold different weights: call "
                          "same_weights_on_every_rank(model, mesh) before parallelize")
-    tp = mesh["tp"].size()
     if tp > 1:
-        if why := split_problem(blocks, block_plan, tp):
-            raise ValueError(why)
         tensor_parallel(model, blocks, block_plan, ends, mesh["tp"])
     shard_over_dp(model, blocks, mesh["dp"], mp_policy or MixedPrecisionPolicy(),
                   reshard_after_forward)
@@ -392,7 +425,7 @@ def stage_plans(layers: list[nn.Module]) -> tuple[list[nn.Module], dict, dict]:
         if isinstance(block, common.Block):
             block.attn = SplitQKVAttention(block.attn)
     block_plan = gpt_block_plan() if blocks and isinstance(blocks[0], common.Block) \
-        else llama_layer_plan()
+        else decoder_layer_plan()
     tables = [f"0.{name}" for name in ("tok_emb", "pos_emb")] \
         if isinstance(layers[0], common.Embeddings) else \
         ["0"] if isinstance(layers[0], nn.Embedding) else []
@@ -533,8 +566,10 @@ def main():
     parser.set_defaults(steps=8, warmup=3)  # the folder's: eight runs in `make pipeline`
     args = parser.parse_args()
     world, pp = common.launch_world_size(), args.pp
-    tp = args.tp or default_3d_tp(args, world, pp)
     m = args.microbatches or 2 * pp
+    if why := stages_problem(args, m):
+        parser.error(why)
+    tp = args.tp or default_3d_tp(args, world, pp)
     batch = pp * tp * args.batch_size  # a dp rank's: the global batch is DDP's on this world
     if why := mesh_problem(args, world, tp, m, batch):
         parser.error(why)

@@ -7,6 +7,7 @@ torch's 1F1B, 1F1B at 3 ranks with an odd m, DualPipe at 4 ranks. Each is checke
 unsplit model trained in this process on the same batches, and against its model's baseline.
 """
 
+import argparse
 import functools
 import sys
 
@@ -216,15 +217,23 @@ def test_bad_input_exits_2_with_one_line(script, flags, world, hint, tmp_path):
                                  WORLD_SIZE=world)
 
 
+# At tiny the cut has 4 layers (embeddings, 2 decoder blocks, loss head), a stage each at most.
+# Each script's world one past that, by its stages a rank: (script, flags, world, stages).
+PAST_THE_CUT = [
+    ("baseline_pipeline", [], "5", 5), ("optimized_pipeline_gpipe", [], "5", 5),
+    ("optimized_pipeline_1f1b", [], "5", 5),
+    ("optimized_pipeline_dualpipev", ["--microbatches", "6"], "3", 6),  # the V: 2p stages
+    ("optimized_pipeline_dualpipe", ["--microbatches", "12"], "6", 6),  # even p only
+    ("optimized_pipeline_pytorch", [], "5", 5),
+    ("optimized_pipeline_pytorch", ["--schedule", "1f1b"], "5", 5),
+    ("optimized_pipeline_pytorch", ["--schedule", "dualpipev", "--microbatches", "6"], "3", 6)]
+
+
 @pytest.mark.parametrize("script, flags, world, hint", [
     ("baseline_pipeline", [], "1", "two or more processes"),
-    ("optimized_pipeline_1f1b", ["--size", "tiny"], "5", "fewer processes"),  # 4 layers
-    ("baseline_pipeline", ["--size", "tiny"], "5", "fewer processes"),
-    ("optimized_pipeline_dualpipev", ["--size", "tiny", "--microbatches", "6"], "3",
-     "fewer processes"),  # 6 stages, 4 layers
+    *((script, ["--size", "tiny", *flags], world, f"{stages} stages on {world} processes")
+      for script, flags, world, stages in PAST_THE_CUT),
     ("optimized_pipeline_dualpipe", ["--microbatches", "6"], "3", "even number of processes"),
-    ("optimized_pipeline_dualpipe", ["--size", "tiny", "--microbatches", "12"], "6",
-     "fewer processes"),  # 6 stages, 4 layers
     ("optimized_pipeline_pytorch", ["--schedule", "dualpipev"], "8", "16 stages on 8"),
     *((script, ["--model", "resnet"], "2", "a decoder's list of layers") for script in [
         "baseline_pipeline", "optimized_pipeline_gpipe", "optimized_pipeline_1f1b",
@@ -242,23 +251,47 @@ def test_a_world_the_schedule_cannot_use_is_skipped_with_why(script, flags, worl
         load_recipe(FOLDER / f"{script}.py").main()
 
 
+class ReachedSetup(Exception):
+    """Raised in place of `common.setup`: the script took its flags and its world."""
+
+
+def settings_at_setup(script: str, flags: list[str], world: int, monkeypatch
+                      ) -> argparse.Namespace:
+    """What `script` hands `common.setup` at `world` processes, run in this process."""
+    def reached(args):
+        raise ReachedSetup(args)
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setattr(sys, "argv", [script, *flags])
+    monkeypatch.setattr(common, "setup", reached)
+    with pytest.raises(ReachedSetup) as reached_with:
+        load_recipe(FOLDER / f"{script}.py").main()
+    return reached_with.value.args[0]
+
+
+@pytest.mark.parametrize("script, flags, world, stages", PAST_THE_CUT)
+def test_a_stage_a_layer_runs_and_one_stage_more_skips_naming_the_flags(script, flags, world,
+                                                                         stages, monkeypatch):
+    """Tiny's 4 layers serve 4 stages, the embeddings and the loss head each a stage alone
+    (the launches train DualPipeV at 2 ranks and DualPipe at 4 so, like the unsplit model):
+    that world reaches setup. One stage more skips in one line counting the decoder blocks and
+    naming --nproc_per_node and --size."""
+    fits = 4 // (stages // int(world))  # 4 layers, over the script's stages a rank
+    settings_at_setup(script, ["--size", "tiny", *flags], fits, monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(common.Skip) as skipped:
+        load_recipe(FOLDER / f"{script}.py").main()
+    why = str(skipped.value)
+    assert len(why.splitlines()) == 1 and "2 decoder blocks" in why, why
+    assert "--nproc_per_node" in why and "--size" in why, why
+
+
 @pytest.mark.parametrize("script, world, m", [("optimized_pipeline_dualpipe", 8, 16),
                                               ("optimized_pipeline_dualpipev", 4, 8),
                                               ("optimized_pipeline_gpipe", 8, 8)])
 def test_micro_batches_default_to_what_the_world_needs(script, world, m, monkeypatch):
     """DualPipe needs m >= 2p, DualPipeV 2p stages' worth: the default follows the world."""
-    class ReachedSetup(Exception):
-        pass
-
-    def reached(args):
-        raise ReachedSetup(args)
-
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    monkeypatch.setattr(sys, "argv", [script, "--size", "large"])
-    monkeypatch.setattr(common, "setup", reached)
-    with pytest.raises(ReachedSetup) as reached_with:
-        load_recipe(FOLDER / f"{script}.py").main()
-    args = reached_with.value.args[0]
+    args = settings_at_setup(script, ["--size", "large"], world, monkeypatch)
     assert (args.microbatches, args.batch_size) == (m, 4 * m)
 
 

@@ -283,6 +283,26 @@ def test_gathered_timelines_count_from_the_steps_first_start(tmp_path):
     assert means == [{"F": 0.75, "B": 1.5}] and held == 3
 
 
+def test_a_stage_cut_empty_stops_in_one_line():
+    """More stages than the model has layers leave a stage empty: PipelineRank says so in one
+    line, where it once stopped with StopIteration (the README's cut is the user's own)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{common.free_port()}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        for kind in ("gpipe", "1f1b"):
+            recipe = RECIPES[kind]
+            with pytest.raises(ValueError) as error:
+                recipe.PipelineRank([], lambda y, t: y.sum(), recipe.schedule(1, 2), (1, 4, 8))
+            assert len(str(error.value).splitlines()) == 1
+            assert "holds no layer" in str(error.value) and "stages" in str(error.value)
+    finally:
+        dist.destroy_process_group()
+
+
 # --- the runtimes as a user lifts them, in spawned gloo processes ------------------------------
 RUNTIMES = {"baseline": BASELINE, "1f1b": RECIPES["1f1b"],
             "dualpipev": RECIPES["dualpipev"], "dualpipe": RECIPES["dualpipe"]}
@@ -291,8 +311,14 @@ LOSS_RANK = {"baseline": -1, "gpipe": -1, "1f1b": -1, "dualpipev": 0, "dualpipe"
 TINY_SIZE, BATCH, MICRO, STEPS, LR = common.SIZES["tiny"], 8, 4, 3, 1e-3
 # the project's models seeded apart, rank r from seed r: each runtime once, each model twice
 SEEDED_APART = [("baseline", "llama"), ("1f1b", "gpt"), ("dualpipev", "llama"), ("dualpipe", "gpt")]
-# tests/hf_models.py's LlamaForCausalLM on every runtime but 1F1B, which the README's lines run
+# tests/hf_models.py's CASES on every runtime but 1F1B, which the README's lines run
 HF_RUNTIMES = ["baseline", "gpipe", "dualpipev", "dualpipe"]
+# Windows shorter than the 32-token sequences, which the models' own mask builder makes: Mistral's
+# on every layer, Qwen2's on its layers past max_window_layers (one mask a layer type)
+WINDOWED = {"mistral window 8": ("mistral", {"sliding_window": 8}),
+            "qwen2 window 8 past layer 1": ("qwen2", {"use_sliding_window": True,
+                                                     "sliding_window": 8,
+                                                     "max_window_layers": 1})}
 # bf16 weights against DDP in bf16, absolute per step: the 1F1B script allows 5e-2, the
 # README's lines hold 7e-5 here; 1e-3 keeps room and still fails a wrong start or mask
 BF16_TOLERANCE = 1e-3
@@ -421,78 +447,98 @@ def _train_every_runtime(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def readme_lines(attn: str, tied: bool, dtype: torch.dtype = torch.float32) -> str:
-    """The README's lines with the model's attention, head and weights' dtype as asked (the
-    README's own: sdpa, untied, fp32)."""
-    lines = readme_python_block(README)
-    for as_written, asked in [('attn_implementation="sdpa"', f'attn_implementation="{attn}"'),
-                              ("tie_word_embeddings=False", f"tie_word_embeddings={tied}"),
-                              ("model = LlamaForCausalLM(config)",
-                               f"model = LlamaForCausalLM(config).to({dtype})")]:
-        assert lines.count(as_written) == 1, as_written
-        lines = lines.replace(as_written, asked)
-    return lines
-
-
 def _train_hf_models(rank: int, world: int, port: int, out: str) -> None:
-    """For each of tests/hf_models.py's VARIANTS, on a process group of its own: the README's
-    lines (which seed rank r with r); then, in the group they joined and through their own
-    `call_layer` (it reads its model's config and rotary embedding, the same in every model of
-    the variant), HF_RUNTIMES on the variant's model built from seed r on rank r; and the
-    reference, DDP from those models. Under the first variant also the HuggingFace layers on a
-    group of one rank passed without `call_layer`, or through one that returns a tuple: the
-    errors. Last, on a group of its own, the README's lines on bf16 weights, and DDP on them."""
+    """On a process group of its own, the README's lines as they stand, given what they take
+    from the trainer: `model`, built from seed r on rank r, and `batches`, the whole global
+    batch on every rank; beside each, the reference: DDP from the same models on the same
+    global batch. On each of hf_models.CASES, then HF_RUNTIMES through the lines' own
+    `call_layer` on the same modules (`call_layer` knows its decoder layers by identity), their
+    weights put back to rank r's first; in bf16 on each family; on hf_models.UNSUPPORTED's
+    models and WINDOWED's; on a Gemma 2, whose forward softcaps its logits (the refusal).
+    Last, the layers of each family on a group of one rank, without `call_layer` or through
+    one that returns a tuple: the errors."""
     import hf_models  # here, not at the top: only these processes pay for importing transformers
+    from transformers import Gemma2Config, Gemma2ForCausalLM
 
     sys.path.insert(0, str(FOLDER))  # the script next to the trainer, as the README says
-    results, ddp_batches = {}, hf_models.token_batches(STEPS, rank, world, BATCH // world)
+    join(rank, world, port)
+    common.setup(common.parser(None).parse_args(["--timeout", "60"]))
+    torch.set_num_threads(1)
+    block = compile(readme_python_block(README), "05_pipeline/README.md", "exec")
+    batches = hf_models.token_batches(STEPS, 0, 1, BATCH)  # the global batch, on every rank
+    ddp_batches = hf_models.token_batches(STEPS, rank, world, BATCH // world)
 
-    def seeded(*variant, dtype=torch.float32):
+    def seeded(family: str, attn: str, tied: bool, dtype: torch.dtype = torch.float32,
+               **config: object):
         torch.manual_seed(rank)
-        return hf_models.tiny_llama(*variant, dtype=dtype)
+        return hf_models.tiny_model(family, attn, tied, dtype, **config)
 
-    runs = [(*variant, torch.float32) for variant in hf_models.VARIANTS]
-    for k, (attn, tied, dtype) in enumerate([*runs, ("sdpa", False, torch.bfloat16)]):
-        join(rank, world, port + k)
-        namespace = {"__name__": "trainer"}
+    def readme(model: torch.nn.Module) -> dict:
+        namespace = {"__name__": "trainer", "model": model, "batches": batches}
+        exec(block, namespace)
+        return namespace
+
+    first_of = {family: next(c for c in hf_models.CASES if c.family == family)
+                for family in hf_models.FAMILIES}
+    runs = [*((str(case), case, torch.float32, {}) for case in hf_models.CASES),
+            *((f"{family} bf16", first_of[family], torch.bfloat16, {})
+              for family in hf_models.FAMILIES),
+            *((name, hf_models.Case(name, "eager", False), torch.float32, {})
+              for name in hf_models.UNSUPPORTED),
+            *((name, hf_models.Case(family, "eager", False), torch.float32, config)
+              for name, (family, config) in WINDOWED.items())]
+    results = {"cases": [str(case) for case in hf_models.CASES]}
+    try:
+        for name, case, dtype, config in runs:
+            model = seeded(*case, dtype=dtype, **config)
+            results[(name, "seeded apart")] = hf_models.seeded_apart(model)
+            initial = {key: value.clone() for key, value in model.state_dict().items()}
+            namespace = readme(model)
+            results[(name, "readme")] = namespace["losses"]
+            results[(name, "readme dtypes")] = {q.dtype for q in
+                                                namespace["pipe"].layers.parameters()}
+            results[(name, "ddp")] = hf_models.ddp_losses(
+                seeded(*case, dtype=dtype, **config), ddp_batches, LR)
+            if name in results["cases"]:
+                for kind in HF_RUNTIMES:
+                    model.load_state_dict(initial)  # rank r's seed again, in the same modules
+                    results[(name, kind)] = train(kind, model, None, False,
+                                                  namespace["call_layer"])["losses"]
+        torch.manual_seed(rank)
+        gemma = Gemma2ForCausalLM(Gemma2Config(
+            vocab_size=TINY_SIZE.vocab_size, hidden_size=TINY_SIZE.d_model,
+            intermediate_size=common.llama_ffn_dim(TINY_SIZE.d_model),
+            num_hidden_layers=TINY_SIZE.n_layers, num_attention_heads=TINY_SIZE.n_heads,
+            num_key_value_heads=TINY_SIZE.n_kv_heads,
+            head_dim=TINY_SIZE.d_model // TINY_SIZE.n_heads, attn_implementation="eager"))
         try:
-            exec(compile(readme_lines(attn, tied, dtype), "05_pipeline/README.md", "exec"),
-                 namespace)
-            if dtype == torch.bfloat16:
-                results["bf16"] = {"losses": namespace["losses"], "weights": [
-                    q.detach().clone() for q in namespace["pipe"].layers.parameters()]}
-                results["bf16 ddp"] = hf_models.ddp_losses(seeded(attn, tied, dtype=dtype),
-                                                          ddp_batches, LR)
-                continue
-            results[(attn, "readme")] = namespace["losses"]
-            call_layer = namespace["call_layer"]
-            for kind in HF_RUNTIMES:
-                results[(attn, kind)] = train(kind, seeded(attn, tied), None, False, call_layer)
-            results[(attn, "ddp")] = hf_models.ddp_losses(seeded(attn, tied), ddp_batches, LR)
-            if k == 0:
-                alone = [dist.new_group([r]) for r in range(world)][rank]  # collective: all
-                one_stage = RUNTIMES["1f1b"].PipelineRank
-                for name, bad in [("none", None), ("tuple", lambda layer, x: (layer(x),))]:
-                    pipe = one_stage(cut(seeded(attn, tied), 1)[0], plain_loss,
-                                     RUNTIMES["1f1b"].schedule(1, MICRO),
-                                     (BATCH // MICRO, TINY_SIZE.seq_len, TINY_SIZE.d_model),
-                                     group=alone, call_layer=bad)
-                    try:
-                        pipe.run(*token_batches()[0])
-                    except TypeError as error:
-                        results[("error", name)] = str(error)
-        finally:
-            dist.destroy_process_group()
+            readme(gemma)
+        except ValueError as error:
+            results["forward does more"] = str(error)
+        alone = [dist.new_group([r]) for r in range(world)][rank]  # collective: every rank
+        one_stage = RUNTIMES["1f1b"].PipelineRank
+        for family, bad in [*((family, None) for family in hf_models.FAMILIES),
+                            ("llama", lambda layer, x: (layer(x),))]:
+            pipe = one_stage(cut(seeded(*first_of[family]), 1)[0], plain_loss,
+                             RUNTIMES["1f1b"].schedule(1, MICRO),
+                             (BATCH // MICRO, TINY_SIZE.seq_len, TINY_SIZE.d_model),
+                             group=alone, call_layer=bad)
+            try:
+                pipe.run(*token_batches()[0])
+            except TypeError as error:
+                results[("error", family, "none" if bad is None else "tuple")] = str(error)
+    finally:
+        dist.destroy_process_group()
     torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
 def _spawned(rank: int, world: int, port: int, out: str) -> None:
     """One spawn a world size (a spawn's start-up costs seconds): every runtime; at 2 ranks
-    then the HuggingFace Llama, in a folder and on ports of its own."""
+    then the HuggingFace models, in a folder and on a port of their own."""
     _train_every_runtime(rank, world, port, out)
     if world == 2:
-        (Path(out) / "hf llama").mkdir(exist_ok=True)
-        _train_hf_models(rank, world, port + 1, str(Path(out) / "hf llama"))
+        (Path(out) / "hf models").mkdir(exist_ok=True)
+        _train_hf_models(rank, world, port + 1, str(Path(out) / "hf models"))
     # as run_main ends a script: no interpreter teardown, where gloo's ranks have aborted in
     # C++ after a good run ("terminate called without an active exception")
     sys.stdout.flush()
@@ -506,7 +552,7 @@ def spawned(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("runtimes")
     for world in (2, 3):
-        port = common.free_port(block=8)  # the runtimes' store, then the Llama's (up to 7)
+        port = common.free_port(block=2)  # the runtimes' store, then the HuggingFace models'
         mp.spawn(_spawned, args=(world, port, str(out)), nprocs=world)
     return out
 
@@ -600,55 +646,103 @@ def test_ranks_seeded_apart_train_as_if_seeded_the_same(trained, kind, model_nam
 @pytest.fixture(scope="module")
 def hf_models_trained(spawned):
     """What `_train_hf_models` saved, rank by rank."""
-    return [torch.load(spawned / "hf llama" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return [torch.load(spawned / "hf models" / f"rank{r}.pt", weights_only=False)
+            for r in (0, 1)]
+
+
+def readme_losses(trained: list[dict], name: str) -> list[float]:
+    """The README's lines' losses on `name`'s model: the last rank's (the first rank, not the
+    last stage, returns 0 a step)."""
+    assert trained[0][(name, "readme")] == [0.0] * STEPS
+    return trained[-1][(name, "readme")]
+
+
+def test_the_huggingface_models_are_every_family_and_attention_seeded_apart(hf_models_trained):
+    """The models the lines below run on: the three families, sdpa and eager, each rank's own
+    draw before the README's `broadcast_parameters` (so a stage kept from rank 1's seed would
+    not be DDP's model)."""
+    cases = hf_models_trained[0]["cases"]
+    assert {case.split("-")[0] for case in cases} == {"llama", "qwen2", "mistral"}
+    assert {case.split("-")[1] for case in cases} == {"sdpa", "eager"} and len(cases) == 6
+    apart = {key: seeded for key, seeded in hf_models_trained[0].items()
+             if key[-1] == "seeded apart"}
+    assert len(apart) == 13 and all(apart.values()), apart
 
 
 @pytest.mark.parametrize("kind", ["readme", *HF_RUNTIMES])
-def test_a_huggingface_llama_trains_like_ddp_with_ranks_seeded_apart(hf_models_trained, kind):
-    """HuggingFace's LlamaForCausalLM, sdpa with an untied head and eager with a tied one, rank
-    r seeded r: the README's lines (1F1B) and every other runtime, through the README's
-    `call_layer`, train DDP's model on the same global batch (its first rank's weights) to
-    1e-5: eager is causal (its mask made as the model makes it), and no stage is another
-    rank's initialisation."""
-    for attn in ("sdpa", "eager"):
-        reference = hf_models_trained[0][(attn, "ddp")]
-        if kind == "readme":
-            losses = hf_models_trained[-1][(attn, kind)]
-            assert hf_models_trained[0][(attn, kind)] == [0.0] * STEPS  # not the last stage
-        else:
-            losses = hf_models_trained[LOSS_RANK[kind]][(attn, kind)]["losses"]
-        assert max_relative_difference(losses, reference) <= 1e-5, attn
+def test_every_runtime_trains_each_huggingface_family_like_ddp(hf_models_trained, kind):
+    """On each of hf_models.CASES (Llama, Qwen2 with q/k/v biases and rotary base 1e6,
+    Mistral; sdpa and eager; tied and untied heads), rank r seeded r: the README's lines (1F1B)
+    and every other runtime, through the lines' `call_layer`, train DDP's model on the same
+    global batch (its first rank's weights) to 1e-5: eager is causal (its mask made as the
+    model makes it), the rotary is the model's, and no stage is another rank's initialisation."""
+    for case in hf_models_trained[0]["cases"]:
+        reference = hf_models_trained[0][(case, "ddp")]
+        losses = readme_losses(hf_models_trained, case) if kind == "readme" else \
+            hf_models_trained[LOSS_RANK[kind]][(case, kind)]
+        assert max_relative_difference(losses, reference) <= 1e-5, case
 
 
-def test_the_readme_trains_huggingfaces_model_from_its_logits_as_written():
-    """The README's lines are HuggingFace's own classes and the loss from the last stage's
-    logits against targets already shifted, never `labels=` (which HuggingFace shifts again)."""
+@pytest.mark.parametrize("name", ["fused", "rope scaling", *WINDOWED])
+def test_the_readme_trains_fused_projections_a_scaled_rotary_and_windows_like_ddp(
+        hf_models_trained, name):
+    """Phi-3's fused qkv_proj and gate_up_proj, a Llama whose rotary is scaled (linear), and
+    sliding windows shorter than the sequence (WINDOWED), eager: the model's own layers,
+    rotary_emb and masks do the work, so the README's lines train DDP's model to 1e-5,
+    refusing nothing."""
+    losses = readme_losses(hf_models_trained, name)
+    assert max_relative_difference(losses, hf_models_trained[0][(name, "ddp")]) <= 1e-5
+
+
+def test_the_readme_names_no_family_and_trains_from_the_logits_as_written():
+    """The README's lines take the trainer's model (they build none and import no family's
+    classes), call its decoder layers with its own rotary and transformers' own mask builder,
+    and compute the loss from the last stage's logits against targets already shifted, never
+    `labels=` (which HuggingFace shifts again)."""
     lines = readme_python_block(README)
-    assert "LlamaForCausalLM(config)" in lines and "PipelineRank(" in lines
+    for family_or_building in ("Llama", "Qwen", "Mistral", "Phi", "Config", "DecoderLayer",
+                               "from_pretrained", "model = ", "manual_seed"):
+        assert family_or_building not in lines, family_or_building
     assert "broadcast_parameters(model)" in lines and "call_layer=call_layer" in lines
+    assert "model.model.rotary_emb" in lines and "create_masks_for_generate(" in lines
     assert "labels" not in lines and "F.cross_entropy(logits" in lines
 
 
 def test_the_readme_keeps_bf16_weights_bf16_and_trains_like_ddp_in_bf16(hf_models_trained):
-    """The README's lines (1F1B) on HuggingFace's Llama in bf16 weights (no autocast), ranks
-    seeded apart: every stage's weights, and so the activations sent between stages, stay bf16;
-    the last stage's losses are DDP's on the same bf16 model and global batch within
+    """The README's lines (1F1B) on each family in bf16 weights (no autocast), ranks seeded
+    apart: every stage's weights, and so the activations sent between stages, stay bf16; the
+    last stage's losses are DDP's on the same bf16 model and global batch within
     BF16_TOLERANCE."""
-    for rank in (0, 1):
-        assert {w.dtype for w in hf_models_trained[rank]["bf16"]["weights"]} == {torch.bfloat16}
-    losses = hf_models_trained[-1]["bf16"]["losses"]
-    assert len(losses) == STEPS
-    assert max(abs(a - b) for a, b in zip(losses, hf_models_trained[0]["bf16 ddp"], strict=True)
-               ) <= BF16_TOLERANCE, losses
+    for family in ("llama", "qwen2", "mistral"):
+        name = f"{family} bf16"
+        for trained in hf_models_trained:
+            assert trained[(name, "readme dtypes")] == {torch.bfloat16}
+        losses = readme_losses(hf_models_trained, name)
+        reference = hf_models_trained[0][(name, "ddp")]
+        assert max(abs(a - b) for a, b in zip(losses, reference, strict=True)
+                   ) <= BF16_TOLERANCE, (family, losses, reference)
+
+
+def test_a_forward_that_does_more_than_its_layers_is_refused_in_one_line(hf_models_trained):
+    """Gemma 2's forward softcaps the logits after its head: the layers so called compute
+    other logits, and the README's lines stop before the cut, naming the model's class and
+    `call_layer`, rather than pipeline another model."""
+    for trained in hf_models_trained:
+        error = trained["forward does more"]
+        assert "Gemma2ForCausalLM" in error and "call_layer" in error
+        assert len(error.splitlines()) == 1, error
 
 
 def test_layers_the_runtime_cannot_call_stop_it_with_one_line_naming_call_layer(
         hf_models_trained):
-    """HuggingFace's decoder layers passed as they come (without `call_layer`), and a
+    """Each family's decoder layers passed as they come (without `call_layer`), and a
     `call_layer` that returns a tuple: one line each, naming the layer and `call_layer`."""
-    for rank in (0, 1):
-        missing, tupled = (hf_models_trained[rank][("error", name)] for name in ("none", "tuple"))
-        assert "LlamaDecoderLayer" in missing and "as layer(x)" in missing
+    for trained in hf_models_trained:
+        for family, layer in [("llama", "LlamaDecoderLayer"), ("qwen2", "Qwen2DecoderLayer"),
+                              ("mistral", "MistralDecoderLayer")]:
+            missing = trained[("error", family, "none")]
+            assert layer in missing and "as layer(x)" in missing
+            assert len(missing.splitlines()) == 1 and "pass call_layer=" in missing.lower()
+        tupled = trained[("error", "llama", "tuple")]
         assert "returns tuple, not a tensor" in tupled
-        for error in (missing, tupled):
-            assert len(error.splitlines()) == 1 and "pass call_layer=" in error.lower(), error
+        assert len(tupled.splitlines()) == 1 and "pass call_layer=" in tupled.lower()
