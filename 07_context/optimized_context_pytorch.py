@@ -62,8 +62,8 @@ def cp_problem(cp: int, world: int, seq_len: int) -> str | None:
     if world % cp:
         return f"--cp {cp} does not divide the world size {world}: use a divisor of it"
     if seq_len % (2 * cp):
-        return (f"--seq-len {seq_len} does not cut into {2 * cp} equal chunks (2 a rank, "
-                f"head-tail): use a multiple of {2 * cp}")
+        return (f"--seq-len {seq_len} does not cut into {2 * cp} equal chunks (2 a rank of --cp "
+                f"{cp}, head-tail): use a multiple of {2 * cp}")
     return None
 
 

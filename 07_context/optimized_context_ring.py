@@ -120,11 +120,47 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     lse.copy_(both)
 
 
+def unsupported_attention(module, query: torch.Tensor, attention_mask, cp: int,
+                          **kwargs) -> str | None:
+    """What a transformers attention call (`fn(module, query, key, value, attention_mask,
+    **kwargs)`, query (B, heads, T/cp, D)) asks that plain causal attention over the whole
+    sequence, softmax(q k^T / sqrt(D)) v, does not compute, in one line naming it and what to
+    change (None: nothing). A sliding window at least the sequence long masks nothing (Mistral's
+    4096 on shorter sequences): accepted. Any other argument set to more than None or False is
+    refused by name: a feature of a later model is never ignored."""
+    length, head_dim = query.shape[2] * cp, query.shape[-1]
+    scaling, window = kwargs.pop("scaling", None), kwargs.pop("sliding_window", None)
+    dropout, softcap = kwargs.pop("dropout", 0.0), kwargs.pop("softcap", None)
+    if attention_mask is not None:
+        return ("attention_mask: this causal attention takes no mask (padding, documents): "
+                "fill every sequence to its full length and pass none")
+    if not kwargs.pop("is_causal", getattr(module, "is_causal", True)):
+        return f"is_causal False ({type(module).__name__}): this attention is causal only"
+    if window is not None and window < length:
+        return (f"sliding_window {window} is shorter than the {length}-token sequence: this "
+                f"attention sees every earlier token; set sliding_window=None in the config")
+    if softcap is not None:
+        return (f"softcap {softcap} (attn_logit_softcapping): this attention does not cap its "
+                f"logits")
+    if scaling is not None and not math.isclose(scaling, head_dim ** -0.5, rel_tol=1e-6):
+        return (f"scaling {scaling:g} is not 1/sqrt(head_dim) = {head_dim ** -0.5:g}, the only "
+                f"one this attention computes")
+    if dropout:
+        return f"dropout {dropout:g} (attention_dropout): set attention_dropout=0 in the config"
+    bookkeeping = {"position_ids", "cache_position", "use_cache"}  # ask nothing of the arithmetic
+    for name, value in kwargs.items():
+        if name not in bookkeeping and value is not None and value is not False:
+            return f"{name}: an attention argument this attention does not compute"
+    return None
+
+
 class RingAttention:
     """`attention(q, k, v)` over a context-parallel group: q (B, heads, T/cp, D) this rank's
     queries, k and v its keys and values with the KV heads only (`takes_kv_heads`), laid out as
     `common.sequence_positions(T, rank, cp, zigzag)`. Any dtype the fused kernels take; K/V
-    travel in it, dK/dV in fp32. Counts its block kernels' wall time (CPU) and q-k pairs."""
+    travel in it, dK/dV in fp32. Counts its block kernels' wall time (CPU) and q-k pairs.
+    In a HuggingFace model, `refuse_unsupported` and `no_mask` refuse in one line what
+    transformers asks of it that it does not compute (07_context/README.md)."""
 
     takes_kv_heads = True  # LlamaAttention then hands over K and V unrepeated: fewer bytes sent
 
@@ -136,6 +172,25 @@ class RingAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return RingAttentionFunction.apply(q, k, v, self)
+
+    def refuse_unsupported(self, module, query: torch.Tensor, attention_mask, **kwargs) -> None:
+        """A ValueError naming what transformers' call asks beyond causal attention
+        (`unsupported_attention`), before any K/V travels."""
+        if problem := unsupported_attention(module, query, attention_mask,
+                                            dist.get_world_size(self.group), **kwargs):
+            raise ValueError(f"{type(self).__name__}: {problem}")
+
+    def no_mask(self, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
+        """transformers' mask builder for this attention (`AttentionMaskInterface`): no mask,
+        causal by itself. A padding mask given to the model (a 0 in its 2-D `attention_mask`) is
+        refused, not dropped as transformers drops it for an attention with no mask builder; by
+        every rank of the group alike (one all-reduce), though the padding be in one's shard."""
+        if attention_mask is not None:
+            padded = (attention_mask == 0).any().float()
+            dist.all_reduce(padded, group=self.group)
+            if padded.item():
+                raise ValueError("attention_mask with padding: context-parallel attention takes "
+                                 "no mask; fill every sequence to its full length")
 
     def reset(self) -> None:
         self.kernel_s, self.pairs = 0.0, 0
@@ -427,7 +482,7 @@ def main():
     try:
         common.sequence_positions(args.seq_len, 0, cp, zigzag)
     except ValueError as err:
-        parser.error(str(err))
+        parser.error(f"{err} (--cp {cp})")
     # a dp group of cp ranks takes cp x the baseline's sequences a rank: the same global batch
     size = common.SIZES[args.size]
     settings = common.resolved(args, batch_size=args.batch_size or size.long_batch_size * cp)

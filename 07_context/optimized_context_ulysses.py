@@ -22,6 +22,7 @@ Theory:     a rank sends per layer 4 all-to-alls forward (q, k, v in, the output
             formulas at this rank's share (T/cp tokens; heads/cp over all T).
 """
 
+import math
 import sys
 from pathlib import Path
 
@@ -69,18 +70,80 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int,
     return torch.cat(received.unbind(0), dim=gather_dim)
 
 
+# Copied from 07_context/optimized_context_ring.py: unsupported_attention
+def unsupported_attention(module, query: torch.Tensor, attention_mask, cp: int,
+                          **kwargs) -> str | None:
+    """What a transformers attention call (`fn(module, query, key, value, attention_mask,
+    **kwargs)`, query (B, heads, T/cp, D)) asks that plain causal attention over the whole
+    sequence, softmax(q k^T / sqrt(D)) v, does not compute, in one line naming it and what to
+    change (None: nothing). A sliding window at least the sequence long masks nothing (Mistral's
+    4096 on shorter sequences): accepted. Any other argument set to more than None or False is
+    refused by name: a feature of a later model is never ignored."""
+    length, head_dim = query.shape[2] * cp, query.shape[-1]
+    scaling, window = kwargs.pop("scaling", None), kwargs.pop("sliding_window", None)
+    dropout, softcap = kwargs.pop("dropout", 0.0), kwargs.pop("softcap", None)
+    if attention_mask is not None:
+        return ("attention_mask: this causal attention takes no mask (padding, documents): "
+                "fill every sequence to its full length and pass none")
+    if not kwargs.pop("is_causal", getattr(module, "is_causal", True)):
+        return f"is_causal False ({type(module).__name__}): this attention is causal only"
+    if window is not None and window < length:
+        return (f"sliding_window {window} is shorter than the {length}-token sequence: this "
+                f"attention sees every earlier token; set sliding_window=None in the config")
+    if softcap is not None:
+        return (f"softcap {softcap} (attn_logit_softcapping): this attention does not cap its "
+                f"logits")
+    if scaling is not None and not math.isclose(scaling, head_dim ** -0.5, rel_tol=1e-6):
+        return (f"scaling {scaling:g} is not 1/sqrt(head_dim) = {head_dim ** -0.5:g}, the only "
+                f"one this attention computes")
+    if dropout:
+        return f"dropout {dropout:g} (attention_dropout): set attention_dropout=0 in the config"
+    bookkeeping = {"position_ids", "cache_position", "use_cache"}  # ask nothing of the arithmetic
+    for name, value in kwargs.items():
+        if name not in bookkeeping and value is not None and value is not False:
+            return f"{name}: an attention argument this attention does not compute"
+    return None
+
+
 class UlyssesAttention:
     """Causal attention over sequences cut into contiguous chunks across `group` (rank r holding
     chunk r): q, k, v (batch, heads, T/cp, head_dim) in, the output in the same layout out. k and
     v may have fewer heads than q (GQA): only those travel, and `attention` (default SDPA, which
-    groups them itself) sees each rank's query heads with the KV heads they share."""
+    groups them itself) sees each rank's query heads with the KV heads they share. In a
+    HuggingFace model, `refuse_unsupported` and `no_mask` refuse in one line what transformers
+    asks of it that it does not compute (07_context/README.md)."""
 
     takes_kv_heads = True  # the model hands over K and V unrepeated
+    zigzag = False  # contiguous chunks: common.sequence_positions(T, rank, cp, zigzag=False)
 
     def __init__(self, group: dist.ProcessGroup | None = None, attention=common.causal_sdpa):
         self.group, self.attention = group, attention
 
+    def refuse_unsupported(self, module, query: torch.Tensor, attention_mask, **kwargs) -> None:
+        """A ValueError naming what transformers' call asks beyond causal attention
+        (`unsupported_attention`), before anything is sent."""
+        if problem := unsupported_attention(module, query, attention_mask,
+                                            dist.get_world_size(self.group), **kwargs):
+            raise ValueError(f"{type(self).__name__}: {problem}")
+
+    def no_mask(self, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
+        """transformers' mask builder for this attention (`AttentionMaskInterface`): no mask,
+        causal by itself. A padding mask given to the model (a 0 in its 2-D `attention_mask`) is
+        refused, not dropped as transformers drops it for an attention with no mask builder; by
+        every rank of the group alike (one all-reduce), though the padding be in one's shard."""
+        if attention_mask is not None:
+            padded = (attention_mask == 0).any().float()
+            dist.all_reduce(padded, group=self.group)
+            if padded.item():
+                raise ValueError("attention_mask with padding: context-parallel attention takes "
+                                 "no mask; fill every sequence to its full length")
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cp = dist.get_world_size(self.group)
+        if q.shape[1] % cp or k.shape[1] % cp:  # the model's own shapes, not a flag's
+            raise ValueError(f"UlyssesAttention: cp {cp} does not divide the {q.shape[1]} "
+                             f"attention heads and {k.shape[1]} KV heads: each rank takes whole "
+                             f"heads, use a cp group that divides both")
         # sequence-sharded -> head-sharded: send heads, gather the sequence
         q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=self.group)
                    for t in (q, k, v))
@@ -99,8 +162,8 @@ def cp_problem(cp: int, world: int, heads: int, kv_heads: int, seq_len: int) -> 
         return (f"--cp {cp} does not divide the {heads} attention heads and {kv_heads} KV "
                 f"heads: Ulysses gives each rank whole heads, use a --cp that divides both")
     if seq_len % cp:
-        return (f"--seq-len {seq_len} does not cut into {cp} equal chunks: use a multiple of "
-                f"{cp}")
+        return (f"--seq-len {seq_len} does not cut into {cp} equal chunks, one a rank of --cp "
+                f"{cp}: use a multiple of {cp}")
     return None
 
 

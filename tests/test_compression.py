@@ -3,7 +3,8 @@
 The collective checks run once per world size in spawned gloo processes (a module-scoped
 fixture); each rank-0 process saves its measurements and the tests assert on them here. The
 README's two "Use it in your trainer" blocks (PowerSGD, INT8) run as they are in 2 more spawned
-processes, on a tiny HuggingFace Llama (tests/hf_models.py) against PyTorch's DDP.
+processes, on every tiny HuggingFace model of tests/hf_models.py (three families, sdpa and eager,
+bf16, the two with a feature some recipes do not implement) against PyTorch's DDP.
 """
 
 import contextlib
@@ -514,7 +515,7 @@ def test_the_units_on_ranks_0_and_1_of_three_give_what_they_give_on_a_world_of_t
         assert torch.equal(two[name], three[name]), name
 
 
-# --- The README's "Use it in your trainer", on a HuggingFace Llama ------------------------------
+# --- The README's "Use it in your trainer", on HuggingFace models -------------------------------
 TRAINER_STEPS = 4  # the snippets' 2 plain steps, then 2 compressed
 BF16_STEPS = 3  # the plain steps and one compressed, in bf16
 # (section heading, the recipe's loss tolerance in fp32): PowerSGD's, then INT8's
@@ -529,38 +530,61 @@ def group_mean(losses: list[float]) -> list[float]:
     return (total / dist.get_world_size()).tolist()
 
 
+def readme_models() -> dict[str, dict]:
+    """The models the README's lines run on, by name: hf_models.tiny_model's arguments. Each of
+    hf_models.CASES (three families, sdpa and eager) and the two models with a feature some
+    recipes do not implement: a hook compresses whatever gradients DDP buckets, so both must
+    train like DDP within the tolerance."""
+    import hf_models
+
+    models = {str(case): dict(family=case.family, attn_implementation=case.attn, tied=case.tied)
+              for case in hf_models.CASES}
+    models.update({name: dict(family=name) for name in hf_models.UNSUPPORTED})
+    return models
+
+
+def trainers() -> list[tuple[str, str, dict]]:
+    """(heading, name, tiny_model's arguments) of every run: both blocks on each of
+    readme_models(), then PowerSGD's on each family's sdpa case in bf16."""
+    import hf_models
+
+    models = readme_models()
+    runs = [(heading, name, args) for name, args in models.items() for heading, _ in SECTIONS]
+    return runs + [(SECTIONS[0][0], f"{case} bf16", {**models[str(case)], "dtype": torch.bfloat16})
+                   for case in hf_models.CASES if case.attn == "sdpa"]
+
+
 def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_file: str) -> None:
     """Trainers of one's own: each joins the group (the README's `common.setup()`), runs one of
-    the README's blocks on a tiny LlamaForCausalLM its ranks seeded differently, and leaves; both
-    hooks in fp32 for each of hf_models.VARIANTS, beside PyTorch's DDP on the same model and
-    global batch; then PowerSGD's once in bf16."""
+    the README's blocks as it is on a model its ranks seeded differently, and leaves; in fp32
+    beside PyTorch's DDP on the same model and global batch (`trainers()`)."""
     import hf_models  # here: `transformers` costs every process that imports it seconds
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     sys.path.insert(0, str(FOLDER))  # where the trainer copied the recipes
     batches = hf_models.token_batches(TRAINER_STEPS, rank, world)
-    trainers = [(heading, attn, tied, torch.float32) for heading, _ in SECTIONS
-                for attn, tied in hf_models.VARIANTS]
-    trainers.append((SECTIONS[0][0], "sdpa", False, torch.bfloat16))
     found, ddp = {}, {}
-    for (heading, attn, tied, dtype), port in zip(trainers, ports, strict=True):
+    for (heading, name, model_args), port in zip(trainers(), ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
         torch.manual_seed(rank)
-        model = hf_models.tiny_llama(attn, tied, dtype)
+        model = hf_models.tiny_model(**model_args)
         reference = copy.deepcopy(model)
-        bf16 = dtype == torch.bfloat16
+        bf16 = model_args.get("dtype") == torch.bfloat16
         lines = {"model": model, "batches": batches[:BF16_STEPS] if bf16 else batches}
         exec(readme_python_block(FOLDER / "README.md", heading), lines)
         state = lines.get("state")
         if bf16:
-            found["bf16"] = ({str(t.dtype) for p in lines["model"].parameters()
-                              for t in (p, p.grad)}, state.compressed_matrices)
+            found[heading, name] = {
+                "dtypes": {str(t.dtype) for p in lines["model"].parameters() for t in (p, p.grad)},
+                "compressed": state.compressed_matrices}
         else:
-            if (attn, tied) not in ddp:  # the same reference for both hooks
-                ddp[attn, tied] = hf_models.ddp_losses(reference, batches)
-            found[heading, attn, tied] = {
-                "readme": group_mean(lines["losses"]), "ddp": ddp[attn, tied],
+            if name not in ddp:  # the same reference for both hooks
+                ddp[name] = (hf_models.ddp_losses(reference, batches),
+                             hf_models.seeded_apart(reference))
+            found[heading, name] = {
+                "readme": group_mean(lines["losses"]), "ddp": ddp[name][0],
+                "seeded_apart": ddp[name][1],
                 **({"rank": state.rank, "compressed": state.compressed_matrices} if state else {})}
         dist.destroy_process_group()
     if rank == 0:
@@ -569,42 +593,52 @@ def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_fil
 
 @pytest.fixture(scope="module")
 def readme_runs(tmp_path_factory):
-    """What the README trainers' rank 0 found, by (heading, attention, tied) and "bf16". The
-    module's other spawned processes never import `transformers`: only this one's worker does."""
-    from hf_models import VARIANTS
-
+    """What the README trainers' rank 0 found, by (heading, model name). The module's other
+    spawned processes never import `transformers`: only this one's worker does."""
     out = tmp_path_factory.mktemp("readme") / "found.pt"
-    ports = [common.free_port() for _ in range(len(SECTIONS) * len(VARIANTS) + 1)]
+    ports = [common.free_port() for _ in trainers()]
     mp.spawn(train_with_the_readme_lines, args=(2, ports, str(out)), nprocs=2)
     return torch.load(out)
 
 
 def of_section(readme_runs: dict, heading: str) -> dict:
-    """(attention, tied) -> what the trainer of `heading`'s block found, for each variant."""
-    return {key[1:]: found for key, found in readme_runs.items() if key[0] == heading}
+    """model name -> what the trainer of `heading`'s block found on it."""
+    return {name: found for (h, name), found in readme_runs.items() if h == heading}
 
 
 @pytest.mark.parametrize("heading, tolerance", SECTIONS, ids=["powersgd", "int8"])
-def test_the_readme_lines_train_hf_models_like_ddp_within_the_tolerance(readme_runs, heading,
-                                                                         tolerance):
-    variants = of_section(readme_runs, heading)
-    assert set(variants) == {("sdpa", False), ("eager", True)}
-    for variant, found in variants.items():
+def test_the_readme_lines_train_every_model_like_ddp_within_the_tolerance(readme_runs, heading,
+                                                                          tolerance):
+    runs = {name: run for name, run in of_section(readme_runs, heading).items()
+            if not name.endswith("bf16")}
+    assert set(runs) == set(readme_models())
+    for name, found in runs.items():
         readme, ddp = found["readme"], found["ddp"]
+        assert found["seeded_apart"], name
         diffs = [abs(a - b) for a, b in zip(readme, ddp, strict=True)]
-        assert max(diffs[:2]) <= 1e-5 * ddp[0], variant  # the plain steps, then compressed ones
-        assert 0 < max(diffs) <= tolerance, variant
-        assert readme[-1] < readme[0], variant
+        assert max(diffs[:2]) <= 1e-5 * ddp[0], name  # the plain steps, then compressed ones
+        assert 0 < max(diffs) <= tolerance, name
+        assert readme[-1] < readme[0], name
 
 
 def test_the_readme_picks_a_rank_that_compresses_every_matrix_of_a_narrow_model(readme_runs):
-    """Hidden size 64: rank 32 would compress nothing; the README's rank is the 32 x 64 key
-    and value projections' highest (10), and every layer's 7 matrices are products."""
-    for variant, found in of_section(readme_runs, SECTIONS[0][0]).items():
-        assert found["rank"] == 10, variant
-        assert found["compressed"] == 7 * common.SIZES["tiny"].n_layers, variant
+    """Hidden size 64: rank 32 would compress nothing. The families' highest rank is their
+    32 x 64 key and value projections' (10), and every layer's 7 matrices are products; Phi-3's
+    fused q/k/v (128 x 64) and gate/up (384 x 64) leave its 64 x 64 o_proj the smallest (15),
+    and its 4 matrices a layer."""
+    layers = common.SIZES["tiny"].n_layers
+    for name, found in of_section(readme_runs, SECTIONS[0][0]).items():
+        if not name.endswith("bf16"):
+            expected = (15, 4 * layers) if name == "fused" else (10, 7 * layers)
+            assert (found["rank"], found["compressed"]) == expected, name
 
 
 def test_the_readme_lines_keep_bf16_weights_and_gradients_bf16(readme_runs):
-    dtypes, compressed = readme_runs["bf16"]
-    assert dtypes == {"torch.bfloat16"} and compressed == 7 * common.SIZES["tiny"].n_layers
+    import hf_models
+
+    bf16 = {name: found for name, found in of_section(readme_runs, SECTIONS[0][0]).items()
+            if name.endswith("bf16")}
+    assert {name.split("-")[0] for name in bf16} == set(hf_models.FAMILIES)
+    for name, found in bf16.items():
+        assert found["dtypes"] == {"torch.bfloat16"}, name
+        assert found["compressed"] == 7 * common.SIZES["tiny"].n_layers, name

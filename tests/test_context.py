@@ -185,11 +185,15 @@ def test_the_ring_sends_what_ring_bytes_says_and_computes_the_theorys_pairs(spaw
         assert got["pairs"] == got["theory_pairs"], case
 
 
-def test_a_length_that_does_not_cut_refuses_in_one_line(tmp_path):
-    assert_bad_input_is_one_line(SCRIPT, ["--size", "tiny", "--seq-len", "100"], "--seq-len 100",
-                                 tmp_path, WORLD_SIZE="4")
+def test_a_length_that_does_not_cut_refuses_in_one_line_naming_cp(tmp_path):
+    assert_bad_input_is_one_line(SCRIPT, ["--size", "tiny", "--seq-len", "100"],
+                                 "--seq-len 100 does not cut into 8 equal chunks", tmp_path,
+                                 WORLD_SIZE="4")
     assert_bad_input_is_one_line(SCRIPT, ["--size", "tiny", "--seq-len", "100", "--balance",
-                                          "none"], "multiple of 8", tmp_path, WORLD_SIZE="8")
+                                          "none"], "multiple of 8 (--cp 8)", tmp_path,
+                                 WORLD_SIZE="8")
+    assert_bad_input_is_one_line(SCRIPT, ["--size", "tiny", "--seq-len", "34", "--cp", "2"],
+                                 "multiple of 4 (--cp 2)", tmp_path, WORLD_SIZE="4")
 
 
 @pytest.mark.parametrize("world", ["4", "2"])
@@ -202,3 +206,44 @@ def test_a_world_that_cp_does_not_divide_is_skipped_with_why(tmp_path, monkeypat
 
 def test_a_resnet_is_skipped_with_why(tmp_path):
     assert_skipped_with_why(SCRIPT, ["--model", "resnet"], "no sequence to split", tmp_path)
+
+
+# --- What a transformers model asks of the attention: computed, or refused in one line -----------
+class Attention(torch.nn.Module):
+    """What transformers hands an attention function as `module`: a decoder's attention."""
+    is_causal = True
+
+
+QUERY = torch.zeros(1, 4, 16, 8)  # (B, heads, T/cp, head_dim): 32 tokens at cp 2
+WHAT_LLAMA_PASSES = {"dropout": 0.0, "scaling": 8 ** -0.5, "position_ids": torch.arange(16)[None],
+                     "use_cache": True}
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, WHAT_LLAMA_PASSES, {**WHAT_LLAMA_PASSES, "sliding_window": None},  # Qwen2's
+    {**WHAT_LLAMA_PASSES, "sliding_window": 4096}, {"sliding_window": 32},  # no shorter window
+    {"softcap": None, "is_causal": True, "output_attentions": False, "cache_position": QUERY}],
+    ids=["nothing", "llama", "qwen2", "mistral", "window = sequence", "unset"])
+def test_causal_attention_with_the_default_scale_is_computed(kwargs):
+    assert ring.unsupported_attention(Attention(), QUERY, None, 2, **kwargs) is None
+
+
+@pytest.mark.parametrize("mask, kwargs, hint", [
+    (torch.ones(1, 1, 32, 32), {}, "attention_mask: this causal attention takes no mask"),
+    (None, {"sliding_window": 31}, "sliding_window 31 is shorter than the 32-token sequence"),
+    (None, {"softcap": 50.0}, "softcap 50.0 (attn_logit_softcapping)"),
+    (None, {"scaling": 0.125}, "scaling 0.125 is not 1/sqrt(head_dim) = 0.353553"),
+    (None, {"dropout": 0.1}, "dropout 0.1 (attention_dropout): set attention_dropout=0"),
+    (None, {"is_causal": False}, "is_causal False (Attention): this attention is causal only"),
+    (None, {"s_aux": torch.zeros(4)}, "s_aux: an attention argument this attention does not"),
+], ids=["mask", "window", "softcap", "scaling", "dropout", "is_causal", "unknown"])
+def test_what_the_attention_does_not_compute_is_named_in_one_line(mask, kwargs, hint):
+    problem = ring.unsupported_attention(Attention(), QUERY, mask, 2, **kwargs)
+    assert problem.startswith(hint) and "\n" not in problem, problem
+
+
+def test_a_non_causal_module_is_refused_as_its_flag_says():
+    encoder = Attention()
+    encoder.is_causal = False
+    assert ring.unsupported_attention(encoder, QUERY, None, 2).startswith("is_causal False")
+

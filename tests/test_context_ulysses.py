@@ -167,7 +167,8 @@ def test_the_default_cp_is_the_largest_divisor_of_the_world_that_cuts_the_heads(
     (["--cp", "4", "--model", "llama"], "4",
      "--cp 4 does not divide the 4 attention heads and 2 KV heads"),
     (["--cp", "3"], "4", "--cp 3 does not divide the world size 4"),
-    (["--cp", "2", "--seq-len", "33"], "2", "--seq-len 33 does not cut into 2 equal chunks"),
+    (["--cp", "2", "--seq-len", "33"], "2",
+     "--seq-len 33 does not cut into 2 equal chunks, one a rank of --cp 2"),
 ])
 def test_ulysses_refuses_what_it_cannot_cut_in_one_line(flags, world, hint, tmp_path):
     assert_bad_input_is_one_line(ULYSSES, ["--size", "tiny", *flags], hint, tmp_path,
@@ -180,9 +181,14 @@ def test_ulysses_skips_a_world_with_no_cp_that_cuts_the_heads(tmp_path, monkeypa
                             tmp_path)
 
 
-def test_pytorch_refuses_a_cp_that_does_not_cut_the_sequence_head_tail(tmp_path):
-    assert_bad_input_is_one_line(PYTORCH, ["--size", "tiny", "--cp", "2", "--seq-len", "66"],
-                                 "--seq-len 66 does not cut into 4 equal chunks", tmp_path,
+@pytest.mark.parametrize("flags, hint", [
+    (["--cp", "2", "--seq-len", "66"], "--seq-len 66 does not cut into 4 equal chunks (2 a rank "
+                                       "of --cp 2, head-tail)"),
+    (["--cp", "3"], "--cp 3 does not divide the world size 2"),
+])
+def test_pytorch_refuses_a_cp_that_does_not_cut_the_sequence_head_tail_or_the_world(
+        flags, hint, tmp_path):
+    assert_bad_input_is_one_line(PYTORCH, ["--size", "tiny", *flags], hint, tmp_path,
                                  WORLD_SIZE="2")
 
 

@@ -1,7 +1,7 @@
 """LoRA (03_fsdp/optimized_fsdp_lora.py), in this process: the adapters' count against the
 formula, the adapted model starting as the base, `merge()` keeping the logits, the patterns on
-the project's models and on a HuggingFace Llama, HuggingFace peft's LoRA training to the same
-losses; and the fine-tuning task and checkpoint loading in common."""
+the project's models and on HuggingFace models (fused projections too), HuggingFace peft's
+LoRA training to the same losses; and the fine-tuning task and checkpoint loading in common."""
 
 import copy
 
@@ -92,16 +92,24 @@ def test_the_adapted_model_starts_as_the_base_and_merge_keeps_its_logits(name):
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
-def test_lora_finds_a_hf_models_projections_and_refuses_a_pattern_that_matches_nothing():
+@pytest.mark.parametrize("family, projections", [
+    ("llama", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]),
+    ("fused", ["self_attn.o_proj", "self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"]),
+])
+def test_lora_adapts_a_hf_models_projections_fused_or_not_refuses_patterns_matching_none(
+        family, projections):
+    """Phi-3's fused q/k/v and gate/up projections are Linears like any: adapted whole. The
+    patterns are alternatives; a list of them matching no Linear is refused in one line."""
     hf_models = pytest.importorskip("hf_models")
-    model = hf_models.tiny_llama()
+    model = hf_models.tiny_model(family)
     names = lora.apply_lora(model, lora.ATTENTION + lora.MLP)
-    assert names[:7] == [f"model.layers.0.{n}" for n in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert names[:len(projections)] == [f"model.layers.0.{n}" for n in projections]
+    assert len(names) == len(projections) * TINY.n_layers
     assert not model.lm_head.weight.requires_grad and not model.model.norm.weight.requires_grad
-    with pytest.raises(ValueError, match=r"no Linear of LlamaForCausalLM is named like \['\*wq'\]"):
-        lora.apply_lora(hf_models.tiny_llama(), ["*wq"])
+    type_name = type(model).__name__
+    with pytest.raises(ValueError, match=rf"^no Linear of {type_name} is named like \['\*wq'\]"):
+        lora.apply_lora(hf_models.tiny_model(family), ["*wq"])
 
 
 def test_hand_written_lora_trains_a_hf_models_as_peft_does():

@@ -2,8 +2,9 @@
 
 Each launch costs 10-20 s of start-up on a 2-core machine, so every script runs once (a
 module-scoped fixture) and the assertions share those runs; the attention pair runs the Llama.
-The README's "Use it in your trainer" lines run as they are in 2 spawned gloo processes, on a
-tiny HuggingFace Llama (tests/hf_models.py) against PyTorch's DDP.
+The README's "Use it in your trainer" lines run as they are in 2 spawned gloo processes, on
+every tiny HuggingFace model of tests/hf_models.py (three families, sdpa and eager, bf16, and the
+two with a feature some recipes do not implement) against PyTorch's DDP.
 """
 
 import copy
@@ -214,9 +215,22 @@ def test_the_attention_pair_skips_a_model_without_attention(script, tmp_path):
                             tmp_path)
 
 
-# --- The README's "Use it in your trainer", on a HuggingFace Llama ------------------------------
+# --- The README's "Use it in your trainer", on HuggingFace models -------------------------------
 TRAINER_STEPS = 4
 BF16_STEPS = 2  # enough to step bf16 weights with bf16 gradients
+
+
+def readme_models() -> dict[str, dict]:
+    """The models the README's lines run on, by name: hf_models.tiny_model's arguments. Each of
+    hf_models.CASES (three families, sdpa and eager), each family's sdpa case in bf16, and the
+    two models with a feature some recipes do not implement: DDP wraps the whole model and
+    leaves its forward to it, so both must train like DDP."""
+    models = {str(case): dict(family=case.family, attn_implementation=case.attn, tied=case.tied)
+              for case in hf_models.CASES}
+    models.update({f"{case} bf16": {**models[str(case)], "dtype": torch.bfloat16}
+                   for case in hf_models.CASES if case.attn == "sdpa"})
+    models.update({name: dict(family=name) for name in hf_models.UNSUPPORTED})
+    return models
 
 
 def group_mean(losses: list[float]) -> list[float]:
@@ -227,50 +241,52 @@ def group_mean(losses: list[float]) -> list[float]:
 
 
 def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_file: str) -> None:
-    """Trainers of one's own: each joins the group (the README's `common.setup()`), runs the
-    README's lines on a tiny LlamaForCausalLM its ranks seeded differently, and leaves; in fp32
-    for each of hf_models.VARIANTS beside PyTorch's DDP on the same model and global batch, then
-    once in bf16."""
+    """Trainers of one's own: for each of readme_models(), each joins the group (the README's
+    `common.setup()`), runs the README's lines as they are on the model its ranks seeded
+    differently, beside PyTorch's DDP on the same model and global batch, and leaves."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     sys.path.insert(0, str(DDP))  # where the trainer copied the recipe
     block = readme_python_block(DDP / "README.md")
-    batches = hf_models.token_batches(TRAINER_STEPS, rank, world)
-    trainers = [(*variant, torch.float32) for variant in hf_models.VARIANTS]
     found = {}
-    for (attn, tied, dtype), port in zip([*trainers, ("sdpa", False, torch.bfloat16)], ports,
-                                         strict=True):
+    for (name, model_args), port in zip(readme_models().items(), ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
         torch.manual_seed(rank)
-        model = hf_models.tiny_llama(attn, tied, dtype)
+        model = hf_models.tiny_model(**model_args)
+        bf16 = model_args.get("dtype") == torch.bfloat16
+        batches = hf_models.token_batches(BF16_STEPS if bf16 else TRAINER_STEPS, rank, world)
         reference = copy.deepcopy(model)
-        bf16 = dtype == torch.bfloat16
-        lines = {"model": model, "batches": batches[:BF16_STEPS] if bf16 else batches}
-        exec(block, lines)
-        if bf16:
-            found["bf16"] = {str(t.dtype) for p in lines["model"].parameters()
-                             for t in (p, p.grad)}
-        else:
-            found[attn, tied] = {"readme": group_mean(lines["losses"]),
-                                 "ddp": hf_models.ddp_losses(reference, batches),
-                                 "buckets": len(common.ddp_bucket_bytes(lines["model"]))}
+        lines = {"model": model, "batches": batches}
+        exec(block, lines)  # joins the group
+        found[name] = {"readme": group_mean(lines["losses"]),
+                       "ddp": hf_models.ddp_losses(reference, batches),
+                       "seeded_apart": hf_models.seeded_apart(reference),
+                       "buckets": len(common.ddp_bucket_bytes(lines["model"])),
+                       "dtypes": {str(t.dtype) for p in lines["model"].parameters()
+                                  for t in (p, p.grad)}}
         dist.destroy_process_group()
     if rank == 0:
         torch.save(found, out_file)
 
 
-def test_the_readme_lines_train_hf_models_like_ddp_and_keep_bf16_weights(tmp_path):
+def test_the_readme_lines_train_every_model_like_ddp_and_keep_bf16_weights(tmp_path):
     out = tmp_path / "found.pt"
-    ports = [common.free_port() for _ in range(len(hf_models.VARIANTS) + 1)]
+    models = readme_models()
+    ports = [common.free_port() for _ in models]
     mp.spawn(functools.partial(run_then_leave, train_with_the_readme_lines),
              args=(2, ports, str(out)), nprocs=2)
     found = torch.load(out)
-    for variant in hf_models.VARIANTS:
-        readme, ddp = found[variant]["readme"], found[variant]["ddp"]
-        assert max(abs(a - b) / b for a, b in zip(readme, ddp, strict=True)) <= 1e-5, variant
-        assert readme[-1] < readme[0]
-        assert found[variant]["buckets"] > 1  # buckets of one decoder layer's gradients
-    assert found["bf16"] == {"torch.bfloat16"}
+    assert set(found) == set(models)
+    for name, run in found.items():
+        readme, ddp = run["readme"], run["ddp"]
+        assert run["seeded_apart"], name
+        assert max(abs(a - b) / b for a, b in zip(readme, ddp, strict=True)) <= 1e-5, name
+        assert readme[-1] < readme[0], name
+        bf16 = models[name].get("dtype") == torch.bfloat16
+        assert run["dtypes"] == {"torch.bfloat16" if bf16 else "torch.float32"}, name
+        # buckets of one decoder layer's gradients: DDP reports those it rebuilt from the third
+        # step on, which the bf16 runs' two do not reach
+        assert bf16 or run["buckets"] > 1, name
 
 
 def test_the_top_readmes_loop_is_the_one_the_ddp_compression_and_fsdp_blocks_end_in():

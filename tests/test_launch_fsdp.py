@@ -7,8 +7,9 @@ Llama under hybrid sharding at 4 ranks (clipped by the global norm) and a ResNet
 DDP in the last two's setups, to hold their losses to. Three launches of
 optimized_fsdp_checkpoint.py checkpoint and resume (the Llama, hybrid, 4 ranks) and survive a
 killed rank (the GPT); two run optimized_fsdp_fp8.py on the Llama at 4 ranks. In spawned gloo
-processes: the README's "Use it in your trainer" lines on a tiny HuggingFace Llama against DDP
-(`sdpa` and `eager`, tied and untied, ranks seeded apart) and on bf16 weights, the units on a
+processes: the README's "Use it in your trainer" lines on every tiny HuggingFace model of
+tests/hf_models.py against DDP (three families, `sdpa` and `eager`, ranks seeded apart, and the
+two with a feature some recipes do not implement) and on bf16 weights, the units on a
 sub-group; in this process, FP8 never converting a head, tied or untied.
 """
 
@@ -377,29 +378,47 @@ def _ddp_losses(batches: list, group=None, seed: int = 0) -> list[float]:
     return losses
 
 
+def _readme_models() -> dict[str, dict]:
+    """The models the README's lines run on, by name: hf_models.tiny_model's arguments. Each of
+    hf_models.CASES (three families, sdpa and eager), each family's sdpa case in bf16, and the
+    two models with a feature some recipes do not implement: `shard` wraps the model's layers
+    and leaves their forward to them, so both must train like DDP."""
+    import hf_models
+
+    models = {str(case): dict(family=case.family, attn_implementation=case.attn, tied=case.tied)
+              for case in hf_models.CASES}
+    models.update({f"{case} bf16": {**models[str(case)], "dtype": torch.bfloat16}
+                   for case in hf_models.CASES if case.attn == "sdpa"})
+    models.update({name: dict(family=name) for name in hf_models.UNSUPPORTED})
+    return models
+
+
 def _readme_lines_against_ddp(rank: int, world: int, port: int, out_file: str) -> None:
-    """A trainer of one's own runs the README's lines on a tiny LlamaForCausalLM its ranks seeded
-    differently: in fp32 for each of hf_models.VARIANTS beside PyTorch's DDP on the same model
-    and global batch, then once in bf16; rank 0 saves what it found."""
+    """A trainer of one's own runs the README's lines as they are on each of _readme_models(),
+    its ranks seeded differently: beside PyTorch's DDP on the same model and global batch, or, in
+    bf16, for a step that shows which dtypes it keeps; rank 0 saves what it found."""
     import hf_models  # here: `transformers` costs every process that imports it seconds
 
+    torch.set_num_threads(1)  # 2 processes on 2 cores: more threads only fight
     _join(rank, world, port)
     snippet = readme_python_block(FOLDER / "README.md")
     recipe = vars(load_recipe(FOLDER / "optimized_fsdp.py"))
     batches = hf_models.token_batches(4, rank, world)
     found = {}
-    for attn, tied in hf_models.VARIANTS:
+    for name, model_args in _readme_models().items():
         torch.manual_seed(rank)  # ranks seeded apart: shard starts them from rank 0's weights
-        model = hf_models.tiny_llama(attn, tied)
+        model = hf_models.tiny_model(**model_args)
+        if model_args.get("dtype") == torch.bfloat16:  # sharded, gathered, stepped in bf16
+            namespace = {**recipe, "model": model, "batches": batches[:1]}
+            exec(snippet, namespace)
+            found[name] = {str(t.dtype) for p in model.parameters() for t in (p, p.grad)}
+            continue
         ddp = hf_models.ddp_losses(model, batches)  # on a copy: `model` stays untrained
+        seeded_apart = hf_models.seeded_apart(model)
         namespace = {**recipe, "model": model, "batches": batches}
         exec(snippet, namespace)
-        found[attn, tied] = {"readme": _group_mean(namespace["losses"]), "ddp": ddp}
-    # bf16 weights given: sharded, gathered, stepped in bf16 (no fp32 copy appears)
-    namespace = {**recipe, "model": hf_models.tiny_llama(dtype=torch.bfloat16),
-                 "batches": batches[:1]}
-    exec(snippet, namespace)
-    found["bf16"] = {str(t.dtype) for p in namespace["model"].parameters() for t in (p, p.grad)}
+        found[name] = {"readme": _group_mean(namespace["losses"]), "ddp": ddp,
+                       "seeded_apart": seeded_apart}
     if rank == 0:
         torch.save(found, out_file)
     dist.destroy_process_group()
@@ -412,19 +431,24 @@ def _group_mean(losses: list[float]) -> list[float]:
     return (total / dist.get_world_size()).tolist()
 
 
-def test_the_readmes_lines_shard_hf_models_seeded_apart_train_like_ddp_and_keep_bf16(tmp_path):
+def test_the_readmes_lines_shard_every_model_seeded_apart_train_like_ddp_and_keep_bf16(tmp_path):
     snippet = readme_python_block(FOLDER / "README.md")
     assert "shard(model, blocks, mesh)" in snippet and "list(model.model.layers)" in snippet
     out = tmp_path / "found.pt"
     mp.spawn(functools.partial(run_then_leave, _readme_lines_against_ddp),
              args=(2, common.free_port(), str(out)), nprocs=2)
     found = torch.load(out)
-    assert set(found) == {("sdpa", False), ("eager", True), "bf16"}
-    for variant in [("sdpa", False), ("eager", True)]:
-        readme, ddp = found[variant]["readme"], found[variant]["ddp"]
-        assert max(abs(a - b) / b for a, b in zip(readme, ddp, strict=True)) <= 1e-5, variant
-        assert readme[-1] < readme[0], variant
-    assert found["bf16"] == {"torch.bfloat16"}
+    assert {name.split("-")[0] for name in found} == {"llama", "qwen2", "mistral", "fused",
+                                                        "rope scaling"}
+    for name, run in found.items():
+        if name.endswith("bf16"):
+            assert run == {"torch.bfloat16"}, name
+            continue
+        readme, ddp = run["readme"], run["ddp"]
+        assert run["seeded_apart"], name
+        assert max(abs(a - b) / b for a, b in zip(readme, ddp, strict=True)) <= 1e-5, name
+        assert readme[-1] < readme[0], name
+    assert sum(name.endswith("bf16") for name in found) == 3 and len(found) == 11
 
 
 def _on_ranks_0_and_1_of_3(rank: int, world: int, port: int) -> None:

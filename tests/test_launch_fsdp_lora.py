@@ -5,10 +5,11 @@ Four launches and two single-process runs from one module-scoped fixture: a pret
 optimized_fsdp_checkpoint.py (40 steps, saved after the last); from its checkpoint, LoRA at 2
 and at 4 processes (4 and 2 sequences a rank: one global batch of 8) and full fine-tuning
 (optimized_fsdp.py --init-from) at 2; in one process with the batch of 8, LoRA from the
-checkpoint and from random weights. In spawned gloo processes: the README's LoRA lines on a tiny
-HuggingFace Llama and on the project's Llama.
+checkpoint and from random weights. In spawned gloo processes: the README's LoRA lines on every
+tiny HuggingFace model of tests/hf_models.py, ranks seeded apart, against PyTorch's DDP.
 """
 
+import copy
 import functools
 import subprocess
 import sys
@@ -127,52 +128,71 @@ def _join(rank: int, world: int, port: int) -> None:
                             world_size=world)
 
 
-def project_loss(snippet: str) -> str:
-    """The README's lines with the loss the project's models return (`model(inputs, targets)`)
-    in place of the two that compute it from a HuggingFace model's logits."""
-    lines = snippet.splitlines()
-    at = next(i for i, line in enumerate(lines) if "model(input_ids=inputs).logits" in line)
-    indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
-    assert "F.cross_entropy(logits" in lines[at + 1]
-    return "\n".join([*lines[:at], f"{indent}loss = model(inputs, targets)", *lines[at + 2:]])
-
-
-def _readme_lines_on_two_llamas(rank: int, world: int, port: int, out_file: str) -> None:
-    """The README's LoRA lines on a tiny HuggingFace LlamaForCausalLM (its loss from the logits)
-    and on the project's Llama, each from a copy of the same weights in one process too."""
+def _readme_lines_against_ddp(rank: int, world: int, port: int, out_file: str) -> None:
+    """The README's LoRA lines as they are on every case of hf_models.CASES and the two models
+    with a feature some recipes do not implement, ranks seeded apart, beside PyTorch's DDP on a
+    copy of the model with the same adapters (A drawn from the same generator state) and the
+    same global batch: `shard` must start every rank from rank 0's base and adapters, as DDP."""
     import hf_models  # here: `transformers` costs every process that imports it seconds
 
+    torch.set_num_threads(1)  # 2 processes on 2 cores: more threads only fight
     _join(rank, world, port)
     snippet = readme_python_block(FOLDER / "README.md", README_HEADING)
     recipe = vars(load_recipe(LORA))
+    batches = hf_models.token_batches(4, rank, world)
+    models = {str(case): dict(family=case.family, attn_implementation=case.attn, tied=case.tied)
+              for case in hf_models.CASES}
+    models.update({name: dict(family=name) for name in hf_models.UNSUPPORTED})
     found = {}
-    for name in ("hf", "project"):
-        torch.manual_seed(0)
-        model = hf_models.tiny_llama() if name == "hf" else common.Llama(common.SIZES["tiny"])
+    for name, model_args in models.items():
+        torch.manual_seed(rank)
+        model = hf_models.tiny_model(**model_args)
+        seeded_apart = hf_models.seeded_apart(model)
+        reference, draws = copy.deepcopy(model), torch.get_rng_state()
+        recipe["apply_lora"](reference, recipe["ATTENTION"], rank=8, alpha=16)  # the README's
+        ddp = hf_models.ddp_losses(reference, batches)
+        torch.set_rng_state(draws)  # the README's apply_lora draws the reference's A
         frozen = {n: p.detach().clone() for n, p in model.named_parameters()}
-        batches = hf_models.token_batches(4, rank, world)
         namespace = {**recipe, "model": model, "batches": batches}
-        exec(snippet if name == "hf" else project_loss(snippet), namespace)
-        losses = torch.tensor(namespace["losses"], dtype=torch.float64)
-        dist.all_reduce(losses)
-        found[name] = {"losses": (losses / world).tolist(),
-                       "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-                       "frozen_kept": all(
-                           torch.equal(p.full_tensor(), frozen[n.replace(".base", "")])
-                           for n, p in model.named_parameters() if not p.requires_grad)}
+        exec(snippet, namespace)
+        base = {n.replace(".base", ""): p.full_tensor()  # a collective: every rank, every one
+                for n, p in model.named_parameters() if not p.requires_grad}
+        found[name] = {
+            "readme": _group_mean(namespace["losses"]), "ddp": ddp, "seeded_apart": seeded_apart,
+            "adapted": sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                               if isinstance(m, recipe["LoRALinear"])}),
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            # on rank 0, the one that saves: the base every rank holds, which never moved
+            "frozen_kept": all(torch.equal(p, frozen[n]) for n, p in base.items())}
     if rank == 0:
         torch.save(found, out_file)
     dist.destroy_process_group()
 
 
-def test_the_readmes_lora_lines_fine_tune_hf_models_and_the_projects(tmp_path):
+def _group_mean(losses: list[float]) -> list[float]:
+    """Each step's loss averaged over the ranks: what hf_models.ddp_losses returns."""
+    total = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
+
+
+def test_the_readmes_lora_lines_fine_tune_every_model_seeded_apart_like_ddp(tmp_path):
     snippet = readme_python_block(FOLDER / "README.md", README_HEADING)
     assert "apply_lora(model" in snippet and "shard(model, blocks, mesh)" in snippet
     out = tmp_path / "found.pt"
-    mp.spawn(functools.partial(run_then_leave, _readme_lines_on_two_llamas),
+    mp.spawn(functools.partial(run_then_leave, _readme_lines_against_ddp),
              args=(2, common.free_port(), str(out)), nprocs=2)
     found = torch.load(out)
-    for name in ("hf", "project"):
-        assert found[name]["frozen_kept"], name  # the base never moved
-        assert found[name]["losses"][-1] < found[name]["losses"][0], name
-        assert found[name]["trainable"] > 0
+    assert {name.split("-")[0] for name in found} == {"llama", "qwen2", "mistral", "fused",
+                                                        "rope scaling"}
+    assert len(found) == 8
+    for name, run in found.items():
+        readme, ddp = run["readme"], run["ddp"]
+        assert run["seeded_apart"] and run["frozen_kept"], name  # the base never moved
+        assert max(abs(a - b) / b for a, b in zip(readme, ddp, strict=True)) <= 1e-5, name
+        assert readme[-1] < readme[0], name
+        # the attention's projections, a fused one adapted whole (Phi-3's qkv_proj)
+        adapted = ["o_proj", "qkv_proj"] if name == "fused" else ["k_proj", "o_proj", "q_proj",
+                                                                   "v_proj"]
+        assert run["adapted"] == adapted, name
+        assert run["trainable"] > 0, name
