@@ -62,3 +62,20 @@ def test_a_headline_from_a_table_with_a_busy_host_row_says_so():
                   if line.startswith("|") and "(busy host)" in line]
         assert not tables or "busy host" in row.split("|")[3], \
             f"README.md: {folder}'s headline drops its table's busy host ({tables[0][:60]}...)"
+
+
+def test_the_family_table_has_a_row_for_every_folder_and_an_answer_in_every_cell():
+    """The front door's table of README blocks by model family: every technique folder has a row,
+    every cell is a tick or a refusal whose line is quoted under the table."""
+    readme = (common.ROOT / "README.md").read_text()
+    section = readme.split("## Use a recipe in your own trainer")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "](0" in line]
+    assert {re.search(r"\]\((\d\d_\w+)/README", row)[1] for row in rows} == {
+        folder.name for folder in sorted(common.ROOT.glob("[0-9][0-9]_*"))}
+    quoted = {int(n) for n in re.findall(r"^(\d+)\. `", section, flags=re.MULTILINE)}
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")[1:]]
+        assert len(cells) == 5, row
+        for cell in cells:
+            assert cell == "✔" or (re.fullmatch(r"refused \((\d+)\)", cell)
+                                   and int(cell[9:-1]) in quoted), (row, cell)
