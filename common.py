@@ -846,9 +846,12 @@ class RecipeParser(argparse.ArgumentParser):
 
     def parse_args(self, args: Sequence[str] | None = None, namespace=None) -> argparse.Namespace:
         ns = super().parse_args(args, namespace)
+        own = [_flag(a.dest, value) for a in self.own_flags if a.dest not in self.output_only
+               and (value := getattr(ns, a.dest)) != _parsed_default(a)]
         if not ns.check_flags:  # a check records nothing, a skip included
             run_state.args = ns  # a run that skips before `setup` is recorded too
             if ns.model in self.skips:  # before the checks of a shape the run will never use
+                ns.variant = " ".join(own) or None  # its record is its variant's (make smoke)
                 raise Skip(self.skips[ns.model])
         shape = self.fill_shape(ns)
         if ns.model == "resnet" and ns.batch_size < 2:
@@ -861,8 +864,6 @@ class RecipeParser(argparse.ArgumentParser):
                        "memory): use --warmup 3 or more")
         if ns.check_flags:  # the Makefile's check of ARGS: every flag parsed, and they agree
             sys.exit(0)
-        own = [_flag(a.dest, value) for a in self.own_flags if a.dest not in self.output_only
-               and (value := getattr(ns, a.dest)) != _parsed_default(a)]
         ns.variant = " ".join(shape + own) or None
         return ns
 

@@ -762,6 +762,21 @@ def test_check_flags_parses_and_exits_before_the_run(tmp_path):
     assert exited.value.code == 0 and not results.exists()
 
 
+def test_a_skip_from_the_model_is_recorded_as_its_variant(monkeypatch):
+    """A run that skips its --model before the shape is parsed still names its own flags: `make
+    smoke` finds the record of `optimized_moe_ep.py --long-run` by them (it failed the run as
+    unrecorded when the skip carried no variant)."""
+    monkeypatch.setattr(common.run_state, "args", None)  # put back after the test
+    skipping = common.parser(None, skips={"llama": "why"})
+    skipping.add_argument("--long-run", action="store_true")
+    with pytest.raises(common.Skip, match="why"):
+        skipping.parse_args(["--model", "llama", "--long-run"])
+    assert common.run_state.args.variant == "--long-run"
+    with pytest.raises(common.Skip):
+        skipping.parse_args(["--model", "llama"])
+    assert common.run_state.args.variant is None
+
+
 def test_a_diverged_run_is_an_error_not_a_result(monkeypatch):
     # torchrun's variables for a world of one, undone after the test (later tests launch
     # subprocesses that must not inherit them)
