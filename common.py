@@ -130,7 +130,9 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     kernel, which builds the T x T scores. There each KV head is repeated for its query heads
     instead (K and V copied g times over, still O(T)), which the memory-efficient kernel takes."""
     grouped = k.shape[1] != q.shape[1]
-    if grouped and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+    # the dtype SDPA will run in: autocast's where it is on (it casts fp32 q, k, v down)
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+    if grouped and q.is_cuda and dtype not in (torch.float16, torch.bfloat16):
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         grouped = False
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)

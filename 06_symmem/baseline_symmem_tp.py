@@ -179,8 +179,8 @@ def joint_bias(linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
     zeros for one that has none."""
     if all(linear.bias is None for linear in linears):
         return None
-    return torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None
-                      else linear.bias for linear in linears])
+    return torch.cat([linear.weight.new_zeros(linear.weight.shape[0]) if linear.bias is None
+                      else linear.bias for linear in linears])  # rows kept: not out_features
 
 
 def plus_bias(y: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
@@ -308,6 +308,9 @@ class TensorParallelDecoder(nn.Module):
                  position_embedding: nn.Embedding | None = None,
                  autocast_dtype: torch.dtype | None = None, rotary: Callable | None = None):
         super().__init__()
+        if rotary is None and any(isinstance(b, TensorParallelLlamaLayer) for b in blocks):
+            raise ValueError("TensorParallelLlamaLayer turns q and k by the model's angles: pass "
+                             "rotary=model.model.rotary_emb")
         self.comm, self.autocast_dtype, self.rotary = comm, autocast_dtype, rotary
         self.token_embedding, self.position_embedding = token_embedding, position_embedding
         self.final_norm, self.head, self.blocks = final_norm, head, nn.ModuleList(blocks)
@@ -335,6 +338,23 @@ class TensorParallelDecoder(nn.Module):
             logits = self.head(self.final_norm(x))
         return F.cross_entropy(logits.float(), targets.t().reshape(-1)[mine],
                                reduction="sum") / (seq_len * batch)
+
+
+def same_loss_or_refuse(tp_model: TensorParallelDecoder, tokens: torch.Tensor,
+                        targets: torch.Tensor, expected: torch.Tensor, name: str,
+                        group=None) -> None:
+    """The split model's loss on one batch held to the whole model's, `expected` (taken before
+    the split), to rounding: what the layers would compute otherwise and no check names (an
+    interleaved rotary, a scaled residual or logit, clamped q, k, v) stops it in one line
+    naming the model. In bf16 rounding hides differences under ~8%: check in fp32 first."""
+    with torch.no_grad():
+        loss = tp_model(tokens, targets)
+        dist.all_reduce(loss, group=group)
+    tolerance = 10 * torch.finfo(next(tp_model.parameters()).dtype).eps
+    if not torch.allclose(loss, expected.to(loss.dtype), rtol=tolerance, atol=tolerance):
+        raise ValueError(f"{name} computes otherwise than the split layers (loss {loss.item():.6g}"
+                         f" against its own {expected.item():.6g}): its layers or forward do "
+                         "more than Llama's; TP it with a plan of its own")
 
 
 def same_weights_as_first_rank(model: nn.Module, group=None) -> None:

@@ -358,8 +358,8 @@ def joint_bias(linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
     zeros for one that has none."""
     if all(linear.bias is None for linear in linears):
         return None
-    return torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None
-                      else linear.bias for linear in linears])
+    return torch.cat([linear.weight.new_zeros(linear.weight.shape[0]) if linear.bias is None
+                      else linear.bias for linear in linears])  # rows kept: not out_features
 
 
 # Copied from 06_symmem/baseline_symmem_tp.py: plus_bias
@@ -491,6 +491,9 @@ class TensorParallelDecoder(nn.Module):
                  position_embedding: nn.Embedding | None = None,
                  autocast_dtype: torch.dtype | None = None, rotary: Callable | None = None):
         super().__init__()
+        if rotary is None and any(isinstance(b, TensorParallelLlamaLayer) for b in blocks):
+            raise ValueError("TensorParallelLlamaLayer turns q and k by the model's angles: pass "
+                             "rotary=model.model.rotary_emb")
         self.comm, self.autocast_dtype, self.rotary = comm, autocast_dtype, rotary
         self.token_embedding, self.position_embedding = token_embedding, position_embedding
         self.final_norm, self.head, self.blocks = final_norm, head, nn.ModuleList(blocks)

@@ -387,7 +387,7 @@ def test_a_world_of_one_computes_transformers_models_unsplit():
                            generator=torch.Generator().manual_seed(0))
     x, y = tokens[:, :-1], tokens[:, 1:]
     models = {label: build for label, build in _readme_models(hf_models, every_bias=True).items()
-              if label != "fused" and not label.endswith("bf16")}
+              if label not in ("fused", "scaled residual") and not label.endswith("bf16")}
     models["window as long as the sequence"] = functools.partial(
         hf_models.tiny_model, "mistral", "eager", sliding_window=hf_models.SEQ_LEN)
     for label, build in models.items():
@@ -478,6 +478,26 @@ def test_a_split_the_group_cannot_make_is_refused_in_one_line():
         _split_alone(tiny, SimpleNamespace(rank=0, world=2))(tokens[:, :-1], tokens[:, 1:])
 
 
+def test_a_missing_rotary_or_a_missing_bias_of_a_group_is_handled():
+    """A decoder of Llama-shaped layers built without `rotary=` stops in one line naming it; a
+    q/k/v trio where one projection has no bias splits with zeros of that rank's rows (once
+    the full width: the sliced matmul failed on the shapes at 2 ranks)."""
+    import hf_models
+
+    tp = load_recipe(FOLDER / "baseline_symmem_tp.py")
+    model = hf_models.tiny_model("qwen2", tied=True)
+    model.model.layers[0].self_attn.k_proj.bias = None
+    comm = SimpleNamespace(rank=0, world=2)
+    layers = [tp.TensorParallelLlamaLayer(layer, comm) for layer in model.model.layers]
+    attn = model.model.layers[0].self_attn
+    bias = tp.joint_bias((attn.q_proj, attn.k_proj, attn.v_proj))
+    assert bias.shape[0] == sum(p.weight.shape[0] for p in (attn.q_proj, attn.k_proj,
+                                                             attn.v_proj))
+    with pytest.raises(ValueError, match=r"^[^\n]*pass rotary=model.model.rotary_emb$"):
+        tp.TensorParallelDecoder(layers, model.model.embed_tokens, model.model.norm,
+                                 model.lm_head, comm)
+
+
 def _losses_before_each_step(loss_of, batches, losses: list, group=None):
     """`batches`, each yielded once `loss_of(inputs, targets)` (no grad, summed over the group)
     is appended to `losses`: the loss of the weights a step starts from, on its batch, as DDP
@@ -512,6 +532,16 @@ def _readme_models(hf_models, every_bias: bool = False) -> dict:
                     p.normal_(std=0.5)
         return model
 
+    def scaled_residual():  # Granite: Llama's layers, each residual branch scaled by 0.5
+        from transformers import GraniteConfig, GraniteForCausalLM
+        size = hf_models.SIZE
+        return GraniteForCausalLM(GraniteConfig(
+            vocab_size=size.vocab_size, hidden_size=size.d_model,
+            intermediate_size=common.llama_ffn_dim(size.d_model),
+            num_hidden_layers=size.n_layers, num_attention_heads=size.n_heads,
+            num_key_value_heads=size.n_kv_heads, residual_multiplier=0.5,
+            attention_multiplier=(size.d_model // size.n_heads) ** -0.5))
+
     models = {str(case): functools.partial(hf_models.tiny_model, *case)
               for case in hf_models.CASES}
     for case in BF16_CASES:
@@ -521,6 +551,7 @@ def _readme_models(hf_models, every_bias: bool = False) -> dict:
         models[name] = functools.partial(hf_models.tiny_model, name)
     if every_bias:
         models["every bias"] = with_every_bias
+        models["scaled residual"] = scaled_residual
     return models
 
 
@@ -580,6 +611,8 @@ def test_the_readme_tensor_parallel_lines_train_hf_models_as_ddp_does_on_a_group
     assert set(pair) == set(_readme_models(hf_models, every_bias=True))
     refused = pair.pop("fused")["refused"]
     assert "qkv_proj" in refused and "\n" not in refused, refused
+    refused = pair.pop("scaled residual")["refused"]  # no check names it: the probe's loss
+    assert refused.startswith("GraniteForCausalLM computes otherwise") and "\n" not in refused
     for label, run in pair.items():
         assert "refused" not in run, (label, run.get("refused"))
         bf16 = label.endswith("bf16")
