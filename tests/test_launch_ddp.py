@@ -220,19 +220,6 @@ TRAINER_STEPS = 4
 BF16_STEPS = 2  # enough to step bf16 weights with bf16 gradients
 
 
-def readme_models() -> dict[str, dict]:
-    """The models the README's lines run on, by name: hf_models.tiny_model's arguments. Each of
-    hf_models.CASES (three families, sdpa and eager), each family's sdpa case in bf16, and the
-    two models with a feature some recipes do not implement: DDP wraps the whole model and
-    leaves its forward to it, so both must train like DDP."""
-    models = {str(case): dict(family=case.family, attn_implementation=case.attn, tied=case.tied)
-              for case in hf_models.CASES}
-    models.update({f"{case} bf16": {**models[str(case)], "dtype": torch.bfloat16}
-                   for case in hf_models.CASES if case.attn == "sdpa"})
-    models.update({name: dict(family=name) for name in hf_models.UNSUPPORTED})
-    return models
-
-
 def group_mean(losses: list[float]) -> list[float]:
     """Each step's loss averaged over the ranks: what hf_models.ddp_losses returns."""
     total = torch.tensor(losses, dtype=torch.float64)
@@ -241,15 +228,15 @@ def group_mean(losses: list[float]) -> list[float]:
 
 
 def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_file: str) -> None:
-    """Trainers of one's own: for each of readme_models(), each joins the group (the README's
-    `common.setup()`), runs the README's lines as they are on the model its ranks seeded
+    """Trainers of one's own: for each of hf_models.readme_models(), each joins the group (the
+    README's `common.setup()`), runs the README's lines as they are on the model its ranks seeded
     differently, beside PyTorch's DDP on the same model and global batch, and leaves."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     sys.path.insert(0, str(DDP))  # where the trainer copied the recipe
     block = readme_python_block(DDP / "README.md")
     found = {}
-    for (name, model_args), port in zip(readme_models().items(), ports, strict=True):
+    for (name, model_args), port in zip(hf_models.readme_models().items(), ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
         torch.manual_seed(rank)
         model = hf_models.tiny_model(**model_args)
@@ -271,7 +258,7 @@ def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_fil
 
 def test_the_readme_lines_train_every_model_like_ddp_and_keep_bf16_weights(tmp_path):
     out = tmp_path / "found.pt"
-    models = readme_models()
+    models = hf_models.readme_models()
     ports = [common.free_port() for _ in models]
     mp.spawn(functools.partial(run_then_leave, train_with_the_readme_lines),
              args=(2, ports, str(out)), nprocs=2)

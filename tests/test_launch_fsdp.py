@@ -378,25 +378,11 @@ def _ddp_losses(batches: list, group=None, seed: int = 0) -> list[float]:
     return losses
 
 
-def _readme_models() -> dict[str, dict]:
-    """The models the README's lines run on, by name: hf_models.tiny_model's arguments. Each of
-    hf_models.CASES (three families, sdpa and eager), each family's sdpa case in bf16, and the
-    two models with a feature some recipes do not implement: `shard` wraps the model's layers
-    and leaves their forward to them, so both must train like DDP."""
-    import hf_models
-
-    models = {str(case): dict(family=case.family, attn_implementation=case.attn, tied=case.tied)
-              for case in hf_models.CASES}
-    models.update({f"{case} bf16": {**models[str(case)], "dtype": torch.bfloat16}
-                   for case in hf_models.CASES if case.attn == "sdpa"})
-    models.update({name: dict(family=name) for name in hf_models.UNSUPPORTED})
-    return models
-
-
 def _readme_lines_against_ddp(rank: int, world: int, port: int, out_file: str) -> None:
-    """A trainer of one's own runs the README's lines as they are on each of _readme_models(),
-    its ranks seeded differently: beside PyTorch's DDP on the same model and global batch, or, in
-    bf16, for a step that shows which dtypes it keeps; rank 0 saves what it found."""
+    """A trainer of one's own runs the README's lines as they are on each of
+    hf_models.readme_models(), its ranks seeded differently: beside PyTorch's DDP on the same
+    model and global batch, or, in bf16, for a step that shows which dtypes it keeps; rank 0
+    saves what it found."""
     import hf_models  # here: `transformers` costs every process that imports it seconds
 
     torch.set_num_threads(1)  # 2 processes on 2 cores: more threads only fight
@@ -405,7 +391,7 @@ def _readme_lines_against_ddp(rank: int, world: int, port: int, out_file: str) -
     recipe = vars(load_recipe(FOLDER / "optimized_fsdp.py"))
     batches = hf_models.token_batches(4, rank, world)
     found = {}
-    for name, model_args in _readme_models().items():
+    for name, model_args in hf_models.readme_models().items():
         torch.manual_seed(rank)  # ranks seeded apart: shard starts them from rank 0's weights
         model = hf_models.tiny_model(**model_args)
         if model_args.get("dtype") == torch.bfloat16:  # sharded, gathered, stepped in bf16

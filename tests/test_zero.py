@@ -459,21 +459,6 @@ def zero3_under_bf16_autocast() -> dict:
             "shard_dtypes": sorted({str(p.dtype) for p in opt.shards})}
 
 
-def readme_models() -> dict[str, dict]:
-    """The models the README's lines run on, by name: hf_models.tiny_model's arguments. Each of
-    hf_models.CASES (three families, sdpa and eager), each family's sdpa case in bf16, and the
-    two models with a feature some recipes do not implement (ZeRO shards whatever parameters a
-    model has and leaves its forward to it: both must train like DDP)."""
-    import hf_models  # transformers: imported by the processes that use it, not every spawn
-
-    models = {str(case): dict(family=case.family, attn_implementation=case.attn, tied=case.tied)
-              for case in hf_models.CASES}
-    models.update({f"{case} bf16": {**models[str(case)], "dtype": torch.bfloat16}
-                   for case in hf_models.CASES if case.attn == "sdpa"})
-    models.update({name: dict(family=name) for name in hf_models.UNSUPPORTED})
-    return models
-
-
 def on_a_hf_model(kind, model_args: dict) -> dict:
     """The README's lines as written, `ZeRO` the class of `kind` (a stage, or "offload"), or
     PyTorch's DDP (kind "ddp": the reference), on hf_models.tiny_model(**model_args) seeded by
@@ -518,10 +503,12 @@ def on_a_hf_model(kind, model_args: dict) -> dict:
 
 
 def readme_scenarios() -> dict:
-    """The README's lines with each class on each of readme_models(), beside DDP's run of the
-    same model: one reference a model, shared by the four classes."""
+    """The README's lines with each class on each of hf_models.readme_models(), beside DDP's
+    run of the same model: one reference a model, shared by the four classes."""
+    import hf_models  # transformers: imported by the processes that use it, not every spawn
+
     return {f"readme {kind} {name}": functools.partial(on_a_hf_model, kind, model_args)
-            for name, model_args in readme_models().items()
+            for name, model_args in hf_models.readme_models().items()
             for kind in ("ddp", 1, 2, 3, "offload")}
 
 
