@@ -214,9 +214,10 @@ CONTEXT_SEQ := $(call size_value,tiny:128 small:768 medium:4096 large:4096)
 ATTENTION_SEQ := $(call size_value,tiny:1024 small:6144 medium:16384 large:16384)
 CONTEXT_SEQ_2X := $(shell echo $$(( 2 * $(CONTEXT_SEQ) )))
 CONTEXT_SEQ_4X := $(shell echo $$(( 4 * $(CONTEXT_SEQ) )))
-# a few steps: two timed ones (each ten seconds at small), or the memory of the last warm-up
-# one (the second: AdamW's state exists by then)
-SHORT_RUN := --steps 2 --warmup 1
+# a few steps: five timed ones (each ten seconds at small), the fewest a speedup in the report
+# rests on (report/results_table.py, MIN_TIMED_STEPS); or a row for its memory alone, taken at
+# the last warm-up step (the second: AdamW's state exists by then), whose time nothing compares
+SHORT_RUN := --steps 5 --warmup 1
 MEMORY_RUN := --steps 2 --warmup 2
 # zigzag against the unbalanced ring and the blocking exchange, where attention dominates; then
 # twice the length on 2 processes (the memory table: the baseline's wall, the two ways past it)

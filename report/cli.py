@@ -4,6 +4,7 @@ breakdown, the charts and the strategy planner. Recipes never import this packag
 list planner rows (`PLANNED`) to call their formulas.
 
     python -m report                 # outputs/results.jsonl -> table, outputs/report.md, charts
+    python -m report --wide          # the same, every column in one table
     python -m report traces          # where each traced step's time went, per script and rank
     python -m report plan --params 7e9 --gpus 8 --gpu-mem 80  # which strategy fits, its bytes
     python -m report list            # every script with the first line of its docstring
@@ -117,6 +118,9 @@ def main(argv: Sequence[str]) -> int:
                         epilog=RESULTS_SCHEMA, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_argument("--results", type=Path, default=common.RESULTS)
     cli.add_argument("--out", type=Path, default=common.RESULTS.parent / "report.md")
+    cli.add_argument("--wide", action="store_true", help="the results in one table of every "
+                     "column (setup, spread, predicted step, theory), not the narrow table and "
+                     "its detail below")
     sub = cli.add_subparsers(dest="command", parser_class=OneLineErrors)
     sub.add_parser("report", help="the results table (the default)")
     sub.add_parser("traces", help="where each traced step's time went, per script and rank")
@@ -259,7 +263,7 @@ def main(argv: Sequence[str]) -> int:
         return 0
     charts = write_charts(records, args.out.parent / "charts")
     links = ["## Charts", ""] + [f"![{path.stem}](charts/{path.name})" for path in charts]
-    text = "\n".join(filter(None, [render_report(records), traces,
+    text = "\n".join(filter(None, [render_report(records, args.wide), traces,
                                    "\n".join(links) + "\n" if charts else ""]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -5,6 +5,7 @@ how a record is read back: its pairing, its tolerance, whether its host was busy
 from __future__ import annotations
 
 import re
+import textwrap
 
 from tabulate import tabulate
 
@@ -71,6 +72,9 @@ def _size_label(rec: dict) -> str:
                     + ([f"@{link}"] if link else []))
 
 
+# A speedup rests on at least this many timed steps a run: fewer, and one slow step (a page
+# fault, a neighbour's burst) moves the median by more than most techniques win.
+MIN_TIMED_STEPS = 5
 # An optimized row is compared with its baseline only if these settings match too.
 COMPARED = ("dtype", "batch_size", "seq_len", "steps", "warmup", "seed", "lr", "nnodes",
             "clip_grad_norm", "moe_balance", "init_from")
@@ -89,7 +93,11 @@ def why_not_compared(rec: dict, base: dict | None) -> str | None:
     if base.get("status") != "ok":
         return f"baseline {base.get('status')}"
     unlike = [k for k in COMPARED if rec.get(k) != base.get(k)]
-    return f"baseline ran with other {', '.join(unlike)}" if unlike else None
+    if unlike:
+        return f"baseline ran with other {', '.join(unlike)}"
+    if rec.get("steps", MIN_TIMED_STEPS) < MIN_TIMED_STEPS:
+        return f"{rec['steps']} timed steps, fewer than a speedup rests on ({MIN_TIMED_STEPS})"
+    return None
 
 
 def flag_groups(variant: str | None) -> set[str]:
@@ -146,11 +154,13 @@ NOISE_NOTE = ("~ before a speedup: within noise, the two runs' middle halves of 
               "and the speedups they enter, are not the technique's; rerun on a quiet host.")
 
 
-def _report_row(rec: dict, base: dict | None) -> list[str]:
+def _report_cells(rec: dict, base: dict | None) -> dict:
+    """A row's figures by what they are: what both the narrow and the wide table print."""
     status = rec.get("status", "?")
+    cells = {"script": row_label(rec), "size": _size_label(rec), "device": rec.get("device"),
+             "world": str(rec.get("world_size")), "figures": []}
     if status != "ok":
-        return [row_label(rec), _size_label(rec), rec.get("world_size"), rec.get("device"),
-                *[""] * 10, f"{status}: {rec.get('reason') or ''}"]
+        return {**cells, "status": f"{status}: {rec.get('reason') or ''}"}
     throughput = rec.get("tokens_per_s") or rec.get("samples_per_s")
     speedup = mem_ratio = dloss = ""
     why = why_not_compared(rec, base)
@@ -173,12 +183,25 @@ def _report_row(rec: dict, base: dict | None) -> list[str]:
     status += " (busy host)" if busy_host(rec) else ""
     status += f"; not compared: {why}" if why else ""
     status += f"; {rec['note']}" if rec.get("note") else ""  # what the host changed of the run
-    theory = _theory_cell(rec)
-    return [row_label(rec), _size_label(rec), _world_label(rec), rec.get("device"),
-            f"{rec['step_ms']:.1f} ({rec['step_ms_p90']:.1f})", _predicted_cell(rec),
-            _fmt(throughput, ",.0f"),
-            speedup, _fmt(rec.get("peak_mem_mb"), ",.0f"), mem_ratio,
-            _fmt(rec.get("state_mb")), _fmt(rec.get("comm_mb"), ",.2f"), dloss, theory, status]
+    return {**cells, "world": _world_label(rec), "step ms": f"{rec['step_ms']:.1f}",
+            "p90 ms": f"{rec['step_ms_p90']:.1f}", "predicted ms": _predicted_cell(rec),
+            "throughput": _fmt(throughput, ",.0f"), "speedup": speedup,
+            "per s": "tok/s" if rec.get("tokens_per_s") else "img/s",
+            "peak MB": _fmt(rec.get("peak_mem_mb"), ",.0f"), "mem vs base": mem_ratio,
+            "state MB": _fmt(rec.get("state_mb")), "comm MB/step": _fmt(rec.get("comm_mb"), ",.2f"),
+            "max Δloss": dloss, "theory": _theory_cell(rec), "figures": theory_figures(rec),
+            "status": status}
+
+
+def _wide_row(cells: dict) -> list[str]:
+    """The row of `--wide`: every column."""
+    if "step ms" not in cells:  # a run that did not train: its status alone
+        return [cells["script"], cells["size"], cells["world"], cells["device"], *[""] * 10,
+                cells["status"]]
+    return [cells["script"], cells["size"], cells["world"], cells["device"],
+            f"{cells['step ms']} ({cells['p90 ms']})", cells["predicted ms"], cells["throughput"],
+            cells["speedup"], cells["peak MB"], cells["mem vs base"], cells["state MB"],
+            cells["comm MB/step"], cells["max Δloss"], cells["theory"], cells["status"]]
 
 
 def optimized_runs(records: list[dict]) -> list[tuple[dict, dict | None]]:
@@ -229,6 +252,23 @@ def _theory_cell(rec: dict) -> str:
     return "; ".join(cells)
 
 
+def theory_figures(rec: dict) -> list[tuple[str, str, str]]:
+    """(figure, predicted, measured or "") of each predicted figure, by mesh dim where it is a
+    dict (`comm_mb tp`); measured where the record carries it under the same name."""
+    figures = []
+    for key, predicted in (rec.get("theory") or {}).items():
+        if isinstance(predicted, dict):
+            measured = rec[key] if isinstance(rec.get(key), dict) else {}
+            figures += [(f"{key} {dim}", _number(value),
+                         _number(measured[dim]) if dim in measured else "")
+                        for dim, value in predicted.items()]
+        else:
+            measured = rec.get(key)
+            figures.append((key, _number(predicted), _number(measured)
+                            if isinstance(measured, (int, float)) else ""))
+    return figures
+
+
 def prediction_error(rec: dict) -> float | None:
     """How far the cost model's step time is from the measured one, as a fraction of it."""
     predicted = rec.get("predicted_step_ms")
@@ -269,17 +309,78 @@ def prediction_summary(runs: list[dict]) -> str:
     return line
 
 
-REPORT_HEADERS = ["script", "size", "world", "device", "step ms (p90)", "predicted ms",
-                  "tok/s (img/s)",
-                  "speedup", "peak MB", "mem vs base", "state MB", "comm MB/step",
-                  "max Δloss", "theory", "status"]
+# The table a reader scans: what the technique won, at what memory and bytes, at which losses;
+# the setup above it, the theory and the spread below it (`--wide`: every column in one table).
+REPORT_HEADERS = ["script", "step ms", "speedup", "peak MB (x)", "state MB", "comm MB",
+                  "max Δloss", "status"]
+WIDE_HEADERS = ["script", "size", "world", "device", "step ms (p90)", "predicted ms",
+                "tok/s (img/s)", "speedup", "peak MB", "mem vs base", "state MB", "comm MB/step",
+                "max Δloss", "theory", "status"]
+SETUP = ("size", "world", "device")  # the table's caption; a row that differs says so
+
+
+def _most_common(values: list[str]) -> str:
+    return max(dict.fromkeys(values), key=values.count)
+
+
+def _wrapped(text: str) -> list[str]:
+    """A markdown list item, wrapped so that no line of a README runs past 100 columns."""
+    return textwrap.wrap(text, 100, initial_indent="- ", subsequent_indent="  ",
+                         break_on_hyphens=False, break_long_words=False)
+
+
+def _unlike(key: str, ours: str, shared: str) -> str:
+    """How a row's setup differs from its table's: `world 4 (dp 2 x tp 2)`; of the size label,
+    the words the table's lacks (`llama`, `@1gbit`; the whole label where the size differs)."""
+    if key == "world":
+        return f"world {ours}"
+    extra = [word for word in ours.split() if word not in shared.split()]
+    return " ".join(extra) if key == "size" and ours.split()[0] == shared.split()[0] else ours
+
+
+def narrow_tables(rows: list[dict]) -> str:
+    """One folder's runs (each `_report_cells`): the setup most of them share, the main table
+    (REPORT_HEADERS), each status's detail as a numbered note, and below, each run's spread,
+    throughput, predicted step and theory beside measurement."""
+    shared = {key: _most_common([str(row[key]) for row in rows]) for key in SETUP}
+    notes: dict[str, int] = {}
+    table, detail = [], []
+    for row in rows:
+        unlike = [_unlike(key, str(row[key]), shared[key]) for key in SETUP
+                  if str(row[key]) != shared[key]]
+        # a path in the flags by its last part: the row stays one line of the screen
+        label = re.sub(r"\S+/(?=[^/\s]+)", ".../", row["script"]) + \
+            (f" [{', '.join(unlike)}]" if unlike else "")
+        status = re.split(r"[;:]", row["status"])[0]
+        if status != row["status"]:
+            status += f" [{notes.setdefault(row['status'], len(notes) + 1)}]"
+        if "step ms" not in row:
+            table.append([label, *[""] * 6, status])
+            continue
+        peak = row["peak MB"] + (f" ({row['mem vs base']})" if row["mem vs base"] else "")
+        table.append([label, row["step ms"], row["speedup"], peak, row["state MB"],
+                      row["comm MB/step"], row["max Δloss"], status])
+        measured = [f"p90 {row['p90 ms']} ms", f"{row['throughput']} {row['per s']}"]
+        measured += [f"predicted {row['predicted ms']} ms"] if row["predicted ms"] else []
+        theory = [f"{figure} {predicted}" + (f" (measured {seen})" if seen else "")
+                  for figure, predicted, seen in row["figures"]]
+        detail += _wrapped(f"`{label}`: {', '.join(measured)}"
+                           + (f"; theory: {', '.join(theory)}" if theory else ""))
+    out = [f"{shared['size']} · world {shared['world']} · {shared['device']}", "",
+           tabulate(table, REPORT_HEADERS, tablefmt="github", disable_numparse=True,
+                    colalign=("left", *["right"] * 5, "left", "left")), ""]
+    for text, number in notes.items():
+        out += _wrapped(f"[{number}] {text}")
+    return "\n".join(out + ([""] if notes else []) + detail)
 
 
 SWEEP_HEADERS = ["op", "bytes", "world", "device", "baseline", "ms", "busbw GB/s", "script",
                  "ms ", "busbw GB/s ", "speedup"]
+NARROW_SWEEP_HEADERS = ["op", "bytes", "baseline ms", "baseline busbw GB/s", "ms", "busbw GB/s",
+                        "speedup"]
 
 
-def _sweep_table(sweeps: list[dict], by_key: dict) -> str:
+def _sweep_table(sweeps: list[dict], by_key: dict, wide: bool) -> str:
     """Collectives benchmarks: each optimized sweep beside its baseline's, size by size."""
     table = []
     for rec in sweeps:
@@ -306,13 +407,23 @@ def _sweep_table(sweeps: list[dict], by_key: dict) -> str:
             table += [[row["op"], f"{row['bytes']:,}", rec.get("world_size"), rec.get("device"),
                        script_label(rec), f"{row['ms']:,.3f}", f"{row['busbw_gbps']:,.2f}",
                        "", "", "", ""] for row in rec["sweep"]]
-    return tabulate(table, SWEEP_HEADERS, tablefmt="github") + \
-        "\n\nbusbw = bytes / time x 2(N-1)/N (all-reduce), (N-1)/N (all-gather, " \
-        "reduce-scatter, all-to-all), 1 (send/recv); speedup = baseline time / this time."
+    legend = ("busbw = bytes / time x 2(N-1)/N (all-reduce), (N-1)/N (all-gather, "
+              "reduce-scatter, all-to-all), 1 (send/recv); speedup = baseline time / this time.")
+    if wide:
+        return tabulate(table, SWEEP_HEADERS, tablefmt="github") + "\n\n" + legend
+    # narrow: the world, device and the two scripts, which every row of a sweep shares, above it
+    shared = {i: _most_common([str(row[i]) for row in table if row[i]]) for i in (2, 3, 4, 7)}
+    caption = (f"{shared[4]} (baseline) against {shared[7]} · world {shared[2]} · "
+               f"{shared[3]}")
+    return "\n".join([caption, "", tabulate([[row[i] for i in (0, 1, 5, 6, 8, 9, 10)]
+                                            for row in table], NARROW_SWEEP_HEADERS,
+                                           tablefmt="github"), "",
+                      textwrap.fill(legend, 100)])
 
 
-def render_report(records: list[dict]) -> str:
-    """Markdown: one table per folder; baselines first, each optimized row after its baseline."""
+def render_report(records: list[dict], wide: bool = False) -> str:
+    """Markdown: one table per folder; baselines first, each optimized row after its baseline.
+    Narrow (REPORT_HEADERS, the detail below it) or `wide` (WIDE_HEADERS, all in one)."""
     runs = latest_runs(records)
     if not runs:
         return "No results yet: run `make all` (or `make ddp`) first.\n"
@@ -325,23 +436,27 @@ def render_report(records: list[dict]) -> str:
                                      (r.get("baseline") or r.get("script") or ""),
                                      r.get("baseline") is not None, r.get("variant") or ""))
         sweeps = [r for r in rows if "sweep" in r]
-        table = [_report_row(r, baseline_run(r, by_key) if r.get("baseline") else None)
+        cells = [_report_cells(r, baseline_run(r, by_key) if r.get("baseline") else None)
                  for r in rows if r not in sweeps]
         out += [f"## {folder}", ""]
-        if table:
-            out += [tabulate(table, REPORT_HEADERS, tablefmt="github"), ""]
+        if cells and wide:
+            out += [tabulate([_wide_row(c) for c in cells], WIDE_HEADERS, tablefmt="github"), ""]
+        elif cells:
+            out += [narrow_tables(cells), ""]
         if sweeps:
-            out += [_sweep_table(sweeps, by_key), ""]
+            out += [_sweep_table(sweeps, by_key, wide), ""]
+    notes = []
     if any("sweep" not in r for r in runs):
-        out += ["speedup = baseline step time / this step time (same size, world, device and "
-                "link); mem vs base = peak memory ratio; max Δloss = largest per-step loss "
-                "difference from the baseline, checked against the script's stated tolerance "
-                "(`final +x%`: a long run's final loss against its baseline's, checked against "
-                "its stated relative tolerance).",
-                ""]
-    summary = prediction_summary([r for r in runs if "sweep" not in r])
-    out += [summary, ""] if summary else []
+        notes.append("speedup = baseline step time / this step time (same size, world, device "
+                     "and link); " + ("mem vs base" if wide else "peak MB (x)") + " = peak "
+                     "memory ratio; max Δloss = largest per-step loss difference from the "
+                     "baseline, checked against the script's stated tolerance (`final +x%`: a "
+                     "long run's final loss against its baseline's, checked against its stated "
+                     "relative tolerance).")
+    notes.append(prediction_summary([r for r in runs if "sweep" not in r]))
     if any(busy_host(r) for r in runs) or \
             any(within_noise(rec, base) for rec, base in compared_pairs(records)):
-        out += [NOISE_NOTE, ""]
+        notes.append(NOISE_NOTE)
+    for note in filter(None, notes):
+        out += [note if wide else textwrap.fill(note, 100, break_on_hyphens=False), ""]
     return "\n".join(out)

@@ -4,3 +4,14 @@ GPU (gloo, fp32, any number of ranks), as on CI. Set before anything initialises
 import os
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The scripts past CONTRIBUTING's size, as a warning list (a long script still passes)."""
+    from helpers import OWN_LINES_WARNING, scripts_over_own_lines
+
+    if over := scripts_over_own_lines():
+        terminalreporter.section(f"scripts over {OWN_LINES_WARNING} lines of their own "
+                                 "(a warning: CONTRIBUTING asks about 300; copies aside)")
+        for name, lines in over:
+            terminalreporter.line(f"{lines:5d}  {name}")

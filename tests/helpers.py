@@ -1,5 +1,6 @@
 """What the launch and unit tests share: torchrun launches, their records, loading a recipe."""
 
+import ast
 import contextlib
 import importlib.util
 import io
@@ -166,3 +167,48 @@ def run_then_leave(worker: Callable, rank: int, *args) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def report_rows(text: str) -> dict[str, dict[str, str]]:
+    """The report's narrow tables read back: each row's cells by header, under its script label,
+    its status whole (the cell's `[n]` replaced by note n, which the table lists below it)."""
+    items = re.sub(r"\n  (?=\S)", " ", text)  # a wrapped list item, on one line again
+    notes = dict(re.findall(r"^- \[(\d+)\] (.*)$", items, re.M))
+    rows, headers = {}, None
+    for line in text.splitlines():
+        if line.startswith("| script "):
+            headers = [cell.strip() for cell in line.strip("|").split("|")]
+        elif headers and line.startswith("|") and not line.startswith("|--"):
+            cells = dict(zip(headers, [cell.strip() for cell in line.strip("|").split("|")],
+                             strict=True))
+            if mark := re.search(r" \[(\d+)\]$", cells["status"]):
+                cells["status"] = notes[mark[1]]
+            rows[cells["script"]] = cells
+        elif not line.startswith("|"):
+            headers = None
+    return rows
+
+
+# A copy's marker, `# Copied from <script>: <name>` (tests/test_copies.py), a changed one's too
+COPY_MARKER = re.compile(r"^# Copied from (\S+\.py): (\w+)\b")
+OWN_LINES_WARNING = 350  # CONTRIBUTING: about 300 lines of a script's own
+
+
+def own_lines(script: Path) -> int:
+    """A script's lines less its marked copies' (each block with its marker line)."""
+    text = script.read_text()
+    lines = text.splitlines()
+    extents = {node.name: (min([node.lineno, *(d.lineno for d in node.decorator_list)]),
+                           node.end_lineno) for node in ast.parse(text).body
+               if isinstance(node, ast.FunctionDef | ast.ClassDef)}
+    copied = sum(extents[m[2]][1] - extents[m[2]][0] + 2 for line in lines
+                 if (m := COPY_MARKER.match(line)) and m[2] in extents)
+    return len(lines) - copied
+
+
+def scripts_over_own_lines(root: Path = common.ROOT) -> list[tuple[str, int]]:
+    """(script, own lines) of each script past OWN_LINES_WARNING, the longest first."""
+    found = [(str(path.relative_to(root)), own_lines(path))
+             for path in root.glob("[0-9][0-9]_*/*.py")]
+    return sorted([(name, n) for name, n in found if n > OWN_LINES_WARNING],
+                  key=lambda pair: -pair[1])

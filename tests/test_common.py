@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import common
-from helpers import run_then_leave
+from helpers import report_rows, run_then_leave
 from report import cli, results_table, runs
 
 
@@ -423,13 +423,16 @@ def test_report_shows_ok_failed_and_skipped_rows():
     table = [line for line in text.splitlines() if line.startswith("|")]
     assert len(table) == 2 + 4  # header, rule, one row per script (latest record only)
     assert len({line.count("|") for line in table}) == 1  # no cell breaks the markdown table
-    optimized = next(line for line in table if "| optimized_ddp " in line)
-    assert "1.25x" in optimized  # 100 ms / 80 ms
-    assert "0.50x" in optimized  # 400 MB / 800 MB
-    assert "2.00e-05 (ok)" in optimized
-    assert "failed: RuntimeError: boom" in text
-    assert "skipped: needs CUDA" in text
+    assert len(table[0].split("|")) - 2 <= 8  # a table that fits a screen
+    optimized = report_rows(text)["optimized_ddp"]
+    assert optimized["speedup"] == "1.25x"  # 100 ms / 80 ms
+    assert optimized["peak MB (x)"] == "400 (0.50x)"  # 400 MB / 800 MB
+    assert optimized["max Δloss"] == "2.00e-05 (ok)"
+    assert report_rows(text)["baseline_ddp_flash"]["status"] == "failed: RuntimeError: boom"
+    assert report_rows(text)["optimized_ddp_flash"]["status"] == "skipped: needs CUDA"
     assert "999.0" not in text
+    wide = results_table.render_report(records, wide=True)  # every column, the status inline
+    assert "| failed: RuntimeError: boom" in wide and "| 2.00e-05 (ok)" in wide
 
 
 def test_a_row_compared_with_another_than_its_folders_baseline_names_it_and_shows_its_note():
@@ -438,21 +441,19 @@ def test_a_row_compared_with_another_than_its_folders_baseline_names_it_and_show
     note = "no weight gathered in float8: the 64 rows of blocks.0.fc do not split over 3 ranks"
     records = [_row("baseline_fsdp"), _row("optimized_fsdp", "baseline_fsdp", step_ms=50.0),
                _row("optimized_fsdp_fp8", "optimized_fsdp", step_ms=100.0, note=note)]
-    rows = {line.split("|")[1].strip(): line for line in
-            results_table.render_report(records).splitlines() if line.startswith("| optimized")}
-    assert set(rows) == {"optimized_fsdp", "optimized_fsdp_fp8 vs optimized_fsdp"}
+    rows = report_rows(results_table.render_report(records))
+    assert set(rows) == {"baseline_fsdp", "optimized_fsdp", "optimized_fsdp_fp8 vs optimized_fsdp"}
     fp8 = rows["optimized_fsdp_fp8 vs optimized_fsdp"]
-    assert fp8.split("|")[8].strip() == "0.50x"  # 50 ms / 100 ms: against optimized_fsdp
-    assert fp8.rstrip(" |").endswith(f"ok; {note}")
-    assert rows["optimized_fsdp"].rstrip(" |").endswith("| ok")
+    assert fp8["speedup"] == "0.50x"  # 50 ms / 100 ms: against optimized_fsdp
+    assert fp8["status"] == f"ok; {note}"
+    assert rows["optimized_fsdp"]["status"] == "ok"
 
 
 def test_a_loss_difference_over_tolerance_is_the_rows_status():
     records = [_row("baseline_ddp"),
                _row("optimized_ddp", "baseline_ddp", losses=[5.0, 4.5], loss_tolerance=1e-4)]
-    (row,) = [line for line in results_table.render_report(records).splitlines()
-              if line.startswith("| optimized_ddp")]
-    assert "5.00e-01 (> 0.0001)" in row and row.rstrip(" |").endswith("over tolerance")
+    row = report_rows(results_table.render_report(records))["optimized_ddp"]
+    assert row["max Δloss"] == "5.00e-01 (> 0.0001)" and row["status"] == "over tolerance"
     assert results_table.over_tolerance(records[1], records[0])
     assert not results_table.over_tolerance({**records[1], "loss_tolerance": 0.6}, records[0])
     assert not results_table.over_tolerance(records[1], None)  # nothing to compare with
@@ -464,6 +465,12 @@ def test_report_does_not_compare_runs_with_other_settings():
     text = results_table.render_report(records)
     assert "not compared: baseline ran with other batch_size" in text
     assert "2.00x" not in text
+    # the same settings, but two timed steps a side: too few for a speedup to rest on
+    records = [_row("baseline_ddp", steps=2), _row("optimized_ddp", "baseline_ddp", steps=2,
+                                                  step_ms=50.0)]
+    row = report_rows(results_table.render_report(records))["optimized_ddp"]
+    assert row["speedup"] == "" and row["status"] == \
+        "ok; not compared: 2 timed steps, fewer than a speedup rests on (5)"
 
 
 def test_a_baseline_that_did_not_run_is_what_its_optimized_rows_say():
@@ -474,14 +481,13 @@ def test_a_baseline_that_did_not_run_is_what_its_optimized_rows_say():
                _row("baseline_ddp_flash", status="skipped", reason="needs CUDA"),
                _row("optimized_ddp_flash", "baseline_ddp_flash", **flags),
                _row("optimized_ddp_lone", "baseline_ddp_lone", **flags)]
-    rows = {line.split("|")[1].strip(): line for line in
-            results_table.render_report(records).splitlines() if line.startswith("| optimized")}
-    assert rows["optimized_ddp"].rstrip(" |").endswith("ok; not compared: baseline failed")
-    assert rows["optimized_ddp_flash"].rstrip(" |").endswith(
-        "ok; not compared: baseline skipped")
-    assert rows["optimized_ddp_lone"].rstrip(" |").endswith(
-        "ok; not compared: no baseline_ddp_lone run on this setup")
-    assert all(row.split("|")[8].strip() == "" and "other" not in row for row in rows.values())
+    rows = report_rows(results_table.render_report(records))
+    assert rows["optimized_ddp"]["status"] == "ok; not compared: baseline failed"
+    assert rows["optimized_ddp_flash"]["status"] == "ok; not compared: baseline skipped"
+    assert rows["optimized_ddp_lone"]["status"] == \
+        "ok; not compared: no baseline_ddp_lone run on this setup"
+    assert all(row["speedup"] == "" and "other" not in row["status"] for label, row in rows.items()
+               if label.startswith("optimized"))
 
 
 def test_a_run_is_compared_with_its_baselines_run_of_the_same_flags_else_its_default():
@@ -500,25 +506,24 @@ def test_a_run_is_compared_with_its_baselines_run_of_the_same_flags_else_its_def
                     variant="--stage 3 --clip-grad-norm 0.5"),
                _row("optimized_zero1", "baseline_zero", step_ms=50.0, clip_grad_norm=1.0,
                     variant="--clip-grad-norm 1.0")]
-    rows = {line.split("|")[1].strip(): line for line in
-            results_table.render_report(records).splitlines() if line.startswith("| optimized")}
-    speedups = {label: row.split("|")[8].strip() for label, row in rows.items()}
+    rows = {label: row for label, row in report_rows(results_table.render_report(records)).items()
+            if label.startswith("optimized")}
+    speedups = {label: row["speedup"] for label, row in rows.items()}
     assert speedups == {"optimized_symmem_training --batch-size 1 --seq-len 32": "2.00x",
                         "optimized_symmem_training --replicated-optimizer": "1.25x",
                         "optimized_zero_pytorch --stage 3 --clip-grad-norm 0.5": "2.00x",
                         "optimized_zero1 --clip-grad-norm 1.0": ""}
-    assert rows["optimized_zero1 --clip-grad-norm 1.0"].rstrip(" |").endswith(
+    assert rows["optimized_zero1 --clip-grad-norm 1.0"]["status"].endswith(
         "not compared: baseline ran with other clip_grad_norm")
     # the baseline run it pairs with died: that is the reason, not the default run's settings
     records[1] = _row("baseline_symmem_training", status="failed", reason="boom",
                       variant=heavy["variant"])
     records.append(_row("optimized_symmem_training", "baseline_symmem_training", step_ms=40.0,
                         **{**heavy, "variant": heavy["variant"] + " --replicated-optimizer"}))
-    rows = {line.split("|")[1].strip(): line for line in
-            results_table.render_report(records).splitlines() if line.startswith("| optimized")}
+    rows = report_rows(results_table.render_report(records))
     for label in ("optimized_symmem_training --batch-size 1 --seq-len 32",
                   "optimized_symmem_training --batch-size 1 --seq-len 32 --replicated-optimizer"):
-        assert rows[label].rstrip(" |").endswith("not compared: baseline failed"), label
+        assert rows[label]["status"].endswith("not compared: baseline failed"), label
 
 
 @pytest.mark.parametrize("ours, theirs, noise", [
@@ -557,17 +562,16 @@ def test_a_speedup_within_the_runs_spread_and_a_busy_host_are_marked_and_explain
 
     def table(*records):
         text = results_table.render_report(list(records))
-        rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")]
-                for line in text.splitlines() if line.startswith("| ")}
-        return rows, text
+        return report_rows(text), " ".join(text.split())  # the notes, wrapped, as one line
 
     rows, text = table(base, apart)
-    assert rows["optimized_ddp"][8] == "1.25x" and rows["optimized_ddp"][-2] == "ok"
+    assert rows["optimized_ddp"]["speedup"] == "1.25x" and rows["optimized_ddp"]["status"] == "ok"
     assert results_table.NOISE_NOTE not in text  # the note comes with a mark only
     rows, text = table(base, dict(apart, step_ms_iqr=[75.0, 96.0]))  # overlaps [95, 130]
-    assert rows["optimized_ddp"][8] == "~1.25x" and results_table.NOISE_NOTE in text
+    assert rows["optimized_ddp"]["speedup"] == "~1.25x" and results_table.NOISE_NOTE in text
     rows, text = table(dict(base, load_avg=[2.1, 3.1]), apart)
-    assert rows["baseline_ddp"][-2] == "ok (busy host)" and rows["optimized_ddp"][-2] == "ok"
+    assert rows["baseline_ddp"]["status"] == "ok (busy host)"
+    assert rows["optimized_ddp"]["status"] == "ok"
     assert results_table.NOISE_NOTE in text
 
 
@@ -840,10 +844,14 @@ def test_report_compares_rows_only_on_the_same_link_and_shows_measured_beside_th
                _row("optimized_ddp", "baseline_ddp", link="1gbit", step_ms=200.0,
                     compression=3.9, theory={"comm_mb": 0.5, "compression": 3.94})]
     text = results_table.render_report(records)
-    optimized = next(line for line in text.splitlines() if "| optimized_ddp " in line)
-    assert "tiny @1gbit" in optimized and "2.00x" in optimized  # 400 ms / 200 ms, not 100 / 200
-    assert "compression=3.94 (measured 3.9)" in optimized
-    assert "comm_mb=0.5;" in optimized  # comm MB has its own column
+    optimized = report_rows(text)["optimized_ddp"]  # the table's setup is the loopback's
+    assert optimized["speedup"] == "2.00x"  # 400 ms / 200 ms, not 100 / 200
+    assert "compression 3.94 (measured 3.9)" in " ".join(text.split())
+    wide = next(line for line in results_table.render_report(records, wide=True).splitlines()
+                if "| optimized_ddp " in line)
+    assert "tiny @1gbit" in wide and "2.00x" in wide
+    assert "compression=3.94 (measured 3.9)" in wide
+    assert "comm_mb=0.5;" in wide  # comm MB has its own column
 
 
 @pytest.mark.parametrize("flags, variant", [

@@ -16,6 +16,7 @@ import textwrap
 import pytest
 
 import common
+from report import results_table
 
 RAISES = '''
     """Raises after joining the group: run_main records the failure itself."""
@@ -425,3 +426,21 @@ def test_a_bad_args_flag_stops_the_folder_before_any_launch(tmp_path):
     (line,) = [out for out in run.stderr.splitlines() if "error:" in out and "make" not in out]
     assert line == "baseline_zero.py: error: argument --steps: expected an integer, got 'abc'"
     assert not (tmp_path / "outputs" / "results.jsonl").exists()
+
+
+@pytest.mark.parametrize("size", ["small", "medium"])
+def test_every_run_make_all_times_rests_on_enough_steps_for_a_speedup(size):
+    """A row the report may set beside another (a speedup, in the table or a README) times at
+    least MIN_TIMED_STEPS steps; a run of fewer is a memory row (MEMORY_RUN's flags), whose time
+    the report never compares (07's rows at 2x and 4x the length, one sequence a rank)."""
+    dry = subprocess.run(["make", "-n", "all", f"PYTHON={sys.executable}", f"SIZE={size}"],
+                         cwd=common.ROOT, capture_output=True, text=True, timeout=60).stdout
+    memory_run = re.search(r"^MEMORY_RUN := (.*)$", (common.ROOT / "Makefile").read_text(),
+                           re.M)[1]
+    runs = set(re.findall(r'"(\d\d_\w+/\w+\.py [^"]*--steps \d+[^"]*)"', dry))
+    assert runs, "make -n all shows no run with --steps: the check reads the wrong thing"
+    few = [run for run in runs if int(re.search(r"--steps (\d+)", run)[1])
+           < results_table.MIN_TIMED_STEPS and memory_run not in run]
+    assert not few, f"Makefile: {few[0]!r} times fewer than {results_table.MIN_TIMED_STEPS} " \
+                    "steps: a speedup would rest on them (use SHORT_RUN, or MEMORY_RUN for a " \
+                    "memory row)"

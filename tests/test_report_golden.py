@@ -39,8 +39,8 @@ def _report(*flags: str) -> str:
     return out.getvalue()
 
 
-def _table(name: str, tmp) -> str:
-    return _report("--results", str(FIXTURES / name), "--out", str(tmp / "report.md"))
+def _table(name: str, tmp, *flags: str) -> str:
+    return _report("--results", str(FIXTURES / name), "--out", str(tmp / "report.md"), *flags)
 
 
 def _round(x: float) -> float:
@@ -78,6 +78,7 @@ def outputs(tmp) -> dict[str, str]:
     for name in RECORDS:
         stem = name.removesuffix(".jsonl")
         out[f"{stem}.md"] = _table(name, tmp)
+        out[f"{stem}_wide.md"] = _table(name, tmp, "--wide")
         out[f"{stem}_charts.json"] = json.dumps(
             chart_picture(common.load_results(FIXTURES / name)), indent=1) + "\n"
     for name, flags in PLANS.items():
@@ -91,7 +92,7 @@ def produced(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", [f"{r.removesuffix('.jsonl')}{kind}" for r in RECORDS
-                                  for kind in (".md", "_charts.json")]
+                                  for kind in (".md", "_wide.md", "_charts.json")]
                          + [f"{p}.txt" for p in PLANS])
 def test_the_report_prints_what_it_printed_before(produced, name):
     assert produced[name] == (GOLDEN / name).read_text(), \
