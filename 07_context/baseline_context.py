@@ -27,6 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 
+# Copied from 01_ddp/baseline_ddp_flash.py: wrap_ddp
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
+             group: dist.ProcessGroup | None = None) -> DDP:
+    """DDP for long context. With O(T) attention activations the gradients are a large share of
+    the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
+    one block's gradients let a block's all-reduce start as soon as its backward ends and run
+    under the next block's. Over the ranks of `group` (None: the world), from its first rank's
+    weights."""
+    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+
+
+# --- Theory: what the run predicts from its shapes -----------------------------------------------
 # Copied from 03_fsdp/optimized_fsdp_fp8.py: activation_bytes
 def activation_bytes(layers: int, tokens: float, hidden: int, heads: int, value_bytes: float,
                      checkpointing: bool, ffn: int | None = None) -> float:
@@ -70,16 +83,15 @@ def block_gradient_mb(block: torch.nn.Module) -> float:
     return sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
 
 
-# Copied from 01_ddp/baseline_ddp_flash.py: wrap_ddp
-def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
-             group: dist.ProcessGroup | None = None) -> DDP:
-    """DDP for long context. With O(T) attention activations the gradients are a large share of
-    the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
-    one block's gradients let a block's all-reduce start as soon as its backward ends and run
-    under the next block's. Over the ranks of `group` (None: the world), from its first rank's
-    weights."""
-    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+def theory(args, world: int, grad_bytes: int) -> dict[str, float]:
+    """What the run predicts from its shapes: a rank's activations and attention GFLOP over its
+    whole sequences, and DDP's bytes."""
+    size = common.SIZES[args.size]
+    attention_gflop = args.batch_size * size.n_layers * attention_flops(
+        torch.arange(args.seq_len), size.d_model) / 1e9
+    return {"activations_mb": activation_mb(args, args.batch_size * args.seq_len),
+            "attention_gflop": attention_gflop,
+            "comm_mb": common.ring_allreduce_mb(grad_bytes, world)}
 
 
 def main():
@@ -101,16 +113,10 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    size = common.SIZES[args.size]
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    attention_gflop = args.batch_size * size.n_layers * attention_flops(
-        torch.arange(args.seq_len), size.d_model) / 1e9
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
-                  overlapped=common.DDP_OVERLAP,
-                  comm_mb=stats.comm_mb,
-                  theory={"activations_mb": activation_mb(args, args.batch_size * args.seq_len),
-                          "attention_gflop": attention_gflop,
-                          "comm_mb": common.ring_allreduce_mb(grad_bytes, topo.world_size)})
+                  overlapped=common.DDP_OVERLAP, comm_mb=stats.comm_mb,
+                  theory=theory(args, topo.world_size, grad_bytes))
 
 
 if __name__ == "__main__":

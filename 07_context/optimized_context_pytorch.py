@@ -72,23 +72,6 @@ def default_cp(world: int, seq_len: int) -> int:
     return max(cp for cp in range(1, world + 1) if cp_problem(cp, world, seq_len) is None)
 
 
-def context_parallel_mb(layers: int, tokens: int, heads: int, head_dim: int, cp: int,
-                        value_bytes: int) -> dict[str, float]:
-    """MB a rank sends a step in torch's ring attention, `tokens` its own (batch x T/cp), K and V
-    of `heads` heads each: K and V per layer in forward and again in backward, (cp-1) x this
-    rank's (all-gathered, or passed cp-1 times round the ring: the same bytes), and cp passes of
-    their fp32 gradients (torch accumulates them in fp32) to the next rank in backward."""
-    kv = 2 * tokens * heads * head_dim
-    return {"kv_allgather_mb": layers * 2 * (cp - 1) * kv * value_bytes / 2**20,
-            "dkv_rotate_mb": layers * cp * kv * 4 / 2**20}
-
-
-# Copied from 01_ddp/baseline_ddp_flash.py: block_gradient_mb
-def block_gradient_mb(block: torch.nn.Module) -> float:
-    """One transformer block's gradient bytes: the bucket size that aligns buckets with blocks."""
-    return sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
-
-
 # Copied from 01_ddp/baseline_ddp_flash.py: wrap_ddp
 def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
              group: dist.ProcessGroup | None = None) -> DDP:
@@ -108,6 +91,34 @@ def recorded_settings(settings, cp: int):
     run to the baseline at the same global batch and tokens."""
     share = settings.batch_size / cp
     return common.resolved(settings, batch_size=int(share) if share.is_integer() else share)
+
+
+# --- Theory: what the run predicts from its shapes -----------------------------------------------
+def context_parallel_mb(layers: int, tokens: int, heads: int, head_dim: int, cp: int,
+                        value_bytes: int) -> dict[str, float]:
+    """MB a rank sends a step in torch's ring attention, `tokens` its own (batch x T/cp), K and V
+    of `heads` heads each: K and V per layer in forward and again in backward, (cp-1) x this
+    rank's (all-gathered, or passed cp-1 times round the ring: the same bytes), and cp passes of
+    their fp32 gradients (torch accumulates them in fp32) to the next rank in backward."""
+    kv = 2 * tokens * heads * head_dim
+    return {"kv_allgather_mb": layers * 2 * (cp - 1) * kv * value_bytes / 2**20,
+            "dkv_rotate_mb": layers * cp * kv * 4 / 2**20}
+
+
+# Copied from 01_ddp/baseline_ddp_flash.py: block_gradient_mb
+def block_gradient_mb(block: torch.nn.Module) -> float:
+    """One transformer block's gradient bytes: the bucket size that aligns buckets with blocks."""
+    return sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
+
+
+def theory(settings, world: int, cp: int, grad_bytes: int) -> dict[str, float]:
+    """The bytes a rank sends a step: DDP's all-reduce and torch's ring (context_parallel_mb)."""
+    size = common.SIZES[settings.size]
+    predicted = context_parallel_mb(size.n_layers, settings.batch_size * settings.seq_len // cp,
+                                    size.n_heads, size.d_model // size.n_heads, cp,
+                                    2 if settings.dtype == "bf16" else 4)
+    return {"comm_mb": common.ring_allreduce_mb(grad_bytes, world) + sum(predicted.values()),
+            **predicted}
 
 
 def main():
@@ -161,9 +172,6 @@ def main():
     stats = common.timed_steps(train_step, batches, settings, topo, memory_of=(model, opt),
                                dp_world=world // cp)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    predicted = context_parallel_mb(size.n_layers, settings.batch_size * settings.seq_len // cp,
-                                    size.n_heads, size.d_model // size.n_heads, cp,
-                                    2 if settings.dtype == "bf16" else 4)
     # counted: the all-gathers; not: the ring passes (a functional all_to_all_single, which
     # common.CollectiveBytes does not count)
     kv_allgather_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items()
@@ -176,8 +184,7 @@ def main():
                      if args.rotate == "allgather" else {}),
                   note="comm MB counts no ring pass (torch's dK/dV: theory dkv_rotate_mb"
                        + (", and K/V" if args.rotate == "alltoall" else "") + ")",
-                  theory={"comm_mb": common.ring_allreduce_mb(grad_bytes, world)
-                          + sum(predicted.values()), **predicted})
+                  theory=theory(settings, world, cp, grad_bytes))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ import common  # noqa: E402
 LOSS_TOLERANCE = {"fp32": 5e-5, "bf16": 5e-2}
 aten = torch.ops.aten
 
+# Shapes in names: B batch, H query heads, G KV heads (H/G query heads share each), S this rank's
+# tokens of a sequence (T/cp), D head_dim; R, C a block's query rows and key columns; 2: K and V.
+
 
 def block_schedule(rank: int, source: int, cp: int, length: int, zigzag: bool):
     """Which of this rank's `length` query rows meet which of `source`'s key columns at a ring
@@ -65,59 +68,55 @@ def block_schedule(rank: int, source: int, cp: int, length: int, zigzag: bool):
     return slice(length // 2, length), every, False
 
 
-def block_pairs(rows: slice, cols: slice, causal: bool) -> int:
-    """Query-key pairs a block computes (a causal block: its lower triangle and diagonal)."""
-    n, m = rows.stop - rows.start, cols.stop - cols.start
-    return n * (n + 1) // 2 if causal else n * m
-
-
-def repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+def repeat_kv(x_BGCD: torch.Tensor, heads: int) -> torch.Tensor:
     """KV head h serves query heads h*g..h*g+g-1 (HuggingFace's repeat_kv): the fused kernels
     take equal head counts, so each is repeated here, on this rank, after it travelled."""
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+    G = x_BGCD.shape[1]
+    return x_BGCD if heads == G else x_BGCD.repeat_interleave(heads // G, dim=1)
 
 
-def block_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q_BHRD, k_BGCD, v_BGCD, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention and its rows' log-sum-exp (fp32), by PyTorch's fused kernels: no
     rows x cols score matrix is kept (CPU: flash; CUDA: flash in 16 bits, efficient in fp32)."""
-    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
-    if q.device.type != "cuda":
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    if q.dtype in (torch.float16, torch.bfloat16):
-        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-        return out, lse
-    out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
-    return out, lse[..., :q.shape[2]]  # its log-sum-exp comes padded to 32 rows
+    H, R = q_BHRD.shape[1:3]
+    qkv = q_BHRD, repeat_kv(k_BGCD, H), repeat_kv(v_BGCD, H)
+    if q_BHRD.device.type != "cuda":
+        return aten._scaled_dot_product_flash_attention_for_cpu(*qkv, 0.0, causal)
+    if q_BHRD.dtype in (torch.float16, torch.bfloat16):
+        out_BHRD, lse_BHR, *_ = aten._scaled_dot_product_flash_attention(*qkv, 0.0, causal)
+        return out_BHRD, lse_BHR
+    out_BHRD, lse_BHr, *_ = aten._scaled_dot_product_efficient_attention(*qkv, None, True, 0.0,
+                                                                          causal)
+    return out_BHRD, lse_BHr[..., :R]  # its log-sum-exp comes padded to 32 rows (r)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool):
+def block_backward(dout_BHRD, q_BHRD, k_BGCD, v_BGCD, out_BHRD, lse_BHR, causal: bool):
     """dQ, dK, dV of one block, recomputed from the merged (whole-row) `out` and `lse`; dK and dV
     summed back over each KV head's group of query heads."""
-    kv_heads, rows, cols = k.shape[1], q.shape[2], k.shape[2]
-    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
-    if q.device.type != "cuda":
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal)
-    elif q.dtype in (torch.float16, torch.bfloat16):
-        none = torch.empty(0, device=q.device)  # no dropout: no seed, offset or varlen offsets
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, rows, cols, 0.0, causal, none, none)
+    (B, H, R, D), (G, C) = q_BHRD.shape, k_BGCD.shape[1:3]
+    dout_qkv = dout_BHRD, q_BHRD, repeat_kv(k_BGCD, H), repeat_kv(v_BGCD, H)
+    none = torch.empty(0, device=q_BHRD.device)  # no dropout: no seed, offset or varlen offsets
+    if q_BHRD.device.type != "cuda":
+        dq_BHRD, dk_BHCD, dv_BHCD = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *dout_qkv, out_BHRD, lse_BHR, 0.0, causal)
+    elif q_BHRD.dtype in (torch.float16, torch.bfloat16):
+        dq_BHRD, dk_BHCD, dv_BHCD = aten._scaled_dot_product_flash_attention_backward(
+            *dout_qkv, out_BHRD, lse_BHR, None, None, R, C, 0.0, causal, none, none)
     else:
-        padded = torch.nn.functional.pad(lse, (0, -rows % 32))
-        none = torch.empty(0, device=q.device)
-        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, padded, none, none, 0.0, [True, True, True, False], causal)
-    B, _, _, D = dk.shape
-    return dq, *(d.view(B, kv_heads, -1, cols, D).sum(2) for d in (dk, dv))
+        lse_BHr = torch.nn.functional.pad(lse_BHR, (0, -R % 32))  # as the forward padded it
+        dq_BHRD, dk_BHCD, dv_BHCD, _ = aten._scaled_dot_product_efficient_attention_backward(
+            *dout_qkv, None, out_BHRD, lse_BHr, none, none, 0.0, [True, True, True, False], causal)
+    return dq_BHRD, *(d_BHCD.view(B, G, H // G, C, D).sum(2) for d_BHCD in (dk_BHCD, dv_BHCD))
 
 
-def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
+def merge(out_BHRD: torch.Tensor, lse_BHR: torch.Tensor, block_out_BHRD: torch.Tensor,
+          block_lse_BHR: torch.Tensor) -> None:
     """Fold a block's softmax-weighted output into the rows' running one, in place: each side
     weighted by its share exp(lse_side - lse_both) of the rows' total exponent mass."""
-    both = torch.logaddexp(lse, block_lse)
-    out.mul_((lse - both).exp_().unsqueeze(-1)).add_(
-        block_out * (block_lse - both).exp_().unsqueeze(-1))
-    lse.copy_(both)
+    both_BHR = torch.logaddexp(lse_BHR, block_lse_BHR)
+    out_BHRD.mul_((lse_BHR - both_BHR).exp_().unsqueeze(-1)).add_(
+        block_out_BHRD * (block_lse_BHR - both_BHR).exp_().unsqueeze(-1))
+    lse_BHR.copy_(both_BHR)
 
 
 def unsupported_attention(module, query: torch.Tensor, attention_mask, cp: int,
@@ -155,23 +154,25 @@ def unsupported_attention(module, query: torch.Tensor, attention_mask, cp: int,
 
 
 class RingAttention:
-    """`attention(q, k, v)` over a context-parallel group: q (B, heads, T/cp, D) this rank's
-    queries, k and v its keys and values with the KV heads only (`takes_kv_heads`), laid out as
-    `common.sequence_positions(T, rank, cp, zigzag)`. Any dtype the fused kernels take; K/V
-    travel in it, dK/dV in fp32. Counts its block kernels' wall time (CPU) and q-k pairs.
-    In a HuggingFace model, `refuse_unsupported` and `no_mask` refuse in one line what
-    transformers asks of it that it does not compute (07_context/README.md)."""
+    """`attention(q, k, v)` over a context-parallel group: q (B, H, S, D) this rank's queries,
+    k and v (B, G, S, D) its keys and values with the KV heads only (`takes_kv_heads`), laid out
+    as `common.sequence_positions(T, rank, cp, zigzag)`. Any dtype the fused kernels take; K/V
+    travel in it, dK/dV in fp32. In a HuggingFace model, `refuse_unsupported` and `no_mask`
+    refuse in one line what transformers asks of it that it does not compute
+    (07_context/README.md)."""
 
     takes_kv_heads = True  # LlamaAttention then hands over K and V unrepeated: fewer bytes sent
+    # the block kernels, looked up on the instance: MeasuredRingAttention wraps them
+    block_forward, block_backward = staticmethod(block_forward), staticmethod(block_backward)
 
     def __init__(self, group: dist.ProcessGroup | None = None, zigzag: bool = True,
                  overlap: bool = True):
         self.group = group if group is not None else dist.group.WORLD
         self.zigzag, self.overlap = zigzag, overlap
-        self.kernel_s, self.pairs = 0.0, 0  # since reset(); pairs: forward, x batch x heads
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return RingAttentionFunction.apply(q, k, v, self)
+    def __call__(self, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor
+                 ) -> torch.Tensor:
+        return RingAttentionFunction.apply(q_BHSD, k_BGSD, v_BGSD, self)
 
     def refuse_unsupported(self, module, query: torch.Tensor, attention_mask, **kwargs) -> None:
         """A ValueError naming what transformers' call asks beyond causal attention
@@ -191,15 +192,6 @@ class RingAttention:
             if padded.item():
                 raise ValueError("attention_mask with padding: context-parallel attention takes "
                                  "no mask; fill every sequence to its full length")
-
-    def reset(self) -> None:
-        self.kernel_s, self.pairs = 0.0, 0
-
-    def timed(self, kernel, *tensors, causal: bool):
-        start = time.perf_counter()
-        result = kernel(*tensors, causal)
-        self.kernel_s += time.perf_counter() - start  # CPU kernels return when done
-        return result
 
     def exchange(self, send: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
         """Send `send` to the next rank of the ring, receive the previous rank's: the receive
@@ -222,70 +214,149 @@ def wait(pending: list) -> None:
     pending.clear()
 
 
-def ring_forward(q, k, v, ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(q_BHSD, k_BGSD, v_BGSD, ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and merged log-sum-exp of this rank's queries against every rank's keys."""
     cp, rank = ring.group.size(), ring.group.rank()
-    kv, pending, out, lse = torch.stack([k, v]), [], None, None  # one message a step
+    kv_2BGSD = torch.stack([k_BGSD, v_BGSD])  # one message a step
+    pending, out_BHSD, lse_BHS = [], None, None
     for step in range(cp):
         if step < cp - 1:  # post the next block's exchange before this block's attention
-            incoming, pending = ring.exchange(kv, tag=0)
-        block = block_schedule(rank, (rank - step) % cp, cp, q.shape[2], ring.zigzag)
+            incoming_2BGSD, pending = ring.exchange(kv_2BGSD, tag=0)
+        block = block_schedule(rank, (rank - step) % cp, cp, q_BHSD.shape[2], ring.zigzag)
         if block:
             rows, cols, causal = block
-            ring.pairs += q.shape[0] * q.shape[1] * block_pairs(*block)
-            block_out, block_lse = ring.timed(block_forward, q[:, :, rows], kv[0][:, :, cols],
-                                              kv[1][:, :, cols], causal=causal)
-            if out is None:  # step 0: the rank's own block, every row
-                out, lse = block_out.float(), block_lse.float()
+            block_out_BHRD, block_lse_BHR = ring.block_forward(
+                q_BHSD[:, :, rows], *kv_2BGSD[:, :, :, cols], causal)
+            if out_BHSD is None:  # step 0: the rank's own block, every row
+                out_BHSD, lse_BHS = block_out_BHRD.float(), block_lse_BHR.float()
             else:
-                merge(out[:, :, rows], lse[:, :, rows], block_out.float(), block_lse.float())
+                merge(out_BHSD[:, :, rows], lse_BHS[:, :, rows], block_out_BHRD.float(),
+                      block_lse_BHR.float())
         if step < cp - 1:
             wait(pending)
-            kv = incoming
-    return out.to(q.dtype), lse
+            kv_2BGSD = incoming_2BGSD
+    return out_BHSD.to(q_BHSD.dtype), lse_BHS
 
 
-def ring_backward(dout, q, k, v, out, lse, ring: RingAttention):
+def ring_backward(dout_BHSD, q_BHSD, k_BGSD, v_BGSD, out_BHSD, lse_BHS, ring: RingAttention):
     """dQ, dK, dV: K/V go round as in forward (cp-1 sends); each block's dK/dV add into the
     accumulator that travels with its K/V, cp sends, the last one bringing this rank's home."""
     cp, rank = ring.group.size(), ring.group.rank()
-    kv, dq = torch.stack([k, v]), torch.zeros_like(q, dtype=torch.float32)
-    dkv, kv_pending, dkv_pending = torch.zeros_like(kv, dtype=torch.float32), [], []
+    kv_2BGSD, dq_BHSD = torch.stack([k_BGSD, v_BGSD]), torch.zeros_like(q_BHSD, dtype=torch.float32)
+    dkv_2BGSD, kv_pending, dkv_pending = torch.zeros_like(kv_2BGSD, dtype=torch.float32), [], []
     for step in range(cp):
         if step < cp - 1:
-            next_kv, kv_pending = ring.exchange(kv, tag=1)
-        block = block_schedule(rank, (rank - step) % cp, cp, q.shape[2], ring.zigzag)
+            next_kv_2BGSD, kv_pending = ring.exchange(kv_2BGSD, tag=1)
+        block = block_schedule(rank, (rank - step) % cp, cp, q_BHSD.shape[2], ring.zigzag)
         if block:
             rows, cols, causal = block
-            grads = ring.timed(block_backward, dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
-                               kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows].contiguous(),
-                               causal=causal)
+            dq_BHRD, *dkv_BGCD = ring.block_backward(
+                dout_BHSD[:, :, rows], q_BHSD[:, :, rows], *kv_2BGSD[:, :, :, cols],
+                out_BHSD[:, :, rows], lse_BHS[:, :, rows].contiguous(), causal)
         wait(dkv_pending)  # this K/V's accumulator, from the previous rank, under this block
         if block:
-            dq[:, :, rows] += grads[0]
-            dkv[:, :, :, cols] += torch.stack(grads[1:])
+            dq_BHSD[:, :, rows] += dq_BHRD
+            dkv_2BGSD[:, :, :, cols] += torch.stack(dkv_BGCD)
         if cp > 1:
-            dkv, dkv_pending = ring.exchange(dkv, tag=2)
+            dkv_2BGSD, dkv_pending = ring.exchange(dkv_2BGSD, tag=2)
         if step < cp - 1:
             wait(kv_pending)
-            kv = next_kv
+            kv_2BGSD = next_kv_2BGSD
     wait(dkv_pending)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq_BHSD.to(q_BHSD.dtype), dkv_2BGSD[0].to(k_BGSD.dtype), dkv_2BGSD[1].to(v_BGSD.dtype)
 
 
 class RingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: RingAttention):
-        out, lse = ring_forward(q, k, v, ring)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q_BHSD, k_BGSD, v_BGSD, ring: RingAttention):
+        out_BHSD, lse_BHS = ring_forward(q_BHSD, k_BGSD, v_BGSD, ring)
+        ctx.save_for_backward(q_BHSD, k_BGSD, v_BGSD, out_BHSD, lse_BHS)
         ctx.ring = ring
-        return out
+        return out_BHSD
 
     @staticmethod
-    def backward(ctx, dout):
-        return *ring_backward(dout.contiguous(), *ctx.saved_tensors, ctx.ring), None
+    def backward(ctx, dout_BHSD):
+        return *ring_backward(dout_BHSD.contiguous(), *ctx.saved_tensors, ctx.ring), None
 
 
+def shard_over_dp_and_cp(model: torch.nn.Module, blocks: list[torch.nn.Module], mesh):
+    """FSDP2 over every rank of the (dp, cp) mesh, flattened into one dim (torchtitan's
+    dp_shard_cp): the cp ranks of a group hold the same weights, so they shard them as data-
+    parallel ranks do; each block, then the root. Every rank built the same seeded model."""
+    shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    for block in blocks:
+        fully_shard(block, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+
+
+# Copied from 01_ddp/baseline_ddp_flash.py: wrap_ddp
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
+             group: dist.ProcessGroup | None = None) -> DDP:
+    """DDP for long context. With O(T) attention activations the gradients are a large share of
+    the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
+    one block's gradients let a block's all-reduce start as soon as its backward ends and run
+    under the next block's. Over the ranks of `group` (None: the world), from its first rank's
+    weights."""
+    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: padded_numel
+def padded_numel(p: torch.Tensor, group: int) -> int:
+    """Elements FSDP allocates for `p` across a shard group: dim 0 rounded up to the group."""
+    return math.ceil(p.shape[0] / group) * group * math.prod(p.shape[1:])
+
+
+def recorded_settings(settings, cp: int):
+    """The run's settings as its record states them: the batch as a rank's share, 1/cp of each
+    of its group's sequences (the baseline's batch at the defaults), so that the report holds the
+    run to the baseline at the same global batch and tokens."""
+    share = settings.batch_size / cp
+    return common.resolved(settings, batch_size=int(share) if share.is_integer() else share)
+
+
+# --- Measuring: outside the algorithm ------------------------------------------------------------
+class MeasuredRingAttention(RingAttention):
+    """RingAttention whose block kernels add up their wall time (CPU kernels return when done)
+    and the q-k pairs the forward ones compute, x batch x heads, since `reset()`."""
+
+    kernel_s, pairs = 0.0, 0
+
+    def reset(self) -> None:
+        self.kernel_s, self.pairs = 0.0, 0
+
+    def block_forward(self, q_BHRD, k_BGCD, v_BGCD, causal: bool):
+        B, H, R, _ = q_BHRD.shape
+        self.pairs += B * H * block_pairs(R, k_BGCD.shape[2], causal)
+        return self.timed(block_forward, q_BHRD, k_BGCD, v_BGCD, causal)
+
+    def block_backward(self, *tensors_and_causal):
+        return self.timed(block_backward, *tensors_and_causal)
+
+    def timed(self, kernel, *args):
+        start = time.perf_counter()
+        result = kernel(*args)
+        self.kernel_s += time.perf_counter() - start
+        return result
+
+    def figures(self, steps: int, head_dim: int, cpu: bool) -> dict[str, float | None]:
+        """The record's attention_balance, max/min of the cp ranks' kernel seconds (None on
+        CUDA: its kernels return before they finish), and attention_gflop, the busiest rank's
+        pairs a step at 4 x head_dim FLOPs each."""
+        ranks = [None] * self.group.size()
+        dist.all_gather_object(ranks, (self.kernel_s if cpu else None, self.pairs / steps),
+                               group=self.group)
+        seconds = [s for s, _ in ranks]
+        return {"attention_balance": None if None in seconds else max(seconds) / min(seconds),
+                "attention_gflop": 4 * head_dim * max(p for _, p in ranks) / 1e9}
+
+
+def block_pairs(rows: int, cols: int, causal: bool) -> int:
+    """Query-key pairs a block computes (a causal block: its lower triangle and diagonal)."""
+    return rows * (rows + 1) // 2 if causal else rows * cols
+
+
+# --- Theory: what the run predicts from its shapes -----------------------------------------------
 def ring_bytes(batch: int, seq_len: int, kv_heads: int, head_dim: int, cp: int, layers: int,
                value_bytes: int, grad_bytes: int = 4) -> float:
     """Bytes a rank sends round the ring a step: per layer, K and V (cp-1) times forward and
@@ -340,24 +411,6 @@ def block_gradient_mb(block: torch.nn.Module) -> float:
     return sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
 
 
-# Copied from 01_ddp/baseline_ddp_flash.py: wrap_ddp
-def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
-             group: dist.ProcessGroup | None = None) -> DDP:
-    """DDP for long context. With O(T) attention activations the gradients are a large share of
-    the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
-    one block's gradients let a block's all-reduce start as soon as its backward ends and run
-    under the next block's. Over the ranks of `group` (None: the world), from its first rank's
-    weights."""
-    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
-
-
-# Copied from 03_fsdp/optimized_fsdp.py: padded_numel
-def padded_numel(p: torch.Tensor, group: int) -> int:
-    """Elements FSDP allocates for `p` across a shard group: dim 0 rounded up to the group."""
-    return math.ceil(p.shape[0] / group) * group * math.prod(p.shape[1:])
-
-
 # Copied from 03_fsdp/optimized_fsdp.py: fsdp_bytes
 def fsdp_bytes(blocks: float, root: float, group: int, replicas: int = 1, reshard: bool = True,
                gather: float = 4, reduce: float = 4, state: float = 16, fp32: float = 0.0,
@@ -398,20 +451,6 @@ def planned_fsdp_cp(plan: common.PlanInput) -> dict:
             "network": predicted["sent"] if plan.gpus > plan.per_node else 0.0}
 
 
-PLANNED = [{"strategy": "FSDP x CP", "place": 115, "figures": planned_fsdp_cp,
-            "context_parallel": True}]
-
-
-def shard_over_dp_and_cp(model: torch.nn.Module, blocks: list[torch.nn.Module], mesh):
-    """FSDP2 over every rank of the (dp, cp) mesh, flattened into one dim (torchtitan's
-    dp_shard_cp): the cp ranks of a group hold the same weights, so they shard them as data-
-    parallel ranks do; each block, then the root. Every rank built the same seeded model."""
-    shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")
-    for block in blocks:
-        fully_shard(block, mesh=shard_mesh)
-    fully_shard(model, mesh=shard_mesh)
-
-
 def data_parallel_theory(model: torch.nn.Module, blocks: list[torch.nn.Module], world: int,
                          fsdp: bool) -> dict[str, float]:
     """Bytes the dp x cp ranks hand the weights' collectives a step, and the state a rank keeps:
@@ -429,8 +468,7 @@ def data_parallel_theory(model: torch.nn.Module, blocks: list[torch.nn.Module], 
     return {"comm": predicted["sent"], "state": predicted["state"]}
 
 
-def theory(settings, positions: list[torch.Tensor], data_parallel: dict[str, float],
-           kv_heads: int, value_bytes: int) -> dict:
+def theory(settings, positions: list[torch.Tensor], data_parallel: dict[str, float]) -> dict:
     """What the run predicts from its shapes: a rank's activations, the busiest rank's attention
     FLOPs and the balance over the cp ranks (from their positions), the bytes a rank sends (the
     ring's, and the weights' collectives: `data_parallel_theory`) and its state."""
@@ -438,22 +476,16 @@ def theory(settings, positions: list[torch.Tensor], data_parallel: dict[str, flo
     tokens = settings.batch_size * settings.seq_len // cp
     flops = [settings.batch_size * size.n_layers * attention_flops(p, size.d_model)
              for p in positions]
+    # the Llama's grouped-query attention, in the MoE Llama too
+    kv_heads = size.n_kv_heads if settings.model in ("llama", "moe") else size.n_heads
     ring = ring_bytes(settings.batch_size, settings.seq_len, kv_heads, size.d_model //
-                      size.n_heads, cp, size.n_layers, value_bytes) / 2**20
+                      size.n_heads, cp, size.n_layers, 2 if settings.dtype == "bf16" else 4) / 2**20
     return {"activations_mb": activation_mb(settings, tokens),
             "attention_gflop": max(flops) / 1e9, "attention_balance": max(flops) / min(flops),
             # what the step waits for: the busiest rank's attention over an even share
             "attention_busiest": max(flops) * cp / sum(flops),
             "ring_mb": ring, "comm_mb": data_parallel["comm"] / 2**20 + ring,
             "state_mb": data_parallel["state"] / 2**20}
-
-
-def recorded_settings(settings, cp: int):
-    """The run's settings as its record states them: the batch as a rank's share, 1/cp of each
-    of its group's sequences (the baseline's batch at the defaults), so that the report holds the
-    run to the baseline at the same global batch and tokens."""
-    share = settings.batch_size / cp
-    return common.resolved(settings, batch_size=int(share) if share.is_integer() else share)
 
 
 def main():
@@ -489,7 +521,7 @@ def main():
     topo = common.setup(args)
     mesh = init_device_mesh(topo.device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
     group = mesh.get_group("cp")
-    attention = RingAttention(group, zigzag=zigzag, overlap=not args.no_overlap)
+    attention = MeasuredRingAttention(group, zigzag=zigzag, overlap=not args.no_overlap)
     positions = [common.sequence_positions(args.seq_len, r, cp, zigzag) for r in range(cp)]
     mine = positions[group.rank()].to(topo.device)
     model, batches = common.workload(settings, topo, attention=attention,
@@ -514,13 +546,6 @@ def main():
 
     stats = common.timed_steps(train_step, batches, settings, topo, memory_of=(model, opt),
                                dp_world=world // cp)
-    ranks = [None] * cp  # each cp rank's kernel seconds (None on CUDA, unsynchronised) and pairs
-    dist.all_gather_object(ranks, (attention.kernel_s if topo.device.type == "cpu" else None,
-                                   attention.pairs / args.steps), group=group)
-    seconds = [s for s, _ in ranks]
-    head_dim = size.d_model // size.n_heads
-    # the Llama's grouped-query attention, in the MoE Llama too
-    kv_heads = size.n_kv_heads if args.model in ("llama", "moe") else size.n_heads
     unwrapped = model if args.fsdp else model.module
     ring_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items() if kind.startswith("send"))
     common.record(recorded_settings(settings, cp), topo, stats,
@@ -528,13 +553,16 @@ def main():
                   baseline="baseline_context", model=unwrapped, optimizer=opt,
                   comm_mb=stats.comm_mb, loss_tolerance=LOSS_TOLERANCE[args.dtype], cp=cp,
                   balance=args.balance, overlap=not args.no_overlap,
-                  strategy="FSDP x CP" if args.fsdp else "DDP x CP",
-                  ring_mb=ring_mb,
-                  attention_balance=None if None in seconds else max(seconds) / min(seconds),
-                  attention_gflop=4 * head_dim * max(p for _, p in ranks) / 1e9,
+                  strategy="FSDP x CP" if args.fsdp else "DDP x CP", ring_mb=ring_mb,
+                  **attention.figures(args.steps, size.d_model // size.n_heads,
+                                      cpu=topo.device.type == "cpu"),
                   theory=theory(settings, positions,
-                                data_parallel_theory(unwrapped, blocks, world, args.fsdp),
-                                kv_heads, 2 if args.dtype == "bf16" else 4))
+                                data_parallel_theory(unwrapped, blocks, world, args.fsdp)))
+
+
+# The planner's row (report/planner.py reads this; the script never does).
+PLANNED = [{"strategy": "FSDP x CP", "place": 115, "figures": planned_fsdp_cp,
+            "context_parallel": True}]
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ import common  # noqa: E402
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
 # No planner row yet: the planner plans parameter state, and Ulysses moves activations.
 PLANNED = []
+# Shapes in names: B batch, H query heads, G KV heads, h = H/cp and g = G/cp a rank's share of
+# them, T the whole sequence, S = T/cp a rank's chunk of it, D head_dim.
 
 
 class AllToAll(torch.autograd.Function):
@@ -138,19 +140,22 @@ class UlyssesAttention:
                 raise ValueError("attention_mask with padding: context-parallel attention takes "
                                  "no mask; fill every sequence to its full length")
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor
+                 ) -> torch.Tensor:
         cp = dist.get_world_size(self.group)
-        if q.shape[1] % cp or k.shape[1] % cp:  # the model's own shapes, not a flag's
-            raise ValueError(f"UlyssesAttention: cp {cp} does not divide the {q.shape[1]} "
-                             f"attention heads and {k.shape[1]} KV heads: each rank takes whole "
-                             f"heads, use a cp group that divides both")
+        H, G = q_BHSD.shape[1], k_BGSD.shape[1]
+        if H % cp or G % cp:  # the model's own shapes, not a flag's
+            raise ValueError(f"UlyssesAttention: cp {cp} does not divide the {H} attention heads "
+                             f"and {G} KV heads: each rank takes whole heads, use a cp group "
+                             f"that divides both")
         # sequence-sharded -> head-sharded: send heads, gather the sequence
-        q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=self.group)
-                   for t in (q, k, v))
-        out = self.attention(q, k, v).transpose(1, 2)  # (batch, T, heads/cp, head_dim)
-        # head-sharded -> sequence-sharded, joined as (batch, T/cp, heads, head_dim): the layout
-        # the model's output projection reads without another copy
-        return all_to_all(out, scatter_dim=1, gather_dim=2, group=self.group).transpose(1, 2)
+        q_BhTD, k_BgTD, v_BgTD = (all_to_all(x_BHSD, scatter_dim=1, gather_dim=2, group=self.group)
+                                  for x_BHSD in (q_BHSD, k_BGSD, v_BGSD))
+        out_BThD = self.attention(q_BhTD, k_BgTD, v_BgTD).transpose(1, 2)
+        # head-sharded -> sequence-sharded, joined as (B, S, H, D): the layout the model's output
+        # projection reads without another copy
+        out_BSHD = all_to_all(out_BThD, scatter_dim=1, gather_dim=2, group=self.group)
+        return out_BSHD.transpose(1, 2)
 
 
 def cp_problem(cp: int, world: int, heads: int, kv_heads: int, seq_len: int) -> str | None:
@@ -179,6 +184,28 @@ def kv_heads(model: str, size: common.Size) -> int:
     return size.n_kv_heads if model in ("llama", "moe") else size.n_heads
 
 
+# Copied from 01_ddp/baseline_ddp_flash.py: wrap_ddp
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
+             group: dist.ProcessGroup | None = None) -> DDP:
+    """DDP for long context. With O(T) attention activations the gradients are a large share of
+    the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
+    one block's gradients let a block's all-reduce start as soon as its backward ends and run
+    under the next block's. Over the ranks of `group` (None: the world), from its first rank's
+    weights."""
+    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+
+
+# Copied from 07_context/optimized_context_ring.py: recorded_settings
+def recorded_settings(settings, cp: int):
+    """The run's settings as its record states them: the batch as a rank's share, 1/cp of each
+    of its group's sequences (the baseline's batch at the defaults), so that the report holds the
+    run to the baseline at the same global batch and tokens."""
+    share = settings.batch_size / cp
+    return common.resolved(settings, batch_size=int(share) if share.is_integer() else share)
+
+
+# --- Theory: what the run predicts from its shapes -----------------------------------------------
 def ulysses_bytes(layers: int, tokens: int, heads: int, kv_heads: int, head_dim: int, cp: int,
                   value_bytes: int) -> float:
     """Bytes a rank sends a step in Ulysses' all-to-alls, `tokens` its own (batch x T/cp): per
@@ -233,18 +260,6 @@ def block_gradient_mb(block: torch.nn.Module) -> float:
     return sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
 
 
-# Copied from 01_ddp/baseline_ddp_flash.py: wrap_ddp
-def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
-             group: dist.ProcessGroup | None = None) -> DDP:
-    """DDP for long context. With O(T) attention activations the gradients are a large share of
-    the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
-    one block's gradients let a block's all-reduce start as soon as its backward ends and run
-    under the next block's. Over the ranks of `group` (None: the world), from its first rank's
-    weights."""
-    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
-
-
 def theory(settings, world: int, cp: int, grad_bytes: int) -> dict[str, float]:
     """The run's predicted figures, from its shapes: bytes sent (DDP's and Ulysses'), this rank's
     activations and attention GFLOP (whole sequences, heads/cp of the heads)."""
@@ -258,15 +273,6 @@ def theory(settings, world: int, cp: int, grad_bytes: int) -> dict[str, float]:
     return {"activations_mb": activation_mb(settings, tokens), "attention_gflop": attention_gflop,
             "comm_mb": common.ring_allreduce_mb(grad_bytes, world) + ulysses,
             "ulysses_mb": ulysses}
-
-
-# Copied from 07_context/optimized_context_ring.py: recorded_settings
-def recorded_settings(settings, cp: int):
-    """The run's settings as its record states them: the batch as a rank's share, 1/cp of each
-    of its group's sequences (the baseline's batch at the defaults), so that the report holds the
-    run to the baseline at the same global batch and tokens."""
-    share = settings.batch_size / cp
-    return common.resolved(settings, batch_size=int(share) if share.is_integer() else share)
 
 
 def main():

@@ -30,10 +30,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 
-def without_experts() -> dict[str, str]:
-    """The --model values a MoE recipe skips, each with why."""
-    return {model: "expert parallelism needs a model with experts: run --model moe"
-            for model in common.MODELS if model != "moe"}
+def moe_parser(doc: str) -> argparse.ArgumentParser:
+    """The folder's flags: the MoE model alone (any other --model is skipped, saying why), the
+    folder's steps (`make moe` in ~2 minutes) and how the routers balance. A script adds its
+    own, then add_long_run_flag."""
+    parser = common.parser(doc, skips={
+        model: "expert parallelism needs a model with experts: run --model moe"
+        for model in common.MODELS if model != "moe"})
+    parser.set_defaults(model="moe", steps=8, warmup=3)
+    parser.add_argument("--moe-balance", choices=common.MOE_BALANCING, default="bias",
+                        help="bias: DeepSeek-V3's aux-loss-free bias; aux: the auxiliary loss; "
+                             "none: plain top-k (default: bias)")
+    parser.add_argument("--bias-rate", type=common.positive_float, default=0.2,
+                        help="how far an expert's bias moves a step, x its relative distance "
+                             "from the mean load (--moe-balance bias)")
+    return parser
 
 
 def balance_experts(routers: list[torch.nn.Module], rate: float,
@@ -84,15 +95,23 @@ def add_long_run_flag(parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(warmup=10, steps=30)
 
 
+def ddp_theory(args: argparse.Namespace, model: torch.nn.Module, routers: list,
+               world: int) -> dict[str, float]:
+    """The record's theory: DDP all-reduces every parameter and the routers' counts (8 bytes
+    an expert a layer) a step, and a rank holds 16 bytes a parameter; the busiest expert's
+    tokens a step were the load even."""
+    size = common.SIZES[args.size]
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    count_bytes = sum(r.tokens_per_expert.numel() * 8 for r in routers)
+    tokens = world * args.batch_size * args.seq_len
+    return {"comm_mb": common.ring_allreduce_mb(param_bytes + count_bytes, world),
+            "state_mb": 4 * param_bytes / 2**20,
+            # the busiest expert's tokens if the load were even: the mean
+            "busiest_expert_tokens": tokens * size.top_k / size.n_experts}
+
+
 def main():
-    parser = common.parser(__doc__, skips=without_experts())
-    parser.set_defaults(model="moe", steps=8, warmup=3)  # the folder's: `make moe` in ~2 minutes
-    parser.add_argument("--moe-balance", choices=common.MOE_BALANCING, default="bias",
-                        help="bias: DeepSeek-V3's aux-loss-free bias; aux: the auxiliary loss; "
-                             "none: plain top-k (default: bias)")
-    parser.add_argument("--bias-rate", type=common.positive_float, default=0.2,
-                        help="how far an expert's bias moves a step, x its relative distance "
-                             "from the mean load (--moe-balance bias)")
+    parser = moe_parser(__doc__)
     add_long_run_flag(parser)
     args = parser.parse_args()
     topo = common.setup(args)
@@ -114,19 +133,11 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    size = common.SIZES[args.size]
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    count_bytes = sum(r.tokens_per_expert.numel() * 8 for r in routers)
-    tokens = topo.world_size * args.batch_size * args.seq_len
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
                   overlapped=common.DDP_OVERLAP,
                   comm_mb=stats.comm_mb, moe_balance=args.moe_balance,
                   **load_figures(loads, args.warmup),
-                  theory={"comm_mb": common.ring_allreduce_mb(param_bytes + count_bytes,
-                                                              topo.world_size),
-                          "state_mb": 4 * param_bytes / 2**20,
-                          # the busiest expert's tokens if the load were even: the mean
-                          "busiest_expert_tokens": tokens * size.top_k / size.n_experts})
+                  theory=ddp_theory(args, model, routers, topo.world_size))
 
 
 if __name__ == "__main__":

@@ -39,33 +39,33 @@ import common  # noqa: E402
 
 # Exact arithmetic but for the order of sums (an expert's rows batched with other ranks', its
 # gradient summed before the mean): the layer matches every expert on every rank to fp32
-# rounding (tests/test_moe.py), and `tiny` trains to the baseline's losses exactly. But top-k is
-# discontinuous: rounding flips a near-tie of the router now and then (the layers' loads
-# then differ from the baseline's in the third digit), a token sent to another expert moves the
-# loss by about 1e-4, and the bias balancing, fed the moved counts, moves more. Measured at
-# `small` over 11 steps: 1.3e-3 at ep 2 (2 ranks), 2.8e-4 at ep 4 (4 ranks), at most 2e-4 of the
-# loss; 5e-3 is 7e-4 of it. bf16: the dtype's resolution.
+# rounding (tests/test_moe.py), `tiny` trains to the baseline's losses exactly. But rounding
+# flips a near-tie of the top-k now and then (the loads then differ from the baseline's in the
+# third digit), a token sent to another expert moves the loss by about 1e-4, and the bias
+# balancing, fed the moved counts, moves more. Measured at `small` over 11 steps: 1.3e-3 at ep
+# 2, 2.8e-4 at ep 4, at most 2e-4 of the loss; 5e-3 is 7e-4 of it. bf16: the dtype's resolution.
 LOSS_TOLERANCE = {"fp32": 5e-3, "bf16": 5e-2}
 
 
+# Shapes: T tokens, K top-k, D d_model, E experts (P ranks x L), N = T x K rows sent, R received
 class AllToAll(torch.autograd.Function):
-    """Rows to the ranks of `group`: send_counts[p] of them (in order) to rank p, recv_counts[p]
-    from it. Backward sends the gradients back the way the rows came."""
+    """Rows to the P ranks of `group`: send_P[p] of them (in order) to rank p, recv_P[p] from
+    it. Backward sends the gradients back the way the rows came."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+    def forward(ctx, rows_ND: torch.Tensor, send_P: list[int], recv_P: list[int],
                 group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.counts, ctx.group = (send_counts, recv_counts), group
-        out = rows.new_empty((sum(recv_counts), rows.shape[1]))
-        dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts, group=group)
-        return out
+        ctx.counts, ctx.group = (send_P, recv_P), group
+        rows_RD = rows_ND.new_empty((sum(recv_P), rows_ND.shape[1]))
+        dist.all_to_all_single(rows_RD, rows_ND.contiguous(), recv_P, send_P, group=group)
+        return rows_RD
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        send_counts, recv_counts = ctx.counts
-        out = grad.new_empty((sum(send_counts), grad.shape[1]))
-        dist.all_to_all_single(out, grad.contiguous(), send_counts, recv_counts, group=ctx.group)
-        return out, None, None, None
+    def backward(ctx, grad_RD: torch.Tensor):
+        send_P, recv_P = ctx.counts
+        grad_ND = grad_RD.new_empty((sum(send_P), grad_RD.shape[1]))
+        dist.all_to_all_single(grad_ND, grad_RD.contiguous(), send_P, recv_P, group=ctx.group)
+        return grad_ND, None, None, None
 
 
 class ExpertParallel(torch.nn.Module):
@@ -100,60 +100,61 @@ class ExpertParallel(torch.nn.Module):
             raise ValueError(f"ep {ep} does not divide the {n_experts} experts: use an ep that "
                              f"divides {n_experts}")
         local = n_experts // ep
-        mine = slice(me * local, (me + 1) * local)
+        kept = slice(me * local, (me + 1) * local)
         if fused:
             for name, p in params.items():
                 owner, _, leaf = name.rpartition(".")
                 setattr(experts.get_submodule(owner), leaf,
-                        torch.nn.Parameter(p.detach()[mine].clone(), p.requires_grad))
+                        torch.nn.Parameter(p.detach()[kept].clone(), p.requires_grad))
             if hasattr(experts, "num_experts"):  # HuggingFace's forward reads it
                 experts.num_experts = local
         else:  # the list keeps its class, renumbered from 0
-            del experts[mine.stop:], experts[:mine.start]
+            del experts[kept.stop:], experts[:kept.start]
         self.local, self.n_experts, self.group = experts, n_experts, group
         self.exchanged = (0, 0, 0)  # the last forward's rows sent to peers, received, value bytes
 
-    def forward(self, tokens: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_TD: torch.Tensor, top_k_index_TK: torch.Tensor,
+                top_k_weights_TK: torch.Tensor) -> torch.Tensor:
         ep, me = dist.get_world_size(self.group), dist.get_rank(self.group)
         local = self.n_experts // ep
         # the routed slots sorted by expert, so by the rank that holds it
-        order = top_k_index.flatten().argsort(stable=True)
-        token_of = order // top_k_index.shape[1]
-        counts = common.expert_counts(top_k_index, self.n_experts)
-        arriving = torch.empty_like(counts)  # arriving[p x local + e]: rank p's rows for my e
-        dist.all_to_all_single(arriving, counts, group=self.group)
+        slot_N = top_k_index_TK.flatten().argsort(stable=True)
+        token_N = slot_N // top_k_index_TK.shape[1]
+        send_counts_E = common.expert_counts(top_k_index_TK, self.n_experts)
+        recv_counts_E = torch.empty_like(send_counts_E)  # [p x L + e]: rank p's rows for my e
+        dist.all_to_all_single(recv_counts_E, send_counts_E, group=self.group)
         # the exchanges' split sizes, read on the host at once (one sync a layer on a GPU)
-        mine, theirs = torch.stack([counts, arriving]).view(2, ep, local).tolist()
-        send, recv = [sum(c) for c in mine], [sum(c) for c in theirs]
-        rows = tokens[token_of]
-        if torch.is_autocast_enabled(rows.device.type):  # the experts compute in it: send it
-            rows = rows.to(torch.get_autocast_dtype(rows.device.type))
-        rows = AllToAll.apply(rows, send, recv, self.group)
+        send_PL, recv_PL = torch.stack([send_counts_E, recv_counts_E]).view(2, ep, local).tolist()
+        send_P, recv_P = [sum(row) for row in send_PL], [sum(row) for row in recv_PL]
+        routed_input_ND = tokens_TD[token_N]
+        if torch.is_autocast_enabled(tokens_TD.device.type):  # the experts compute in it: send it
+            routed_input_ND = routed_input_ND.to(torch.get_autocast_dtype(tokens_TD.device.type))
+        expert_input_RD = AllToAll.apply(routed_input_ND, send_P, recv_P, self.group)
         # rows arrive by source rank, then expert: each one's local expert
-        expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(
-            arriving, output_size=len(rows))
-        outs = self.compute(rows, expert_of_row,
-                            [sum(column) for column in zip(*theirs, strict=True)])
-        combined = AllToAll.apply(outs, recv, send, self.group)
-        self.exchanged = (sum(send) - send[me], sum(recv) - recv[me], rows.element_size())
-        weighted = combined * top_k_weights.flatten()[order, None]
-        return torch.zeros_like(tokens).index_add_(0, token_of, weighted.to(tokens.dtype))
+        expert_R = torch.arange(local, device=tokens_TD.device).repeat(ep).repeat_interleave(
+            recv_counts_E, output_size=len(expert_input_RD))
+        rows_per_expert_L = [sum(column) for column in zip(*recv_PL, strict=True)]
+        expert_output_RD = self.compute(expert_input_RD, expert_R, rows_per_expert_L)
+        routed_output_ND = AllToAll.apply(expert_output_RD, recv_P, send_P, self.group)
+        self.exchanged = (sum(send_P) - send_P[me], sum(recv_P) - recv_P[me],
+                          expert_input_RD.element_size())
+        weighted_ND = routed_output_ND * top_k_weights_TK.flatten()[slot_N, None]
+        return torch.zeros_like(tokens_TD).index_add_(0, token_N, weighted_ND.to(tokens_TD.dtype))
 
-    def compute(self, rows: torch.Tensor, expert_of_row: torch.Tensor,
-                per_expert: list[int]) -> torch.Tensor:
+    def compute(self, rows_RD: torch.Tensor, expert_R: torch.Tensor,
+                rows_per_expert_L: list[int]) -> torch.Tensor:
         """Each row through its local expert, the outputs in the rows' order. A list: grouped
-        by expert, each expert runs once on its rows (`per_expert`, on the host already), even
-        on none, so its weights always get a gradient. Fused: the module itself, each row
-        routed to its expert at weight 1."""
+        by expert, each expert runs once on its rows (`rows_per_expert_L`, on the host
+        already), even on none, so its weights always get a gradient. Fused: the module
+        itself, each row routed to its expert at weight 1."""
         if isinstance(self.local, torch.nn.ModuleList):
-            by_expert = expert_of_row.argsort(stable=True)
-            outs = torch.cat([expert(part) for expert, part in
-                              zip(self.local, rows[by_expert].split(per_expert), strict=True)])
-            return torch.empty_like(outs).index_copy(0, by_expert, outs)
-        if not len(rows):  # its output would be zeros outside the graph, and the combine's
-            return rows.clone()  # backward a collective this rank would then skip
-        return self.local(rows, expert_of_row[:, None], rows.new_ones(len(rows), 1))
+            by_expert_R = expert_R.argsort(stable=True)
+            out_RD = torch.cat([expert(part) for expert, part in zip(
+                self.local, rows_RD[by_expert_R].split(rows_per_expert_L), strict=True)])
+            return torch.empty_like(out_RD).index_copy(0, by_expert_R, out_RD)
+        if not len(rows_RD):  # its output would be zeros outside the graph, and the combine's
+            return rows_RD.clone()  # backward a collective this rank would then skip
+        return self.local(rows_RD, expert_R[:, None], rows_RD.new_ones(len(rows_RD), 1))
 
 
 def shard_experts(blocks: list[torch.nn.Module], group: dist.ProcessGroup) -> list:
@@ -187,27 +188,31 @@ def reduce_expert_grads(expert_params: list[torch.Tensor], dp_group: dist.Proces
     torch._foreach_div_(grads, world)
 
 
-def alltoall_bytes(rows_sent: float, rows_received: float, d_model: int, value_bytes: int,
-                   n_experts: int, ep: int) -> float:
-    """Bytes a rank hands one MoE layer's all-to-alls a step: its rows out and the outputs it
-    returns (forward), their gradients (backward), and the E counts, (ep-1)/ep of them sent."""
-    return (2 * (rows_sent + rows_received) * d_model * value_bytes
-            + n_experts * 8 * (ep - 1) / ep)
+def wrap_dense(model: torch.nn.Module, blocks: list[torch.nn.Module], expert_params: list,
+               topo: common.Topology, fsdp: bool) -> torch.nn.Module:
+    """The dense part data-parallel over the world, the experts left out: DDP (they are this
+    rank's own), or FSDP2 on each block then the root. Returns the model to train."""
+    if not fsdp:
+        experts = {id(p) for p in expert_params}
+        # DDP has no public way to leave parameters out; this is the one its tests use
+        DDP._set_params_and_buffers_to_ignore_for_model(
+            model, [name for name, p in model.named_parameters() if id(p) in experts])
+        return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+                   gradient_as_bucket_view=True, **common.DDP_NO_BUFFER_SYNC)
+    mesh = init_device_mesh(topo.device.type, (topo.world_size,))
+    for module in [*blocks, model]:
+        fully_shard(module, mesh=mesh, ignored_params=set(expert_params))
+    return model
 
 
-def uniform_alltoall_bytes(tokens: float, top_k: int, d_model: int, value_bytes: int,
-                           n_experts: int, ep: int) -> float:
-    """alltoall_bytes when routing is uniform: (ep-1)/ep of a rank's tokens x k slots go out,
-    as many come in."""
-    rows = tokens * top_k * (ep - 1) / ep
-    return alltoall_bytes(rows, rows, d_model, value_bytes, n_experts, ep)
-
-
-# Copied from 08_moe/baseline_moe.py: without_experts
-def without_experts() -> dict[str, str]:
-    """The --model values a MoE recipe skips, each with why."""
-    return {model: "expert parallelism needs a model with experts: run --model moe"
-            for model in common.MODELS if model != "moe"}
+def adamw(model: torch.nn.Module, expert_params: list, **kwargs) -> torch.optim.AdamW:
+    """AdamW with the experts in a parameter group of their own: under --fsdp the dense part's
+    parameters are FSDP2's DTensors and the experts plain tensors, and a foreach step (AdamW's
+    default on GPUs) over a list that mixes them raises "got mixed torch.Tensor and DTensor";
+    each group steps alone. `kwargs`: AdamW's (lr, foreach, ...)."""
+    experts = {id(p) for p in expert_params}
+    dense = [p for p in model.parameters() if id(p) not in experts]
+    return torch.optim.AdamW([{"params": dense}, {"params": expert_params}], **kwargs)
 
 
 # Copied from 08_moe/baseline_moe.py: balance_experts
@@ -248,6 +253,24 @@ def load_figures(loads: list[torch.Tensor], warmup: int) -> dict:
             "busiest_expert_tokens": round(float(timed.max(-1).values.mean()), 1)}
 
 
+# Copied from 08_moe/baseline_moe.py: moe_parser
+def moe_parser(doc: str) -> argparse.ArgumentParser:
+    """The folder's flags: the MoE model alone (any other --model is skipped, saying why), the
+    folder's steps (`make moe` in ~2 minutes) and how the routers balance. A script adds its
+    own, then add_long_run_flag."""
+    parser = common.parser(doc, skips={
+        model: "expert parallelism needs a model with experts: run --model moe"
+        for model in common.MODELS if model != "moe"})
+    parser.set_defaults(model="moe", steps=8, warmup=3)
+    parser.add_argument("--moe-balance", choices=common.MOE_BALANCING, default="bias",
+                        help="bias: DeepSeek-V3's aux-loss-free bias; aux: the auxiliary loss; "
+                             "none: plain top-k (default: bias)")
+    parser.add_argument("--bias-rate", type=common.positive_float, default=0.2,
+                        help="how far an expert's bias moves a step, x its relative distance "
+                             "from the mean load (--moe-balance bias)")
+    return parser
+
+
 # Copied from 08_moe/baseline_moe.py: add_long_run_flag
 def add_long_run_flag(parser: argparse.ArgumentParser) -> None:
     """`--long-run`: 40 steps (10 untimed, 30 timed) instead of the folder's 11, long enough for
@@ -261,10 +284,72 @@ def add_long_run_flag(parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(warmup=10, steps=30)
 
 
+def choose_ep(parser: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> int:
+    """--ep, or the largest that divides both the world and the experts. An --ep that does not
+    divide the experts is refused in one line; a world that holds no ep group is skipped, saying
+    why (the host's world, not the flag, is short or odd)."""
+    n_experts = common.SIZES[args.size].n_experts
+    ep = args.ep or math.gcd(world, n_experts)
+    if n_experts % ep:
+        parser.error(f"--ep {ep} does not divide the {n_experts} experts of --size "
+                     f"{args.size}: use an --ep that divides {n_experts}")
+    if ep == 1:  # every rank would hold every expert: data parallelism, baseline_moe
+        raise common.Skip(f"no ep > 1 divides both the world ({world}) and the {n_experts} "
+                          f"experts: launch a world that shares a factor with {n_experts}")
+    if world % ep:
+        raise common.Skip(f"--ep {ep} groups need a world of a multiple of {ep} ranks, this "
+                          f"one has {world}: launch --nproc_per_node={ep * max(1, world // ep)}")
+    return ep
+
+
+def comm_by_dim(stats: common.Stats) -> dict[str, float]:
+    """The measured bytes of each mesh dim: ep's, the all-to-alls (nothing else sends one; at ep
+    = world its group is the world's, so it is not told by group); dp's, the rest, the data
+    parallelism's (the dense part over all ranks, the experts over their replicas, the counts),
+    as the planner splits them."""
+    ep = sum(mb for kind, mb in stats.comm_mb_by_kind.items() if kind.startswith("alltoall"))
+    return {"ep": round(ep, 3), "dp": round(stats.comm_mb - ep, 3)}
+
+
 # Copied from 03_fsdp/optimized_fsdp.py: padded_numel
 def padded_numel(p: torch.Tensor, group: int) -> int:
     """Elements FSDP allocates for `p` across a shard group: dim 0 rounded up to the group."""
     return math.ceil(p.shape[0] / group) * group * math.prod(p.shape[1:])
+
+
+def alltoall_bytes(rows_sent: float, rows_received: float, d_model: int, value_bytes: int,
+                   n_experts: int, ep: int) -> float:
+    """Bytes a rank hands one MoE layer's all-to-alls a step: its rows out and the outputs it
+    returns (forward), their gradients (backward), and the E counts, (ep-1)/ep of them sent."""
+    return (2 * (rows_sent + rows_received) * d_model * value_bytes
+            + n_experts * 8 * (ep - 1) / ep)
+
+
+def uniform_alltoall_bytes(tokens: float, top_k: int, d_model: int, value_bytes: int,
+                           n_experts: int, ep: int) -> float:
+    """alltoall_bytes when routing is uniform: (ep-1)/ep of a rank's tokens x k slots go out,
+    as many come in."""
+    rows = tokens * top_k * (ep - 1) / ep
+    return alltoall_bytes(rows, rows, d_model, value_bytes, n_experts, ep)
+
+
+def dense_bytes(model: torch.nn.Module, blocks: list[torch.nn.Module], expert_params: list,
+                world: int, fsdp: bool) -> dict[str, float]:
+    """The theory of wrap_dense's dense part, from the model as built: the bytes its collectives
+    send a step (DDP's all-reduce, or FSDP2's gathers and reduce-scatters of the blocks and the
+    root, padded as FSDP2 pads) and the state a rank keeps."""
+    experts = {id(p) for p in expert_params}
+    dense = [p for p in model.parameters() if id(p) not in experts]
+    if not fsdp:
+        values = sum(p.numel() for p in dense)
+        return {"sent": common.ring_allreduce_mb(4 * values, world) * 2**20,
+                "state": 16.0 * values}
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    counts = {"blocks": 0, "root": 0}
+    for p in dense:
+        counts["blocks" if id(p) in in_blocks else "root"] += padded_numel(p, world)
+    predicted = fsdp_bytes(counts["blocks"], counts["root"], world)
+    return {"sent": predicted["sent"], "state": predicted["state"]}
 
 
 # Copied from 03_fsdp/optimized_fsdp.py: fsdp_bytes
@@ -289,140 +374,32 @@ def fsdp_bytes(blocks: float, root: float, group: int, replicas: int = 1, reshar
             "gathered": gather * (root + 2 * largest_block) if reshard else gather * values}
 
 
-def wrap_dense(model: torch.nn.Module, blocks: list[torch.nn.Module], expert_params: list,
-               topo: common.Topology, fsdp: bool) -> tuple[torch.nn.Module, dict[str, float]]:
-    """The dense part data-parallel over the world, the experts left out: DDP (they are this
-    rank's own), or FSDP2 on each block then the root. Returns the wrapped model and the dense
-    part's theory: bytes its collectives send a step, state a rank keeps."""
-    experts = {id(p) for p in expert_params}
-    dense = [(name, p) for name, p in model.named_parameters() if id(p) not in experts]
-    world = topo.world_size
-    if not fsdp:
-        # DDP has no public way to leave parameters out; this is the one its tests use
-        DDP._set_params_and_buffers_to_ignore_for_model(
-            model, [name for name, p in model.named_parameters() if id(p) in experts])
-        values = sum(p.numel() for _, p in dense)
-        wrapped = DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-                      gradient_as_bucket_view=True, **common.DDP_NO_BUFFER_SYNC)
-        return wrapped, {"sent": common.ring_allreduce_mb(4 * values, world) * 2**20,
-                         "state": 16.0 * values}
-    mesh = init_device_mesh(topo.device.type, (world,))
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    for block in blocks:
-        fully_shard(block, mesh=mesh, ignored_params=set(expert_params))
-    fully_shard(model, mesh=mesh, ignored_params=set(expert_params))
-    counts = {"blocks": 0, "root": 0}
-    for _, p in dense:
-        counts["blocks" if id(p) in in_blocks else "root"] += padded_numel(p, world)
-    predicted = fsdp_bytes(counts["blocks"], counts["root"], world)
-    return model, {"sent": predicted["sent"], "state": predicted["state"]}
-
-
-def adamw(model: torch.nn.Module, expert_params: list, **kwargs) -> torch.optim.AdamW:
-    """AdamW with the experts in a parameter group of their own: under --fsdp the dense part's
-    parameters are FSDP2's DTensors and the experts plain tensors, and a foreach step (AdamW's
-    default on GPUs) over a list that mixes them raises "got mixed torch.Tensor and DTensor";
-    each group steps alone. `kwargs`: AdamW's (lr, foreach, ...)."""
-    experts = {id(p) for p in expert_params}
-    dense = [p for p in model.parameters() if id(p) not in experts]
-    return torch.optim.AdamW([{"params": dense}, {"params": expert_params}], **kwargs)
-
-
-def comm_by_dim(stats: common.Stats) -> dict[str, float]:
-    """The measured bytes of each mesh dim: ep's, the all-to-alls (nothing else sends one; at ep
-    = world its group is the world's, so it is not told by group); dp's, the rest, the data
-    parallelism's (the dense part over all ranks, the experts over their replicas, the counts),
-    as the planner splits them."""
-    ep = sum(mb for kind, mb in stats.comm_mb_by_kind.items() if kind.startswith("alltoall"))
-    return {"ep": round(ep, 3), "dp": round(stats.comm_mb - ep, 3)}
-
-
-def main():
-    parser = common.parser(__doc__, skips=without_experts())
-    parser.set_defaults(model="moe", steps=8, warmup=3)  # the folder's: `make moe` in ~2 minutes
-    parser.add_argument("--moe-balance", choices=common.MOE_BALANCING, default="bias",
-                        help="bias: DeepSeek-V3's aux-loss-free bias; aux: the auxiliary loss; "
-                             "none: plain top-k (default: bias)")
-    parser.add_argument("--bias-rate", type=common.positive_float, default=0.2,
-                        help="how far an expert's bias moves a step, x its relative distance "
-                             "from the mean load (--moe-balance bias)")
-    parser.add_argument("--ep", type=common.int_at_least(2), default=None,
-                        help="ranks a layer's experts are spread over (default: the largest "
-                             "that divides both the world and the experts); the world is then "
-                             "dp = world/ep groups of them")
-    parser.add_argument("--fsdp", action="store_true",
-                        help="shard the dense part with FSDP2 over the world instead of "
-                             "replicating it with DDP")
-    add_long_run_flag(parser)
-    args = parser.parse_args()
-    world, size = common.launch_world_size(), common.SIZES[args.size]
-    ep = args.ep or math.gcd(world, size.n_experts)
-    if size.n_experts % ep:
-        parser.error(f"--ep {ep} does not divide the {size.n_experts} experts of --size "
-                     f"{args.size}: use an --ep that divides {size.n_experts}")
-    if ep == 1:  # every rank would hold every expert: data parallelism, baseline_moe
-        raise common.Skip(f"no ep > 1 divides both the world ({world}) and the {size.n_experts} "
-                          f"experts: launch a world that shares a factor with {size.n_experts}")
-    if world % ep:  # the host's world, not the flag, is short or odd: the row says why
-        raise common.Skip(f"--ep {ep} groups need a world of a multiple of {ep} ranks, this "
-                          f"one has {world}: launch --nproc_per_node={ep * max(1, world // ep)}")
-    topo = common.setup(args)
-    mesh = init_device_mesh(topo.device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
-    model, batches = common.workload(args, topo)
-    blocks = common.transformer_blocks(model)
-    routers = [block.mlp.gate for block in blocks]
-    expert_params = shard_experts(blocks, mesh.get_group("ep"))
-    model, dense = wrap_dense(model, blocks, expert_params, topo, args.fsdp)
-    opt = adamw(model, expert_params, lr=args.lr)
-    rate = args.bias_rate if args.moe_balance == "bias" else 0.0
-    loads, exchanged = [], []  # a step's tokens per expert, and rows each layer exchanged
-
-    def after_step(*_):
-        loads.append(balance_experts(routers, rate))
-        exchanged.append([block.mlp.experts.exchanged for block in blocks])
-
-    opt.register_step_post_hook(after_step)
-
-    def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)
-        loss = model(inputs, targets)
-        loss.backward()
-        reduce_expert_grads(expert_params, mesh.get_group("dp"), world)
-        opt.step()
-        return loss
-
-    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    measured_layers = exchanged[args.warmup - 1]  # the step whose bytes the record counts
+def ep_theory(args: argparse.Namespace, ep: int, world: int, exchanged: list[tuple],
+              expert_params: list, routers: list, dense: dict[str, float]) -> dict:
+    """The record's theory: the all-to-alls' bytes from the rows each layer exchanged in the
+    step the record counts (`exchanged`: rows sent, received, bytes a value, a layer each) and
+    for uniform routing; dp's, the experts' gradients all-reduced over their replicas, the dense
+    part's collectives (`dense`: dense_bytes) and the routers' counts over the world; the state
+    a rank keeps; the busiest expert's tokens a step were the load even."""
+    size = common.SIZES[args.size]
     alltoall = sum(alltoall_bytes(sent, received, size.d_model, value_bytes, size.n_experts, ep)
-                   for sent, received, value_bytes in measured_layers)
+                   for sent, received, value_bytes in exchanged)
     uniform = size.n_layers * uniform_alltoall_bytes(
-        args.batch_size * args.seq_len, size.top_k, size.d_model, measured_layers[0][2],
+        args.batch_size * args.seq_len, size.top_k, size.d_model, exchanged[0][2],
         size.n_experts, ep)
     expert_bytes = 4 * sum(p.numel() for p in expert_params)
     count_bytes = sum(r.tokens_per_expert.numel() * 8 for r in routers)
     replicas = common.ring_allreduce_mb(expert_bytes, world // ep) if world > ep else 0.0
     everyone = dense["sent"] / 2**20 + common.ring_allreduce_mb(count_bytes, world)
-    by_dim = comm_by_dim(stats)
     tokens = world * args.batch_size * args.seq_len
-    unwrapped = model if args.fsdp else model.module
-    common.record(args, topo, stats, baseline="baseline_moe", model=unwrapped, optimizer=opt,
-                  overlapped={**common.DDP_OVERLAP, **common.FSDP_OVERLAP},
-                  comm_mb=stats.comm_mb,
-                  # the model's, not this rank's: every ep rank holds as many experts as this one
-                  params=sum(p.numel() for p in unwrapped.parameters()) + (ep - 1) * sum(
-                      p.numel() for p in expert_params),
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype], moe_balance=args.moe_balance,
-                  ep=ep, mesh=[world // ep, ep], strategy="EP x FSDP" if args.fsdp else "EP",
-                  alltoall_mb=by_dim["ep"], comm_mb_by_dim=by_dim,
-                  **load_figures(loads, args.warmup),
-                  theory={"comm_mb": alltoall / 2**20 + replicas + everyone,
-                          "comm_mb_by_dim": {"ep": round(alltoall / 2**20, 3),
-                                             "dp": round(replicas + everyone, 3)},
-                          "state_mb": (dense["state"] + 4 * expert_bytes) / 2**20,
-                          "alltoall_mb": alltoall / 2**20,
-                          "alltoall_uniform_mb": uniform / 2**20,
-                          # the busiest expert's tokens if the load were even: the mean
-                          "busiest_expert_tokens": tokens * size.top_k / size.n_experts})
+    return {"comm_mb": alltoall / 2**20 + replicas + everyone,
+            "comm_mb_by_dim": {"ep": round(alltoall / 2**20, 3),
+                               "dp": round(replicas + everyone, 3)},
+            "state_mb": (dense["state"] + 4 * expert_bytes) / 2**20,
+            "alltoall_mb": alltoall / 2**20,
+            "alltoall_uniform_mb": uniform / 2**20,
+            # the busiest expert's tokens if the load were even: the mean
+            "busiest_expert_tokens": tokens * size.top_k / size.n_experts}
 
 
 def expert_parallel_bytes(plan: common.PlanInput) -> dict[str, float]:
@@ -444,7 +421,7 @@ def expert_parallel_bytes(plan: common.PlanInput) -> dict[str, float]:
             "tokens": tokens}
 
 
-def crossover_tokens(plan: common.PlanInput) -> float:
+def planned_crossover(plan: common.PlanInput) -> float:
     """Tokens a GPU a step at which EP's all-to-all bytes equal what it saves: data
     parallelism's all-reduce of every expert's gradient less EP's over the experts' replicas.
     The all-to-all grows with the tokens (a line through its bytes at no token and at one),
@@ -483,7 +460,7 @@ def planned_ep(plan: common.PlanInput, fsdp: bool = False) -> dict:
             "network": dp + off_node * sent["alltoall"] if plan.gpus > plan.per_node else 0.0,
             "by_dim": {"ep": sent["alltoall"], "dp": dp},
             "mesh": f"dp {plan.gpus // plan.ep} x ep {plan.ep}",
-            "crossover": crossover_tokens(plan), "alltoall": sent["alltoall"],
+            "crossover": planned_crossover(plan), "alltoall": sent["alltoall"],
             "tokens": sent["tokens"], "experts_data_parallel": sent["data_parallel"],
             "experts_replicas": sent["replicas"]}
 
@@ -491,6 +468,62 @@ def planned_ep(plan: common.PlanInput, fsdp: bool = False) -> dict:
 def planned_ep_fsdp(plan: common.PlanInput) -> dict:
     """The planner's EP x FSDP row (--fsdp): planned_ep with the dense part sharded."""
     return planned_ep(plan, fsdp=True)
+
+
+def main():
+    parser = moe_parser(__doc__)
+    parser.add_argument("--ep", type=common.int_at_least(2), default=None,
+                        help="ranks a layer's experts are spread over (default: the largest "
+                             "that divides both the world and the experts); the world is then "
+                             "dp = world/ep groups of them")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard the dense part with FSDP2 over the world instead of "
+                             "replicating it with DDP")
+    add_long_run_flag(parser)
+    args = parser.parse_args()
+    world = common.launch_world_size()
+    ep = choose_ep(parser, args, world)
+    topo = common.setup(args)
+    mesh = init_device_mesh(topo.device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    model, batches = common.workload(args, topo)
+    blocks = common.transformer_blocks(model)
+    routers = [block.mlp.gate for block in blocks]
+    expert_params = shard_experts(blocks, mesh.get_group("ep"))
+    dense = dense_bytes(model, blocks, expert_params, world, args.fsdp)
+    wrapped = wrap_dense(model, blocks, expert_params, topo, args.fsdp)
+    opt = adamw(wrapped, expert_params, lr=args.lr)
+    rate = args.bias_rate if args.moe_balance == "bias" else 0.0
+    loads, exchanged = [], []  # a step's tokens per expert, and rows each layer exchanged
+
+    def after_step(*_):
+        loads.append(balance_experts(routers, rate))
+        exchanged.append([block.mlp.experts.exchanged for block in blocks])
+
+    opt.register_step_post_hook(after_step)
+
+    def train_step(inputs, targets):
+        opt.zero_grad(set_to_none=True)
+        loss = wrapped(inputs, targets)
+        loss.backward()
+        reduce_expert_grads(expert_params, mesh.get_group("dp"), world)
+        opt.step()
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(wrapped, opt))
+    by_dim = comm_by_dim(stats)
+    common.record(args, topo, stats, baseline="baseline_moe", model=model, optimizer=opt,
+                  overlapped={**common.DDP_OVERLAP, **common.FSDP_OVERLAP},
+                  comm_mb=stats.comm_mb,
+                  # the model's, not this rank's: every ep rank holds as many experts as this one
+                  params=sum(p.numel() for p in model.parameters()) + (ep - 1) * sum(
+                      p.numel() for p in expert_params),
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype], moe_balance=args.moe_balance,
+                  ep=ep, mesh=[world // ep, ep], strategy="EP x FSDP" if args.fsdp else "EP",
+                  alltoall_mb=by_dim["ep"], comm_mb_by_dim=by_dim,
+                  **load_figures(loads, args.warmup),
+                  # exchanged[warmup - 1]: the step whose bytes the record counts
+                  theory=ep_theory(args, ep, world, exchanged[args.warmup - 1], expert_params,
+                                   routers, dense))
 
 
 # The planner's rows, for MoE models only (its --experts; report/planner.py reads this, the

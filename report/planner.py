@@ -446,7 +446,7 @@ def crossover_lines(rows: list[dict]) -> list[str]:
     """Where expert parallelism stops paying, a line an EP layout (its ep): its all-to-all's
     bytes at the plan's tokens a GPU beside what it saves (data parallelism's all-reduce of
     every expert's gradient, less its own over the experts' replicas), and the tokens a GPU a
-    step at which the two meet (the script's crossover_tokens)."""
+    step at which the two meet (the script's planned_crossover)."""
     lines = {}
     for r in rows:
         if "crossover" not in r or r["checkpointing"]:

@@ -1,14 +1,18 @@
 """Unit tests for 07_context's ring attention (optimized_context_ring.py): its block schedule, its
 pair counts and byte formula, and the ring itself on 2, 3 and 4 CPU ranks.
 
-The ring runs in one spawned world of 4 gloo processes (a module-scoped fixture), on groups of
-4, 2 and 3 of its ranks; each rank compares its shard of the ring's output and of dQ, dK, dV with
-PyTorch's fused attention over the whole sequence, for every combination of balance, head layout
-and overlap, and rank 0 saves what all ranks found for the tests to assert on here.
+The ring runs in one spawned world of 4 gloo processes (`world_of_4`, which
+tests/test_context_ulysses.py's checks share: one spawn for the folder), on groups of 4, 2 and 3
+of its ranks; each rank compares its shard of the ring's output and of dQ, dK, dV with PyTorch's
+fused attention over the whole sequence, for every combination of balance, head layout and
+overlap, runs the measuring wrapper (MeasuredRingAttention) beside it, and rank 0 saves what all
+ranks found for the tests to assert on here.
 """
 
 import functools
 import itertools
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,8 +75,10 @@ def test_pair_counts_balance_zigzag_and_grow_to_2cp_minus_1_unbalanced(cp):
         counts = []
         for rank in range(cp):
             length = T // cp
-            count = sum(ring.block_pairs(*block) for step in range(cp) if (
-                block := ring.block_schedule(rank, (rank - step) % cp, cp, length, zigzag)))
+            schedule = [ring.block_schedule(rank, (rank - step) % cp, cp, length, zigzag)
+                        for step in range(cp)]
+            count = sum(ring.block_pairs(rows.stop - rows.start, cols.stop - cols.start, causal)
+                        for rows, cols, causal in filter(None, schedule))
             positions = common.sequence_positions(T, rank, cp, zigzag)
             assert count == ring.attention_flops(positions, 1) / 4  # the theory's own count
             counts.append(count)
@@ -105,7 +111,8 @@ def test_merge_is_attention_over_the_union_of_two_key_blocks():
 def ring_against_one_kernel(group: dist.ProcessGroup, zigzag: bool, heads: str, overlap: bool
                             ) -> dict:
     """This rank's largest differences from causal_sdpa over the whole sequence, the bytes it
-    sent against ring_bytes, and its pair count against the theory's."""
+    sent against ring_bytes; and the measuring wrapper's run: whether its output and gradients
+    are the ring's to the bit, its pair count against the theory's, its kernel seconds."""
     cp, rank = group.size(), group.rank()
     B, D, T = 2, 8, 8 * cp
     n_heads, kv_heads = HEADS[heads]
@@ -124,9 +131,16 @@ def ring_against_one_kernel(group: dist.ProcessGroup, zigzag: bool, heads: str, 
     errors = [(out - expected[:, :, positions]).abs().max().item()]
     errors += [(t.grad - f.grad[:, :, positions]).abs().max().item()
                for t, f in zip(mine, full, strict=True)]
+    measured = ring.MeasuredRingAttention(group, zigzag=zigzag, overlap=overlap)
+    again = [t.detach().clone().requires_grad_() for t in mine]
+    measured_out = measured(*again)
+    measured_out.backward(dout[:, :, positions])
+    unchanged = torch.equal(measured_out, out) and all(
+        torch.equal(a.grad, t.grad) for a, t in zip(again, mine, strict=True))
     return {"errors": errors, "sent": sent.bytes, "kinds": sorted(sent.by_kind),
             "ring_bytes": ring.ring_bytes(B, T, kv_heads, D, cp, 1, 4, 4),
-            "pairs": attention.pairs, "theory_pairs":
+            "measured_unchanged": unchanged, "kernel_s": measured.kernel_s,
+            "pairs": measured.pairs, "theory_pairs":
             B * n_heads * ring.attention_flops(positions, 1) / 4}
 
 
@@ -136,15 +150,23 @@ def ring_against_one_kernel(group: dist.ProcessGroup, zigzag: bool, heads: str, 
 GROUPS = {"cp 4": None, "cp 2": [[0, 2], [1, 3]], "cp 3": [[0, 1, 2], [3]]}
 
 
-def ring_checks(rank: int, world: int, init_file: str, out_file: str) -> None:
-    """Every combination on each of GROUPS."""
+def ring_checks(world: int) -> dict:
+    """Every combination on each of GROUPS, on this rank."""
+    groups = {name: dist.new_subgroups_by_enumeration(ranks)[0] if ranks else dist.group.WORLD
+              for name, ranks in GROUPS.items()}
+    return {(name, *combo): ring_against_one_kernel(group, *combo)
+            for name, group in groups.items() for combo in COMBOS}
+
+
+def world_checks(rank: int, world: int, init_file: str, out_file: str) -> None:
+    """The ring's checks, then Ulysses' and torch's context_parallel's (test_context_ulysses'),
+    on every rank of one spawned gloo world; rank 0 saves what every rank found."""
+    import test_context_ulysses  # here: it imports this module for `world_of_4`
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
-    groups = {name: dist.new_subgroups_by_enumeration(ranks)[0] if ranks else dist.group.WORLD
-              for name, ranks in GROUPS.items()}
-    found = {(name, *combo): ring_against_one_kernel(group, *combo)
-             for name, group in groups.items() for combo in COMBOS}
+    found = {"ring": ring_checks(world), "ulysses": test_context_ulysses.checks(world)}
     everyone = [None] * world
     dist.all_gather_object(everyone, found)
     if rank == 0:
@@ -152,13 +174,20 @@ def ring_checks(rank: int, world: int, init_file: str, out_file: str) -> None:
     dist.destroy_process_group()
 
 
+@functools.cache
+def world_of_4() -> list[dict]:
+    """What each rank found in one spawned world of 4 (`world_checks`), by check: spawned once a
+    session for both of the folder's unit-test files."""
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(functools.partial(run_then_leave, world_checks),
+                 args=(4, str(Path(folder) / "init"), str(Path(folder) / "found.pt")), nprocs=4)
+        return torch.load(Path(folder) / "found.pt")
+
+
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
-    """Each rank's findings, from one spawned world of 4."""
-    folder = tmp_path_factory.mktemp("world4")
-    mp.spawn(functools.partial(run_then_leave, ring_checks),
-             args=(4, str(folder / "init"), str(folder / "found.pt")), nprocs=4)
-    return torch.load(folder / "found.pt")
+def spawned() -> list[dict]:
+    """Each rank's findings on the ring."""
+    return [found["ring"] for found in world_of_4()]
 
 
 def findings(spawned: list[dict], group: str) -> list[tuple[int, tuple, dict]]:
@@ -182,7 +211,9 @@ def test_the_ring_sends_what_ring_bytes_says_and_computes_the_theorys_pairs(spaw
     for _, case, got in findings(spawned, group):
         assert got["sent"] == got["ring_bytes"] > 0, case
         assert got["kinds"] == ["send float32"], case
+        # counted by the measuring wrapper around the block kernels, which changes nothing
         assert got["pairs"] == got["theory_pairs"], case
+        assert got["measured_unchanged"] and got["kernel_s"] > 0, case
 
 
 def test_a_length_that_does_not_cut_refuses_in_one_line_naming_cp(tmp_path):

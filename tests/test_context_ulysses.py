@@ -1,19 +1,18 @@
 """Unit tests for 07_context's Ulysses attention and PyTorch's context_parallel on CPU.
 
-Ulysses' attention runs in spawned gloo worlds of 2 and 4 ranks (one spawn each, a module-scoped
-fixture): on each rank's contiguous chunk of the sequence, its output and the gradients of q, k
-and v equal one rank's `common.causal_sdpa` over the whole sequence, for equal head counts and
-grouped-query (8 query heads, 4 KV heads), over the whole world and over the cp groups of a
-dp 2 x cp 2 mesh; the bytes it hands to all_to_all_single equal `ulysses_bytes`. The world of 2
-also tries torch's `context_parallel` SDPA on CPU, which fails as the script's skip says.
+Ulysses' attention runs in the folder's one spawned gloo world of 4 ranks
+(tests/test_context.py's `world_of_4`, beside the ring's checks): on each rank's contiguous chunk
+of the sequence, its output and the gradients of q, k and v equal one rank's `common.causal_sdpa`
+over the whole sequence, for equal head counts and grouped-query (8 query heads, 4 KV heads),
+over the whole world and over the cp groups of a dp 2 x cp 2 mesh; the bytes it hands to
+all_to_all_single equal `ulysses_bytes`. The world also tries torch's `context_parallel` SDPA on
+CPU, which fails as the script's skip says.
 """
-
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from test_context import world_of_4
 from torch.distributed.device_mesh import init_device_mesh
 
 import common
@@ -94,11 +93,8 @@ def context_parallel_cuts(world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, positions
 
 
-def checks(rank: int, world: int, port: int, out_file: str) -> None:
-    """Run on every rank of a spawned gloo world; rank 0 saves what every rank found."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+def checks(world: int) -> dict:
+    """What this rank of a spawned gloo world finds (test_context.world_checks runs it)."""
     found = {}
     for name, (heads, kv_heads) in HEADS.items():
         found[("world", name)] = whole_and_sharded(heads, kv_heads, None, seed=1)
@@ -109,21 +105,14 @@ def checks(rank: int, world: int, port: int, out_file: str) -> None:
                                                   seed=10 + mesh.get_local_rank("dp"))
     found["context_parallel"] = context_parallel_on_cpu(world)
     found["context_parallel_cuts"] = context_parallel_cuts(world)
-    every = [None] * world
-    dist.all_gather_object(every, found)
-    if rank == 0:
-        torch.save(every, out_file)
-    dist.destroy_process_group()
-    os._exit(0)  # skip the interpreter's teardown: seconds for 4 processes on 2 cores
+    return found
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
-    """What each rank of `checks` found in one spawned world of 4: Ulysses over all 4 (cp 4) and
-    over the cp groups of a dp 2 x cp 2 mesh (cp 2), torch's context_parallel over all 4."""
-    out = tmp_path_factory.mktemp("world4") / "found.pt"
-    mp.spawn(checks, args=(WORLD, common.free_port(), str(out)), nprocs=WORLD)
-    return torch.load(out)
+def spawned() -> list[dict]:
+    """What each rank found in the folder's world of 4: Ulysses over all 4 (cp 4) and over the cp
+    groups of a dp 2 x cp 2 mesh (cp 2), torch's context_parallel over all 4."""
+    return [found["ulysses"] for found in world_of_4()]
 
 
 @pytest.mark.parametrize("heads", list(HEADS))

@@ -244,7 +244,7 @@ def adamw_over_fsdp_and_experts(rank: int, mesh) -> str:
     blocks = list(model.model.layers)
     expert_params = ep_recipe.shard_experts(blocks, mesh.get_group("ep"))
     topo = common.Topology(rank, rank, WORLD, WORLD, 1, "gloo", torch.device("cpu"))
-    model, _ = ep_recipe.wrap_dense(model, blocks, expert_params, topo, fsdp=True)
+    model = ep_recipe.wrap_dense(model, blocks, expert_params, topo, fsdp=True)
     opt = ep_recipe.adamw(model, expert_params, lr=1e-3, foreach=True)
     tokens = torch.randint(size.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank))
     try:
