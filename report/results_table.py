@@ -93,11 +93,14 @@ def why_not_compared(rec: dict, base: dict | None) -> str | None:
     if base.get("status") != "ok":
         return f"baseline {base.get('status')}"
     unlike = [k for k in COMPARED if rec.get(k) != base.get(k)]
-    if unlike:
-        return f"baseline ran with other {', '.join(unlike)}"
-    if rec.get("steps", MIN_TIMED_STEPS) < MIN_TIMED_STEPS:
-        return f"{rec['steps']} timed steps, fewer than a speedup rests on ({MIN_TIMED_STEPS})"
-    return None
+    return f"baseline ran with other {', '.join(unlike)}" if unlike else None
+
+
+def too_few_steps(rec: dict) -> str | None:
+    """Why a compared run's speedup is not shown though its losses are: too few timed steps."""
+    steps = rec.get("steps", MIN_TIMED_STEPS)
+    return f"{steps} timed steps, fewer than a speedup rests on ({MIN_TIMED_STEPS})" \
+        if steps < MIN_TIMED_STEPS else None
 
 
 def flag_groups(variant: str | None) -> set[str]:
@@ -163,10 +166,12 @@ def _report_cells(rec: dict, base: dict | None) -> dict:
         return {**cells, "status": f"{status}: {rec.get('reason') or ''}"}
     throughput = rec.get("tokens_per_s") or rec.get("samples_per_s")
     speedup = mem_ratio = dloss = ""
+    few = None
     why = why_not_compared(rec, base)
     if why is None and base is not None:
         noise = "~" if within_noise(rec, base) else ""
-        speedup = f"{noise}{base['step_ms'] / rec['step_ms']:.2f}x"
+        few = too_few_steps(rec)
+        speedup = "" if few else f"{noise}{base['step_ms'] / rec['step_ms']:.2f}x"
         mem_ratio = f"{rec['peak_mem_mb'] / base['peak_mem_mb']:.2f}x"
         diff = max_loss_diff(rec.get("losses"), base.get("losses"))
         final_rel = rec.get("loss_tolerance_final_rel")
@@ -182,6 +187,7 @@ def _report_cells(rec: dict, base: dict | None) -> dict:
             status = "over tolerance"
     status += " (busy host)" if busy_host(rec) else ""
     status += f"; not compared: {why}" if why else ""
+    status += f"; no speedup: {few}" if few else ""
     status += f"; {rec['note']}" if rec.get("note") else ""  # what the host changed of the run
     return {**cells, "world": _world_label(rec), "step ms": f"{rec['step_ms']:.1f}",
             "p90 ms": f"{rec['step_ms_p90']:.1f}", "predicted ms": _predicted_cell(rec),
@@ -215,9 +221,10 @@ def optimized_runs(records: list[dict]) -> list[tuple[dict, dict | None]]:
 
 
 def compared_pairs(records: list[dict]) -> list[tuple[dict, dict]]:
-    """(optimized, baseline) of every training run the table compares: both ok, same settings."""
+    """(optimized, baseline) of every run the table shows a speedup for: both ok, the same
+    settings, enough timed steps."""
     return [(rec, base) for rec, base in optimized_runs(records)
-            if why_not_compared(rec, base) is None]
+            if why_not_compared(rec, base) is None and not too_few_steps(rec)]
 
 
 def _world_label(rec: dict) -> str:
