@@ -150,7 +150,7 @@ help:
 	@echo "  make plan ARGS='--params 7e9 --gpus 8 --gpu-mem 80'   which strategy fits, and its bytes"
 	@echo "  make plan           the planner's picks for ResNet-50, GPT-2 1.5B, LLaMA-7B, 70B (--cases)"
 	@echo "  make list           every script with the first line of its docstring"
-	@echo "  make fix-copies     rewrite every '# Copied from' copy from its source"
+	@echo "  make fix-copies     rewrite every '# Copied from' copy from its source (a changed one stays)"
 	@echo "  make install        create .venv and install requirements.txt (run targets do it)"
 	@echo "  make clean          remove outputs/;  make distclean also removes .venv"
 	@echo
@@ -370,7 +370,8 @@ test: install
 	CUDA_VISIBLE_DEVICES= $(PY) -m pytest
 
 # A script repeats another's function on purpose, marked `# Copied from <script>: <name>`:
-# tests/test_copies.py holds each copy to its source, and rewrites them when run.
+# tests/test_copies.py holds each copy to its source, and rewrites them when run (a copy marked
+# `, changed: <what>` it holds to its pinned diff instead, and leaves as it is).
 fix-copies: install
 	$(PY) tests/test_copies.py
 

@@ -39,16 +39,6 @@ def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
                static_graph=True)
 
 
-# Copied from 01_ddp/baseline_ddp.py: ddp_bytes
-def ddp_bytes(params: float, world: int, weight: float, grad: float, optim: float
-              ) -> dict[str, float]:
-    """DDP's bytes a rank: every weight, gradient and optimizer value kept (`weight`, `grad`,
-    `optim` bytes each; fp32 AdamW: 4, 4, 8); sent a step, the gradients ring-all-reduced."""
-    kept = {"params": weight * params, "grads": grad * params, "optim": optim * params}
-    return {**kept, "state": sum(kept.values()),
-            "sent": common.ring_allreduce_mb(grad * params, world) * 2**20}
-
-
 def add_summary_flag(parser: common.RecipeParser) -> None:
     """`--summary` (see `print_summary`); it prints more, so the run is no variant."""
     parser.add_argument("--summary", action="store_true",
@@ -84,6 +74,29 @@ def print_summary(args: argparse.Namespace, topo: common.Topology, stats: common
     print(f"measured (formula); peak = live tensor MB at the step's peak{compared}", flush=True)
 
 
+# Copied from 01_ddp/baseline_ddp.py: ddp_bytes
+def ddp_bytes(params: float, world: int, weight: float, grad: float, optim: float
+              ) -> dict[str, float]:
+    """DDP's bytes a rank: every weight, gradient and optimizer value kept (`weight`, `grad`,
+    `optim` bytes each; fp32 AdamW: 4, 4, 8); sent a step, the gradients ring-all-reduced."""
+    kept = {"params": weight * params, "grads": grad * params, "optim": optim * params}
+    return {**kept, "state": sum(kept.values()),
+            "sent": common.ring_allreduce_mb(grad * params, world) * 2**20}
+
+
+def theory(model: torch.nn.Module, n: int) -> dict:
+    """ddp_bytes at the run's shapes, in MB; sent, the gradients' all-reduce and, before each
+    forward, DDP's broadcast of the buffers (BatchNorm's), if any."""
+    param_count = sum(p.numel() for p in model.parameters())
+    value_bytes = next(model.parameters()).element_size()  # AdamW keeps two values a weight
+    predicted = ddp_bytes(param_count, n, value_bytes, value_bytes, 2 * value_bytes)
+    figures = {f"{kind}_mb": predicted[kind] / 2**20
+               for kind in ("params", "grads", "optim", "state")}
+    figures["comm_mb"] = predicted["sent"] / 2**20 + (n - 1) / n * sum(
+        b.numel() * b.element_size() for b in model.buffers()) / 2**20
+    return figures
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--bucket-mb", type=common.positive_float, default=25.0,
@@ -108,21 +121,14 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
-    param_count, n = sum(p.numel() for p in model.parameters()), topo.world_size
-    value_bytes = next(model.parameters()).element_size()  # AdamW keeps two values a weight
-    predicted = ddp_bytes(param_count, n, value_bytes, value_bytes, 2 * value_bytes)
-    theory = {f"{kind}_mb": predicted[kind] / 2**20
-              for kind in ("params", "grads", "optim", "state")}
-    # and before each forward DDP broadcasts the buffers (BatchNorm's), if any
-    theory["comm_mb"] = predicted["sent"] / 2**20 + (n - 1) / n * sum(
-        b.numel() * b.element_size() for b in model.buffers()) / 2**20
+    predicted = theory(model, topo.world_size)
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline=None, model=model.module, optimizer=opt,
                   overlapped=common.DDP_OVERLAP,
-                  comm_mb=stats.comm_mb, theory=theory, stage=0,
+                  comm_mb=stats.comm_mb, theory=predicted, stage=0,
                   clip_grad_norm=args.clip_grad_norm, **measured)
     if args.summary:
-        print_summary(args, topo, stats, baseline=None, measured=measured, theory=theory)
+        print_summary(args, topo, stats, baseline=None, measured=measured, theory=predicted)
 
 
 if __name__ == "__main__":

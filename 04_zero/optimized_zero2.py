@@ -23,7 +23,6 @@ Theory:     per rank bP + bP/N + 2bP/N bytes (params, grads, optimizer), P = par
             all-gathered: 2(N-1)/N x bP (plus the buffers' broadcast, if any).
 """
 
-
 import argparse
 import functools
 import sys
@@ -99,6 +98,7 @@ def flat_dtype(buckets: list[Bucket]) -> torch.dtype:
     return dtypes.pop()
 
 
+# Copied from 04_zero/optimized_zero1.py: flatten, changed: no flat gradients
 def flatten(buckets: list[Bucket]) -> torch.Tensor:
     """Move the parameters into one flat buffer, in their dtype and device: each `p` becomes a
     view, so an update of a flat slice is an update of the parameters."""
@@ -205,6 +205,7 @@ class ParamGatherer:
     def wait_all(self) -> None:
         for i in list(self.pending):
             self.wait(i)
+
 
 class GradReducer:
     """Backward hooks that keep only this rank's slice of the gradient. As soon as backward has
@@ -339,7 +340,6 @@ class ZeRO2(torch.optim.AdamW):
         self.gatherer.wait_all()
 
 
-
 # Copied from 04_zero/baseline_zero.py: add_summary_flag
 def add_summary_flag(parser: common.RecipeParser) -> None:
     """`--summary` (see `print_summary`); it prints more, so the run is no variant."""
@@ -398,6 +398,22 @@ def planned_zero2(plan: common.PlanInput) -> dict[str, float]:
             for key in ("state", "sent")}
 
 
+# Copied from 04_zero/optimized_zero1.py: theory, changed: zero2_bytes
+def theory(model: nn.Module, buckets: list[Bucket], n: int) -> dict:
+    """zero2_bytes at the run's shapes, in MB: the state from the model's parameters, not from
+    the buckets (they add padding, under N values a bucket: `padding_mb_max`); sent, every
+    value of every bucket, padding included, and the buffers' broadcast."""
+    value_bytes = next(model.parameters()).element_size()
+    params = sum(p.numel() for p in model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    predicted = zero2_bytes(params, n, value_bytes, value_bytes, 2 * value_bytes,
+                            sum(b.numel for b in buckets), buffer_bytes)
+    return {"params_mb": predicted["params"] / 2**20, "grads_mb": predicted["grads"] / 2**20,
+            "optim_mb": predicted["optim"] / 2**20, "state_mb": predicted["state"] / 2**20,
+            "comm_mb": predicted["sent"] / 2**20,
+            "padding_mb_max": value_bytes * (n - 1) * len(buckets) / 2**20}
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
@@ -407,12 +423,6 @@ def main():
     args = parser.parse_args()
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
-    n = topo.world_size
-    # State from the model's shapes and dtype, not from the buckets: they add padding, under N
-    # values a bucket (`padding_mb_max`). Every value of every bucket is sent, padding included.
-    bytes_per = next(model.parameters()).element_size()
-    params = sum(p.numel() for p in model.parameters())
-    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     opt = ZeRO2(model, common.transformer_blocks(model), lr=args.lr,
                 max_grad_norm=args.clip_grad_norm)
 
@@ -425,21 +435,16 @@ def main():
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
     opt.wait_for_params()  # the last step's parameters, before anything reads them
-    predicted = zero2_bytes(params, n, bytes_per, bytes_per, 2 * bytes_per,
-                            sum(b.numel for b in opt.buckets), buffer_bytes)
-    theory = {"params_mb": predicted["params"] / 2**20, "grads_mb": predicted["grads"] / 2**20,
-              "optim_mb": predicted["optim"] / 2**20, "state_mb": predicted["state"] / 2**20,
-              "comm_mb": predicted["sent"] / 2**20,
-              "padding_mb_max": bytes_per * (n - 1) * len(opt.buckets) / 2**20}
+    predicted = theory(model, opt.buckets, topo.world_size)
     measured = common.state_split_mb(model, opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=opt,
                   overlapped={"allgather": "step", "reduce_scatter": "backward"},
-                  comm_mb=stats.comm_mb, theory=theory, stage=2,
+                  comm_mb=stats.comm_mb, theory=predicted, stage=2,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
                   **measured)
     if args.summary:
         print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
-                             theory=theory)
+                      theory=predicted)
 
 
 # The planner's rows (report/planner.py reads this; the script never does).

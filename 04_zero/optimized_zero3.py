@@ -30,7 +30,6 @@ Theory:     per rank bP/N + bP/N + 2bP/N = 4bP/N bytes (params, grads, optimizer
 """
 
 
-
 import argparse
 import functools
 import sys
@@ -66,6 +65,7 @@ def units_in_gradient_order(model: nn.Module, blocks: list[nn.Module]
     return units + [[p for p in model.parameters() if p not in seen]]
 
 
+# Copied from 04_zero/optimized_zero1.py: Bucket, changed: shard() in place of whole(), owned()
 @dataclass
 class Bucket:
     """Parameters laid out one after another at [offset, offset + numel) of the model's flat
@@ -121,7 +121,7 @@ def broadcast_buffers(model: nn.Module, group: dist.ProcessGroup | None) -> None
 
 
 def shard_params(buckets: list[Bucket], group: dist.ProcessGroup | None,
-                 param_dtype: torch.dtype | None = None
+                 param_dtype: torch.dtype | None = None, in_host_memory: bool = False
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Keep this rank's slice of every bucket in one buffer of 1/N of the model, in the
     parameters' dtype, the values the group's first rank holds (ranks start alike, as in DDP);
@@ -129,10 +129,14 @@ def shard_params(buckets: list[Bucket], group: dist.ProcessGroup | None,
     the parameters' own), whose storage is freed until gathered. Made with `p.data = ...`, the
     views keep their own autograd version counters, so refilling the storage does not trip the
     check on the weights autograd saved for backward (a plain slice shares the buffer's counter;
-    FSDP2 refills under torch.autograd._unsafe_preserve_version_counter instead)."""
+    FSDP2 refills under torch.autograd._unsafe_preserve_version_counter instead).
+    `in_host_memory` keeps the slices there (optimized_zero3_offload.py's masters), pinned on
+    CUDA so that copies to and from the device run beside compute."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     dtype, device = flat_dtype(buckets), buckets[0].params[0].device
-    param_shards = torch.zeros(sum(b.numel for b in buckets) // n, dtype=dtype, device=device)
+    size = sum(b.numel for b in buckets) // n
+    param_shards = torch.zeros(size, dtype=dtype, pin_memory=device.type == "cuda") \
+        if in_host_memory else torch.zeros(size, dtype=dtype, device=device)
     unsharded = []
     for bucket in buckets:
         flat = torch.zeros(bucket.numel, dtype=dtype, device=device)
@@ -247,6 +251,7 @@ class ParamGatherer:
             self.free(i)
 
 
+# Copied from 04_zero/optimized_zero2.py: GradReducer, changed: reduce dtype, params freed
 class GradReducer:
     """Backward hooks that keep only this rank's slice of the gradient. As soon as backward has
     produced a parameter's gradient it is copied into its bucket's buffer, in the shards' dtype
@@ -258,7 +263,8 @@ class GradReducer:
     done, the bucket, the full gradient of its parameters, is dropped; by the end of each
     backward all are. Summed over ranks; `average` then divides the shards' by N at the step:
     1/N of the work of dividing the whole gradient first. Backward is then done with the
-    bucket's parameters, so they are freed as soon as its reduce-scatter starts."""
+    bucket's parameters, so they are freed as soon as its reduce-scatter starts. `reduced(i)`
+    is where the summed slice lives: the shard's .grad (the offload's subclass keeps it apart)."""
 
     def __init__(self, buckets: list[Bucket], shards: list[nn.Parameter],
                  group: dist.ProcessGroup | None, gatherer: ParamGatherer):
@@ -295,11 +301,10 @@ class GradReducer:
         p.grad = grad if grad.dtype == p.dtype else None
         self.copied[i] += 1
         if self.copied[i] == len(bucket.params):
-            shard = self.shards[i]
-            summed = torch.empty_like(shard)
-            accumulated = shard.grad is not None
+            summed = self.buffers[i].new_empty(self.shards[i].shape)  # on the gradient's device
+            accumulated = self.reduced(i) is not None
             if not accumulated:
-                shard.grad = summed
+                self.keep_reduced(i, summed)
             work = common.reduce_scatter(summed, self.buffers[i], self.group, async_op=True)
             self.in_flight.append((work, i, summed if accumulated else None))
             self.gatherer.free(i)
@@ -314,7 +319,7 @@ class GradReducer:
                 pending.append((work, i, addend))
                 continue
             if addend is not None:
-                self.shards[i].grad += addend
+                self.reduced(i).add_(addend)
             del self.buffers[i], self.copied[i]
             for p in self.buckets[i].params:
                 p.grad = None
@@ -330,11 +335,19 @@ class GradReducer:
 
     def average(self) -> None:
         """Before the step: every shard's gradient, summed over ranks, divided by N."""
-        for i, shard in enumerate(self.shards):
-            if shard.grad is None:
+        for i in range(len(self.shards)):
+            if self.reduced(i) is None:
                 raise RuntimeError(f"bucket {i} got no gradient since zero_grad(): call "
                                    "backward before step, with every parameter taking part")
-            shard.grad.div_(dist.get_world_size(self.group))
+            self.reduced(i).div_(dist.get_world_size(self.group))
+
+    def reduced(self, i: int) -> torch.Tensor | None:
+        """Bucket i's slice of the gradient, summed since zero_grad() (None before its first
+        reduce-scatter): its shard's .grad, which AdamW reads."""
+        return self.shards[i].grad
+
+    def keep_reduced(self, i: int, grad: torch.Tensor) -> None:
+        self.shards[i].grad = grad
 
 
 class ZeRO3(torch.optim.AdamW):
@@ -386,6 +399,43 @@ class ZeRO3(torch.optim.AdamW):
         self.reducer.needs_zero_grad = True
 
 
+# Copied from 04_zero/baseline_zero.py: add_summary_flag
+def add_summary_flag(parser: common.RecipeParser) -> None:
+    """`--summary` (see `print_summary`); it prints more, so the run is no variant."""
+    parser.add_argument("--summary", action="store_true",
+                        help="print each rank's parameter, gradient and optimizer MB beside "
+                             "the formula, its peak memory and the MB it sent per step")
+    parser.output_only.add("summary")
+
+
+# Copied from 04_zero/baseline_zero.py: print_summary
+def print_summary(args: argparse.Namespace, topo: common.Topology, stats: common.Stats, *,
+                  baseline: str | None, measured: dict[str, float], theory: dict) -> None:
+    """`--summary`: per rank, the state MB counted from its tensors and the MB it sent, each
+    beside its formula, and its peak beside the baseline's last recorded run like this one."""
+    peak = stats.memory["total"] if stats.memory else common.peak_memory_mb(topo.device)
+    rows = [None] * topo.world_size
+    dist.all_gather_object(rows, {**measured, "peak_mb": peak, "comm_mb": stats.comm_mb})
+    if not topo.is_main:
+        return
+    from tabulate import tabulate
+
+    here = common.base_record(args, topo, baseline, "ok", None)
+    base = next((r for r in reversed(common.load_results(args.results))
+                 if r.get("script") == baseline and r.get("status") == "ok"
+                 and common.run_key(r) == common.run_key(here)), None)
+    kinds = ["params_mb", "grads_mb", "optim_mb"]
+    table = [[rank, *[f"{row[k]:,.2f} ({theory[k]:,.2f})" for k in kinds],
+              f"{sum(row[k] for k in kinds):,.2f} ({theory['state_mb']:,.2f})",
+              f"{row['peak_mb']:,.1f}" + (f" ({base['peak_mem_mb']:,.1f})" if base else ""),
+              f"{row['comm_mb']:,.2f} ({theory['comm_mb']:,.2f})"] for rank, row in enumerate(rows)]
+    print(tabulate(table, ["rank", "params MB", "grads MB", "optim MB", "state MB", "peak MB",
+                           "comm MB/step"], tablefmt="github"))
+    compared = "" if baseline is None else f" ({baseline}'s busiest rank)" if base else \
+        f"; {baseline} has no recorded run like this one to compare with"
+    print(f"measured (formula); peak = live tensor MB at the step's peak{compared}", flush=True)
+
+
 def zero3_bytes(params: float, blocks: list[float], root: float, world: int, weight: float,
                 grad: float, optim: float, gather: float, buffer_bytes: float = 0.0
                 ) -> dict[str, float]:
@@ -430,43 +480,6 @@ def theory(buckets: list[Bucket], n: int, value_bytes: int, gather_bytes: int,
             "padding_mb_max": value_bytes * (n - 1) * len(buckets) / 2**20}
 
 
-# Copied from 04_zero/baseline_zero.py: add_summary_flag
-def add_summary_flag(parser: common.RecipeParser) -> None:
-    """`--summary` (see `print_summary`); it prints more, so the run is no variant."""
-    parser.add_argument("--summary", action="store_true",
-                        help="print each rank's parameter, gradient and optimizer MB beside "
-                             "the formula, its peak memory and the MB it sent per step")
-    parser.output_only.add("summary")
-
-
-# Copied from 04_zero/baseline_zero.py: print_summary
-def print_summary(args: argparse.Namespace, topo: common.Topology, stats: common.Stats, *,
-                  baseline: str | None, measured: dict[str, float], theory: dict) -> None:
-    """`--summary`: per rank, the state MB counted from its tensors and the MB it sent, each
-    beside its formula, and its peak beside the baseline's last recorded run like this one."""
-    peak = stats.memory["total"] if stats.memory else common.peak_memory_mb(topo.device)
-    rows = [None] * topo.world_size
-    dist.all_gather_object(rows, {**measured, "peak_mb": peak, "comm_mb": stats.comm_mb})
-    if not topo.is_main:
-        return
-    from tabulate import tabulate
-
-    here = common.base_record(args, topo, baseline, "ok", None)
-    base = next((r for r in reversed(common.load_results(args.results))
-                 if r.get("script") == baseline and r.get("status") == "ok"
-                 and common.run_key(r) == common.run_key(here)), None)
-    kinds = ["params_mb", "grads_mb", "optim_mb"]
-    table = [[rank, *[f"{row[k]:,.2f} ({theory[k]:,.2f})" for k in kinds],
-              f"{sum(row[k] for k in kinds):,.2f} ({theory['state_mb']:,.2f})",
-              f"{row['peak_mb']:,.1f}" + (f" ({base['peak_mem_mb']:,.1f})" if base else ""),
-              f"{row['comm_mb']:,.2f} ({theory['comm_mb']:,.2f})"] for rank, row in enumerate(rows)]
-    print(tabulate(table, ["rank", "params MB", "grads MB", "optim MB", "state MB", "peak MB",
-                           "comm MB/step"], tablefmt="github"))
-    compared = "" if baseline is None else f" ({baseline}'s busiest rank)" if base else \
-        f"; {baseline} has no recorded run like this one to compare with"
-    print(f"measured (formula); peak = live tensor MB at the step's peak{compared}", flush=True)
-
-
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
@@ -503,7 +516,7 @@ def main():
                   **measured, **gathered)
     if args.summary:
         print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
-                             theory=predicted)
+                      theory=predicted)
 
 
 # The planner's rows (report/planner.py reads this; the script never does).

@@ -1,17 +1,16 @@
 """ZeRO-3 with its optimizer offloaded, by hand: AdamW's state and step in host memory.
 
-What it does: optimized_zero3.py's sharding (a block's parameters gathered around its forward
-and its backward, its gradients reduce-scattered as backward produces them), with the state
-split by where it lives. On the device: this rank's 1/N of the parameters in the compute dtype
-(bf16 on GPUs), which the all-gathers read, and the gradient shards between backward and the
-step. In host memory: the fp32 master 1/N of the parameters and AdamW's two moments, 12 bytes a
+What it does: optimized_zero3.py's sharding, its units copied below this script's own, with the
+state split by where it lives. On the device: this rank's 1/N of the parameters in the compute
+dtype (bf16 on GPUs), which the all-gathers read, and the gradient shards between backward and
+the step (OffloadGradReducer: ZeRO-3's, the gradient kept apart from the host's masters). In
+host memory: the fp32 master 1/N of the parameters and AdamW's two moments, 12 bytes a
 parameter / N. `step()` copies each gradient shard to the host, and a host thread steps bucket
 by bucket, in the order the next forward needs them (the root, then block 0, 1, ...), each
 bucket's new values copied back to its compute shard: the next forward waits for a bucket's
 update only when it reaches that bucket, so the host's AdamW of the later blocks runs under the
-device's forward of the earlier ones. The host gradient is freed after its step.
-On a CPU-only host the "device" is host memory too: the run proves the data path and the
-losses (equal to ZeRO-3's), not the memory moved; the record says so (`offloaded_to`).
+device's forward of the earlier ones. On a CPU-only host the "device" is host memory too: the
+run proves the data path and the losses (ZeRO-3's), not the memory moved (`offloaded_to`).
 Why it helps: a GPU holds 2 bytes a parameter / N (bf16) where ZeRO-3 holds 16 / N: ZeRO-Offload
 trained 13B parameters on one 32 GB V100 this way. The cost: 4 + 4 bytes a parameter / N over
 the host link each step (gradients down, parameters up) and a step at the host's speed.
@@ -41,6 +40,138 @@ import common  # noqa: E402
 # Against ZeRO-3 (optimized_zero3.py), exact in fp32: the same values, gathered, reduced and
 # stepped by the same AdamW, only where it runs differs. Under bf16 autocast, as ZeRO-3's.
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+
+
+class ZeRO3Offload(torch.optim.AdamW):
+    """AdamW over this rank's fp32 master slices in host memory, with the optimizer's contract:
+    `zero_grad()`, one or more `loss.backward()` (each reduce-scatters its gradients on the
+    device; the slices accumulate there), `step()`. `blocks`, `group` and `param_dtype` as
+    optimized_zero3.py's ZeRO3: `param_dtype` is the compute shards' dtype, the one the
+    all-gathers deliver (torch.bfloat16 under bf16 autocast); the masters and the gradients
+    stay in the parameters' dtype. One parameter group a bucket (`self.buckets`, their masters
+    `self.masters`); `step()` queues each bucket's update on a host thread and returns: a
+    forward waits for a bucket's update just before it gathers that bucket."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], lr: float = 1e-3,
+                 group: dist.ProcessGroup | None = None, max_grad_norm: float | None = None,
+                 param_dtype: torch.dtype | None = None, **adamw):
+        self.group, self.max_grad_norm = group, max_grad_norm
+        world = dist.get_world_size(group)
+        device = next(model.parameters()).device
+        self.buckets = partition(units_in_gradient_order(model, blocks), world)
+        # ZeRO-3's shards, kept in host memory: the masters; on the device, their copy in the
+        # compute dtype, which the all-gathers read
+        masters, self.unsharded = shard_params(self.buckets, group, param_dtype,
+                                               in_host_memory=True)
+        compute = masters.to(device, param_dtype or masters.dtype, copy=True)
+        if list(model.buffers()):
+            broadcast_buffers(model, group)
+            model.register_forward_pre_hook(lambda *_: broadcast_buffers(model, group))
+        self.masters = owned_shards(self.buckets, masters, world)
+        self.compute = [b.shard(compute, world) for b in self.buckets]
+        super().__init__([{"params": [m]} for m in self.masters], lr=lr, **adamw)
+        # each bucket's AdamW: this optimizer's own group and state, stepped alone
+        self.per_bucket = []
+        for group_of_bucket in self.param_groups:
+            adam = torch.optim.AdamW(group_of_bucket["params"], lr=lr, **adamw)
+            adam.param_groups, adam.state = [group_of_bucket], self.state
+            self.per_bucket.append(adam)
+        self.cuda = device.type == "cuda"
+        self.copies = torch.cuda.Stream(device) if self.cuda else None  # host <-> device
+        self.host = host_thread(device)
+        self.updates: dict[int, concurrent.futures.Future] = {}  # bucket -> its update
+        self.bytes_down = self.bytes_up = 0  # the last step's over the host link (two threads)
+        self.wait_for_updates_before_gathers(model, blocks)
+        self.gatherer = ParamGatherer(model, blocks, self.compute, self.unsharded, group)
+        self.reducer = OffloadGradReducer(self.buckets, self.masters, group, self.gatherer)
+
+    def wait_for_updates_before_gathers(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+        """Forward pre-hooks, registered before ParamGatherer's (hooks run in that order): the
+        model's waits for the root's update and block 0's (its prefetch), block j's for block
+        j + 1's (its prefetch). Backward gathers again what forward waited for."""
+        root, last = len(self.buckets) - 1, len(blocks) - 1
+        model.register_forward_pre_hook(lambda *_: self.wait_for(root, last))
+        for j, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda *_, j=j: self.wait_for(last - j - 1))
+
+    def wait_for(self, *buckets: int) -> None:
+        for i in buckets:
+            if i in self.updates:
+                done = self.updates.pop(i).result()  # its host step, and on CUDA its copy up
+                if done is not None:
+                    torch.cuda.current_stream().wait_event(done)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The next backward starts a fresh gradient (the host's are freed by each step)."""
+        self.reducer.grads = [None] * len(self.buckets)
+        self.reducer.needs_zero_grad = False
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.wait_for(*list(self.updates))  # a second step with no forward between
+        self.bytes_down = self.bytes_up = 0
+        self.gatherer.free_all()
+        self.reducer.average()
+        if self.max_grad_norm:  # on the device, before any of it leaves: the global norm needs
+            # every rank's every value (the padding's gradients are zeros: they add nothing)
+            clip_grad_norm_(self.reducer.grads, self.max_grad_norm, self.group)
+        if self.cuda:  # the copies wait for backward's last reduce-scatter
+            self.copies.wait_stream(torch.cuda.current_stream())
+        for i in reversed(range(len(self.buckets))):  # the root first: the next forward's first
+            down = self.gradient_to_host(i)
+            self.updates[i] = self.host.submit(self.update_bucket, i, down)
+        self.reducer.grads = [None] * len(self.buckets)  # the device's copy, freed
+        self.reducer.needs_zero_grad = True
+
+    def gradient_to_host(self, i: int) -> torch.cuda.Event | None:
+        """Bucket i's gradient shard copied into a fresh host tensor, the master's .grad: on CUDA
+        queued on the copy stream (pinned memory, from the host allocator's cache), an event
+        marking its arrival."""
+        grad = self.reducer.grads[i]
+        self.masters[i].grad = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.cuda)
+        self.bytes_down += grad.numel() * grad.element_size()
+        if not self.cuda:
+            self.masters[i].grad.copy_(grad)
+            return None
+        with torch.cuda.stream(self.copies):
+            self.masters[i].grad.copy_(grad, non_blocking=True)
+            grad.record_stream(self.copies)  # freed on the compute stream, read on this one
+            return self.copies.record_event()
+
+    @torch.no_grad()  # grad mode is a thread's own: step()'s does not reach the host thread
+    def update_bucket(self, i: int, down: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """On the host thread: AdamW's step on bucket i's master, its gradient then freed, the
+        new values copied up to its compute shard (on CUDA, queued on the copy stream: the event
+        the forward's gather waits for)."""
+        if down is not None:
+            down.synchronize()
+        master = self.masters[i]
+        self.per_bucket[i].step()
+        master.grad = None
+        self.bytes_up += self.compute[i].numel() * self.compute[i].element_size()
+        if not self.cuda:
+            self.compute[i].copy_(master)
+            return None
+        with torch.cuda.stream(self.copies):
+            self.compute[i].copy_(master, non_blocking=True)
+            return self.copies.record_event()
+
+    def wait_for_params(self) -> None:
+        """Every queued update landed: before reading the weights outside forward (saving
+        them), as ZeRO1's and ZeRO2's."""
+        self.wait_for(*list(self.updates))
+
+
+def host_thread(device: torch.device) -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that steps AdamW in host memory, bound on CUDA to `device`: the current
+    GPU is a thread's own and a new thread's is GPU 0, where its first CUDA call (waiting for a
+    copy's event, the optimizer's graph-capture check, leaving a stream's context) would open a
+    context, a few hundred MB that `max_memory_allocated` does not count, for every rank."""
+    if device.type != "cuda":
+        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-adamw")
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-adamw",
+                                                 initializer=torch.cuda.set_device,
+                                                 initargs=(device,))
 
 
 # Copied from 04_zero/optimized_zero1.py: units_in_gradient_order
@@ -116,6 +247,51 @@ def broadcast_buffers(model: nn.Module, group: dist.ProcessGroup | None) -> None
             b.detach().copy_(value.view_as(b))
 
 
+# Copied from 04_zero/optimized_zero3.py: shard_params
+def shard_params(buckets: list[Bucket], group: dist.ProcessGroup | None,
+                 param_dtype: torch.dtype | None = None, in_host_memory: bool = False
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Keep this rank's slice of every bucket in one buffer of 1/N of the model, in the
+    parameters' dtype, the values the group's first rank holds (ranks start alike, as in DDP);
+    each parameter becomes a view into its bucket's unsharded buffer, in `param_dtype` (default:
+    the parameters' own), whose storage is freed until gathered. Made with `p.data = ...`, the
+    views keep their own autograd version counters, so refilling the storage does not trip the
+    check on the weights autograd saved for backward (a plain slice shares the buffer's counter;
+    FSDP2 refills under torch.autograd._unsafe_preserve_version_counter instead).
+    `in_host_memory` keeps the slices there (optimized_zero3_offload.py's masters), pinned on
+    CUDA so that copies to and from the device run beside compute."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    dtype, device = flat_dtype(buckets), buckets[0].params[0].device
+    size = sum(b.numel for b in buckets) // n
+    param_shards = torch.zeros(size, dtype=dtype, pin_memory=device.type == "cuda") \
+        if in_host_memory else torch.zeros(size, dtype=dtype, device=device)
+    unsharded = []
+    for bucket in buckets:
+        flat = torch.zeros(bucket.numel, dtype=dtype, device=device)
+        full = torch.empty(bucket.numel, dtype=param_dtype or dtype, device=device)
+        offset = 0
+        for p in bucket.params:
+            view = slice(offset, offset + p.numel())
+            flat[view].copy_(p.detach().flatten())
+            p.data = full[view].view_as(p)
+            offset += p.numel()
+        dist.broadcast(flat, first_rank(group), group=group)
+        k = bucket.numel // n
+        bucket.shard(param_shards, n).copy_(flat[rank * k:(rank + 1) * k])
+        full.untyped_storage().resize_(0)
+        unsharded.append(full)
+    return param_shards, unsharded
+
+
+# Copied from 04_zero/optimized_zero3.py: owned_shards
+def owned_shards(buckets: list[Bucket], param_shards: torch.Tensor, world: int
+                 ) -> list[nn.Parameter]:
+    """The slices this rank owns, one per bucket, as the parameters AdamW updates: views, so an
+    update lands in the parameter shards, and AdamW's moments exist for 1/N of the model. Their
+    gradients come from GradReducer."""
+    return [nn.Parameter(b.shard(param_shards, world)) for b in buckets]
+
+
 # Copied from 04_zero/optimized_zero1.py: clip_grad_norm_
 def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float,
                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -130,38 +306,6 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float,
     for g in grads:
         g.mul_(scale)
     return norm
-
-
-def shard_offloaded(buckets: list[Bucket], group: dist.ProcessGroup | None,
-                    param_dtype: torch.dtype | None, device: torch.device
-                    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """optimized_zero3.py's shard_params, this rank's slice of every bucket kept twice: the
-    master, in the parameters' dtype, in host memory (pinned on CUDA, so that copies to and from
-    the device run beside compute), and the compute shard on `device`, in `param_dtype`
-    (default: the parameters' own), which the all-gathers read. Each parameter becomes a view
-    into its bucket's unsharded buffer on the device, whose storage is freed until gathered."""
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
-    dtype = flat_dtype(buckets)
-    size = sum(b.numel for b in buckets) // n
-    masters = torch.zeros(size, dtype=dtype, pin_memory=device.type == "cuda")
-    compute = torch.zeros(size, dtype=param_dtype or dtype, device=device)
-    unsharded = []
-    for bucket in buckets:
-        flat = torch.zeros(bucket.numel, dtype=dtype, device=device)
-        full = torch.empty(bucket.numel, dtype=param_dtype or dtype, device=device)
-        offset = 0
-        for p in bucket.params:
-            view = slice(offset, offset + p.numel())
-            flat[view].copy_(p.detach().flatten())
-            p.data = full[view].view_as(p)
-            offset += p.numel()
-        dist.broadcast(flat, first_rank(group), group=group)
-        k = bucket.numel // n
-        bucket.shard(masters, n).copy_(flat[rank * k:(rank + 1) * k])
-        bucket.shard(compute, n).copy_(flat[rank * k:(rank + 1) * k])
-        full.untyped_storage().resize_(0)
-        unsharded.append(full)
-    return masters, compute, unsharded
 
 
 # Copied from 04_zero/optimized_zero3.py: ParamGatherer
@@ -225,20 +369,25 @@ class ParamGatherer:
             self.free(i)
 
 
+# Copied from 04_zero/optimized_zero3.py: GradReducer
 class GradReducer:
-    """optimized_zero3.py's GradReducer, the reduced gradients kept apart from the shards the
-    all-gathers read: as soon as backward has produced a parameter's gradient it is copied into
-    its bucket's buffer, in fp32 (the master's dtype), and the parameter's .grad becomes a view
-    there, or None where the dtypes differ. When a bucket's last gradient is in, the bucket is
-    reduce-scattered at once into `grads[i]`, this rank's slice of the gradient on the device
-    (added to it where an earlier backward since zero_grad left one: accumulation), while
-    backward goes on with the buckets before it; the bucket's full parameters are then freed."""
+    """Backward hooks that keep only this rank's slice of the gradient. As soon as backward has
+    produced a parameter's gradient it is copied into its bucket's buffer, in the shards' dtype
+    (fp32 under a bf16 gather: FSDP2's reduce_dtype), and the parameter's .grad becomes a view
+    there, or None where the dtypes differ (the tensor autograd made is freed). When a bucket's
+    last gradient is in, the bucket is reduce-scattered at once, while backward goes on with the
+    buckets before it, into the gradient of this rank's shard, or, if an earlier backward since
+    zero_grad left one there, into a fresh slice added to it on arrival (accumulation). Once
+    done, the bucket, the full gradient of its parameters, is dropped; by the end of each
+    backward all are. Summed over ranks; `average` then divides the shards' by N at the step:
+    1/N of the work of dividing the whole gradient first. Backward is then done with the
+    bucket's parameters, so they are freed as soon as its reduce-scatter starts. `reduced(i)`
+    is where the summed slice lives: the shard's .grad (the offload's subclass keeps it apart)."""
 
-    def __init__(self, buckets: list[Bucket], shards: list[torch.Tensor], grad_dtype: torch.dtype,
+    def __init__(self, buckets: list[Bucket], shards: list[nn.Parameter],
                  group: dist.ProcessGroup | None, gatherer: ParamGatherer):
-        self.buckets, self.shards, self.grad_dtype = buckets, shards, grad_dtype
-        self.group, self.gatherer = group, gatherer
-        self.grads: list[torch.Tensor | None] = [None] * len(buckets)  # this rank's, summed
+        self.buckets, self.shards, self.group = buckets, shards, group
+        self.gatherer = gatherer
         self.buffers: dict[int, torch.Tensor] = {}  # bucket index -> its full gradient
         self.copied: dict[int, int] = {}  # bucket index -> gradients copied into it so far
         # reduce-scatters in flight: the work, its bucket, the slice to add to the shard's grad
@@ -261,7 +410,8 @@ class GradReducer:
         self.drop_reduced()
         bucket = self.buckets[i]
         if i not in self.buffers:
-            self.buffers[i] = torch.empty(bucket.numel, dtype=self.grad_dtype, device=p.device)
+            self.buffers[i] = torch.empty(bucket.numel, dtype=self.shards[i].dtype,
+                                          device=p.device)
             self.buffers[i][sum(q.numel() for q in bucket.params):].zero_()  # the padding
             self.copied[i] = 0
         grad = self.buffers[i][offset:offset + p.numel()].view_as(p)
@@ -269,10 +419,10 @@ class GradReducer:
         p.grad = grad if grad.dtype == p.dtype else None
         self.copied[i] += 1
         if self.copied[i] == len(bucket.params):
-            summed = torch.empty(self.shards[i].numel(), dtype=self.grad_dtype, device=p.device)
-            accumulated = self.grads[i] is not None
+            summed = self.buffers[i].new_empty(self.shards[i].shape)  # on the gradient's device
+            accumulated = self.reduced(i) is not None
             if not accumulated:
-                self.grads[i] = summed
+                self.keep_reduced(i, summed)
             work = common.reduce_scatter(summed, self.buffers[i], self.group, async_op=True)
             self.in_flight.append((work, i, summed if accumulated else None))
             self.gatherer.free(i)
@@ -287,7 +437,7 @@ class GradReducer:
                 pending.append((work, i, addend))
                 continue
             if addend is not None:
-                self.grads[i] += addend
+                self.reduced(i).add_(addend)
             del self.buffers[i], self.copied[i]
             for p in self.buckets[i].params:
                 p.grad = None
@@ -301,140 +451,38 @@ class GradReducer:
             raise RuntimeError(f"bucket {min(self.buffers)} got only some of its gradients: "
                                "these hooks need every parameter to take part in every backward")
 
+    def average(self) -> None:
+        """Before the step: every shard's gradient, summed over ranks, divided by N."""
+        for i in range(len(self.shards)):
+            if self.reduced(i) is None:
+                raise RuntimeError(f"bucket {i} got no gradient since zero_grad(): call "
+                                   "backward before step, with every parameter taking part")
+            self.reduced(i).div_(dist.get_world_size(self.group))
 
-def host_thread(device: torch.device) -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread that steps AdamW in host memory, bound on CUDA to `device`: the current
-    GPU is a thread's own and a new thread's is GPU 0, where its first CUDA call (waiting for a
-    copy's event, the optimizer's graph-capture check, leaving a stream's context) would open a
-    context, a few hundred MB that `max_memory_allocated` does not count, for every rank."""
-    if device.type != "cuda":
-        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-adamw")
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-adamw",
-                                                 initializer=torch.cuda.set_device,
-                                                 initargs=(device,))
+    def reduced(self, i: int) -> torch.Tensor | None:
+        """Bucket i's slice of the gradient, summed since zero_grad() (None before its first
+        reduce-scatter): its shard's .grad, which AdamW reads."""
+        return self.shards[i].grad
+
+    def keep_reduced(self, i: int, grad: torch.Tensor) -> None:
+        self.shards[i].grad = grad
 
 
-class ZeRO3Offload(torch.optim.AdamW):
-    """AdamW over this rank's fp32 master slices in host memory, with the optimizer's contract:
-    `zero_grad()`, one or more `loss.backward()` (each reduce-scatters its gradients on the
-    device; the slices accumulate there), `step()`. `blocks`, `group` and `param_dtype` as
-    optimized_zero3.py's ZeRO3: `param_dtype` is the compute shards' dtype, the one the
-    all-gathers deliver (torch.bfloat16 under bf16 autocast); the masters and the gradients
-    stay in the parameters' dtype. One parameter group a bucket (`self.buckets`, their masters
-    `self.masters`); `step()` queues each bucket's update on a host thread and returns: a
-    forward waits for a bucket's update just before it gathers that bucket."""
+class OffloadGradReducer(GradReducer):
+    """ZeRO-3's GradReducer with the masters as its shards (the gradient keeps their dtype), the
+    summed slice kept on the device in `grads[i]`, not in the master's .grad, which lives in host
+    memory with its master: step() moves each bucket's gradient there itself."""
 
-    def __init__(self, model: nn.Module, blocks: list[nn.Module], lr: float = 1e-3,
-                 group: dist.ProcessGroup | None = None, max_grad_norm: float | None = None,
-                 param_dtype: torch.dtype | None = None, **adamw):
-        self.group, self.max_grad_norm = group, max_grad_norm
-        world = dist.get_world_size(group)
-        device = next(model.parameters()).device
-        self.buckets = partition(units_in_gradient_order(model, blocks), world)
-        masters, compute, self.unsharded = shard_offloaded(self.buckets, group, param_dtype,
-                                                           device)
-        if list(model.buffers()):
-            broadcast_buffers(model, group)
-            model.register_forward_pre_hook(lambda *_: broadcast_buffers(model, group))
-        self.masters = [nn.Parameter(b.shard(masters, world)) for b in self.buckets]
-        self.compute = [b.shard(compute, world) for b in self.buckets]
-        super().__init__([{"params": [m]} for m in self.masters], lr=lr, **adamw)
-        # each bucket's AdamW: this optimizer's own group and state, stepped alone
-        self.per_bucket = []
-        for group_of_bucket in self.param_groups:
-            adam = torch.optim.AdamW(group_of_bucket["params"], lr=lr, **adamw)
-            adam.param_groups, adam.state = [group_of_bucket], self.state
-            self.per_bucket.append(adam)
-        self.cuda = device.type == "cuda"
-        self.copies = torch.cuda.Stream(device) if self.cuda else None  # host <-> device
-        self.host = host_thread(device)
-        self.updates: dict[int, concurrent.futures.Future] = {}  # bucket -> its update
-        self.bytes_down = self.bytes_up = 0  # the last step's over the host link (two threads)
-        self.wait_for_updates_before_gathers(model, blocks)
-        self.gatherer = ParamGatherer(model, blocks, self.compute, self.unsharded, group)
-        self.reducer = GradReducer(self.buckets, self.compute, masters.dtype, group,
-                                   self.gatherer)
+    def __init__(self, buckets: list[Bucket], masters: list[nn.Parameter],
+                 group: dist.ProcessGroup | None, gatherer: ParamGatherer):
+        super().__init__(buckets, masters, group, gatherer)
+        self.grads: list[torch.Tensor | None] = [None] * len(self.buckets)  # this rank's, summed
 
-    def wait_for_updates_before_gathers(self, model: nn.Module, blocks: list[nn.Module]) -> None:
-        """Forward pre-hooks, registered before ParamGatherer's (hooks run in that order): the
-        model's waits for the root's update and block 0's (its prefetch), block j's for block
-        j + 1's (its prefetch). Backward gathers again what forward waited for."""
-        root, last = len(self.buckets) - 1, len(blocks) - 1
-        model.register_forward_pre_hook(lambda *_: self.wait_for(root, last))
-        for j, block in enumerate(blocks):
-            block.register_forward_pre_hook(lambda *_, j=j: self.wait_for(last - j - 1))
+    def reduced(self, i: int) -> torch.Tensor | None:
+        return self.grads[i]
 
-    def wait_for(self, *buckets: int) -> None:
-        for i in buckets:
-            if i in self.updates:
-                done = self.updates.pop(i).result()  # its host step, and on CUDA its copy up
-                if done is not None:
-                    torch.cuda.current_stream().wait_event(done)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The next backward starts a fresh gradient (the host's are freed by each step)."""
-        self.reducer.grads = [None] * len(self.buckets)
-        self.reducer.needs_zero_grad = False
-
-    @torch.no_grad()
-    def step(self) -> None:
-        self.wait_for(*list(self.updates))  # a second step with no forward between
-        self.bytes_down = self.bytes_up = 0
-        self.gatherer.free_all()
-        world = dist.get_world_size(self.group)
-        if any(g is None for g in self.reducer.grads):
-            raise RuntimeError("a bucket got no gradient since zero_grad(): call backward "
-                               "before step, with every parameter taking part")
-        for grad in self.reducer.grads:  # summed over the ranks: averaged
-            grad.div_(world)
-        if self.max_grad_norm:  # on the device, before any of it leaves: the global norm needs
-            # every rank's every value (the padding's gradients are zeros: they add nothing)
-            clip_grad_norm_(self.reducer.grads, self.max_grad_norm, self.group)
-        if self.cuda:  # the copies wait for backward's last reduce-scatter
-            self.copies.wait_stream(torch.cuda.current_stream())
-        for i in reversed(range(len(self.buckets))):  # the root first: the next forward's first
-            down = self.gradient_to_host(i)
-            self.updates[i] = self.host.submit(self.update_bucket, i, down)
-        self.reducer.grads = [None] * len(self.buckets)  # the device's copy, freed
-        self.reducer.needs_zero_grad = True
-
-    def gradient_to_host(self, i: int) -> torch.cuda.Event | None:
-        """Bucket i's gradient shard copied into a fresh host tensor, the master's .grad: on CUDA
-        queued on the copy stream (pinned memory, from the host allocator's cache), an event
-        marking its arrival."""
-        grad = self.reducer.grads[i]
-        self.masters[i].grad = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.cuda)
-        self.bytes_down += grad.numel() * grad.element_size()
-        if not self.cuda:
-            self.masters[i].grad.copy_(grad)
-            return None
-        with torch.cuda.stream(self.copies):
-            self.masters[i].grad.copy_(grad, non_blocking=True)
-            grad.record_stream(self.copies)  # freed on the compute stream, read on this one
-            return self.copies.record_event()
-
-    @torch.no_grad()  # grad mode is a thread's own: step()'s does not reach the host thread
-    def update_bucket(self, i: int, down: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        """On the host thread: AdamW's step on bucket i's master, its gradient then freed, the
-        new values copied up to its compute shard (on CUDA, queued on the copy stream: the event
-        the forward's gather waits for)."""
-        if down is not None:
-            down.synchronize()
-        master = self.masters[i]
-        self.per_bucket[i].step()
-        master.grad = None
-        self.bytes_up += self.compute[i].numel() * self.compute[i].element_size()
-        if not self.cuda:
-            self.compute[i].copy_(master)
-            return None
-        with torch.cuda.stream(self.copies):
-            self.compute[i].copy_(master, non_blocking=True)
-            return self.copies.record_event()
-
-    def wait_for_params(self) -> None:
-        """Every queued update landed: before reading the weights outside forward (saving
-        them), as ZeRO1's and ZeRO2's."""
-        self.wait_for(*list(self.updates))
+    def keep_reduced(self, i: int, grad: torch.Tensor) -> None:
+        self.grads[i] = grad
 
 
 # Copied from 04_zero/optimized_zero3.py: zero3_bytes

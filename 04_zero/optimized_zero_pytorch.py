@@ -168,6 +168,29 @@ def zero3_bytes(params: float, blocks: list[float], root: float, world: int, wei
             "gathered": gather * (root + two_blocks)}
 
 
+def theory(stage: int, model: nn.Module, blocks: list[nn.Module], n: int, bf16: bool) -> dict:
+    """The stage's bytes at the run's shapes, in MB, from the model before PyTorch's ZeRO wraps
+    it (the weights' dtype: 4 bytes a value in fp32)."""
+    param_count = sum(p.numel() for p in model.parameters())
+    block_values = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    bytes_per = next(model.parameters()).element_size()
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    if stage == 1:  # DDP broadcasts the buffers (BatchNorm's) before each forward
+        predicted = zero1_bytes(param_count, n, bytes_per, bytes_per, 2 * bytes_per,
+                                buffer_bytes=buffer_bytes)
+        # DDP all-reduces the gradients where ZeRO-1 reduce-scatters them: (N-1)/N of them more
+        predicted["sent"] += (n - 1) / n * bytes_per * param_count
+    else:
+        # Each value is all-gathered twice (in 2 bytes under bf16) and reduce-scattered once;
+        # the root's are gathered once: they stay gathered.
+        predicted = zero3_bytes(param_count, block_values, param_count - sum(block_values), n,
+                                bytes_per, bytes_per, 2 * bytes_per, 2 if bf16 else bytes_per)
+    figures = {f"{kind}_mb": predicted[kind] / 2**20
+               for kind in ("params", "grads", "optim", "state")}
+    figures["comm_mb"] = predicted["sent"] / 2**20
+    return figures
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--stage", type=int, choices=[1, 3], default=1,
@@ -192,12 +215,8 @@ def main():
                           "keeps them there already: run on CUDA")
     topo = common.setup(args)
     model, batches = common.workload(args, topo)
-    n = topo.world_size
     blocks = common.transformer_blocks(model)
-    param_count = sum(p.numel() for p in model.parameters())
-    block_values = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    bytes_per = next(model.parameters()).element_size()  # the weights' dtype: 4 in fp32
-    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    predicted = theory(args.stage, model, blocks, topo.world_size, args.dtype == "bf16")
     if args.stage == 1:
         model, opt, counted_opt = pytorch_zero1(model, topo, args.lr)
     else:
@@ -215,29 +234,15 @@ def main():
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, counted_opt))
-    if args.stage == 1:  # DDP broadcasts the buffers (BatchNorm's) before each forward
-        predicted = zero1_bytes(param_count, n, bytes_per, bytes_per, 2 * bytes_per,
-                                buffer_bytes=buffer_bytes)
-        # DDP all-reduces the gradients where ZeRO-1 reduce-scatters them: (N-1)/N of them more
-        predicted["sent"] += (n - 1) / n * bytes_per * param_count
-    else:
-        # Each value is all-gathered twice (in 2 bytes under bf16) and reduce-scattered once;
-        # the root's are gathered once: they stay gathered.
-        predicted = zero3_bytes(param_count, block_values, param_count - sum(block_values), n,
-                                bytes_per, bytes_per, 2 * bytes_per,
-                                2 if args.dtype == "bf16" else bytes_per)
-    theory = {f"{kind}_mb": predicted[kind] / 2**20
-              for kind in ("params", "grads", "optim", "state")}
-    theory["comm_mb"] = predicted["sent"] / 2**20
     measured = common.state_split_mb(model, counted_opt)
     common.record(args, topo, stats, baseline="baseline_zero", model=model, optimizer=counted_opt,
                   overlapped={**common.DDP_OVERLAP, **common.FSDP_OVERLAP},
-                  comm_mb=stats.comm_mb, theory=theory, stage=args.stage,
+                  comm_mb=stats.comm_mb, theory=predicted, stage=args.stage,
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], clip_grad_norm=args.clip_grad_norm,
                   cpu_offload=args.cpu_offload, **measured)
     if args.summary:
         print_summary(args, topo, stats, baseline="baseline_zero", measured=measured,
-                             theory=theory)
+                      theory=predicted)
 
 
 if __name__ == "__main__":
