@@ -1,15 +1,15 @@
 """FSDP2 x tensor parallelism on a 2-D device mesh ("dp", "tp"): how models past one node train.
 
 What it does: the ranks form a dp x tp grid, tp innermost (neighbouring ranks: one node's GPUs).
-parallelize() composes, torchtitan's order. First tensor parallelism over "tp": in each block
-q, k, v and the MLP's input matrices column-wise, the output projections row-wise, the norms
-sequence-parallel (activations between blocks split along the sequence: each norm's output
-all-gathered, the projections' reduce-scattered); the token (and position) tables row-wise, the
-head column-wise, its logits split by vocabulary for a loss under loss_parallel(). Then FSDP2
-over "dp": fully_shard on each block and the root, so each weight, already split tp ways, is
-sharded dp ways more: every parameter ends a 2-D DTensor, and gradient clipping takes one norm
-over the mesh. The GPT's fused qkv becomes three Linears (an even split of it would hand rank 0
-all of q); its tied head stays tied. The plans fit HuggingFace's Llama, Qwen2, Mistral.
+parallelize() composes as torchtitan's parallelize_llama does, a named step per dim. apply_tp over
+"tp": in each block q, k, v and the MLP's input matrices column-wise, the output projections
+row-wise, the norms sequence-parallel (activations between blocks split along the sequence: each
+norm's output all-gathered, the projections' reduce-scattered); the token (and position) tables
+row-wise, the head column-wise, its logits split by vocabulary for a loss under loss_parallel().
+Then apply_fsdp over "dp": fully_shard on each block and the root, so each weight, already split
+tp ways, is sharded dp ways more: every parameter ends a 2-D DTensor, and gradient clipping takes
+one norm over the mesh. The GPT's fused qkv becomes three Linears (an even split of it would hand
+rank 0 all of q); its tied head stays tied. The plans fit HuggingFace's Llama, Qwen2, Mistral.
 Why it helps: TP divides every block's weights AND its activations by tp at the price of
 activation traffic each layer (fast links only); FSDP divides what is left by dp at the price of
 weight traffic once a step (slow links are fine). Why this order: fully_shard must see the TP
@@ -27,6 +27,7 @@ Theory:     state 16 bytes x (each weight's tp piece, padded to dp) / dp. tp: pe
 """
 
 import argparse
+import itertools
 import math
 import os
 import shutil
@@ -61,39 +62,9 @@ import common  # noqa: E402
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
 
-def tp_problem(args: argparse.Namespace, tp: int, world: int) -> str | None:
-    """Why a (world / tp) x tp mesh cannot train --size's decoder: a TP rank needs whole heads
-    (the Llama: whole KV heads) and an even share of the MLP, the vocabulary and the sequence.
-    No padding: a checkpoint's shapes must not depend on --tp."""
-    if world % tp:
-        return f"--tp {tp} does not divide the {world} processes: use a divisor of {world}"
-    size = common.SIZES[args.size]
-    widths = {"heads": size.n_heads, "MLP units": 4 * size.d_model,
-              "vocabulary": size.vocab_size, "sequence positions": args.seq_len}
-    if args.model == "llama":
-        widths.update({"KV heads": size.n_kv_heads,
-                       "MLP units": common.llama_ffn_dim(size.d_model)})
-    for what, width in widths.items():
-        if width % tp:
-            return (f"--tp {tp} does not divide the {width} {what} of --size {args.size}: use "
-                    f"a --tp that divides {width}")
-    return None
-
-
-def default_tp(args: argparse.Namespace, world: int, node: int, stages: int = 1) -> int | None:
-    """--tp's default: the largest tp >= 2 that divides a node's `node` processes (a TP group
-    stays on one node's links) and that --size's model splits on a stage's `world / stages`
-    ranks (tp_problem: heads, KV heads, ...), leaving dp >= 2 where the world has room for it,
-    dp 1 where not; None where no tp >= 2 fits."""
-    fits = [t for t in range(node, 1, -1) if node % t == 0 and world % (stages * t) == 0
-            and tp_problem(args, t, world // stages) is None]
-    return max(fits, key=lambda t: (world // (stages * t) >= 2, t), default=None)
-
-
-def node_size(world: int) -> int:
-    """The processes a TP group may span: a node's GPUs on CUDA; on CPU 2, where more would
-    only share the same cores."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torch.cuda.is_available() else 2
+def build_mesh(device_type: str, world: int, tp: int) -> DeviceMesh:
+    """(dp, tp), tp the inner dim: a TP group is neighbouring ranks, on GPUs one node's."""
+    return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
 # Copied from 03_fsdp/optimized_fsdp.py: same_weights_on_every_rank
@@ -107,11 +78,6 @@ def same_weights_on_every_rank(model: torch.nn.Module, mesh: DeviceMesh) -> None
         group = mesh.get_group(dim)
         for t in tensors:
             dist.broadcast(t.detach(), dist.get_global_rank(group, 0), group=group)
-
-
-def build_mesh(device_type: str, world: int, tp: int) -> DeviceMesh:
-    """(dp, tp), tp the inner dim: a TP group is neighbouring ranks, on GPUs one node's."""
-    return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
 class SplitQKVAttention(nn.Module):
@@ -200,10 +166,10 @@ def ends_plan(embeddings: list[str], norm: str | None, head: str | None) -> dict
     return plan
 
 
-def tensor_parallel(model: nn.Module, blocks: list[nn.Module], block_plan: dict, ends: dict,
-                    tp_mesh: DeviceMesh) -> None:
-    """Apply `block_plan` to each block and `ends` to the root over `tp_mesh`. A weight shared
-    by two modules (a tied head) would come out as two DTensors: tied again after."""
+def apply_tp(model: nn.Module, blocks: list[nn.Module], block_plan: dict, ends: dict,
+             tp_mesh: DeviceMesh) -> None:
+    """Tensor parallelism: `block_plan` on each block and `ends` on the root over `tp_mesh`. A
+    weight shared by two modules (a tied head) would come out as two DTensors: tied again after."""
     shared = {}
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
@@ -217,15 +183,40 @@ def tensor_parallel(model: nn.Module, blocks: list[nn.Module], block_plan: dict,
             setattr(module, other, getattr(first, name))
 
 
-def shard_over_dp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
-                  mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool = True) -> None:
-    """fully_shard each block, then the root, over `dp_mesh`; on gloo through an all-to-all
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
+               mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool = True) -> None:
+    """FSDP2: fully_shard each block, then the root, over `dp_mesh`; on gloo through an all-to-all
     reduce-scatter (gloo's own is an all-reduce: twice the bytes)."""
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy,
                     reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
     reduce_scatter_by_all_to_all_on_gloo(model, dp_mesh)
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
+class AllToAllReduceScatter:
+    """FSDP2's ReduceScatter interface (`allocate`, `__call__`) on common.reduce_scatter: an
+    all_to_all and a local sum. FSDP2 calls the process group's reduce_scatter_tensor, which
+    gloo runs as an all-reduce of the whole input, twice the bytes and time a reduce-scatter
+    needs. NCCL's is a true reduce-scatter, so CUDA runs keep FSDP2's own."""
+
+    def allocate(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op, async_op: bool = False):
+        return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: reduce_scatter_by_all_to_all_on_gloo
+def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every FSDP unit of `model` reduce-scatters through AllToAllReduceScatter, if the shard
+    group (the mesh's last dim) runs on gloo."""
+    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
 def split_problem(model: nn.Module, blocks: list[nn.Module], block_plan: dict, ends: dict,
@@ -263,60 +254,185 @@ def split_problem(model: nn.Module, blocks: list[nn.Module], block_plan: dict, e
     return None
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], block_plan: dict,
-                ends: dict, mp_policy: MixedPrecisionPolicy | None = None,
-                reshard_after_forward: bool = True) -> nn.Module:
-    """The composition in one call, torchtitan's order: tensor parallelism over mesh["tp"] (each
-    of `blocks` by `block_plan`, the root by `ends`; skipped at tp 1), then fully_shard over
-    mesh["dp"] on each block and the root (`mp_policy`: FSDP's dtypes, default fp32). Every rank
-    must hold the same weights first (same_weights_on_every_rank): each keeps its own slice of
-    what it holds, so ranks that differ are refused in one line, as are plans the model does
-    not split (split_problem), before anything is sent."""
-    tp = mesh["tp"].size()
-    if tp > 1 and (why := split_problem(model, blocks, block_plan, ends, tp)):
-        raise ValueError(why)
-    # A cheap check of the weights: each parameter's sum and norm in float64 (the same weights give
-    # the same bits); their max over dp, then over tp, is the max over the ranks holding this
-    # model (a 3-D mesh's stages hold other layers), that of their negatives minus the min.
+def weights_problem(model: nn.Module, mesh: DeviceMesh) -> str | None:
+    """Why the mesh's ranks cannot shard `model`, or None: they hold different weights, and each
+    would keep its slice of its own. A cheap check: each parameter's sum and norm in float64 (the
+    same weights give the same bits); their max over dp, then over tp, is the max over the ranks
+    holding this model (a 3-D mesh's stages hold other layers), that of their negatives minus
+    the min."""
     held = torch.stack([torch.stack([p.detach().sum(dtype=torch.float64),
                                      torch.linalg.vector_norm(p.detach(), dtype=torch.float64)])
                         for p in model.parameters()])
     extremes = torch.cat([held, -held])
     for dim in ("dp", "tp"):
         dist.all_reduce(extremes, dist.ReduceOp.MAX, group=mesh.get_group(dim))
-    if not torch.equal(extremes[:len(held)], -extremes[len(held):]):
-        raise ValueError("the mesh's ranks hold different weights: call "
-                         "same_weights_on_every_rank(model, mesh) before parallelize")
+    if torch.equal(extremes[:len(held)], -extremes[len(held):]):
+        return None
+    return ("the mesh's ranks hold different weights: call same_weights_on_every_rank(model, "
+            "mesh) before parallelize")
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], block_plan: dict,
+                ends: dict, mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool = True) -> nn.Module:
+    """The composition, torchtitan's parallelize_llama: apply_tp over mesh["tp"] (each of `blocks`
+    by `block_plan`, the root by `ends`; skipped at tp 1), then apply_fsdp over mesh["dp"]
+    (`mp_policy`: FSDP's dtypes, default fp32). A plan the model does not split (split_problem)
+    and ranks holding different weights (weights_problem: call same_weights_on_every_rank
+    first) are refused in one line, before anything is sent."""
+    tp = mesh["tp"].size()
+    if tp > 1 and (why := split_problem(model, blocks, block_plan, ends, tp)):
+        raise ValueError(why)
+    if why := weights_problem(model, mesh):
+        raise ValueError(why)
     if tp > 1:
-        tensor_parallel(model, blocks, block_plan, ends, mesh["tp"])
-    shard_over_dp(model, blocks, mesh["dp"], mp_policy or MixedPrecisionPolicy(),
-                  reshard_after_forward)
+        apply_tp(model, blocks, block_plan, ends, mesh["tp"])
+    apply_fsdp(model, blocks, mesh["dp"], mp_policy or MixedPrecisionPolicy(),
+               reshard_after_forward)
     return model
 
 
-# Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
-class AllToAllReduceScatter:
-    """FSDP2's ReduceScatter interface (`allocate`, `__call__`) on common.reduce_scatter: an
-    all_to_all and a local sum. FSDP2 calls the process group's reduce_scatter_tensor, which
-    gloo runs as an all-reduce of the whole input, twice the bytes and time a reduce-scatter
-    needs. NCCL's is a true reduce-scatter, so CUDA runs keep FSDP2's own."""
-
-    def allocate(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, op, async_op: bool = False):
-        return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
+    """FSDP's dtypes for --dtype: bf16 weights in compute, gradients reduced in fp32; fp32 all
+    through."""
+    bf16 = dtype == "bf16"
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                reduce_dtype=torch.float32 if bf16 else None)
 
 
-# Copied from 03_fsdp/optimized_fsdp.py: reduce_scatter_by_all_to_all_on_gloo
-def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMesh) -> None:
-    """Every FSDP unit of `model` reduce-scatters through AllToAllReduceScatter, if the shard
-    group (the mesh's last dim) runs on gloo."""
-    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, max_norm: float | None,
+               inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """One step on a dp rank's batch (B sequences of T tokens, given whole to its tp ranks):
+    forward and backward under loss_parallel(), where the logits and their gradient stay split by
+    vocabulary; the gradient clipped to `max_norm` (None: not), one norm over the whole mesh."""
+    opt.zero_grad(set_to_none=True)
+    with loss_parallel():
+        loss = model(inputs_BT, targets_BT)
+        loss.backward()
+    if max_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    opt.step()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss  # tp 1: a tensor
+
+
+def decoder_plans(model: common.Decoder) -> tuple[dict, dict]:
+    """The block and ends plans of the project's decoders (main's adapter: a trainer of one's
+    own writes the plan for its own module names). The GPT's qkv is split first."""
+    if isinstance(model, common.Llama):
+        return decoder_layer_plan(), ends_plan(["model.embed_tokens"], "model.norm", "lm_head")
+    for block in model.blocks:
+        block.attn = SplitQKVAttention(block.attn)
+    return gpt_block_plan(), ends_plan(["tok_emb", "pos_emb"], "ln_f", "head")
+
+
+def tp_problem(args: argparse.Namespace, tp: int, world: int) -> str | None:
+    """Why a (world / tp) x tp mesh cannot train --size's decoder: a TP rank needs whole heads
+    (the Llama: whole KV heads) and an even share of the MLP, the vocabulary and the sequence.
+    No padding: a checkpoint's shapes must not depend on --tp."""
+    if world % tp:
+        return f"--tp {tp} does not divide the {world} processes: use a divisor of {world}"
+    size = common.SIZES[args.size]
+    widths = {"heads": size.n_heads, "MLP units": 4 * size.d_model,
+              "vocabulary": size.vocab_size, "sequence positions": args.seq_len}
+    if args.model == "llama":
+        widths.update({"KV heads": size.n_kv_heads,
+                       "MLP units": common.llama_ffn_dim(size.d_model)})
+    for what, width in widths.items():
+        if width % tp:
+            return (f"--tp {tp} does not divide the {width} {what} of --size {args.size}: use "
+                    f"a --tp that divides {width}")
+    return None
+
+
+def default_tp(args: argparse.Namespace, world: int, node: int, stages: int = 1) -> int | None:
+    """--tp's default: the largest tp >= 2 that divides a node's `node` processes (a TP group
+    stays on one node's links) and that --size's model splits on a stage's `world / stages`
+    ranks (tp_problem: heads, KV heads, ...), leaving dp >= 2 where the world has room for it,
+    dp 1 where not; None where no tp >= 2 fits."""
+    fits = [t for t in range(node, 1, -1) if node % t == 0 and world % (stages * t) == 0
+            and tp_problem(args, t, world // stages) is None]
+    return max(fits, key=lambda t: (world // (stages * t) >= 2, t), default=None)
+
+
+def node_size(world: int) -> int:
+    """The processes a TP group may span: a node's GPUs on CUDA; on CPU 2, where more would
+    only share the same cores."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torch.cuda.is_available() else 2
+
+
+def parsed_args() -> tuple[argparse.Namespace, int]:
+    """The flags, and the tp they give on this world (--tp, or default_tp's). A tp the model
+    cannot split stops in one line (tp_problem); a world with no room for dp and tp >= 2 skips."""
+    parser = common.parser(__doc__, skips={
+        "resnet": "a ResNet has no attention heads or MLP matrices for tensor parallelism to "
+                  "split: FSDP x TP runs --model gpt or llama",
+        "moe": "a MoE's MLP is a router and experts, not the one SwiGLU this TP plan splits: "
+               "FSDP x TP runs --model gpt or llama (experts: 08_moe)"})
+    parser.add_argument("--tp", type=common.int_at_least(1), default=None,
+                        help="tensor-parallel degree, the inner mesh dim (default: the largest "
+                             "that divides the heads, the KV heads and a node's GPUs, 2 on CPU, "
+                             "leaving dp >= 2); dp = world / tp")
+    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
+                        metavar="MAX", help="clip the gradient to this 2-norm over the whole "
+                        "mesh before each step (default: no clipping)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="save DCP checkpoints here every --checkpoint-every steps")
+    parser.add_argument("--checkpoint-every", type=common.int_at_least(1), default=10)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in --checkpoint-dir, saved at "
+                             "any --tp and world, at the step after it")
+    args = parser.parse_args()
+    world = common.launch_world_size()
+    if (args.checkpoint_every != 10 or args.resume) and not args.checkpoint_dir:
+        parser.error("--checkpoint-every and --resume need --checkpoint-dir: add one")
+    tp = args.tp or default_tp(args, world, node_size(world))
+    if not args.tp and (tp is None or world // tp < 2):
+        raise common.Skip(f"a 2-D mesh needs dp >= 2 and tp >= 2 (a divisor of a node's "
+                          f"{node_size(world)} processes and of the heads), {world} processes "
+                          f"have no room: launch 4 or more (or give --tp)")
+    if why := tp_problem(args, tp, world):
+        parser.error(why)
+    return args, tp
+
+
+# Copied from 03_fsdp/optimized_fsdp_checkpoint.py: save_checkpoint
+def save_checkpoint(model, opt, directory: Path, step: int, topo: common.Topology) -> None:
+    """Each rank writes its own shards (nothing is gathered) into a hidden folder, which rank 0
+    renames once every rank is done: a run killed mid-save leaves the last checkpoint intact."""
+    partial, final = directory / f".step-{step:06d}.partial", directory / f"step-{step:06d}"
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+    dist.barrier()
+    if topo.is_main:
+        if final.exists():  # a rerun without --resume: the new state replaces the old
+            shutil.rmtree(final)
+        partial.rename(final)
+
+
+# Copied from 03_fsdp/optimized_fsdp_checkpoint.py: load_latest_checkpoint
+def load_latest_checkpoint(model, opt, directory: Path) -> int:
+    """Load the newest complete checkpoint, each rank reading its own shards; return its step
+    (0, and nothing loaded, when there is none yet)."""
+    found = [sorted(directory.glob("step-*"))[-1:] if directory.exists() else []]
+    dist.broadcast_object_list(found)  # rank 0's listing: every rank loads the same one
+    if not found[0]:
+        return 0
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=found[0][0])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(found[0][0].name.removeprefix("step-"))
+
+
+def comm_by_dim(stats: common.Stats, mesh: DeviceMesh,
+                also: dict[str, dist.ProcessGroup | None] | None = None) -> dict[str, float]:
+    """The measured bytes of each mesh dim: those sent on that dim's process group, and on the
+    group `also` names for it, if any (the 3-D run's tied pairs, counted as pp's)."""
+    sent, also = stats.comm_mb_by_group or {}, also or {}
+    groups = {dim: [g for g in (mesh.get_group(dim), also.get(dim)) if g is not None]
+              for dim in mesh.mesh_dim_names}
+    return {dim: round(sum(sent.get(g.group_name, 0.0) for g in dim_groups), 3)
+            for dim, dim_groups in groups.items()}
 
 
 def sequence_parallel_bytes(tp: int, collectives: float, tokens: float, width: float,
@@ -410,82 +526,9 @@ def theory(model: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int) ->
             "comm_mb": predicted["sent"] / 2**20}
 
 
-def comm_by_dim(stats: common.Stats, mesh: DeviceMesh) -> dict[str, float]:
-    """The measured bytes of each mesh dim: those sent on that dim's process group."""
-    sent = stats.comm_mb_by_group or {}
-    return {dim: round(sent.get(mesh.get_group(dim).group_name, 0.0), 3)
-            for dim in mesh.mesh_dim_names}
-
-
-# Copied from 03_fsdp/optimized_fsdp_checkpoint.py: save_checkpoint
-def save_checkpoint(model, opt, directory: Path, step: int, topo: common.Topology) -> None:
-    """Each rank writes its own shards (nothing is gathered) into a hidden folder, which rank 0
-    renames once every rank is done: a run killed mid-save leaves the last checkpoint intact."""
-    partial, final = directory / f".step-{step:06d}.partial", directory / f"step-{step:06d}"
-    model_state, optim_state = get_state_dict(model, opt)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
-    dist.barrier()
-    if topo.is_main:
-        if final.exists():  # a rerun without --resume: the new state replaces the old
-            shutil.rmtree(final)
-        partial.rename(final)
-
-
-# Copied from 03_fsdp/optimized_fsdp_checkpoint.py: load_latest_checkpoint
-def load_latest_checkpoint(model, opt, directory: Path) -> int:
-    """Load the newest complete checkpoint, each rank reading its own shards; return its step
-    (0, and nothing loaded, when there is none yet)."""
-    found = [sorted(directory.glob("step-*"))[-1:] if directory.exists() else []]
-    dist.broadcast_object_list(found)  # rank 0's listing: every rank loads the same one
-    if not found[0]:
-        return 0
-    model_state, optim_state = get_state_dict(model, opt)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=found[0][0])
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(found[0][0].name.removeprefix("step-"))
-
-
-def decoder_plans(model: common.Decoder) -> tuple[dict, dict]:
-    """The block and ends plans of the project's decoders (main's adapter: a trainer of one's
-    own writes the plan for its own module names). The GPT's qkv is split first."""
-    if isinstance(model, common.Llama):
-        return decoder_layer_plan(), ends_plan(["model.embed_tokens"], "model.norm", "lm_head")
-    for block in model.blocks:
-        block.attn = SplitQKVAttention(block.attn)
-    return gpt_block_plan(), ends_plan(["tok_emb", "pos_emb"], "ln_f", "head")
-
-
 def main():
-    parser = common.parser(__doc__, skips={
-        "resnet": "a ResNet has no attention heads or MLP matrices for tensor parallelism to "
-                  "split: FSDP x TP runs --model gpt or llama",
-        "moe": "a MoE's MLP is a router and experts, not the one SwiGLU this TP plan splits: "
-               "FSDP x TP runs --model gpt or llama (experts: 08_moe)"})
-    parser.add_argument("--tp", type=common.int_at_least(1), default=None,
-                        help="tensor-parallel degree, the inner mesh dim (default: the largest "
-                             "that divides the heads, the KV heads and a node's GPUs, 2 on CPU, "
-                             "leaving dp >= 2); dp = world / tp")
-    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
-                        metavar="MAX", help="clip the gradient to this 2-norm over the whole "
-                        "mesh before each step (default: no clipping)")
-    parser.add_argument("--checkpoint-dir", type=Path, default=None,
-                        help="save DCP checkpoints here every --checkpoint-every steps")
-    parser.add_argument("--checkpoint-every", type=common.int_at_least(1), default=10)
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest checkpoint in --checkpoint-dir, saved at "
-                             "any --tp and world, at the step after it")
-    args = parser.parse_args()
+    args, tp = parsed_args()
     world = common.launch_world_size()
-    if (args.checkpoint_every != 10 or args.resume) and not args.checkpoint_dir:
-        parser.error("--checkpoint-every and --resume need --checkpoint-dir: add one")
-    tp = args.tp or default_tp(args, world, node_size(world))
-    if not args.tp and (tp is None or world // tp < 2):
-        raise common.Skip(f"a 2-D mesh needs dp >= 2 and tp >= 2 (a divisor of a node's "
-                          f"{node_size(world)} processes and of the heads), {world} processes "
-                          f"have no room: launch 4 or more (or give --tp)")
-    if why := tp_problem(args, tp, world):
-        parser.error(why)
     dp = world // tp
     topo = common.setup(args)
     mesh = build_mesh(topo.device.type, world, tp)
@@ -494,30 +537,20 @@ def main():
                                      topo, dp_rank=mesh.get_local_rank("dp"), dp_world=dp)
     same_weights_on_every_rank(model, mesh)
     blocks, (block_plan, ends) = common.transformer_blocks(model), decoder_plans(model)
-    bf16 = args.dtype == "bf16"
-    parallelize(model, mesh, blocks, block_plan, ends, MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None))
+    parallelize(model, mesh, blocks, block_plan, ends, mixed_precision(args.dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = load_latest_checkpoint(model, opt, args.checkpoint_dir) if args.resume else 0
     if len(batches) - start <= args.warmup:
         raise ValueError(f"resuming after step {start} leaves no timed step: raise --steps")
-    batches, done = batches[start:], start
+    done = itertools.count(start + 1)  # the steps, counted on from the checkpoint's
 
-    def train_step(inputs, targets):
-        nonlocal done
-        opt.zero_grad(set_to_none=True)
-        with loss_parallel():  # the logits stay split by vocabulary, and so does their gradient
-            loss = model(inputs, targets)
-            loss.backward()
-        if args.clip_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
-        opt.step()
-        done += 1
-        if args.checkpoint_dir and done % args.checkpoint_every == 0:
-            save_checkpoint(model, opt, args.checkpoint_dir, done, topo)
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss  # tp 1: a tensor
+    def step_and_save(inputs, targets):
+        loss = train_step(model, opt, args.clip_grad_norm, inputs, targets)
+        if args.checkpoint_dir and (step := next(done)) % args.checkpoint_every == 0:
+            save_checkpoint(model, opt, args.checkpoint_dir, step, topo)
+        return loss
 
-    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt))
+    stats = common.timed_steps(step_and_save, batches[start:], args, topo, memory_of=(model, opt))
     common.record(args, topo, stats, baseline="baseline_fsdp", model=model, optimizer=opt,
                   overlapped=common.FSDP_OVERLAP,
                   comm_mb=stats.comm_mb, mesh={"dp": dp, "tp": tp},

@@ -194,21 +194,6 @@ def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
     return [*stage[:-1], stage[-1].ln_f, stage[-1].head] if last else stage
 
 
-def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int, tied: int) -> float:
-    """What rank 0 sends a step: each micro-batch's activations to rank 1, in the boundary's
-    dtype (the residual stream: fp32 under autocast too), and its share of the tied weight's
-    gradient all-reduce with the last rank (a group of two: the tensor once; `tied` its bytes,
-    0 for an untied head)."""
-    return (m * dtype.itemsize * math.prod(shape) + tied) / 2**20
-
-
-def uniform_bubble(stages: int, microbatches: int) -> float:
-    """The idle fraction of a step whose actions all take the same time: a stage waits p-1
-    slots in m+p-1, (p-1)/(m+p-1): GPipe's and 1F1B's alike, and this baseline's with its one
-    batch (m = 1), (p-1)/p."""
-    return (stages - 1) / (microbatches + stages - 1)
-
-
 def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
     """The weights on two stages: the input embedding's if the output head is the same
     Parameter (the GPT's), none if untied (the Llama's). Found by identity, not by name."""
@@ -336,6 +321,21 @@ def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
                           f"decoder blocks, the loss head), fewer than the {stages} stages on "
                           f"{world} processes: launch fewer (--nproc_per_node) or pass a larger "
                           f"--size")
+
+
+def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int, tied: int) -> float:
+    """What rank 0 sends a step: each micro-batch's activations to rank 1, in the boundary's
+    dtype (the residual stream: fp32 under autocast too), and its share of the tied weight's
+    gradient all-reduce with the last rank (a group of two: the tensor once; `tied` its bytes,
+    0 for an untied head)."""
+    return (m * dtype.itemsize * math.prod(shape) + tied) / 2**20
+
+
+def uniform_bubble(stages: int, microbatches: int) -> float:
+    """The idle fraction of a step whose actions all take the same time: a stage waits p-1
+    slots in m+p-1, (p-1)/(m+p-1): GPipe's and 1F1B's alike, and this baseline's with its one
+    batch (m = 1), (p-1)/p."""
+    return (stages - 1) / (microbatches + stages - 1)
 
 
 def main():

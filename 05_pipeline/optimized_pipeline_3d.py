@@ -1,18 +1,17 @@
 """Pipeline x FSDP2 x tensor parallelism on a 3-D device mesh ("pp", "dp", "tp"): 3-D parallelism.
 
-What it does: the ranks form a pp x dp x tp grid, tp innermost. Every rank takes global rank
-0's whole model, then the decoder's layers are cut into pp stages as the other pipeline scripts
-cut them; stage s runs on the ranks whose pp coordinate is s. Each stage goes through
-03_fsdp/optimized_fsdp_tp.py's parallelize(), a marked copy (as torchtitan hands its
-parallelize_fn to the pipeline builder): tensor parallelism over "tp", then fully_shard over
-"dp" on each block and the stage. torch.distributed.pipelining runs the stages:
-`PipelineStage` on the "pp" group, `Schedule1F1B` (--schedule gpipe: ScheduleGPipe) over m
-micro-batches, the last stage's loss under loss_parallel() (logits split by vocabulary).
-Between stages go each tp rank's sequence shard of the residual stream: 1/tp of the
-activations. FSDP keeps each block gathered from its first micro-batch's forward to its last's
-backward and reduce-scatters once a step. The GPT's tied embedding and head, on the first and
-last stages, have their gradient shards summed over the pair. Any mesh whose product is the
-world trains, a dp or tp of 1 included.
+What it does: the ranks form a pp x dp x tp grid, tp innermost. pipeline() composes as
+torchtitan's pipeline_llama does, in named steps. Every rank takes global rank 0's whole
+model; cut_stage cuts the decoder's layers into pp stages as the other pipeline scripts cut them
+(stage s on the ranks whose pp coordinate is s); 03_fsdp/optimized_fsdp_tp.py's parallelize(), a
+marked copy, runs apply_tp over "tp", then apply_fsdp over "dp" on each block and the stage;
+apply_pp hands the stage to torch.distributed.pipelining: `PipelineStage` on the "pp" group,
+`Schedule1F1B` (--schedule gpipe: ScheduleGPipe) over m micro-batches, the last stage's loss
+under loss_parallel() (logits split by vocabulary). Between stages go each tp rank's sequence
+shard of the residual stream: 1/tp of the activations. FSDP keeps each block gathered from its
+first micro-batch's forward to its last's backward and reduce-scatters once a step. The GPT's tied
+embedding and head, on the first and last stages, have their gradient shards summed over the
+pair. Any mesh whose product is the world trains, a dp or tp of 1 included.
 Why: each dim divides a different cost: pp the layers (activations cross a stage boundary
 once a micro-batch: cheap, any link), tp each layer's weights and activations (traffic every
 layer: fast links), dp what is left (weight traffic once a step). It is how models past one
@@ -27,10 +26,12 @@ Theory:     bubble (pp-1)/(m+pp-1). Rank 0 sends a step: pp, each micro-batch's 
 """
 
 import argparse
+import functools
 import math
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -58,88 +59,6 @@ SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 # Against DDP, fp32: TP's partial sums, FSDP's and the micro-batches' gradient sums, each in
 # another order (per step, absolute). bf16: the dtype's resolution.
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
-
-
-def stages_problem(args: argparse.Namespace, m: int) -> str | None:
-    """Why --pp stages of `m` micro-batches cannot pipeline --size's decoder, or None. pp counts
-    decoder layers, not the embedding and the head, which go with the first and last stages: a
-    first stage of the embedding alone would send on its table's output, not a block's. (The cut
-    by compute may leave the last stage the head alone, where the vocabulary costs as much as
-    layers, --size medium from pp 4: such a stage trains as any.) torch's 1F1B takes m >= pp
-    (the first stage runs pp forwards before its first backward)."""
-    pp, layers = args.pp, common.SIZES[args.size].n_layers
-    if pp > layers:
-        return (f"--pp {pp} is more stages than the {layers} decoder layers of --size "
-                f"{args.size}: use --pp {layers} or fewer")
-    if args.schedule == "1f1b" and m < pp:
-        return (f"--microbatches {m} is fewer than the --pp {pp} stages, which 1F1B needs: use "
-                f"--microbatches {pp} or more, or --schedule gpipe")
-    return None
-
-
-def mesh_problem(args: argparse.Namespace, world: int, tp: int, m: int, batch: int
-                 ) -> str | None:
-    """Why `world` ranks cannot form a --pp x dp x `tp` mesh for --size's decoder (a dp rank's
-    `batch` sequences in `m` micro-batches), or None; within a stage, tp_problem's."""
-    pp = args.pp
-    if world % (pp * tp):
-        return (f"--pp {pp} x --tp {tp} = {pp * tp} does not divide the {world} processes: "
-                f"launch a multiple of {pp * tp}")
-    if batch % m:
-        return (f"a dp rank's {batch} sequences do not split into --microbatches {m}: use a "
-                f"divisor of {batch}")
-    return tp_problem(args, tp, world // pp)
-
-
-# Copied from 03_fsdp/optimized_fsdp_tp.py: tp_problem
-def tp_problem(args: argparse.Namespace, tp: int, world: int) -> str | None:
-    """Why a (world / tp) x tp mesh cannot train --size's decoder: a TP rank needs whole heads
-    (the Llama: whole KV heads) and an even share of the MLP, the vocabulary and the sequence.
-    No padding: a checkpoint's shapes must not depend on --tp."""
-    if world % tp:
-        return f"--tp {tp} does not divide the {world} processes: use a divisor of {world}"
-    size = common.SIZES[args.size]
-    widths = {"heads": size.n_heads, "MLP units": 4 * size.d_model,
-              "vocabulary": size.vocab_size, "sequence positions": args.seq_len}
-    if args.model == "llama":
-        widths.update({"KV heads": size.n_kv_heads,
-                       "MLP units": common.llama_ffn_dim(size.d_model)})
-    for what, width in widths.items():
-        if width % tp:
-            return (f"--tp {tp} does not divide the {width} {what} of --size {args.size}: use "
-                    f"a --tp that divides {width}")
-    return None
-
-
-# Copied from 03_fsdp/optimized_fsdp_tp.py: default_tp
-def default_tp(args: argparse.Namespace, world: int, node: int, stages: int = 1) -> int | None:
-    """--tp's default: the largest tp >= 2 that divides a node's `node` processes (a TP group
-    stays on one node's links) and that --size's model splits on a stage's `world / stages`
-    ranks (tp_problem: heads, KV heads, ...), leaving dp >= 2 where the world has room for it,
-    dp 1 where not; None where no tp >= 2 fits."""
-    fits = [t for t in range(node, 1, -1) if node % t == 0 and world % (stages * t) == 0
-            and tp_problem(args, t, world // stages) is None]
-    return max(fits, key=lambda t: (world // (stages * t) >= 2, t), default=None)
-
-
-# Copied from 03_fsdp/optimized_fsdp_tp.py: node_size
-def node_size(world: int) -> int:
-    """The processes a TP group may span: a node's GPUs on CUDA; on CPU 2, where more would
-    only share the same cores."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torch.cuda.is_available() else 2
-
-
-# Copied from 05_pipeline/baseline_pipeline_3d.py: default_3d_tp
-def default_3d_tp(args: argparse.Namespace, world: int, pp: int = 2) -> int:
-    """The tp of the 3-D run's default mesh, pp x dp x tp with tp >= 2 (default_tp's), or Skip
-    where `world` processes hold none: the 3-D run skips then, and its baseline with it, for the
-    same reason (a DDP row with no 3-D row beside it compares nothing)."""
-    node = node_size(world)
-    if tp := default_tp(args, world, node, stages=pp):
-        return tp
-    raise common.Skip(f"a 3-D mesh of pp {pp} x dp x tp >= 2 (tp dividing a node's {node} "
-                      f"processes and the heads) does not fit {world} processes: launch a "
-                      f"multiple of {2 * pp} (or give optimized_pipeline_3d.py --tp 1)")
 
 
 # Copied from 03_fsdp/optimized_fsdp.py: same_weights_on_every_rank
@@ -247,11 +166,11 @@ def ends_plan(embeddings: list[str], norm: str | None, head: str | None) -> dict
     return plan
 
 
-# Copied from 03_fsdp/optimized_fsdp_tp.py: tensor_parallel
-def tensor_parallel(model: nn.Module, blocks: list[nn.Module], block_plan: dict, ends: dict,
-                    tp_mesh: DeviceMesh) -> None:
-    """Apply `block_plan` to each block and `ends` to the root over `tp_mesh`. A weight shared
-    by two modules (a tied head) would come out as two DTensors: tied again after."""
+# Copied from 03_fsdp/optimized_fsdp_tp.py: apply_tp
+def apply_tp(model: nn.Module, blocks: list[nn.Module], block_plan: dict, ends: dict,
+             tp_mesh: DeviceMesh) -> None:
+    """Tensor parallelism: `block_plan` on each block and `ends` on the root over `tp_mesh`. A
+    weight shared by two modules (a tied head) would come out as two DTensors: tied again after."""
     shared = {}
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
@@ -265,16 +184,41 @@ def tensor_parallel(model: nn.Module, blocks: list[nn.Module], block_plan: dict,
             setattr(module, other, getattr(first, name))
 
 
-# Copied from 03_fsdp/optimized_fsdp_tp.py: shard_over_dp
-def shard_over_dp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
-                  mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool = True) -> None:
-    """fully_shard each block, then the root, over `dp_mesh`; on gloo through an all-to-all
+# Copied from 03_fsdp/optimized_fsdp_tp.py: apply_fsdp
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
+               mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool = True) -> None:
+    """FSDP2: fully_shard each block, then the root, over `dp_mesh`; on gloo through an all-to-all
     reduce-scatter (gloo's own is an all-reduce: twice the bytes)."""
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy,
                     reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
     reduce_scatter_by_all_to_all_on_gloo(model, dp_mesh)
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
+class AllToAllReduceScatter:
+    """FSDP2's ReduceScatter interface (`allocate`, `__call__`) on common.reduce_scatter: an
+    all_to_all and a local sum. FSDP2 calls the process group's reduce_scatter_tensor, which
+    gloo runs as an all-reduce of the whole input, twice the bytes and time a reduce-scatter
+    needs. NCCL's is a true reduce-scatter, so CUDA runs keep FSDP2's own."""
+
+    def allocate(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op, async_op: bool = False):
+        return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+
+
+# Copied from 03_fsdp/optimized_fsdp.py: reduce_scatter_by_all_to_all_on_gloo
+def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every FSDP unit of `model` reduce-scatters through AllToAllReduceScatter, if the shard
+    group (the mesh's last dim) runs on gloo."""
+    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
 # Copied from 03_fsdp/optimized_fsdp_tp.py: split_problem
@@ -313,61 +257,53 @@ def split_problem(model: nn.Module, blocks: list[nn.Module], block_plan: dict, e
     return None
 
 
-# Copied from 03_fsdp/optimized_fsdp_tp.py: parallelize
-def parallelize(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], block_plan: dict,
-                ends: dict, mp_policy: MixedPrecisionPolicy | None = None,
-                reshard_after_forward: bool = True) -> nn.Module:
-    """The composition in one call, torchtitan's order: tensor parallelism over mesh["tp"] (each
-    of `blocks` by `block_plan`, the root by `ends`; skipped at tp 1), then fully_shard over
-    mesh["dp"] on each block and the root (`mp_policy`: FSDP's dtypes, default fp32). Every rank
-    must hold the same weights first (same_weights_on_every_rank): each keeps its own slice of
-    what it holds, so ranks that differ are refused in one line, as are plans the model does
-    not split (split_problem), before anything is sent."""
-    tp = mesh["tp"].size()
-    if tp > 1 and (why := split_problem(model, blocks, block_plan, ends, tp)):
-        raise ValueError(why)
-    # A cheap check of the weights: each parameter's sum and norm in float64 (the same weights give
-    # the same bits); their max over dp, then over tp, is the max over the ranks holding this
-    # model (a 3-D mesh's stages hold other layers), that of their negatives minus the min.
+# Copied from 03_fsdp/optimized_fsdp_tp.py: weights_problem
+def weights_problem(model: nn.Module, mesh: DeviceMesh) -> str | None:
+    """Why the mesh's ranks cannot shard `model`, or None: they hold different weights, and each
+    would keep its slice of its own. A cheap check: each parameter's sum and norm in float64 (the
+    same weights give the same bits); their max over dp, then over tp, is the max over the ranks
+    holding this model (a 3-D mesh's stages hold other layers), that of their negatives minus
+    the min."""
     held = torch.stack([torch.stack([p.detach().sum(dtype=torch.float64),
                                      torch.linalg.vector_norm(p.detach(), dtype=torch.float64)])
                         for p in model.parameters()])
     extremes = torch.cat([held, -held])
     for dim in ("dp", "tp"):
         dist.all_reduce(extremes, dist.ReduceOp.MAX, group=mesh.get_group(dim))
-    if not torch.equal(extremes[:len(held)], -extremes[len(held):]):
-        raise ValueError("the mesh's ranks hold different weights: call "
-                         "same_weights_on_every_rank(model, mesh) before parallelize")
+    if torch.equal(extremes[:len(held)], -extremes[len(held):]):
+        return None
+    return ("the mesh's ranks hold different weights: call same_weights_on_every_rank(model, "
+            "mesh) before parallelize")
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: parallelize
+def parallelize(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], block_plan: dict,
+                ends: dict, mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool = True) -> nn.Module:
+    """The composition, torchtitan's parallelize_llama: apply_tp over mesh["tp"] (each of `blocks`
+    by `block_plan`, the root by `ends`; skipped at tp 1), then apply_fsdp over mesh["dp"]
+    (`mp_policy`: FSDP's dtypes, default fp32). A plan the model does not split (split_problem)
+    and ranks holding different weights (weights_problem: call same_weights_on_every_rank
+    first) are refused in one line, before anything is sent."""
+    tp = mesh["tp"].size()
+    if tp > 1 and (why := split_problem(model, blocks, block_plan, ends, tp)):
+        raise ValueError(why)
+    if why := weights_problem(model, mesh):
+        raise ValueError(why)
     if tp > 1:
-        tensor_parallel(model, blocks, block_plan, ends, mesh["tp"])
-    shard_over_dp(model, blocks, mesh["dp"], mp_policy or MixedPrecisionPolicy(),
-                  reshard_after_forward)
+        apply_tp(model, blocks, block_plan, ends, mesh["tp"])
+    apply_fsdp(model, blocks, mesh["dp"], mp_policy or MixedPrecisionPolicy(),
+               reshard_after_forward)
     return model
 
 
-# Copied from 03_fsdp/optimized_fsdp.py: AllToAllReduceScatter
-class AllToAllReduceScatter:
-    """FSDP2's ReduceScatter interface (`allocate`, `__call__`) on common.reduce_scatter: an
-    all_to_all and a local sum. FSDP2 calls the process group's reduce_scatter_tensor, which
-    gloo runs as an all-reduce of the whole input, twice the bytes and time a reduce-scatter
-    needs. NCCL's is a true reduce-scatter, so CUDA runs keep FSDP2's own."""
-
-    def allocate(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, op, async_op: bool = False):
-        return common.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
-
-
-# Copied from 03_fsdp/optimized_fsdp.py: reduce_scatter_by_all_to_all_on_gloo
-def reduce_scatter_by_all_to_all_on_gloo(model: torch.nn.Module, mesh: DeviceMesh) -> None:
-    """Every FSDP unit of `model` reduce-scatters through AllToAllReduceScatter, if the shard
-    group (the mesh's last dim) runs on gloo."""
-    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+# Copied from 03_fsdp/optimized_fsdp_tp.py: mixed_precision
+def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
+    """FSDP's dtypes for --dtype: bf16 weights in compute, gradients reduced in fp32; fp32 all
+    through."""
+    bf16 = dtype == "bf16"
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                reduce_dtype=torch.float32 if bf16 else None)
 
 
 # Copied from 05_pipeline/baseline_pipeline.py: cross_entropy
@@ -403,20 +339,6 @@ def pair_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     return mine
 
 
-def clip_grad_norm_over_stages(params: list[nn.Parameter], counted: list[nn.Parameter],
-                               max_norm: float, pp_group: dist.ProcessGroup) -> torch.Tensor:
-    """Clip every stage's gradients to one 2-norm over the whole model. Within a stage the
-    gradients are DTensors over (dp, tp): their norm is one all-reduce away (full_tensor); the
-    stages' squared norms are then summed over pp. `counted` leaves out a weight whose gradient
-    another stage counts already (a tied head's: the embedding's, summed)."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in counted])
-    squared = (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
-    dist.all_reduce(squared, group=pp_group)
-    total = squared.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
-
-
 def stage_plans(layers: list[nn.Module]) -> tuple[list[nn.Module], dict, dict]:
     """A stage's blocks, their plan and its ends' plan, named as in nn.Sequential(*layers)
     (main's adapter for the project's decoders: a trainer of one's own names its own)."""
@@ -433,6 +355,251 @@ def stage_plans(layers: list[nn.Module]) -> tuple[list[nn.Module], dict, dict]:
     n = len(layers)
     return blocks, block_plan, ends_plan(tables, f"{n - 2}" if last else None,
                                          f"{n - 1}" if last else None)
+
+
+def cut_stage(model: common.Decoder, mesh: DeviceMesh) -> list[nn.Module]:
+    """This rank's layers: the decoder cut into mesh["pp"] stages as the other pipeline scripts
+    cut it (`pipeline_stages`), stage s on the ranks whose pp coordinate is s."""
+    pp, s = mesh["pp"].size(), mesh.get_local_rank("pp")
+    return plain_layers(model.pipeline_stages(pp)[s], s == pp - 1)
+
+
+def apply_pp(stage: nn.Module, mesh: DeviceMesh, schedule: type, m: int,
+             inputs_BT: torch.Tensor, width: int, vocab: int, dtype: torch.dtype
+             ) -> Schedule1F1B | ScheduleGPipe:
+    """Pipeline parallelism: `stage` as torch.distributed.pipelining's PipelineStage on the "pp"
+    group, run by `schedule` over `m` micro-batches of a dp rank's batch `inputs_BT`, the last
+    stage's loss cross_entropy. A stage takes and gives one micro-batch's: the first its tokens,
+    the last its logits, the others a tp rank's sequence shard (requires_grad: its gradient
+    flows back). B, b = B/m: a dp rank's and a micro-batch's sequences; T their tokens, S = T/tp
+    a tp rank's; D `width`; V `vocab`."""
+    pp, s, tp = mesh["pp"].size(), mesh.get_local_rank("pp"), mesh["tp"].size()
+    (B, T), device = inputs_BT.shape, inputs_BT.device
+    b, S = B // m, T // tp
+    tokens_bT = torch.zeros(b, T, dtype=torch.long, device=device)
+    shard_bSD = torch.empty(b, S, width, dtype=dtype, device=device, requires_grad=True)
+    logits_bTV = torch.empty(b, T, vocab, dtype=dtype, device=device)
+    pipe_stage = PipelineStage(stage, s, pp, device, input_args=tokens_bT if s == 0 else shard_bSD,
+                               output_args=logits_bTV if s == pp - 1 else shard_bSD,
+                               group=mesh.get_group("pp"))
+    return schedule(pipe_stage, m, loss_fn=cross_entropy)
+
+
+class Stage(NamedTuple):
+    """This rank's part of the pipelined model, as pipeline() leaves it (torchtitan's
+    pipeline_llama: the schedule, the model parts, whether they hold the first and last stage)."""
+    module: nn.Sequential  # the stage's layers, parallelized
+    schedule: Schedule1F1B | ScheduleGPipe
+    blocks: list[nn.Module]  # its decoder layers
+    first: bool
+    last: bool
+    tied: list[nn.Parameter]  # the tied embedding's and head's weight, where the stage holds it
+    pairs: dist.ProcessGroup | None  # the tied weight's two holders at this (dp, tp) place
+
+
+def pipeline(model: common.Decoder, mesh: DeviceMesh, schedule: type, m: int,
+             inputs_BT: torch.Tensor, mp_policy: MixedPrecisionPolicy) -> Stage:
+    """The composition, torchtitan's pipeline_llama: this rank's stage cut from `model`
+    (cut_stage), parallelized as 03's 2-D run is (parallelize: apply_tp, then apply_fsdp, the
+    stage kept gathered through the step), then run by `schedule` (apply_pp). Every rank calls
+    it, `model` global rank 0's on each (same_weights_on_every_rank)."""
+    pp, s = mesh["pp"].size(), mesh.get_local_rank("pp")
+    tied = tied_weights(model)
+    pairs = pair_group(mesh) if tied else None
+    width = common.input_embedding(model).embedding_dim
+    vocab = common.output_head(model).out_features
+    layers = cut_stage(model, mesh)
+    stage = nn.Sequential(*layers)
+    # where the stage holds the tied weight: TP and FSDP replace the Parameter, not its place
+    holders = [(mod, name) for mod in stage.modules()
+               for name, p in mod.named_parameters(recurse=False) if any(p is w for w in tied)]
+    blocks, block_plan, ends = stage_plans(layers)
+    parallelize(stage, mesh, blocks, block_plan, ends, mp_policy, reshard_after_forward=False)
+    pipe = apply_pp(stage, mesh, schedule, m, inputs_BT, width, vocab,
+                    mp_policy.param_dtype or torch.float32)
+    return Stage(stage, pipe, blocks, s == 0, s == pp - 1,
+                 [getattr(mod, name) for mod, name in holders], pairs)
+
+
+def all_reduce_tied_gradients(stage: Stage) -> None:
+    """The tied embedding's and head's gradient shards summed over their pair (the first and
+    the last stage's ranks at this (dp, tp) place): the one weight's gradient."""
+    for w in stage.tied:
+        dist.all_reduce(w.grad.to_local(), group=stage.pairs)
+
+
+def clip_grad_norm_over_stages(stage: Stage, max_norm: float, pp_group: dist.ProcessGroup
+                               ) -> torch.Tensor:
+    """Clip every stage's gradients to one 2-norm over the whole model. Within a stage the
+    gradients are DTensors over (dp, tp): their norm is one all-reduce away (full_tensor); the
+    stages' squared norms are then summed over pp. A tied head's gradient, the embedding's
+    summed, is counted once: on the first stage."""
+    params = list(stage.module.parameters())
+    counted = [p for p in params
+               if not (stage.last and not stage.first and any(p is t for t in stage.tied))]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in counted])
+    squared = (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def global_mean_loss(losses: list[torch.Tensor], mesh: DeviceMesh) -> torch.Tensor:
+    """The step's loss from the last stage's micro-batch losses (DTensors under loss_parallel):
+    their mean, then the mean over the dp ranks' batches, the global batch's."""
+    loss = torch.stack([loss.full_tensor() if isinstance(loss, DTensor) else loss
+                        for loss in losses]).mean().detach()
+    dist.all_reduce(loss, group=mesh.get_group("dp"))
+    return loss / mesh["dp"].size()
+
+
+def train_step(stage: Stage, opt: torch.optim.Optimizer, mesh: DeviceMesh,
+               max_norm: float | None, inputs_BT: torch.Tensor, targets_BT: torch.Tensor
+               ) -> torch.Tensor:
+    """One step on a dp rank's batch, every stage given it: the schedule's forwards and backwards
+    under loss_parallel() (the last stage's logits stay split by vocabulary), the tied gradient
+    summed, the gradient clipped to `max_norm` (None: not), AdamW. Returns the global batch's
+    loss on the last stage, 0 elsewhere."""
+    opt.zero_grad(set_to_none=True)
+    losses = []
+    with loss_parallel():
+        stage.schedule.step(*([inputs_BT] if stage.first else []),
+                            **({"target": targets_BT, "losses": losses} if stage.last else {}))
+    all_reduce_tied_gradients(stage)
+    if max_norm:
+        clip_grad_norm_over_stages(stage, max_norm, mesh.get_group("pp"))
+    opt.step()
+    if not stage.last:
+        return torch.zeros((), device=inputs_BT.device)
+    return global_mean_loss(losses, mesh)
+
+
+def stages_problem(args: argparse.Namespace, m: int) -> str | None:
+    """Why --pp stages of `m` micro-batches cannot pipeline --size's decoder, or None. pp counts
+    decoder layers, not the embedding and the head, which go with the first and last stages: a
+    first stage of the embedding alone would send on its table's output, not a block's. (The cut
+    by compute may leave the last stage the head alone, where the vocabulary costs as much as
+    layers, --size medium from pp 4: such a stage trains as any.) torch's 1F1B takes m >= pp
+    (the first stage runs pp forwards before its first backward)."""
+    pp, layers = args.pp, common.SIZES[args.size].n_layers
+    if pp > layers:
+        return (f"--pp {pp} is more stages than the {layers} decoder layers of --size "
+                f"{args.size}: use --pp {layers} or fewer")
+    if args.schedule == "1f1b" and m < pp:
+        return (f"--microbatches {m} is fewer than the --pp {pp} stages, which 1F1B needs: use "
+                f"--microbatches {pp} or more, or --schedule gpipe")
+    return None
+
+
+def mesh_problem(args: argparse.Namespace, world: int, tp: int, m: int, batch: int
+                 ) -> str | None:
+    """Why `world` ranks cannot form a --pp x dp x `tp` mesh for --size's decoder (a dp rank's
+    `batch` sequences in `m` micro-batches), or None; within a stage, tp_problem's."""
+    pp = args.pp
+    if world % (pp * tp):
+        return (f"--pp {pp} x --tp {tp} = {pp * tp} does not divide the {world} processes: "
+                f"launch a multiple of {pp * tp}")
+    if batch % m:
+        return (f"a dp rank's {batch} sequences do not split into --microbatches {m}: use a "
+                f"divisor of {batch}")
+    return tp_problem(args, tp, world // pp)
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: tp_problem
+def tp_problem(args: argparse.Namespace, tp: int, world: int) -> str | None:
+    """Why a (world / tp) x tp mesh cannot train --size's decoder: a TP rank needs whole heads
+    (the Llama: whole KV heads) and an even share of the MLP, the vocabulary and the sequence.
+    No padding: a checkpoint's shapes must not depend on --tp."""
+    if world % tp:
+        return f"--tp {tp} does not divide the {world} processes: use a divisor of {world}"
+    size = common.SIZES[args.size]
+    widths = {"heads": size.n_heads, "MLP units": 4 * size.d_model,
+              "vocabulary": size.vocab_size, "sequence positions": args.seq_len}
+    if args.model == "llama":
+        widths.update({"KV heads": size.n_kv_heads,
+                       "MLP units": common.llama_ffn_dim(size.d_model)})
+    for what, width in widths.items():
+        if width % tp:
+            return (f"--tp {tp} does not divide the {width} {what} of --size {args.size}: use "
+                    f"a --tp that divides {width}")
+    return None
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: default_tp
+def default_tp(args: argparse.Namespace, world: int, node: int, stages: int = 1) -> int | None:
+    """--tp's default: the largest tp >= 2 that divides a node's `node` processes (a TP group
+    stays on one node's links) and that --size's model splits on a stage's `world / stages`
+    ranks (tp_problem: heads, KV heads, ...), leaving dp >= 2 where the world has room for it,
+    dp 1 where not; None where no tp >= 2 fits."""
+    fits = [t for t in range(node, 1, -1) if node % t == 0 and world % (stages * t) == 0
+            and tp_problem(args, t, world // stages) is None]
+    return max(fits, key=lambda t: (world // (stages * t) >= 2, t), default=None)
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: node_size
+def node_size(world: int) -> int:
+    """The processes a TP group may span: a node's GPUs on CUDA; on CPU 2, where more would
+    only share the same cores."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torch.cuda.is_available() else 2
+
+
+# Copied from 05_pipeline/baseline_pipeline_3d.py: default_3d_tp
+def default_3d_tp(args: argparse.Namespace, world: int, pp: int = 2) -> int:
+    """The tp of the 3-D run's default mesh, pp x dp x tp with tp >= 2 (default_tp's), or Skip
+    where `world` processes hold none: the 3-D run skips then, and its baseline with it, for the
+    same reason (a DDP row with no 3-D row beside it compares nothing)."""
+    node = node_size(world)
+    if tp := default_tp(args, world, node, stages=pp):
+        return tp
+    raise common.Skip(f"a 3-D mesh of pp {pp} x dp x tp >= 2 (tp dividing a node's {node} "
+                      f"processes and the heads) does not fit {world} processes: launch a "
+                      f"multiple of {2 * pp} (or give optimized_pipeline_3d.py --tp 1)")
+
+
+def parsed_args() -> tuple[argparse.Namespace, dict[str, int], int]:
+    """The flags, the mesh they give on this world ({"pp", "dp", "tp"}: --pp, --tp or
+    default_3d_tp's, dp the rest) and the micro-batches m; a mesh the model cannot take, or m
+    that the schedule cannot, stops in one line."""
+    parser = common.parser(__doc__, skips={
+        "resnet": "a pipeline cuts a decoder's list of layers into stages, and a ResNet's is no "
+                  "such list: pipelines run --model gpt or llama",
+        "moe": "its TP plan splits a stage's MLP as one SwiGLU, and a MoE's is a router and "
+               "experts: the 3-D run takes --model gpt or llama (experts: 08_moe)"})
+    parser.add_argument("--pp", type=common.int_at_least(1), default=2,
+                        help="pipeline stages, the outer mesh dim (default: 2)")
+    parser.add_argument("--tp", type=common.int_at_least(1), default=None,
+                        help="tensor-parallel degree, the inner mesh dim (default: the largest "
+                             "that divides the heads, the KV heads and a node's GPUs, 2 on CPU, "
+                             "leaving dp >= 2 where the world has room); dp = world / (pp x tp)")
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
+                        metavar="MAX", help="clip the gradient to this 2-norm over the whole "
+                        "model, every stage's, before each step (default: no clipping)")
+    parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
+                        help="micro-batches m a dp rank's batch is split into (default: 2 pp)")
+    parser.set_defaults(steps=8, warmup=3)  # the folder's: eight runs in `make pipeline`
+    args = parser.parse_args()
+    world, pp = common.launch_world_size(), args.pp
+    m = args.microbatches or 2 * pp
+    if why := stages_problem(args, m):
+        parser.error(why)
+    tp = args.tp or default_3d_tp(args, world, pp)
+    if why := mesh_problem(args, world, tp, m, pp * tp * args.batch_size):
+        parser.error(why)
+    return args, {"pp": pp, "dp": world // (pp * tp), "tp": tp}, m
+
+
+# Copied from 03_fsdp/optimized_fsdp_tp.py: comm_by_dim
+def comm_by_dim(stats: common.Stats, mesh: DeviceMesh,
+                also: dict[str, dist.ProcessGroup | None] | None = None) -> dict[str, float]:
+    """The measured bytes of each mesh dim: those sent on that dim's process group, and on the
+    group `also` names for it, if any (the 3-D run's tied pairs, counted as pp's)."""
+    sent, also = stats.comm_mb_by_group or {}, also or {}
+    groups = {dim: [g for g in (mesh.get_group(dim), also.get(dim)) if g is not None]
+              for dim in mesh.mesh_dim_names}
+    return {dim: round(sum(sent.get(g.group_name, 0.0) for g in dim_groups), 3)
+            for dim, dim_groups in groups.items()}
 
 
 # Copied from 03_fsdp/optimized_fsdp_tp.py: sequence_parallel_bytes
@@ -516,13 +683,15 @@ def planned_pipeline_3d(plan: common.PlanInput) -> dict:
             "network": sent["dp"] + sent["pp"] if plan.gpus > plan.per_node else 0.0}
 
 
-def theory(stage: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int, m: int,
-           micro: int, first: bool, last: bool, tied: list[nn.Parameter]) -> dict:
-    """This rank's state and bytes per step, stage_bytes from its parallelized stage's shapes:
-    each weight's tp piece (split by its placement on tp), padded to dp rows along dim 0;
-    `micro` sequences a micro-batch; `tied`, the stage's tied weight."""
+def theory(stage: Stage, args: argparse.Namespace, mesh: DeviceMesh, m: int, params: int
+           ) -> dict:
+    """The record's theory: this rank's state and bytes per step, stage_bytes from its
+    parallelized stage's shapes (each weight's tp piece, split by its placement on tp, padded to
+    dp rows along dim 0), the state the busiest stage's (as the record's state_mb); beside them
+    16 bytes of each of the model's `params` split evenly, and the uniform bubble."""
+    pp, dp, tp = (mesh[dim].size() for dim in ("pp", "dp", "tp"))
     size, nbytes = common.SIZES[args.size], 2 if args.dtype == "bf16" else 4
-    d, seq = size.d_model, args.seq_len
+    d, seq, micro = size.d_model, args.seq_len, pp * tp * args.batch_size // m
 
     def split_over_tp(p):
         return tp > 1 and p.placements[-1].is_shard()
@@ -533,47 +702,26 @@ def theory(stage: nn.Module, blocks: list[nn.Module], args, dp: int, tp: int, m:
             shape[p.placements[-1].dim] //= tp
         return math.ceil(shape[0] / dp) * dp * math.prod(shape[1:])
 
-    params = list(stage.parameters())
-    norms = [p for mod in stage.modules() if not isinstance(mod, nn.Linear)
+    weights = list(stage.module.parameters())
+    norms = [p for mod in stage.module.modules() if not isinstance(mod, nn.Linear)
              for p in mod.parameters(recurse=False) if not split_over_tp(p)]
-    predicted = stage_bytes(sum(piece(p) for p in params), sum(piece(p) for p in tied),
-                            sum(p.numel() for p in norms), len(blocks), micro * seq, d, dp, tp, m,
-                            nbytes, first, last, seq if args.model == "gpt" else 0)
-    return {"state_mb": predicted["state"] / 2**20,
+    predicted = stage_bytes(sum(piece(p) for p in weights), sum(piece(p) for p in stage.tied),
+                            sum(p.numel() for p in norms), len(stage.blocks), micro * seq, d, dp,
+                            tp, m, nbytes, stage.first, stage.last,
+                            seq if args.model == "gpt" else 0)
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, predicted["state"] / 2**20)
+    return {"state_mb": max(states),  # the busiest stage's, as the record's state_mb
             "comm_mb_by_dim": {dim: round(sent / 2**20, 3)
                                for dim, sent in predicted["by_dim"].items()},
-            "comm_mb": predicted["sent"] / 2**20}
+            "comm_mb": predicted["sent"] / 2**20,
+            "state_mb_even": 16 * params / (pp * dp * tp) / 2**20,
+            "bubble_uniform": round(uniform_bubble(pp, m), 4)}
 
 
 def main():
-    parser = common.parser(__doc__, skips={
-        "resnet": "a pipeline cuts a decoder's list of layers into stages, and a ResNet's is no "
-                  "such list: pipelines run --model gpt or llama",
-        "moe": "its TP plan splits a stage's MLP as one SwiGLU, and a MoE's is a router and "
-               "experts: the 3-D run takes --model gpt or llama (experts: 08_moe)"})
-    parser.add_argument("--pp", type=common.int_at_least(1), default=2,
-                        help="pipeline stages, the outer mesh dim (default: 2)")
-    parser.add_argument("--tp", type=common.int_at_least(1), default=None,
-                        help="tensor-parallel degree, the inner mesh dim (default: the largest "
-                             "that divides the heads, the KV heads and a node's GPUs, 2 on CPU, "
-                             "leaving dp >= 2 where the world has room); dp = world / (pp x tp)")
-    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
-    parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
-                        metavar="MAX", help="clip the gradient to this 2-norm over the whole "
-                        "model, every stage's, before each step (default: no clipping)")
-    parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
-                        help="micro-batches m a dp rank's batch is split into (default: 2 pp)")
-    parser.set_defaults(steps=8, warmup=3)  # the folder's: eight runs in `make pipeline`
-    args = parser.parse_args()
-    world, pp = common.launch_world_size(), args.pp
-    m = args.microbatches or 2 * pp
-    if why := stages_problem(args, m):
-        parser.error(why)
-    tp = args.tp or default_3d_tp(args, world, pp)
-    batch = pp * tp * args.batch_size  # a dp rank's: the global batch is DDP's on this world
-    if why := mesh_problem(args, world, tp, m, batch):
-        parser.error(why)
-    size, dp, micro = common.SIZES[args.size], world // (pp * tp), batch // m
+    args, dims, m = parsed_args()
+    pp, dp, tp = dims["pp"], dims["dp"], dims["tp"]
     topo = common.setup(args)
     # a default mesh with dp 1 (4 GPUs: pp 2 x tp 2) is 3-D in name only: say so, and what fixes it
     no_dp = (f"pp {pp} x dp 1 x tp {tp}: no data-parallel dim; a dp of 2 needs "
@@ -581,84 +729,28 @@ def main():
     if no_dp:
         common.log(topo, no_dp)
     mesh = init_device_mesh(topo.device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    s = mesh.get_local_rank("pp")
-    model, batches = common.workload(common.resolved(args, batch_size=batch),
+    # a dp rank's batch is its pp x tp ranks' per-rank batches: the global batch is DDP's
+    model, batches = common.workload(common.resolved(args, batch_size=pp * tp * args.batch_size),
                                      topo, dp_rank=mesh.get_local_rank("dp"), dp_world=dp)
     # global rank 0's whole model on every rank before the cut, as DDP starts: each stage's
     # layers (and a tied weight's two ends) then hold the same weights, however ranks were seeded
     same_weights_on_every_rank(model, mesh)
-    params, tied = sum(q.numel() for q in model.parameters()), tied_weights(model)
-    first, last = s == 0, s == pp - 1
-    pairs = pair_group(mesh) if tied else None
-    layers = plain_layers(model.pipeline_stages(pp)[s], last)
-    stage = nn.Sequential(*layers)
-    del model
-    # where this stage holds the tied weight: TP and FSDP replace the Parameter, not its place
-    holders = [(mod, name) for mod in stage.modules()
-               for name, p in mod.named_parameters(recurse=False) if any(p is w for w in tied)]
-    blocks, block_plan, ends = stage_plans(layers)
-    bf16 = args.dtype == "bf16"
-    parallelize(stage, mesh, blocks, block_plan, ends, MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None),
-        reshard_after_forward=False)
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    # the boundary's shape: a micro-batch's sequence shard (requires_grad: its gradient flows back)
-    boundary = torch.empty(micro, args.seq_len // tp, size.d_model, dtype=dtype,
-                           device=topo.device, requires_grad=True)
-    tokens = torch.zeros(micro, args.seq_len, dtype=torch.long, device=topo.device)
-    logits = torch.empty(micro, args.seq_len, size.vocab_size, dtype=dtype, device=topo.device)
-    pipe_stage = PipelineStage(stage, s, pp, topo.device, input_args=tokens if first else boundary,
-                               output_args=logits if last else boundary,
-                               group=mesh.get_group("pp"))
-    pipe = SCHEDULES[args.schedule](pipe_stage, m, loss_fn=cross_entropy)
-    opt = torch.optim.AdamW(stage.parameters(), lr=args.lr)
-    dp_group = mesh.get_group("dp")
-    tied_here = [getattr(mod, name) for mod, name in holders]
-
-    def train_step(inputs, targets):
-        opt.zero_grad(set_to_none=True)
-        losses = []
-        with loss_parallel():  # the last stage's logits stay split by vocabulary
-            pipe.step(*([inputs] if first else []),
-                      **({"target": targets, "losses": losses} if last else {}))
-        for mod, name in holders:  # the embedding's + the head's gradient shard
-            dist.all_reduce(getattr(mod, name).grad.to_local(), group=pairs)
-        if args.clip_grad_norm:
-            params = list(stage.parameters())
-            counted = [p for p in params if not (last and not first and
-                                                 any(p is t for t in tied_here))]
-            clip_grad_norm_over_stages(params, counted, args.clip_grad_norm,
-                                       mesh.get_group("pp"))
-        opt.step()
-        if not last:
-            return torch.zeros((), device=topo.device)
-        loss = torch.stack([loss.full_tensor() if isinstance(loss, DTensor) else loss
-                            for loss in losses]).mean().detach()
-        dist.all_reduce(loss, group=dp_group)  # each dp rank's batch: the global batch's mean
-        return loss / dp
-
-    loss_rank = int(mesh.mesh[-1].flatten()[0])
-    stats = common.timed_steps(train_step, batches, args, topo, memory_of=(stage, opt),
-                               loss_rank=loss_rank)
-    predicted = theory(stage, blocks, args, dp, tp, m, micro, first, last,
-                       [getattr(mod, name) for mod, name in holders])
-    groups = {dim: [mesh.get_group(dim).group_name] for dim in mesh.mesh_dim_names}
-    if pairs is not None:
-        groups["pp"].append(pairs.group_name)
-    sent = stats.comm_mb_by_group or {}
-    states = [None] * world
-    dist.all_gather_object(states, predicted["state_mb"])
-    predicted["state_mb"] = max(states)  # the busiest stage's, as the record's state_mb
-    predicted["state_mb_even"] = 16 * params / (pp * dp * tp) / 2**20
-    predicted["bubble_uniform"] = round(uniform_bubble(pp, m), 4)
-    common.record(args, topo, stats, baseline="baseline_pipeline_3d", model=stage, optimizer=opt,
-                  overlapped=common.FSDP_OVERLAP,
-                  comm_mb=stats.comm_mb, params=params, mesh={"pp": pp, "dp": dp, "tp": tp},
-                  comm_mb_by_dim={dim: round(sum(sent.get(g, 0.0) for g in names), 3)
-                                  for dim, names in groups.items()},
+    params = sum(q.numel() for q in model.parameters())
+    stage = pipeline(model, mesh, SCHEDULES[args.schedule], m, batches[0][0],
+                     mixed_precision(args.dtype))
+    del model  # the other stages' layers are freed: a rank holds its stage only
+    opt = torch.optim.AdamW(stage.module.parameters(), lr=args.lr)
+    stats = common.timed_steps(
+        functools.partial(train_step, stage, opt, mesh, args.clip_grad_norm), batches, args,
+        topo, memory_of=(stage.module, opt), loss_rank=int(mesh.mesh[-1].flatten()[0]))
+    common.record(args, topo, stats, baseline="baseline_pipeline_3d", model=stage.module,
+                  optimizer=opt, overlapped=common.FSDP_OVERLAP, comm_mb=stats.comm_mb,
+                  params=params, mesh=dims,
+                  comm_mb_by_dim=comm_by_dim(stats, mesh, {"pp": stage.pairs}),
                   schedule=args.schedule, microbatches=m, stages=pp,
                   clip_grad_norm=args.clip_grad_norm, note=no_dp,
-                  loss_tolerance=LOSS_TOLERANCE[args.dtype], theory=predicted)
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype],
+                  theory=theory(stage, args, mesh, m, params))
 
 
 # The planner's rows (report/planner.py reads this; the script never does): the 3-D layout,

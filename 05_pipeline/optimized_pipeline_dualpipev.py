@@ -359,12 +359,6 @@ def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
     return [*stage[:-1], stage[-1].ln_f, stage[-1].head] if last else stage
 
 
-def v_comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int) -> float:
-    """What rank 0 sends rank 1 a step: each micro-batch's activations (to stage 1) and their
-    gradient (to stage 2p-2), in the boundary's dtype; the tied weight's gradients stay."""
-    return 2 * m * dtype.itemsize * math.prod(shape) / 2**20
-
-
 # Copied from 05_pipeline/baseline_pipeline.py: TimedAction
 class TimedAction(NamedTuple):
     """One action of a pipeline rank's step: its kind (F, B, I, W), micro-batch and stage, and
@@ -491,6 +485,12 @@ def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
                           f"decoder blocks, the loss head), fewer than the {stages} stages on "
                           f"{world} processes: launch fewer (--nproc_per_node) or pass a larger "
                           f"--size")
+
+
+def v_comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int) -> float:
+    """What rank 0 sends rank 1 a step: each micro-batch's activations (to stage 1) and their
+    gradient (to stage 2p-2), in the boundary's dtype; the tied weight's gradients stay."""
+    return 2 * m * dtype.itemsize * math.prod(shape) / 2**20
 
 
 def main():

@@ -310,15 +310,6 @@ def plain_layers(stage: list[nn.Module], last: bool) -> list[nn.Module]:
     return [*stage[:-1], stage[-1].ln_f, stage[-1].head] if last else stage
 
 
-# Copied from 05_pipeline/baseline_pipeline.py: comm_theory_mb
-def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int, tied: int) -> float:
-    """What rank 0 sends a step: each micro-batch's activations to rank 1, in the boundary's
-    dtype (the residual stream: fp32 under autocast too), and its share of the tied weight's
-    gradient all-reduce with the last rank (a group of two: the tensor once; `tied` its bytes,
-    0 for an untied head)."""
-    return (m * dtype.itemsize * math.prod(shape) + tied) / 2**20
-
-
 # Copied from 05_pipeline/baseline_pipeline.py: tied_weights
 def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
     """The weights on two stages: the input embedding's if the output head is the same
@@ -453,6 +444,15 @@ def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
                           f"decoder blocks, the loss head), fewer than the {stages} stages on "
                           f"{world} processes: launch fewer (--nproc_per_node) or pass a larger "
                           f"--size")
+
+
+# Copied from 05_pipeline/baseline_pipeline.py: comm_theory_mb
+def comm_theory_mb(shape: tuple[int, ...], dtype: torch.dtype, m: int, tied: int) -> float:
+    """What rank 0 sends a step: each micro-batch's activations to rank 1, in the boundary's
+    dtype (the residual stream: fp32 under autocast too), and its share of the tied weight's
+    gradient all-reduce with the last rank (a group of two: the tensor once; `tied` its bytes,
+    0 for an untied head)."""
+    return (m * dtype.itemsize * math.prod(shape) + tied) / 2**20
 
 
 # Copied from 05_pipeline/baseline_pipeline.py: uniform_bubble

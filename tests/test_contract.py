@@ -17,6 +17,7 @@ import pytest
 from test_makefile import project_copy
 
 import common
+import helpers
 from helpers import cpu_env
 
 # `<!-- name:start -->` ... `<!-- name:end -->`: where a folder's measured table sits.
@@ -67,6 +68,32 @@ def rewritten_args(tree: ast.Module) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+# The theory and planner rows by name: what PLANNED names, and the formulas (`ddp_bytes`,
+# `tp_theory`, `activation_mb`, `attention_flops`, `uniform_bubble`).
+THEORY = re.compile(r"theory|planned|_(bytes|mb|flops|bubble)$")
+
+
+def order_problems(tree: ast.Module, where: str) -> list[str]:
+    """CONTRIBUTING's order of a script's top-level functions and classes: the technique (and
+    the plumbing it needs) first, then its theory and planner rows, then main() last, so that
+    a reader meets the technique first and a user copies it without the arithmetic."""
+    planned = module_constants(tree).get("PLANNED")
+    named = {n.id for n in ast.walk(planned) if isinstance(n, ast.Name)} if planned else set()
+    seen_theory, problems = None, []
+    for node in [n for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)]:
+        if seen_theory == "main()":
+            problems.append(f"{where}: `{node.name}` sits after main(), which comes last")
+        elif node.name == "main":
+            seen_theory = "main()"
+        elif node.name in named or THEORY.search(node.name):
+            seen_theory = seen_theory or f"`{node.name}`"
+        elif seen_theory:
+            problems.append(f"{where}: `{node.name}` sits after the theory and planner rows "
+                            f"(from {seen_theory}): the technique comes first, then its theory, "
+                            "then main()")
+    return problems
+
+
 def script_problems(script: Path, where: str) -> list[str]:
     """A script's breaks of the contract: its card, its parsed flags left as parsed; for an
     optimized script, its tolerance, the baseline its record names and its planner entries."""
@@ -77,6 +104,7 @@ def script_problems(script: Path, where: str) -> list[str]:
     problems += [f"{where}: assigns to args.{name} after parsing (a derived value takes a name "
                  f"of its own: settings = common.resolved(args, {name}=...))"
                  for name in rewritten_args(tree)]
+    problems += order_problems(tree, where)
     constants = module_constants(tree)
     planned = constants.get("PLANNED")
     if script.name.startswith("optimized_"):
@@ -232,6 +260,15 @@ OMISSIONS = {
         "takes a name of its own: settings = common.resolved(args, batch_size=...))"),
     "no README": (lambda root: (root / "04_zero/README.md").unlink(),
                   "04_zero/README.md: missing"),
+    "a helper after main()": (
+        lambda root: edit(root / "01_ddp/optimized_ddp.py", "\n# The planner's rows",
+                          "\ndef log_losses():\n    pass\n\n\n# The planner's rows"),
+        "01_ddp/optimized_ddp.py: `log_losses` sits after main(), which comes last"),
+    "a technique unit after the theory": (
+        lambda root: edit(root / "01_ddp/optimized_ddp.py", "def planned_ddp(",
+                          "def wrap_fsdp():\n    pass\n\n\ndef planned_ddp("),
+        "01_ddp/optimized_ddp.py: `wrap_fsdp` sits after the theory and planner rows (from "
+        "`ddp_bytes`): the technique comes first, then its theory, then main()"),
     "no row in the top README": (
         lambda root: edit(root / "README.md", "| [`04_zero`](", "| [04_zero]("),
         "README.md: no row for 04_zero in the Techniques table"),
@@ -428,3 +465,16 @@ def test_a_folder_written_by_the_contract_is_picked_up_with_no_other_edit(tmp_pa
                           text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr
     assert "example DDP" in plan.stdout
+
+
+def test_own_lines_leave_out_the_marked_copies_and_long_scripts_are_a_warning(tmp_path):
+    script = tmp_path / "optimized_x.py"
+    script.write_text('"""Card."""\n\n\n# Copied from 01_ddp/baseline_ddp.py: wrap_ddp\n'
+                      "def wrap_ddp(model):\n    return model\n\n\ndef main():\n    pass\n")
+    assert helpers.own_lines(script) == 10 - 3  # less the marker and the copy's two lines
+    (tmp_path / "01_x").mkdir()
+    long_one = tmp_path / "01_x" / "optimized_long.py"
+    long_one.write_text("x = 1\n" * (helpers.OWN_LINES_WARNING + 1))
+    (tmp_path / "01_x" / "baseline_short.py").write_text("x = 1\n")
+    assert helpers.scripts_over_own_lines(tmp_path) == [
+        ("01_x/optimized_long.py", helpers.OWN_LINES_WARNING + 1)]

@@ -1,6 +1,8 @@
-"""Launch tests: 05_pipeline under torchrun with CPU processes at `tiny`.
+"""Launch tests: 05_pipeline with CPU processes at `tiny`.
 
-Launches shared through one module-scoped fixture, half on each decoder. The GPT (tied head):
+Launches shared through one module-scoped fixture, half on each decoder, the runs of a world
+forked from one Python (`python -m report smoke`, as `make smoke` runs them): torch imported
+once a world, not once a rank and once more for torchrun's agent. The GPT (tied head):
 the naive baseline, GPipe, DualPipeV, torch.distributed.pipelining's GPipe and DualPipeV,
 DualPipeV at 3 ranks on a deeper model. The Llama (untied head): the naive baseline, 1F1B,
 torch's 1F1B, 1F1B at 3 ranks with an odd m, DualPipe at 4 ranks. Each is checked against the
@@ -9,7 +11,9 @@ unsplit model trained in this process on the same batches, and against its model
 
 import argparse
 import functools
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +23,8 @@ from helpers import (
     TINY,
     assert_bad_input_is_one_line,
     assert_within_its_tolerance,
-    finish_all,
+    cpu_env,
     load_recipe,
-    only_record,
-    torchrun,
 )
 
 FOLDER = common.ROOT / "05_pipeline"
@@ -63,16 +65,36 @@ def max_relative_difference(losses: list[float], reference: list[float]) -> floa
     return max(abs(a - b) / b for a, b in zip(losses, reference, strict=True))
 
 
+def smoke_line(name: str) -> str:
+    """RUNS[name] as a run of `python -m report smoke`: the script, M micro-batches of 2
+    sequences unless its flags say otherwise (a flag given twice would name the run otherwise
+    than its record does, and smoke would not find the record), its flags."""
+    script, _, flags = RUNS[name]
+    batch = [f"{flag} {value}" for flag, value in [("--batch-size", 2 * M), ("--microbatches", M)]
+             if flag not in flags]
+    return " ".join([f"05_pipeline/{script}.py", *batch, *flags])
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    results = {name: tmp_path_factory.mktemp(script) / "results.jsonl"
-               for name, (script, _, _) in RUNS.items()}
-    consoles = finish_all([functools.partial(
-        torchrun, FOLDER / f"{script}.py", results[name], "--batch-size", str(2 * M),
-        "--microbatches", str(M), *flags, nproc=nproc)
-        for name, (script, nproc, flags) in RUNS.items()])
-    return {name: (only_record(results[name]), console)
-            for name, console in zip(RUNS, consoles, strict=True)}
+    """Each of RUNS: its record and its console (both ranks' output)."""
+    found = {}
+    for nproc in sorted({n for _, n, _ in RUNS.values()}):
+        names = [name for name, (_, n, _) in RUNS.items() if n == nproc]
+        runs = [smoke_line(name) for name in names]
+        out = tmp_path_factory.mktemp(f"world{nproc}")
+        done = subprocess.run(
+            [sys.executable, "-m", "report", "--out", str(out / "report.md"), "smoke", "--nproc",
+             str(nproc), "--timeout", "300", "--flags", " ".join(TINY), "--", *runs],
+            cwd=common.ROOT, capture_output=True, text=True, timeout=900, env=cpu_env())
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        records = common.load_results(out / "smoke" / "results.jsonl")
+        assert len(records) == len(runs), done.stdout
+        for name, run, rec in zip(names, runs, records, strict=True):
+            script, *own = run.split()  # the log smoke names after them
+            log = out / "smoke" / "logs" / (Path(script).stem + "".join(own) + ".log")
+            found[name] = (rec, log.read_text())
+    return {name: found[name] for name in RUNS}
 
 
 def unsplit_losses(rec):

@@ -1,10 +1,11 @@
 """Unit tests for 05_pipeline's pure parts: the schedules as data, the simulator that turns them
 into an ideal bubble, the cut into stages, and the timeline drawing; and the runtimes as a user
 lifts them (a plain loss function, a process group, tied or untied heads, a timeline only when
-asked, the README's lines), in spawned gloo processes."""
+asked, the README's lines), in gloo processes forked from this one."""
 
 import collections
 import json
+import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -303,7 +304,7 @@ def test_a_stage_cut_empty_stops_in_one_line():
         dist.destroy_process_group()
 
 
-# --- the runtimes as a user lifts them, in spawned gloo processes ------------------------------
+# --- the runtimes as a user lifts them, in forked gloo processes -------------------------------
 RUNTIMES = {"baseline": BASELINE, "1f1b": RECIPES["1f1b"],
             "dualpipev": RECIPES["dualpipev"], "dualpipe": RECIPES["dualpipe"]}
 SCRIPTS = {**RUNTIMES, "gpipe": RECIPES["gpipe"]}  # every runtime's script, by kind
@@ -533,7 +534,7 @@ def _train_hf_models(rank: int, world: int, port: int, out: str) -> None:
 
 
 def _spawned(rank: int, world: int, port: int, out: str) -> None:
-    """One spawn a world size (a spawn's start-up costs seconds): every runtime; at 2 ranks
+    """One start a world size (a world's start-up costs seconds): every runtime; at 2 ranks
     then the HuggingFace models, in a folder and on a port of their own."""
     _train_every_runtime(rank, world, port, out)
     if world == 2:
@@ -548,12 +549,22 @@ def _spawned(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("runtimes")
+    """Each world's ranks forked from this process: torch and the recipes imported once, not
+    once a rank."""
+    out, fork = tmp_path_factory.mktemp("runtimes"), multiprocessing.get_context("fork")
     for world in (2, 3):
         port = common.free_port(block=2)  # the runtimes' store, then the HuggingFace models'
-        mp.spawn(_spawned, args=(world, port, str(out)), nprocs=world)
+        ranks = [fork.Process(target=_spawned, args=(r, world, port, str(out)))
+                 for r in range(world)]
+        for p in ranks:
+            p.start()
+        for p in ranks:
+            p.join(timeout=600)
+        for p in ranks:  # past the timeout: a hang is a failure, not a wait
+            if p.is_alive():
+                p.kill()
+                p.join()
+        assert [p.exitcode for p in ranks] == [0] * world
     return out
 
 
