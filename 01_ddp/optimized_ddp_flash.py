@@ -40,6 +40,18 @@ def flash_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+# Copied from 01_ddp/baseline_ddp_flash.py: wrap_ddp
+def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
+             group: dist.ProcessGroup | None = None) -> DDP:
+    """DDP for long context. With O(T) attention activations the gradients are a large share of
+    the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
+    one block's gradients let a block's all-reduce start as soon as its backward ends and run
+    under the next block's. Over the ranks of `group` (None: the world), from its first rank's
+    weights."""
+    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
+               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+
+
 def attention_saved_mb(args) -> float:
     """Attention memory every layer keeps for backward, per rank: one fp32 log-sum-exp a row."""
     size = common.SIZES[args.size]
@@ -51,18 +63,6 @@ def attention_saved_mb(args) -> float:
 def block_gradient_mb(block: torch.nn.Module) -> float:
     """One transformer block's gradient bytes: the bucket size that aligns buckets with blocks."""
     return sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
-
-
-# Copied from 01_ddp/baseline_ddp_flash.py: wrap_ddp
-def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
-             group: dist.ProcessGroup | None = None) -> DDP:
-    """DDP for long context. With O(T) attention activations the gradients are a large share of
-    the peak, so each .grad is a view into its bucket (one gradient-sized copy less); buckets of
-    one block's gradients let a block's all-reduce start as soon as its backward ends and run
-    under the next block's. Over the ranks of `group` (None: the world), from its first rank's
-    weights."""
-    return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
-               process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
 
 
 def main():

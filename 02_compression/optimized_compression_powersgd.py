@@ -229,20 +229,6 @@ def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
                static_graph=True)
 
 
-def compression_theory(model: torch.nn.Module, rank: int,
-                       uncompressed: Collection[torch.Tensor]) -> float:
-    """Values sent uncompressed over values sent by PowerSGD, from the parameter shapes; the
-    `uncompressed` weights (found by identity) are sent whole."""
-    full = sent = 0
-    kept_whole = {id(p) for p in uncompressed}
-    for p in model.parameters():  # a tied weight once, as DDP sends it
-        matrix = as_matrix(p)
-        full += p.numel()
-        sent += (min(*matrix.shape, rank) * sum(matrix.shape)
-                 if id(p) not in kept_whole and worth_compressing(matrix, rank) else p.numel())
-    return full / sent
-
-
 def resolve_start_iter(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """The plain steps before compression: --start-iter, or by default --warmup - 2. At least 2
     plain steps (DDP rebuilds its buckets in them), and at least 2 compressed warm-up steps, so
@@ -271,6 +257,20 @@ def add_long_run_flag(parser: argparse.ArgumentParser) -> None:
                              "has settled")
     if parser.parse_known_args()[0].long_run:
         parser.set_defaults(warmup=10, steps=100)
+
+
+def compression_theory(model: torch.nn.Module, rank: int,
+                       uncompressed: Collection[torch.Tensor]) -> float:
+    """Values sent uncompressed over values sent by PowerSGD, from the parameter shapes; the
+    `uncompressed` weights (found by identity) are sent whole."""
+    full = sent = 0
+    kept_whole = {id(p) for p in uncompressed}
+    for p in model.parameters():  # a tied weight once, as DDP sends it
+        matrix = as_matrix(p)
+        full += p.numel()
+        sent += (min(*matrix.shape, rank) * sum(matrix.shape)
+                 if id(p) not in kept_whole and worth_compressing(matrix, rank) else p.numel())
+    return full / sent
 
 
 def main():

@@ -97,17 +97,6 @@ def seeded_powersgd_hook(seed: int):
     return hook
 
 
-def sent_bytes(state: torch_powersgd.PowerSGDState, model: torch.nn.Module,
-               world_size: int) -> float:
-    """What the hook hands to its all-reduces per step: its P and Q buffers and the
-    uncompressed tensors (it keeps no count of its own)."""
-    values = sum(t.numel() for t in [*state.p_memory_dict.values(),
-                                     *state.q_memory_dict.values()])
-    values += sum(p.numel() for p in model.parameters()
-                  if not worth_compressing(as_matrix(p), state.matrix_approximation_rank))
-    return 2 * (world_size - 1) / world_size * 4 * values
-
-
 # Copied from 02_compression/baseline_compression.py: wrap_ddp
 def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
              group: dist.ProcessGroup | None = None) -> DDP:
@@ -116,21 +105,6 @@ def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
     return DDP(model, device_ids=[topo.device] if topo.device.type == "cuda" else None,
                process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
                static_graph=True)
-
-
-# Copied from 02_compression/optimized_compression_powersgd.py: compression_theory
-def compression_theory(model: torch.nn.Module, rank: int,
-                       uncompressed: Collection[torch.Tensor]) -> float:
-    """Values sent uncompressed over values sent by PowerSGD, from the parameter shapes; the
-    `uncompressed` weights (found by identity) are sent whole."""
-    full = sent = 0
-    kept_whole = {id(p) for p in uncompressed}
-    for p in model.parameters():  # a tied weight once, as DDP sends it
-        matrix = as_matrix(p)
-        full += p.numel()
-        sent += (min(*matrix.shape, rank) * sum(matrix.shape)
-                 if id(p) not in kept_whole and worth_compressing(matrix, rank) else p.numel())
-    return full / sent
 
 
 # Copied from 02_compression/optimized_compression_powersgd.py: resolve_start_iter
@@ -149,6 +123,32 @@ def resolve_start_iter(parser: argparse.ArgumentParser, args: argparse.Namespace
                      f"before the timed ones (--warmup {args.warmup}): raise --warmup or lower "
                      f"--start-iter")
     return start_iter
+
+
+def sent_bytes(state: torch_powersgd.PowerSGDState, model: torch.nn.Module,
+               world_size: int) -> float:
+    """What the hook hands to its all-reduces per step: its P and Q buffers and the
+    uncompressed tensors (it keeps no count of its own)."""
+    values = sum(t.numel() for t in [*state.p_memory_dict.values(),
+                                     *state.q_memory_dict.values()])
+    values += sum(p.numel() for p in model.parameters()
+                  if not worth_compressing(as_matrix(p), state.matrix_approximation_rank))
+    return 2 * (world_size - 1) / world_size * 4 * values
+
+
+# Copied from 02_compression/optimized_compression_powersgd.py: compression_theory
+def compression_theory(model: torch.nn.Module, rank: int,
+                       uncompressed: Collection[torch.Tensor]) -> float:
+    """Values sent uncompressed over values sent by PowerSGD, from the parameter shapes; the
+    `uncompressed` weights (found by identity) are sent whole."""
+    full = sent = 0
+    kept_whole = {id(p) for p in uncompressed}
+    for p in model.parameters():  # a tied weight once, as DDP sends it
+        matrix = as_matrix(p)
+        full += p.numel()
+        sent += (min(*matrix.shape, rank) * sum(matrix.shape)
+                 if id(p) not in kept_whole and worth_compressing(matrix, rank) else p.numel())
+    return full / sent
 
 
 def main():

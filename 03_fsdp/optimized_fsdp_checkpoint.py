@@ -169,6 +169,33 @@ def padded_numel(p: torch.Tensor, group: int) -> int:
     return math.ceil(p.shape[0] / group) * group * math.prod(p.shape[1:])
 
 
+def save_checkpoint(model, opt, directory: Path, step: int, topo: common.Topology) -> None:
+    """Each rank writes its own shards (nothing is gathered) into a hidden folder, which rank 0
+    renames once every rank is done: a run killed mid-save leaves the last checkpoint intact."""
+    partial, final = directory / f".step-{step:06d}.partial", directory / f"step-{step:06d}"
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+    dist.barrier()
+    if topo.is_main:
+        if final.exists():  # a rerun without --resume: the new state replaces the old
+            shutil.rmtree(final)
+        partial.rename(final)
+
+
+def load_latest_checkpoint(model, opt, directory: Path) -> int:
+    """Load the newest complete checkpoint, each rank reading its own shards; return its step
+    (0, and nothing loaded, when there is none yet)."""
+    found = [sorted(directory.glob("step-*"))[-1:] if directory.exists() else []]
+    dist.broadcast_object_list(found)  # rank 0's listing: every rank loads the same one
+    if not found[0]:
+        return 0
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=found[0][0])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(found[0][0].name.removeprefix("step-"))
+
+
 # Copied from 03_fsdp/optimized_fsdp.py: fsdp_bytes
 def fsdp_bytes(blocks: float, root: float, group: int, replicas: int = 1, reshard: bool = True,
                gather: float = 4, reduce: float = 4, state: float = 16, fp32: float = 0.0,
@@ -206,33 +233,6 @@ def theory(model: torch.nn.Module, units: list, group: int, replicas: int,
     predicted = fsdp_bytes(values["blocks"], values["root"], group, replicas,
                            reshard_after_forward, param_bytes, fp32=values["fp32"])
     return {"state_mb": predicted["state"] / 2**20, "comm_mb": predicted["sent"] / 2**20}
-
-
-def save_checkpoint(model, opt, directory: Path, step: int, topo: common.Topology) -> None:
-    """Each rank writes its own shards (nothing is gathered) into a hidden folder, which rank 0
-    renames once every rank is done: a run killed mid-save leaves the last checkpoint intact."""
-    partial, final = directory / f".step-{step:06d}.partial", directory / f"step-{step:06d}"
-    model_state, optim_state = get_state_dict(model, opt)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
-    dist.barrier()
-    if topo.is_main:
-        if final.exists():  # a rerun without --resume: the new state replaces the old
-            shutil.rmtree(final)
-        partial.rename(final)
-
-
-def load_latest_checkpoint(model, opt, directory: Path) -> int:
-    """Load the newest complete checkpoint, each rank reading its own shards; return its step
-    (0, and nothing loaded, when there is none yet)."""
-    found = [sorted(directory.glob("step-*"))[-1:] if directory.exists() else []]
-    dist.broadcast_object_list(found)  # rank 0's listing: every rank loads the same one
-    if not found[0]:
-        return 0
-    model_state, optim_state = get_state_dict(model, opt)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=found[0][0])
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(found[0][0].name.removeprefix("step-"))
 
 
 def main():

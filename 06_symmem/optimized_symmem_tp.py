@@ -619,6 +619,45 @@ def tensor_parallel_setup(parser, comm_of) -> TensorParallelRun:
                              sum(p.numel() for p in replicated), params)
 
 
+def measured_overlap(comm, device: torch.device) -> float | None:
+    """Over all ranks, the share of the peers' chunks' time to arrive not spent waiting for them
+    (spent multiplying and copying): None where nothing was timed (CUDA, or no peers)."""
+    totals = torch.tensor([comm.waited, comm.arriving], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    return None if totals[1] == 0 else 1 - (totals[0] / totals[1]).item()
+
+
+def collectives(args, topo: common.Topology):
+    if topo.device.type == "cuda":
+        return SymmetricMemoryCollectives(topo)
+    d = common.SIZES[args.size].d_model  # every message TP moves is d wide
+    return SegmentCollectives(topo, args.seq_len * args.batch_size, d, args.timeout)
+
+
+# Copied from 06_symmem/optimized_symmem_allreduce.py: peer_access_problem
+def peer_access_problem(topo: common.Topology) -> str | None:
+    """Why this host's GPUs cannot map each other's memory (symmetric memory), or None; all ranks
+    agree on it, as one that went on alone would wait forever in the rendezvous."""
+    if topo.nnodes > 1:
+        return "symmetric memory maps the GPUs of one host: run on one node (NNODES=1)"
+    visible = torch.cuda.device_count()
+    # under `srun --gpus-per-task=1` each rank sees one GPU, index 0: the rendezvous would map
+    # every rank's memory onto the same device ("allocations from overlapping devices")
+    hidden = visible < topo.local_world_size
+    me, used = topo.device.index, min(visible, topo.local_world_size)
+    lacking = [k for k in range(used) if k != me and not torch.cuda.can_device_access_peer(me, k)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (hidden, lacking))
+    if any(h for h, _ in everyone):
+        return (f"a rank sees {visible} GPU(s) for the host's {topo.local_world_size} ranks "
+                "(srun --gpus-per-task?): symmetric memory maps the host's GPUs, so every rank "
+                "must see them all: srun --gpus-per-node, or torchrun")
+    if any(lacks for _, lacks in everyone):
+        return ("this host's GPUs cannot access each other's memory (no NVLink, no PCIe "
+                "peer-to-peer), which symmetric memory maps: nothing to measure here")
+    return None
+
+
 # Copied from 03_fsdp/optimized_fsdp_tp.py: sequence_parallel_bytes
 def sequence_parallel_bytes(tp: int, collectives: float, tokens: float, width: float,
                             value_bytes: float) -> float:
@@ -661,45 +700,6 @@ def tp_theory(args, topo, model, replicated: int) -> dict:
     predicted = tp_bytes(kept, replicated, len(model.blocks), args.seq_len * args.batch_size, d,
                          n, 2 if args.dtype == "bf16" else 4)
     return {"comm_mb": predicted["sent"] / 2**20, "state_mb": predicted["state"] / 2**20}
-
-
-def measured_overlap(comm, device: torch.device) -> float | None:
-    """Over all ranks, the share of the peers' chunks' time to arrive not spent waiting for them
-    (spent multiplying and copying): None where nothing was timed (CUDA, or no peers)."""
-    totals = torch.tensor([comm.waited, comm.arriving], dtype=torch.float64, device=device)
-    dist.all_reduce(totals)
-    return None if totals[1] == 0 else 1 - (totals[0] / totals[1]).item()
-
-
-def collectives(args, topo: common.Topology):
-    if topo.device.type == "cuda":
-        return SymmetricMemoryCollectives(topo)
-    d = common.SIZES[args.size].d_model  # every message TP moves is d wide
-    return SegmentCollectives(topo, args.seq_len * args.batch_size, d, args.timeout)
-
-
-# Copied from 06_symmem/optimized_symmem_allreduce.py: peer_access_problem
-def peer_access_problem(topo: common.Topology) -> str | None:
-    """Why this host's GPUs cannot map each other's memory (symmetric memory), or None; all ranks
-    agree on it, as one that went on alone would wait forever in the rendezvous."""
-    if topo.nnodes > 1:
-        return "symmetric memory maps the GPUs of one host: run on one node (NNODES=1)"
-    visible = torch.cuda.device_count()
-    # under `srun --gpus-per-task=1` each rank sees one GPU, index 0: the rendezvous would map
-    # every rank's memory onto the same device ("allocations from overlapping devices")
-    hidden = visible < topo.local_world_size
-    me, used = topo.device.index, min(visible, topo.local_world_size)
-    lacking = [k for k in range(used) if k != me and not torch.cuda.can_device_access_peer(me, k)]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (hidden, lacking))
-    if any(h for h, _ in everyone):
-        return (f"a rank sees {visible} GPU(s) for the host's {topo.local_world_size} ranks "
-                "(srun --gpus-per-task?): symmetric memory maps the host's GPUs, so every rank "
-                "must see them all: srun --gpus-per-node, or torchrun")
-    if any(lacks for _, lacks in everyone):
-        return ("this host's GPUs cannot access each other's memory (no NVLink, no PCIe "
-                "peer-to-peer), which symmetric memory maps: nothing to measure here")
-    return None
 
 
 def main():

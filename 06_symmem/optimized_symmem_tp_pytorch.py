@@ -199,6 +199,39 @@ def start_async_tp(topo: common.Topology, mesh) -> str | None:
     return None
 
 
+def decoder_parts(model: common.Decoder) -> dict:
+    """What tp_loss runs, found in the project's decoders (main's adapter: a trainer of one's
+    own names its own parts)."""
+    loss_head = model.pipeline_layers()[-1]  # the final norm and the head, tied or not
+    return {"blocks": common.transformer_blocks(model), "embedding": common.input_embedding(model),
+            "positions": getattr(model, "pos_emb", None), "norm": loss_head.ln_f,
+            "head": loss_head.head}
+
+
+# Copied from 06_symmem/optimized_symmem_allreduce.py: peer_access_problem
+def peer_access_problem(topo: common.Topology) -> str | None:
+    """Why this host's GPUs cannot map each other's memory (symmetric memory), or None; all ranks
+    agree on it, as one that went on alone would wait forever in the rendezvous."""
+    if topo.nnodes > 1:
+        return "symmetric memory maps the GPUs of one host: run on one node (NNODES=1)"
+    visible = torch.cuda.device_count()
+    # under `srun --gpus-per-task=1` each rank sees one GPU, index 0: the rendezvous would map
+    # every rank's memory onto the same device ("allocations from overlapping devices")
+    hidden = visible < topo.local_world_size
+    me, used = topo.device.index, min(visible, topo.local_world_size)
+    lacking = [k for k in range(used) if k != me and not torch.cuda.can_device_access_peer(me, k)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (hidden, lacking))
+    if any(h for h, _ in everyone):
+        return (f"a rank sees {visible} GPU(s) for the host's {topo.local_world_size} ranks "
+                "(srun --gpus-per-task?): symmetric memory maps the host's GPUs, so every rank "
+                "must see them all: srun --gpus-per-node, or torchrun")
+    if any(lacks for _, lacks in everyone):
+        return ("this host's GPUs cannot access each other's memory (no NVLink, no PCIe "
+                "peer-to-peer), which symmetric memory maps: nothing to measure here")
+    return None
+
+
 # Copied from 03_fsdp/optimized_fsdp_tp.py: sequence_parallel_bytes
 def sequence_parallel_bytes(tp: int, collectives: float, tokens: float, width: float,
                             value_bytes: float) -> float:
@@ -247,39 +280,6 @@ def dtensor_theory(args, topo, blocks: int, replicated: int) -> dict:
                          args.batch_size * -(-args.seq_len // n) * n, d, n,
                          (4 + scattered_bytes) / 2)
     return {"comm_mb": predicted["sent"] / 2**20, "state_mb": predicted["state"] / 2**20}
-
-
-def decoder_parts(model: common.Decoder) -> dict:
-    """What tp_loss runs, found in the project's decoders (main's adapter: a trainer of one's
-    own names its own parts)."""
-    loss_head = model.pipeline_layers()[-1]  # the final norm and the head, tied or not
-    return {"blocks": common.transformer_blocks(model), "embedding": common.input_embedding(model),
-            "positions": getattr(model, "pos_emb", None), "norm": loss_head.ln_f,
-            "head": loss_head.head}
-
-
-# Copied from 06_symmem/optimized_symmem_allreduce.py: peer_access_problem
-def peer_access_problem(topo: common.Topology) -> str | None:
-    """Why this host's GPUs cannot map each other's memory (symmetric memory), or None; all ranks
-    agree on it, as one that went on alone would wait forever in the rendezvous."""
-    if topo.nnodes > 1:
-        return "symmetric memory maps the GPUs of one host: run on one node (NNODES=1)"
-    visible = torch.cuda.device_count()
-    # under `srun --gpus-per-task=1` each rank sees one GPU, index 0: the rendezvous would map
-    # every rank's memory onto the same device ("allocations from overlapping devices")
-    hidden = visible < topo.local_world_size
-    me, used = topo.device.index, min(visible, topo.local_world_size)
-    lacking = [k for k in range(used) if k != me and not torch.cuda.can_device_access_peer(me, k)]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (hidden, lacking))
-    if any(h for h, _ in everyone):
-        return (f"a rank sees {visible} GPU(s) for the host's {topo.local_world_size} ranks "
-                "(srun --gpus-per-task?): symmetric memory maps the host's GPUs, so every rank "
-                "must see them all: srun --gpus-per-node, or torchrun")
-    if any(lacks for _, lacks in everyone):
-        return ("this host's GPUs cannot access each other's memory (no NVLink, no PCIe "
-                "peer-to-peer), which symmetric memory maps: nothing to measure here")
-    return None
 
 
 def main():

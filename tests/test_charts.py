@@ -269,7 +269,7 @@ def test_a_world_of_one_sweep_keeps_the_baselines_rows_and_draws_its_algbw():
     records = [_sweep("baseline_symmem_allreduce", None, ["all_reduce", "all_gather"]),
                _sweep("optimized_symmem_allreduce", "baseline_symmem_allreduce", ["all_reduce"],
                       transport="cuda symmetric memory")]
-    table = results_table.render_report(records)
+    table = results_table.render_report(records, wide=True)  # every row names its scripts
     gathered = [line for line in table.splitlines() if line.startswith("| all_gather")]
     assert len(gathered) == 2 and all("baseline_symmem_allreduce" in line for line in gathered)
     drawn = charts.draw_charts(records)

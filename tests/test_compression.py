@@ -2,13 +2,14 @@
 
 The collective checks run once per world size in spawned gloo processes (a module-scoped
 fixture); each rank-0 process saves its measurements and the tests assert on them here. The
-README's two "Use it in your trainer" blocks (PowerSGD, INT8) run as they are in 2 more spawned
-processes, on every tiny HuggingFace model of tests/hf_models.py (three families, sdpa and eager,
-bf16, the two with a feature some recipes do not implement) against PyTorch's DDP.
+README's two "Use it in your trainer" blocks (PowerSGD, INT8) run as they are in the world of 2
+after its checks, on every tiny HuggingFace model of tests/hf_models.py (three families, sdpa and
+eager, bf16, the two with a feature some recipes do not implement) against PyTorch's DDP.
 """
 
 import contextlib
 import copy
+import functools
 import io
 import math
 import os
@@ -23,7 +24,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-from helpers import load_recipe, readme_python_block
+from helpers import load_recipe, readme_python_block, run_then_leave
 from report import results_table
 
 FOLDER = common.ROOT / "02_compression"
@@ -284,8 +285,10 @@ def a_rank_too_high(rank: int) -> tuple[list[int], list[str]]:
     return counts, printed
 
 
-def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> None:
-    """Run on every rank of a spawned gloo group; rank 0 saves what the tests assert."""
+def collective_checks(rank: int, world: int, init_file: str, out_file: str,
+                      readme: tuple[list[int], str] | None = None) -> None:
+    """Run on every rank of a spawned gloo group; rank 0 saves what the tests assert. Then,
+    given `readme` (ports, file: the world of 2's), the README trainers."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
@@ -385,24 +388,39 @@ def collective_checks(rank: int, world: int, init_file: str, out_file: str) -> N
     if rank == 0:
         torch.save(found, out_file)
     dist.destroy_process_group()
-    # past here only the interpreter's teardown, where gloo's threads may still abort the
-    # process (SIGABRT), failing a world whose checks all ran: leave without it
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if readme is not None:
+        train_with_the_readme_lines(rank, world, *readme)
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
-    """world size -> what collective_checks' rank 0 found, spawned once per world size."""
+def spawned_in(tmp_path_factory):
+    """world size -> the folder where collective_checks' rank 0 left what it found (found.pt;
+    the world of 2's README trainers', readme.pt), spawned once per world size. Only the world
+    of 2's processes import `transformers`, for the README's lines."""
+    folders = {}
+
+    def at(world: int) -> Path:
+        if world not in folders:
+            folder = tmp_path_factory.mktemp(f"world{world}")
+            readme = ([common.free_port() for _ in trainers()], str(folder / "readme.pt")) \
+                if world == 2 else None
+            mp.spawn(functools.partial(run_then_leave, collective_checks),
+                     args=(world, str(folder / "init"), str(folder / "found.pt"), readme),
+                     nprocs=world)
+            folders[world] = folder
+        return folders[world]
+
+    return at
+
+
+@pytest.fixture(scope="module")
+def spawned(spawned_in):
+    """world size -> what collective_checks' rank 0 found."""
     found = {}
 
     def at(world: int) -> dict:
         if world not in found:
-            folder = tmp_path_factory.mktemp(f"world{world}")
-            mp.spawn(collective_checks, args=(world, str(folder / "init"),
-                                              str(folder / "found.pt")), nprocs=world)
-            found[world] = torch.load(folder / "found.pt")
+            found[world] = torch.load(spawned_in(world) / "found.pt")
         return found[world]
 
     return at
@@ -592,13 +610,9 @@ def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_fil
 
 
 @pytest.fixture(scope="module")
-def readme_runs(tmp_path_factory):
-    """What the README trainers' rank 0 found, by (heading, model name). The module's other
-    spawned processes never import `transformers`: only this one's worker does."""
-    out = tmp_path_factory.mktemp("readme") / "found.pt"
-    ports = [common.free_port() for _ in trainers()]
-    mp.spawn(train_with_the_readme_lines, args=(2, ports, str(out)), nprocs=2)
-    return torch.load(out)
+def readme_runs(spawned_in):
+    """What the README trainers' rank 0 found, by (heading, model name), in the world of 2."""
+    return torch.load(spawned_in(2) / "readme.pt")
 
 
 def of_section(readme_runs: dict, heading: str) -> dict:

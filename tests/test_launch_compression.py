@@ -1,23 +1,28 @@
 """Launch tests: the 02_compression scripts under torchrun with CPU processes at `tiny`.
 
-Nine launches (10-20 s of start-up each), shared through one module-scoped fixture: the
-baseline, INT8 and the hand-written PowerSGD on the Llama at 2 processes (held to the Llama's
-baseline), PowerSGD's `--long-run` there with the steps given (its record's tolerance kind), and
-on the GPT the hand-written PowerSGD compressing every matrix beside PyTorch's
-hook (optimized_compression_powersgd_pytorch), both hand-written hooks with several buckets at
-an odd world size, and PyTorch's hook where it cannot run. PowerSGD runs at rank 8, the hand-written
-default's share of the model width (32 of `small`'s 256, 8 of `tiny`'s 64): the defaults (32,
-and PyTorch's script's 64) would compress nothing at `tiny`, which one more run, a world of one
-at the hand-written default, says in its log and its record.
+Each script once under torchrun (10-20 s of start-up each), two in flight: the baseline, INT8
+and the hand-written PowerSGD on the Llama at 2 processes (held to the Llama's baseline), and
+PyTorch's hook (optimized_compression_powersgd_pytorch) on the GPT. The other runs, in spawned
+gloo processes that run one after another what torchrun would (no launcher's start-up): in a
+world of 2, PowerSGD's `--long-run` on the Llama with the steps given (its record's tolerance
+kind), the hand-written PowerSGD on the GPT compressing every matrix beside PyTorch's hook, and
+PyTorch's hook where it cannot run; in a world of 3, both hand-written hooks with several
+buckets. All of it shared through one module-scoped fixture. PowerSGD runs at rank 8, the
+hand-written default's share of the model width (32 of `small`'s 256, 8 of `tiny`'s 64): the
+defaults (32, and PyTorch's script's 64) would compress nothing at `tiny`, which one more run, a
+world of one at the hand-written default (in this process), says in its log and its record.
 """
 
+import contextlib
 import functools
+import io
 import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch.multiprocessing as mp
 
 import common
 from helpers import (
@@ -25,11 +30,11 @@ from helpers import (
     TINY,
     assert_bad_input_is_one_line,
     assert_within_its_tolerance,
-    cpu_env,
     finish,
     finish_all,
     load_recipe,
     only_record,
+    run_then_leave,
     torchrun,
 )
 from report import results_table
@@ -42,25 +47,46 @@ WARMUP = ["--warmup", "4", "--steps", "4"]
 RANK = [*WARMUP, "--rank", "8"]
 EVERY_MATRIX = [*RANK, "--uncompressed"]  # as PyTorch's hook, which has no per-tensor choice
 LLAMA = ["--model", "llama"]
-RUNS = {  # name: (script, processes, flags)
+RUNS = {  # name: (script, processes, flags); the first run of each script is its launch
     "baseline": ("baseline_compression", 2, [*WARMUP, *LLAMA]),
     "int8": ("optimized_compression_int8", 2, [*WARMUP, *LLAMA]),
     "powersgd": ("optimized_compression_powersgd", 2, [*RANK, *LLAMA]),
+    "powersgd_torch": ("optimized_compression_powersgd_pytorch", 2, RANK),
     "powersgd_long": ("optimized_compression_powersgd", 2, [*RANK, *LLAMA, "--long-run"]),
     "powersgd_every_matrix": ("optimized_compression_powersgd", 2, EVERY_MATRIX),
-    "powersgd_torch": ("optimized_compression_powersgd_pytorch", 2, RANK),
-    "int8_3ranks_buckets": ("optimized_compression_int8", 3, SEVERAL_BUCKETS),
-    "powersgd_3ranks_buckets": ("optimized_compression_powersgd", 3, [*RANK, *SEVERAL_BUCKETS]),
     "powersgd_torch_buckets": ("optimized_compression_powersgd_pytorch", 2,
                                [*RANK, *SEVERAL_BUCKETS]),
+    "int8_3ranks_buckets": ("optimized_compression_int8", 3, SEVERAL_BUCKETS),
+    "powersgd_3ranks_buckets": ("optimized_compression_powersgd", 3, [*RANK, *SEVERAL_BUCKETS]),
 }
+
+
+def run_in_turn(rank: int, world: int, port: int, runs: list[tuple[str, str, list[str]]]) -> None:
+    """A spawned rank: each of `runs` (script, results file, flags) in turn, as torchrun would
+    run it on this rank, each with a process group (and store) of its own."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    for k, (script, results, flags) in enumerate(runs):
+        os.environ["MASTER_PORT"] = str(port + k)
+        sys.argv = [str(FOLDER / f"{script}.py"), *TINY, "--results", results, *flags]
+        common.run_main(load_recipe(FOLDER / f"{script}.py").main)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     results = {name: tmp_path_factory.mktemp(name) / "results.jsonl" for name in RUNS}
-    finish_all([functools.partial(torchrun, FOLDER / f"{script}.py", results[name], *flags,
-                                  nproc=nproc) for name, (script, nproc, flags) in RUNS.items()])
+    launched, by_world = set(), {}
+    for name, (script, nproc, flags) in RUNS.items():
+        if script not in launched:
+            launched.add(script)
+            by_world.setdefault("torchrun", []).append(functools.partial(
+                torchrun, FOLDER / f"{script}.py", results[name], *flags, nproc=nproc))
+        else:
+            by_world.setdefault(nproc, []).append((script, str(results[name]), flags))
+    finish_all(by_world.pop("torchrun"))
+    for world, spawned in by_world.items():
+        mp.spawn(functools.partial(run_then_leave, run_in_turn),
+                 args=(world, common.free_port(block=len(spawned)), spawned), nprocs=world)
     return {name: only_record(results[name]) for name in RUNS}
 
 
@@ -111,17 +137,23 @@ def test_powersgd_records_how_many_matrices_it_compressed(runs):
 def test_powersgd_at_a_rank_too_high_for_the_model_says_so_once_and_in_its_record(tmp_path):
     """The default rank 32 at `tiny` (hidden size 64, widest matrix 192 x 64): nothing is
     compressed; a world of one, whose DDP still calls the hook."""
-    results = tmp_path / "results.jsonl"
-    run = subprocess.run([sys.executable, str(FOLDER / "optimized_compression_powersgd.py"),
-                          *TINY, *LLAMA, "--warmup", "4", "--steps", "1", "--results",
-                          str(results)], cwd=common.ROOT, capture_output=True, text=True,
-                         timeout=LAUNCH_TIMEOUT, env=cpu_env())
-    assert run.returncode == 0, run.stderr[-3000:]
+    results, script = tmp_path / "results.jsonl", FOLDER / "optimized_compression_powersgd.py"
+    saved = dict(os.environ), sys.argv, common.faulthandler.enable
+    sys.argv = [str(script), *TINY, *LLAMA, "--warmup", "4", "--steps", "1", "--results",
+                str(results)]
+    common.faulthandler.enable = lambda: None  # pytest's own stays in place
+    try:  # in this process: a fresh Python costs seconds of start-up
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            common.run_main(load_recipe(script).main)
+    finally:  # setup's world-of-one variables leave with the run
+        os.environ.clear()
+        os.environ.update(saved[0])
+        sys.argv, common.faulthandler.enable = saved[1], saved[2]
     rec = only_record(results)
     said = POWERSGD.no_matrix_compressed(32)
     assert (rec["status"], rec["compressed_matrices"]) == ("ok", 0)
     assert rec["compressed_matrices_reason"] == said
-    assert run.stdout.splitlines().count(said) == 1
+    assert out.getvalue().splitlines().count(said) == 1
 
 
 def test_powersgds_long_run_states_a_final_loss_tolerance_instead_of_a_per_step_one(runs):

@@ -1,18 +1,21 @@
 """Launch tests: every 01_ddp script under torchrun with 2 CPU processes at `tiny`.
 
 Each launch costs 10-20 s of start-up on a 2-core machine, so every script runs once (a
-module-scoped fixture) and the assertions share those runs; the attention pair runs the Llama.
-The README's "Use it in your trainer" lines run as they are in 2 spawned gloo processes, on
+module-scoped fixture, two launches in flight) and the assertions share those runs; the
+attention pair runs the Llama. The other runs skip the launcher's start-up: the worlds of one
+(`python script.py`) run in this process, and accumulation with small buckets runs in the 2
+spawned gloo processes that then run the README's "Use it in your trainer" lines as they are, on
 every tiny HuggingFace model of tests/hf_models.py (three families, sdpa and eager, bf16, and the
 two with a feature some recipes do not implement) against PyTorch's DDP.
 """
 
+import contextlib
 import copy
 import functools
+import io
 import json
 import math
 import os
-import subprocess
 import sys
 
 import hf_models
@@ -22,17 +25,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import common
+from helpers import TINY as STEPS
 from helpers import (
-    LAUNCH_TIMEOUT,
     assert_bad_input_is_one_line,
     assert_skipped_with_why,
     assert_within_its_tolerance,
-    finish,
+    finish_all,
+    load_recipe,
     only_record,
     readme_python_block,
     run_then_leave,
 )
-from helpers import TINY as STEPS
 from helpers import torchrun as torchrun_script
 from report import results_table, traces
 
@@ -45,35 +48,52 @@ def torchrun(script, results, *flags, **kwargs):
     return torchrun_script(DDP / script, results, *flags, **kwargs)
 
 
-def two_nodes(script, results, *flags):
-    """Two torchrun invocations of one process each, node ranks 0 and 1, rendezvous on
-    127.0.0.1: node 0's console (it holds rank 0)."""
-    port = common.free_port()
-    nodes = [torchrun(script, results, *flags, nproc=1,
-                      extra_torchrun=("--nnodes=2", f"--node_rank={rank}",
-                                      "--master_addr=127.0.0.1", f"--master_port={port}"))
-             for rank in (0, 1)]
-    return [finish(node) for node in nodes][0]
+def node(rank: int, port: int, script, results, *flags):
+    """Node `rank` of two torchrun invocations of one process each, rendezvous on 127.0.0.1."""
+    return torchrun(script, results, *flags, nproc=1,
+                    extra_torchrun=("--nnodes=2", f"--node_rank={rank}",
+                                    "--master_addr=127.0.0.1", f"--master_port={port}"))
 
 
 TWO_NODES = {"baseline_ddp"}  # launched as two nodes of one process: the same world of 2
+SCRIPTS = ["baseline_ddp", "optimized_ddp", "baseline_ddp_flash", "optimized_ddp_flash"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """script name -> (record, console output) for each 01_ddp script at 2 processes (the
-    baseline as two nodes of one, which every comparison with it then covers too)."""
-    out = {}
-    for script in ["baseline_ddp", "optimized_ddp", "baseline_ddp_flash", "optimized_ddp_flash"]:
-        results = tmp_path_factory.mktemp(script) / "results.jsonl"
-        launch = two_nodes if script in TWO_NODES else lambda *a: finish(torchrun(*a))
-        console = launch(f"{script}.py", results, *FLAGS.get(script, []))
-        out[script] = (only_record(results), console)
-    return out
+    baseline as two nodes of one, which every comparison with it then covers too: node 0's
+    console, as it holds rank 0)."""
+    results = {script: tmp_path_factory.mktemp(script) / "results.jsonl" for script in SCRIPTS}
+    starts, port = {}, common.free_port()
+    for script in SCRIPTS:
+        args = (f"{script}.py", results[script], *FLAGS.get(script, []))
+        if script in TWO_NODES:  # both nodes in flight together, node 0 first
+            starts.update({(script, rank): functools.partial(node, rank, port, *args)
+                           for rank in (0, 1)})
+        else:
+            starts[script, 0] = functools.partial(torchrun, *args)
+    consoles = dict(zip(starts, finish_all(list(starts.values())), strict=True))
+    return {script: (only_record(results[script]), consoles[script, 0]) for script in SCRIPTS}
 
 
-@pytest.mark.parametrize("script", ["baseline_ddp", "optimized_ddp", "baseline_ddp_flash",
-                                    "optimized_ddp_flash"])
+def world_of_one(script: str, results, *flags: str) -> str:
+    """`python 01_ddp/script ...` at `tiny`, a world of one, run in this process (a fresh
+    Python costs seconds of start-up); what it printed."""
+    saved = dict(os.environ), sys.argv, common.faulthandler.enable
+    sys.argv = [str(DDP / script), *STEPS, *flags, "--results", str(results)]
+    common.faulthandler.enable = lambda: None  # pytest's own stays in place
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            common.run_main(load_recipe(DDP / script).main)
+    finally:  # setup's world-of-one variables leave with the run
+        os.environ.clear()
+        os.environ.update(saved[0])
+        sys.argv, common.faulthandler.enable = saved[1], saved[2]
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_each_script_records_a_sane_two_rank_run(runs, script):
     rec, console = runs[script]
     assert rec["status"] == "ok" and rec["script"] == script and rec["folder"] == "01_ddp"
@@ -131,11 +151,9 @@ def test_attention_pair_wraps_ddp_alike_so_it_differs_in_the_attention_alone(run
     assert base["collectives_per_step"] == optimized["collectives_per_step"] > 1
 
 
-def test_accumulation_with_small_buckets_trains_like_the_full_batch(runs, tmp_path):
-    results = tmp_path / "results.jsonl"
-    finish(torchrun("optimized_ddp.py", results, "--accum", "2", "--bucket-mb", "0.05"))
-    rec = only_record(results)
-    assert rec["accum"] == 2
+def test_accumulation_with_small_buckets_trains_like_the_full_batch(runs, spawned):
+    rec = only_record(spawned / "accum.jsonl")  # run in the README's spawned world of 2
+    assert rec["status"] == "ok" and rec["world_size"] == 2 and rec["accum"] == 2
     assert results_table.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
     assert rec["theory"]["comm_mb_without_no_sync"] == pytest.approx(2 * rec["comm_mb"],
                                                                      rel=1e-3)
@@ -150,12 +168,9 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
     its --trace shows the baseline's one all-reduce per gradient tensor, and report/traces.py's
     breakdown of each traced step adds up to it."""
     results = tmp_path / "results.jsonl"
-    run = subprocess.run([sys.executable, str(DDP / "baseline_ddp.py"), *STEPS, "--trace",
-                          "--warmup", "3", "--steps", "5",  # the same 8 batches, 3 untimed
-                          "--batch-size", str(2 * common.SIZES["tiny"].batch_size),
-                          "--results", str(results)],
-                         cwd=common.ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
-    assert run.returncode == 0, run.stderr[-3000:]
+    world_of_one("baseline_ddp.py", results, "--trace",
+                 "--warmup", "3", "--steps", "5",  # the same 8 batches, 3 untimed
+                 "--batch-size", str(2 * common.SIZES["tiny"].batch_size))
     rec = only_record(results)
     assert rec["world_size"] == 1 and rec["comm_mb"] == 0
     assert results_table.max_loss_diff(rec["losses"], runs["baseline_ddp"][0]["losses"]) <= 1e-4
@@ -178,10 +193,7 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
                                                  ([*LLAMA, "--dtype", "bf16"], "llama", "bf16")])
 def test_resnet_and_bf16_as_a_world_of_one(flags, model, dtype, tmp_path):
     results = tmp_path / "results.jsonl"
-    run = subprocess.run([sys.executable, str(DDP / "optimized_ddp.py"), *STEPS, *flags,
-                          "--results", str(results)],
-                         cwd=common.ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
-    assert run.returncode == 0, run.stderr[-3000:]
+    world_of_one("optimized_ddp.py", results, *flags)
     rec = only_record(results)
     assert (rec["status"], rec["model"], rec["dtype"], rec["world_size"]) == ("ok", model,
                                                                              dtype, 1)
@@ -256,13 +268,33 @@ def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_fil
         torch.save(found, out_file)
 
 
-def test_the_readme_lines_train_every_model_like_ddp_and_keep_bf16_weights(tmp_path):
-    out = tmp_path / "found.pt"
-    models = hf_models.readme_models()
-    ports = [common.free_port() for _ in models]
-    mp.spawn(functools.partial(run_then_leave, train_with_the_readme_lines),
+def accumulate_then_train_with_the_readme_lines(rank: int, world: int, ports: list[int],
+                                                out: str) -> None:
+    """A spawned world of 2: optimized_ddp.py with 2 micro-batches a step and 0.05 MiB buckets,
+    as torchrun would run it on this rank, then the README's lines (train_with_the_readme_lines)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(ports[0]))
+    sys.argv = [str(DDP / "optimized_ddp.py"), *STEPS, "--accum", "2", "--bucket-mb", "0.05",
+                "--results", f"{out}/accum.jsonl"]
+    common.run_main(load_recipe(DDP / "optimized_ddp.py").main)
+    train_with_the_readme_lines(rank, world, ports[1:], f"{out}/found.pt")
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """The folder where the spawned world of 2 left the accumulation run's record and what the
+    README's lines found."""
+    out = tmp_path_factory.mktemp("spawned")
+    ports = [common.free_port() for _ in range(1 + len(hf_models.readme_models()))]
+    mp.spawn(functools.partial(run_then_leave, accumulate_then_train_with_the_readme_lines),
              args=(2, ports, str(out)), nprocs=2)
-    found = torch.load(out)
+    return out
+
+
+def test_the_readme_lines_train_every_model_like_ddp_and_keep_bf16_weights(spawned):
+    models = hf_models.readme_models()
+    found = torch.load(spawned / "found.pt")
     assert set(found) == set(models)
     for name, run in found.items():
         readme, ddp = run["readme"], run["ddp"]

@@ -1,22 +1,25 @@
 """Launch tests: 03_fsdp under torchrun with CPU processes at `tiny`.
 
-Six launches shared through one module-scoped fixture: the GPT under DDP and FSDP in each
-strategy and wrap (DDP and FULL_SHARD 60 steps, so that a checkpointed run has room to be killed
-and resumed; the other two 8, held to DDP's first 8), the
-Llama under hybrid sharding at 4 ranks (clipped by the global norm) and a ResNet; two more run
-DDP in the last two's setups, to hold their losses to. Three launches of
-optimized_fsdp_checkpoint.py checkpoint and resume (the Llama, hybrid, 4 ranks) and survive a
-killed rank (the GPT); two run optimized_fsdp_fp8.py on the Llama at 4 ranks. In spawned gloo
-processes: the README's "Use it in your trainer" lines on every tiny HuggingFace model of
+Each script launched once by torchrun (10-20 s of start-up each): the GPT under DDP and FULL_SHARD
+(60 steps, so that a checkpointed run has room to be killed and resumed), FP8 with activation
+checkpointing on the Llama at 4 ranks, and optimized_fsdp_checkpoint.py surviving a killed rank
+(the GPT). The other runs, in spawned gloo processes that run one after another what torchrun
+would (no launcher's start-up), shared through module-scoped fixtures: in a world of 2, the GPT in
+the other strategy and wrap (8 steps, held to DDP's first 8) and a ResNet under FSDP and DDP,
+then the README's "Use it in your trainer" lines on every tiny HuggingFace model of
 tests/hf_models.py against DDP (three families, `sdpa` and `eager`, ranks seeded apart, and the
-two with a feature some recipes do not implement) and on bf16 weights, the units on a
-sub-group; in this process, FP8 never converting a head, tied or untied.
+two with a feature some recipes do not implement) and on bf16 weights; in a world of 4, the
+Llama under hybrid sharding (clipped by the global norm) and under DDP, checkpointing alone
+(FP8 off), the hybrid run in two through a checkpoint and a resume, and the units on a
+sub-group. In this process, FP8 never converting a head, tied or untied.
 """
 
 import functools
+import json
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +30,7 @@ import torch.multiprocessing as mp
 
 import common
 from helpers import (
+    TINY,
     assert_bad_input_is_one_line,
     assert_skipped_with_why,
     assert_within_its_tolerance,
@@ -58,23 +62,108 @@ DDP_OF = {  # the DDP run of the hybrid's and the ResNet's setups: the same batc
     "hybrid": ("baseline_fsdp", 4, LLAMA),
     "resnet": ("baseline_fsdp", 2, ["--model", "resnet"]),
 }
+CHECKPOINT = FOLDER / "optimized_fsdp_checkpoint.py"
+# the FP8 + checkpointing run and checkpointing alone, the Llama at 4 processes, clipped as the
+# hybrid run (8 steps each)
+ABLATION = {"both": LLAMA, "checkpointing": [*LLAMA, "--no-fp8"]}
+LAUNCHED = ["ddp", "full_shard"]  # by torchrun, with FP8's "both"
+# the other runs, in a spawned world of their size: name -> (script, processes, flags)
+SPAWNED = {**{name: run for name, run in RUNS.items() if name not in LAUNCHED},
+           **{f"ddp_{name}": run for name, run in DDP_OF.items()},
+           "checkpointing": ("optimized_fsdp_fp8", 4, ABLATION["checkpointing"])}
 
 
-def launch_each(runs: dict, tmp_path_factory) -> dict:
-    results = {name: tmp_path_factory.mktemp(name) / "results.jsonl" for name in runs}
-    finish_all([functools.partial(torchrun, FOLDER / f"{script}.py", results[name], *flags,
-                                  nproc=nproc) for name, (script, nproc, flags) in runs.items()])
-    return {name: only_record(results[name]) for name in runs}
+def run(rank: int, world: int, port: int, script: Path, results: str, flags: list[str]) -> None:
+    """`script` as torchrun would run it on this rank of a spawned world, with a process group
+    (and store) of its own."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    sys.argv = [str(script), *TINY, "--results", results, *flags]
+    common.run_main(load_recipe(script).main)
+
+
+def run_spawned(rank: int, world: int, port: int, out: str) -> int:
+    """Each run of SPAWNED at this world size in turn, from `port` on; the next port free."""
+    mine = [(name, script, flags) for name, (script, nproc, flags) in SPAWNED.items()
+            if nproc == world]
+    for k, (name, script, flags) in enumerate(mine):
+        run(rank, world, port + k, FOLDER / f"{script}.py", f"{out}/{name}.jsonl", flags)
+    return port + len(mine)
+
+
+def in_a_world_of_2(rank: int, world: int, port: int, out: str) -> None:
+    """The spawned 2-rank runs, then the README's lines."""
+    _readme_lines_against_ddp(rank, world, run_spawned(rank, world, port, out),
+                              f"{out}/readme.pt")
+
+
+def in_a_world_of_4(rank: int, world: int, port: int, out: str) -> None:
+    """The spawned 4-rank runs; the hybrid run in two (4 steps saved after the 4th, into the
+    default folder beside the results; what a save killed midway after the 8th leaves; the
+    remaining 4 steps resumed from that folder, saving after the 6th); the units on ranks 0
+    and 1."""
+    port = run_spawned(rank, world, port, out)
+    resumed = Path(out) / "resumed" / "results.jsonl"
+    checkpoints = resumed.parent / "checkpoints"
+    resumed.parent.mkdir(exist_ok=True)
+    run(rank, world, port, CHECKPOINT, str(resumed),
+        [*HYBRID, "--steps", "2", "--checkpoint-every", "4"])
+    if rank == 0:  # before it joins the resumed run's group, which the others wait in
+        (Path(out) / "saved.json").write_text(json.dumps(sorted(
+            p.name for p in checkpoints.iterdir())))
+        (checkpoints / ".step-000008.partial").mkdir()
+    run(rank, world, port + 1, CHECKPOINT, str(resumed),
+        [*HYBRID, "--checkpoint-every", "3", "--checkpoint-dir", str(checkpoints), "--resume"])
+    _on_ranks_0_and_1(rank, world, port + 2, out)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return launch_each(RUNS, tmp_path_factory)
+def launched(tmp_path_factory):
+    """name -> record of the torchrun launches: DDP, FULL_SHARD and FP8 with checkpointing."""
+    results = {name: tmp_path_factory.mktemp(name) / "results.jsonl" for name in
+               [*LAUNCHED, "both"]}
+    finish_all([*(functools.partial(torchrun, FOLDER / f"{RUNS[name][0]}.py", results[name],
+                                    *RUNS[name][2], nproc=RUNS[name][1]) for name in LAUNCHED),
+                functools.partial(torchrun, FOLDER / "optimized_fsdp_fp8.py", results["both"],
+                                  *ABLATION["both"], nproc=4)])
+    return {name: only_record(path) for name, path in results.items()}
+
+
+def spawned_world(world: int, worker, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp(f"world{world}")
+    mp.spawn(functools.partial(run_then_leave, worker),
+             args=(world, common.free_port(block=11), str(out)), nprocs=world)
+    return out
 
 
 @pytest.fixture(scope="module")
-def ddp_of(tmp_path_factory):
-    return launch_each(DDP_OF, tmp_path_factory)
+def world_of_2(tmp_path_factory):
+    return spawned_world(2, in_a_world_of_2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def world_of_4(tmp_path_factory):
+    return spawned_world(4, in_a_world_of_4, tmp_path_factory)
+
+
+def record_of(name: str, request: pytest.FixtureRequest) -> dict:
+    """RUNS' `name`'s record, from the one fixture that runs it (a test of one run waits for
+    that fixture alone)."""
+    if name in LAUNCHED:
+        return request.getfixturevalue("launched")[name]
+    return only_record(request.getfixturevalue(f"world_of_{RUNS[name][1]}") / f"{name}.jsonl")
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    return {name: record_of(name, request) for name in RUNS}
+
+
+@pytest.fixture(scope="module")
+def ddp_of(world_of_2, world_of_4):
+    return {name: only_record({2: world_of_2, 4: world_of_4}[nproc] / f"ddp_{name}.jsonl")
+            for name, (_, nproc, _) in DDP_OF.items()}
 
 
 def assert_records_state_and_bytes_as_its_theory_predicts(rec: dict) -> None:
@@ -85,8 +174,8 @@ def assert_records_state_and_bytes_as_its_theory_predicts(rec: dict) -> None:
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_each_run_records_state_and_bytes_as_its_theory_predicts(runs, name):
-    rec = runs[name]
+def test_each_run_records_state_and_bytes_as_its_theory_predicts(request, name):
+    rec = record_of(name, request)
     assert rec["status"] == "ok" and rec["world_size"] == RUNS[name][1]
     assert len(rec["losses"]) == (60 if LONG[1] in RUNS[name][2] else 8)
     assert all(math.isfinite(x) for x in rec["losses"])
@@ -156,23 +245,12 @@ def test_the_other_scripts_refuse_a_clip_norm_not_above_zero_in_one_line(script,
 
 
 # --- Checkpoint and resume (optimized_fsdp_checkpoint.py) -----------------------------------
-CHECKPOINT = FOLDER / "optimized_fsdp_checkpoint.py"
-
-
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    """The hybrid Llama's run in two: 4 steps saved after the 4th (into the default folder,
-    beside the results), what a save killed midway after the 8th leaves, then the remaining 4
-    steps resumed from that folder (saving after the 6th)."""
-    results = tmp_path_factory.mktemp("resumed") / "results.jsonl"
-    checkpoints = results.parent / "checkpoints"
-    finish(torchrun(CHECKPOINT, results, *HYBRID, "--steps", "2", "--checkpoint-every", "4",
-                    nproc=4))
-    saved = sorted(p.name for p in checkpoints.iterdir())
-    (checkpoints / ".step-000008.partial").mkdir()
-    finish(torchrun(CHECKPOINT, results, *HYBRID, "--checkpoint-every", "3", "--checkpoint-dir",
-                    str(checkpoints), "--resume", nproc=4))
-    return common.load_results(results), saved
+def resumed(world_of_4):
+    """The hybrid Llama's run in two (in_a_world_of_4): both records, and the checkpoints the
+    first left."""
+    return (common.load_results(world_of_4 / "resumed" / "results.jsonl"),
+            json.loads((world_of_4 / "saved.json").read_text()))
 
 
 def test_a_checkpointing_run_records_its_saves_and_trains_like_optimized_fsdp(runs, ddp_of,
@@ -304,15 +382,10 @@ def test_fp8_says_in_its_record_when_the_world_gathers_no_weight_in_float8():
 
 
 @pytest.fixture(scope="module")
-def ablation(tmp_path_factory):
-    """The FP8 + checkpointing run and checkpointing alone, the Llama at 4 processes, clipped as
-    the hybrid run (8 steps each)."""
-    out = {}
-    for name, flags in {"both": LLAMA, "checkpointing": [*LLAMA, "--no-fp8"]}.items():
-        results = tmp_path_factory.mktemp(name) / "results.jsonl"
-        finish(torchrun(FOLDER / "optimized_fsdp_fp8.py", results, *flags, nproc=4))
-        out[name] = only_record(results)
-    return out
+def ablation(launched, world_of_4):
+    """The FP8 + checkpointing run (launched) and checkpointing alone (in_a_world_of_4)."""
+    return {"both": launched["both"],
+            "checkpointing": only_record(world_of_4 / "checkpointing.jsonl")}
 
 
 def test_checkpointing_alone_keeps_fsdps_losses_and_cuts_the_activations(runs, ablation):
@@ -417,13 +490,11 @@ def _group_mean(losses: list[float]) -> list[float]:
     return (total / dist.get_world_size()).tolist()
 
 
-def test_the_readmes_lines_shard_every_model_seeded_apart_train_like_ddp_and_keep_bf16(tmp_path):
+def test_the_readmes_lines_shard_every_model_seeded_apart_train_like_ddp_and_keep_bf16(
+        world_of_2):
     snippet = readme_python_block(FOLDER / "README.md")
     assert "shard(model, blocks, mesh)" in snippet and "list(model.model.layers)" in snippet
-    out = tmp_path / "found.pt"
-    mp.spawn(functools.partial(run_then_leave, _readme_lines_against_ddp),
-             args=(2, common.free_port(), str(out)), nprocs=2)
-    found = torch.load(out)
+    found = torch.load(world_of_2 / "readme.pt")  # in_a_world_of_2
     assert {name.split("-")[0] for name in found} == {"llama", "qwen2", "mistral", "fused",
                                                         "rope scaling"}
     for name, run in found.items():
@@ -437,17 +508,19 @@ def test_the_readmes_lines_shard_every_model_seeded_apart_train_like_ddp_and_kee
     assert sum(name.endswith("bf16") for name in found) == 3 and len(found) == 11
 
 
-def _on_ranks_0_and_1_of_3(rank: int, world: int, port: int) -> None:
+def _on_ranks_0_and_1(rank: int, world: int, port: int, out: str) -> None:
+    """The units on a sub-group, ranks {0, 1} of the world, each beside DDP on the pair: ranks 0
+    and 1 save their losses."""
     _join(rank, world, port)
     pair = dist.new_group([0, 1])
-    if rank < 2:  # rank 2 idles: nothing of the units may wait for it
+    if rank < 2:  # the other ranks idle: nothing of the units may wait for them
         recipe = load_recipe(FOLDER / "optimized_fsdp.py")
         batches = _llama_batches(rank, 2, 3)
         torch.manual_seed(rank)
         model = common.Llama(common.SIZES["tiny"])
         blocks = common.transformer_blocks(model)
         mesh = recipe.shard(model, blocks, pair)
-        assert dist.get_process_group_ranks(mesh.get_group()) == [0, 1]
+        sharded_over = dist.get_process_group_ranks(mesh.get_group())
         recipe.prefetch_one_ahead(blocks)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses = []
@@ -457,12 +530,16 @@ def _on_ranks_0_and_1_of_3(rank: int, world: int, port: int) -> None:
             loss.backward()
             opt.step()
             losses.append(loss.item())
-        ddp = _ddp_losses(batches, pair, seed=rank)
-        assert max(abs(a - b) / b for a, b in zip(losses, ddp, strict=True)) <= 1e-5
+        (Path(out) / f"sub-group-rank{rank}.json").write_text(json.dumps(
+            {"sharded_over": sharded_over, "losses": losses,
+             "ddp": _ddp_losses(batches, pair, seed=rank)}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def test_shard_on_a_sub_group_trains_like_ddp_on_it():
-    mp.spawn(functools.partial(run_then_leave, _on_ranks_0_and_1_of_3),
-             args=(3, common.free_port()), nprocs=3)
+def test_shard_on_a_sub_group_trains_like_ddp_on_it(world_of_4):
+    for rank in (0, 1):  # of 4 (in_a_world_of_4)
+        found = json.loads((world_of_4 / f"sub-group-rank{rank}.json").read_text())
+        assert found["sharded_over"] == [0, 1]
+        assert max(abs(a - b) / b for a, b in zip(found["losses"], found["ddp"], strict=True)) \
+            <= 1e-5

@@ -1,17 +1,21 @@
 """Launch tests: 03_fsdp/optimized_fsdp_lora.py, fine-tuning a checkpoint under torchrun with CPU
 processes at `tiny`.
 
-Four launches and two single-process runs from one module-scoped fixture: a pretraining run of
-optimized_fsdp_checkpoint.py (40 steps, saved after the last); from its checkpoint, LoRA at 2
-and at 4 processes (4 and 2 sequences a rank: one global batch of 8) and full fine-tuning
-(optimized_fsdp.py --init-from) at 2; in one process with the batch of 8, LoRA from the
-checkpoint and from random weights. In spawned gloo processes: the README's LoRA lines on every
-tiny HuggingFace model of tests/hf_models.py, ranks seeded apart, against PyTorch's DDP.
+From one module-scoped fixture: in 2 spawned gloo processes that run one after another what
+torchrun would (no launcher's start-up), a pretraining run of optimized_fsdp_checkpoint.py (40
+steps, saved after the last), full fine-tuning from its checkpoint (optimized_fsdp.py
+--init-from), then the README's LoRA lines on every tiny HuggingFace model of
+tests/hf_models.py, ranks seeded apart, against PyTorch's DDP; from the checkpoint, LoRA
+launched at 2 and at 4 processes (4 and 2 sequences a rank: one global batch of 8) and, in this
+process meanwhile, LoRA as a world of one with the batch of 8 from the checkpoint and from random
+weights.
 """
 
+import contextlib
 import copy
 import functools
-import subprocess
+import io
+import os
 import sys
 
 import pytest
@@ -22,9 +26,7 @@ import torch.multiprocessing as mp
 import common
 from helpers import (
     TINY,
-    cpu_env,
     finish,
-    finish_all,
     load_recipe,
     only_record,
     readme_python_block,
@@ -38,32 +40,59 @@ LORA = FOLDER / "optimized_fsdp_lora.py"
 README_HEADING = "### Use it in your trainer, with LoRA"
 
 
-def one_process(results, *flags: str) -> subprocess.Popen:
-    """LoRA as a world of one (plain python, no torchrun) with the 2-rank runs' global batch."""
-    return subprocess.Popen([sys.executable, str(LORA), *TINY, "--batch-size", "8", "--results",
-                             str(results), *flags], cwd=common.ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=cpu_env())
+def world_of_one(results, *flags: str) -> None:
+    """LoRA as a world of one (`python optimized_fsdp_lora.py`) with the 2-rank runs' global
+    batch, in this process (a fresh Python costs seconds of start-up)."""
+    saved = dict(os.environ), sys.argv, common.faulthandler.enable
+    sys.argv = [str(LORA), *TINY, "--batch-size", "8", "--results", str(results), *flags]
+    common.faulthandler.enable = lambda: None  # pytest's own stays in place
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            common.run_main(load_recipe(LORA).main)
+    finally:  # setup's world-of-one variables leave with the run
+        os.environ.clear()
+        os.environ.update(saved[0])
+        sys.argv, common.faulthandler.enable = saved[1], saved[2]
+
+
+def pretrain_fine_tune_then_readme(rank: int, world: int, port: int, root: str) -> None:
+    """A spawned world of 2: the pretraining run and full fine-tuning from its checkpoint, as
+    torchrun would run them on this rank, then the README's LoRA lines."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    pretrained = f"{root}/pretrained"
+    for k, (script, name, flags) in enumerate([
+            ("optimized_fsdp_checkpoint", "pretrain", ["--steps", "38", "--checkpoint-every", "40",
+                                                       "--checkpoint-dir", pretrained]),
+            ("optimized_fsdp", "full_2", ["--init-from", pretrained])]):
+        os.environ["MASTER_PORT"] = str(port + k)
+        sys.argv = [str(FOLDER / f"{script}.py"), *TINY, "--results", f"{root}/{name}.jsonl",
+                    *flags]
+        common.run_main(load_recipe(FOLDER / f"{script}.py").main)
+    _readme_lines_against_ddp(rank, world, port + 2, f"{root}/readme.pt")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
+    mp.spawn(functools.partial(run_then_leave, pretrain_fine_tune_then_readme),
+             args=(2, common.free_port(block=3), str(root)), nprocs=2)
     pretrained = root / "pretrained"
-    finish(torchrun(FOLDER / "optimized_fsdp_checkpoint.py", root / "pretrain.jsonl",
-                    "--steps", "38", "--checkpoint-every", "40", "--checkpoint-dir",
-                    str(pretrained)))
     start = ["--init-from", str(pretrained)]
-    launches = {"lora_2": (LORA, 2, start), "lora_4": (LORA, 4, [*start, "--batch-size", "2"]),
-                "full_2": (FOLDER / "optimized_fsdp.py", 2, start)}
+    launches = {"lora_2": torchrun(LORA, root / "lora_2.jsonl", *start),
+                "lora_4": torchrun(LORA, root / "lora_4.jsonl", *start, "--batch-size", "2",
+                                   nproc=4)}
     singles = {"lora_1": start, "scratch_1": ["--init-from", "scratch"]}
-    finish_all([*(functools.partial(torchrun, script, root / f"{name}.jsonl", *flags,
-                                    nproc=nproc)
-                  for name, (script, nproc, flags) in launches.items()),
-                *(functools.partial(one_process, root / f"{name}.jsonl", *flags)
-                  for name, flags in singles.items())])
-    out = {name: only_record(root / f"{name}.jsonl") for name in [*launches, *singles]}
-    out["pretrain"] = only_record(root / "pretrain.jsonl")
+    try:
+        for name, flags in singles.items():  # while the launches run
+            world_of_one(root / f"{name}.jsonl", *flags)
+    finally:
+        for launch in launches.values():
+            finish(launch)
+    out = {name: only_record(root / f"{name}.jsonl") for name in
+           ["pretrain", "full_2", *launches, *singles]}
     out["checkpoint"] = sorted(p.name for p in pretrained.iterdir())
+    out["readme"] = torch.load(root / "readme.pt")
     return out
 
 
@@ -179,13 +208,10 @@ def _group_mean(losses: list[float]) -> list[float]:
     return (total / dist.get_world_size()).tolist()
 
 
-def test_the_readmes_lora_lines_fine_tune_every_model_seeded_apart_like_ddp(tmp_path):
+def test_the_readmes_lora_lines_fine_tune_every_model_seeded_apart_like_ddp(runs):
     snippet = readme_python_block(FOLDER / "README.md", README_HEADING)
     assert "apply_lora(model" in snippet and "shard(model, blocks, mesh)" in snippet
-    out = tmp_path / "found.pt"
-    mp.spawn(functools.partial(run_then_leave, _readme_lines_against_ddp),
-             args=(2, common.free_port(), str(out)), nprocs=2)
-    found = torch.load(out)
+    found = runs["readme"]  # in the spawned world of 2 (pretrain_fine_tune_then_readme)
     assert {name.split("-")[0].removesuffix(" bf16") for name in found} == {
         "llama", "qwen2", "mistral", "fused", "rope scaling"}
     assert len(found) == 11

@@ -1,7 +1,7 @@
 """Launch tests: 06_symmem under torchrun with 2 CPU processes: the two collectives sweeps (a
 short one), the two data-parallel training runs and the three tensor-parallel ones at `tiny`,
-shared through one module-scoped fixture (the hand-written TP pair on the Llama, against
-the data-parallel run of the same model)."""
+shared through one module-scoped fixture, two launches in flight (the hand-written TP pair on the
+Llama, against the data-parallel run of the same model)."""
 
 import functools
 import os
@@ -18,7 +18,7 @@ from helpers import (
     assert_skipped_with_why,
     assert_within_its_tolerance,
     cpu_env,
-    finish,
+    finish_all,
     load_recipe,
     only_record,
     run_then_leave,
@@ -39,15 +39,19 @@ RUNS = {"baseline_symmem_allreduce": [*SWEEP, "--trace", "--warmup", "3"],
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
+    results = {script: tmp_path_factory.mktemp(script) / "results.jsonl" for script in RUNS}
+    starts = {script: functools.partial(torchrun, FOLDER / f"{script}.py", results[script], *flags)
+              for script, flags in RUNS.items()}
+    sweeps, training = [s for s in RUNS if s in SWEPT], [s for s in RUNS if s not in SWEPT]
+    # the sweeps alone, as they time calls; the training runs two in flight
+    consoles = dict(zip(sweeps + training, [
+        *finish_all([starts[s] for s in sweeps], in_flight=1),
+        *finish_all([starts[s] for s in training])], strict=True))
     for script, flags in RUNS.items():
-        results = tmp_path_factory.mktemp(script) / "results.jsonl"
-        console = finish(torchrun(FOLDER / f"{script}.py", results, *flags))
-        out[script] = only_record(results)
         if "--trace" in flags:
-            assert "no trace written: a sweep has no training step" in console
-            assert not (results.parent / "traces").exists()
-    return out
+            assert "no trace written: a sweep has no training step" in consoles[script]
+            assert not (results[script].parent / "traces").exists()
+    return {script: only_record(results[script]) for script in RUNS}
 
 
 def _data_parallel_run(rank: int, world: int, port: int, model: str, results: str) -> None:
@@ -104,7 +108,8 @@ def test_a_sweep_records_every_op_and_size_checked_with_its_busbw(runs, script):
 
 def test_the_report_sets_the_two_sweeps_side_by_side(runs):
     text = results_table.render_report([runs["baseline_symmem_allreduce"],
-                                 runs["optimized_symmem_allreduce"]])
+                                        runs["optimized_symmem_allreduce"]],
+                                       wide=True)  # every row names its scripts
     rows = [line for line in text.splitlines() if line.startswith("| all_reduce")]
     assert len(rows) == 3 and all("baseline_symmem_allreduce" in r and r.rstrip(" |").endswith("x")
                                   for r in rows)
