@@ -35,6 +35,7 @@ def materialized_attention(q, k, v):
     return torch.softmax(scores, dim=-1) @ v
 
 
+# Copied from 01_ddp/optimized_ddp.py: wrap_ddp, changed: no --accum, and no static graph
 def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
              group: dist.ProcessGroup | None = None) -> DDP:
     """DDP for long context. With O(T) attention activations the gradients are a large share of

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo 
 import common  # noqa: E402
 
 
+# Copied from 01_ddp/optimized_ddp.py: wrap_ddp, changed: no --accum, so the static graph always
 def wrap_ddp(model: torch.nn.Module, topo: common.Topology, bucket_mb: float,
              group: dist.ProcessGroup | None = None) -> DDP:
     """01_ddp's tuned wrapper: large buckets, gradients as views into them, a static graph; over

@@ -173,6 +173,7 @@ def same_weights_on_every_rank(model: torch.nn.Module, mesh: DeviceMesh) -> None
             dist.broadcast(t.detach(), dist.get_global_rank(group, 0), group=group)
 
 
+# Copied from 03_fsdp/optimized_fsdp.py: shard, changed: blocks compiled and prefetched, no offload
 def shard(model: torch.nn.Module, blocks: list[torch.nn.Module],
           mesh: DeviceMesh | dist.ProcessGroup | None, mp_policy: MixedPrecisionPolicy,
           compile_blocks: bool) -> None:

@@ -226,6 +226,7 @@ def cuda_all_reduce(topo: common.Topology, numel: int, group: dist.ProcessGroup 
     return run
 
 
+# Copied from 06_symmem/baseline_symmem_allreduce.py: collective, changed: via shared memory
 def collective(op: str, numel: int, topo: common.Topology, seg: SharedSegment | None):
     """The call to time on fp32 messages of `numel` values, the input refill before it, and the
     check of its result: every rank's input is (rank + 1) x (0, 1, ..., 6, 0, 1, ...)."""

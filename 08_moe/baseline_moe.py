@@ -83,6 +83,7 @@ def load_figures(loads: list[torch.Tensor], warmup: int) -> dict:
             "busiest_expert_tokens": round(float(timed.max(-1).values.mean()), 1)}
 
 
+# Copied from 02_compression/baseline_compression.py: add_long_run_flag, changed: 40 steps
 def add_long_run_flag(parser: argparse.ArgumentParser) -> None:
     """`--long-run`: 40 steps (10 untimed, 30 timed) instead of the folder's 11, long enough for
     the model to learn past its first, clustered routing and for the routers' bias to settle: the

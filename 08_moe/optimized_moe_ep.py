@@ -48,6 +48,7 @@ LOSS_TOLERANCE = {"fp32": 5e-3, "bf16": 5e-2}
 
 
 # Shapes: T tokens, K top-k, D d_model, E experts (P ranks x L), N = T x K rows sent, R received
+# Copied from 07_context/optimized_context_ulysses.py: AllToAll, changed: uneven splits
 class AllToAll(torch.autograd.Function):
     """Rows to the P ranks of `group`: send_P[p] of them (in order) to rank p, recv_P[p] from
     it. Backward sends the gradients back the way the rows came."""

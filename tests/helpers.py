@@ -138,6 +138,32 @@ def assert_skipped_with_why(script: Path, flags: list[str], hint: str, tmp_path:
     (rec,) = common.load_results(results)
     assert rec["status"] == "skipped" and hint in rec["reason"]
 
+def as_rank(rank: int, world: int, port: int | None = None) -> None:
+    """This process as torchrun would start rank `rank` of `world` on one host (its port: the
+    run's own, or each run's, set before it)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
+
+
+def world_of_one(script: Path, *flags: str) -> str:
+    """`python <script> <flags>`, a world of one, run in this process (a fresh Python costs
+    seconds of start-up): what it printed. The environment the run's setup filled, its argv and
+    pytest's faulthandler are as they were after it."""
+    saved = dict(os.environ), sys.argv, common.faulthandler.enable
+    sys.argv = [str(script), *flags]
+    common.faulthandler.enable = lambda: None  # pytest's own stays in place
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            common.run_main(load_recipe(script).main)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved[0])
+        sys.argv, common.faulthandler.enable = saved[1], saved[2]
+    return out.getvalue()
+
+
 def readme_python_block(readme: Path, heading: str = "## Use it in your trainer") -> str:
     """The one ```python block of the README's section under `heading` (up to the next heading
     of its level or above), as it stands: what a "Use it in your trainer" test runs."""

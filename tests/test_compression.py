@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-from helpers import load_recipe, readme_python_block, run_then_leave
+from helpers import as_rank, load_recipe, readme_python_block, run_then_leave
 from report import results_table
 
 FOLDER = common.ROOT / "02_compression"
@@ -578,8 +578,7 @@ def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_fil
     beside PyTorch's DDP on the same model and global batch (`trainers()`)."""
     import hf_models  # here: `transformers` costs every process that imports it seconds
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    as_rank(rank, world)
     sys.path.insert(0, str(FOLDER))  # where the trainer copied the recipes
     batches = hf_models.token_batches(TRAINER_STEPS, rank, world)
     found, ddp = {}, {}

@@ -30,6 +30,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen3Config, Qwen3ForC
 
 import common
 from helpers import (
+    as_rank,
     assert_bad_input_is_one_line,
     assert_skipped_with_why,
     assert_within_its_tolerance,
@@ -317,8 +318,7 @@ def _readme_ranks(rank: int, world: int, port: int, out: str) -> None:
     global batch (2 sequences a rank); on 4 ranks, both on Phi-3's fused projections and the
     3-D lines on Gemma 2, and first `parallelize` on a model the lines' broadcast has not made
     rank 0's. What each gave goes to out/rank<r>.json."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    as_rank(rank, world, port)
     common.setup(timeout_s=120)
     two_d = readme_python_block(common.ROOT / "03_fsdp" / "README.md",
                                 "### Use it in your trainer, on a 2-D mesh")

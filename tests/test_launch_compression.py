@@ -13,9 +13,7 @@ defaults (32, and PyTorch's script's 64) would compress nothing at `tiny`, which
 world of one at the hand-written default (in this process), says in its log and its record.
 """
 
-import contextlib
 import functools
-import io
 import math
 import os
 import subprocess
@@ -28,6 +26,7 @@ import common
 from helpers import (
     LAUNCH_TIMEOUT,
     TINY,
+    as_rank,
     assert_bad_input_is_one_line,
     assert_within_its_tolerance,
     finish,
@@ -36,6 +35,7 @@ from helpers import (
     only_record,
     run_then_leave,
     torchrun,
+    world_of_one,
 )
 from report import results_table
 
@@ -64,8 +64,7 @@ RUNS = {  # name: (script, processes, flags); the first run of each script is it
 def run_in_turn(rank: int, world: int, port: int, runs: list[tuple[str, str, list[str]]]) -> None:
     """A spawned rank: each of `runs` (script, results file, flags) in turn, as torchrun would
     run it on this rank, each with a process group (and store) of its own."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    as_rank(rank, world)
     for k, (script, results, flags) in enumerate(runs):
         os.environ["MASTER_PORT"] = str(port + k)
         sys.argv = [str(FOLDER / f"{script}.py"), *TINY, "--results", results, *flags]
@@ -138,22 +137,13 @@ def test_powersgd_at_a_rank_too_high_for_the_model_says_so_once_and_in_its_recor
     """The default rank 32 at `tiny` (hidden size 64, widest matrix 192 x 64): nothing is
     compressed; a world of one, whose DDP still calls the hook."""
     results, script = tmp_path / "results.jsonl", FOLDER / "optimized_compression_powersgd.py"
-    saved = dict(os.environ), sys.argv, common.faulthandler.enable
-    sys.argv = [str(script), *TINY, *LLAMA, "--warmup", "4", "--steps", "1", "--results",
-                str(results)]
-    common.faulthandler.enable = lambda: None  # pytest's own stays in place
-    try:  # in this process: a fresh Python costs seconds of start-up
-        with contextlib.redirect_stdout(io.StringIO()) as out:
-            common.run_main(load_recipe(script).main)
-    finally:  # setup's world-of-one variables leave with the run
-        os.environ.clear()
-        os.environ.update(saved[0])
-        sys.argv, common.faulthandler.enable = saved[1], saved[2]
+    printed = world_of_one(script, *TINY, *LLAMA, "--warmup", "4", "--steps", "1", "--results",
+                           str(results))
     rec = only_record(results)
     said = POWERSGD.no_matrix_compressed(32)
     assert (rec["status"], rec["compressed_matrices"]) == ("ok", 0)
     assert rec["compressed_matrices_reason"] == said
-    assert out.getvalue().splitlines().count(said) == 1
+    assert printed.splitlines().count(said) == 1
 
 
 def test_powersgds_long_run_states_a_final_loss_tolerance_instead_of_a_per_step_one(runs):

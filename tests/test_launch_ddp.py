@@ -9,10 +9,8 @@ every tiny HuggingFace model of tests/hf_models.py (three families, sdpa and eag
 two with a feature some recipes do not implement) against PyTorch's DDP.
 """
 
-import contextlib
 import copy
 import functools
-import io
 import json
 import math
 import os
@@ -27,6 +25,7 @@ import torch.multiprocessing as mp
 import common
 from helpers import TINY as STEPS
 from helpers import (
+    as_rank,
     assert_bad_input_is_one_line,
     assert_skipped_with_why,
     assert_within_its_tolerance,
@@ -35,6 +34,7 @@ from helpers import (
     only_record,
     readme_python_block,
     run_then_leave,
+    world_of_one,
 )
 from helpers import torchrun as torchrun_script
 from report import results_table, traces
@@ -75,22 +75,6 @@ def runs(tmp_path_factory):
             starts[script, 0] = functools.partial(torchrun, *args)
     consoles = dict(zip(starts, finish_all(list(starts.values())), strict=True))
     return {script: (only_record(results[script]), consoles[script, 0]) for script in SCRIPTS}
-
-
-def world_of_one(script: str, results, *flags: str) -> str:
-    """`python 01_ddp/script ...` at `tiny`, a world of one, run in this process (a fresh
-    Python costs seconds of start-up); what it printed."""
-    saved = dict(os.environ), sys.argv, common.faulthandler.enable
-    sys.argv = [str(DDP / script), *STEPS, *flags, "--results", str(results)]
-    common.faulthandler.enable = lambda: None  # pytest's own stays in place
-    try:
-        with contextlib.redirect_stdout(io.StringIO()) as out:
-            common.run_main(load_recipe(DDP / script).main)
-    finally:  # setup's world-of-one variables leave with the run
-        os.environ.clear()
-        os.environ.update(saved[0])
-        sys.argv, common.faulthandler.enable = saved[1], saved[2]
-    return out.getvalue()
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -168,7 +152,7 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
     its --trace shows the baseline's one all-reduce per gradient tensor, and report/traces.py's
     breakdown of each traced step adds up to it."""
     results = tmp_path / "results.jsonl"
-    world_of_one("baseline_ddp.py", results, "--trace",
+    world_of_one(DDP / "baseline_ddp.py", *STEPS, "--results", str(results), "--trace",
                  "--warmup", "3", "--steps", "5",  # the same 8 batches, 3 untimed
                  "--batch-size", str(2 * common.SIZES["tiny"].batch_size))
     rec = only_record(results)
@@ -193,7 +177,7 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs, tmp_path):
                                                  ([*LLAMA, "--dtype", "bf16"], "llama", "bf16")])
 def test_resnet_and_bf16_as_a_world_of_one(flags, model, dtype, tmp_path):
     results = tmp_path / "results.jsonl"
-    world_of_one("optimized_ddp.py", results, *flags)
+    world_of_one(DDP / "optimized_ddp.py", *STEPS, *flags, "--results", str(results))
     rec = only_record(results)
     assert (rec["status"], rec["model"], rec["dtype"], rec["world_size"]) == ("ok", model,
                                                                              dtype, 1)
@@ -243,8 +227,7 @@ def train_with_the_readme_lines(rank: int, world: int, ports: list[int], out_fil
     """Trainers of one's own: for each of hf_models.readme_models(), each joins the group (the
     README's `common.setup()`), runs the README's lines as they are on the model its ranks seeded
     differently, beside PyTorch's DDP on the same model and global batch, and leaves."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    as_rank(rank, world)
     sys.path.insert(0, str(DDP))  # where the trainer copied the recipe
     block = readme_python_block(DDP / "README.md")
     found = {}
@@ -272,9 +255,7 @@ def accumulate_then_train_with_the_readme_lines(rank: int, world: int, ports: li
                                                 out: str) -> None:
     """A spawned world of 2: optimized_ddp.py with 2 micro-batches a step and 0.05 MiB buckets,
     as torchrun would run it on this rank, then the README's lines (train_with_the_readme_lines)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(ports[0]))
+    as_rank(rank, world, ports[0])
     sys.argv = [str(DDP / "optimized_ddp.py"), *STEPS, "--accum", "2", "--bucket-mb", "0.05",
                 "--results", f"{out}/accum.jsonl"]
     common.run_main(load_recipe(DDP / "optimized_ddp.py").main)

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 import common
 from helpers import (
     TINY,
+    as_rank,
     assert_bad_input_is_one_line,
     assert_skipped_with_why,
     assert_within_its_tolerance,
@@ -76,9 +77,7 @@ SPAWNED = {**{name: run for name, run in RUNS.items() if name not in LAUNCHED},
 def run(rank: int, world: int, port: int, script: Path, results: str, flags: list[str]) -> None:
     """`script` as torchrun would run it on this rank of a spawned world, with a process group
     (and store) of its own."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    as_rank(rank, world, port)
     sys.argv = [str(script), *TINY, "--results", results, *flags]
     common.run_main(load_recipe(script).main)
 
@@ -419,9 +418,7 @@ def test_fp8_skips_a_model_without_linears_to_convert(tmp_path):
 
 
 def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    as_rank(rank, world, port)
     common.setup(timeout_s=60)
 
 

@@ -11,10 +11,8 @@ process meanwhile, LoRA as a world of one with the batch of 8 from the checkpoin
 weights.
 """
 
-import contextlib
 import copy
 import functools
-import io
 import os
 import sys
 
@@ -26,12 +24,14 @@ import torch.multiprocessing as mp
 import common
 from helpers import (
     TINY,
+    as_rank,
     finish,
     load_recipe,
     only_record,
     readme_python_block,
     run_then_leave,
     torchrun,
+    world_of_one,
 )
 from report import results_table
 
@@ -40,26 +40,10 @@ LORA = FOLDER / "optimized_fsdp_lora.py"
 README_HEADING = "### Use it in your trainer, with LoRA"
 
 
-def world_of_one(results, *flags: str) -> None:
-    """LoRA as a world of one (`python optimized_fsdp_lora.py`) with the 2-rank runs' global
-    batch, in this process (a fresh Python costs seconds of start-up)."""
-    saved = dict(os.environ), sys.argv, common.faulthandler.enable
-    sys.argv = [str(LORA), *TINY, "--batch-size", "8", "--results", str(results), *flags]
-    common.faulthandler.enable = lambda: None  # pytest's own stays in place
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            common.run_main(load_recipe(LORA).main)
-    finally:  # setup's world-of-one variables leave with the run
-        os.environ.clear()
-        os.environ.update(saved[0])
-        sys.argv, common.faulthandler.enable = saved[1], saved[2]
-
-
 def pretrain_fine_tune_then_readme(rank: int, world: int, port: int, root: str) -> None:
     """A spawned world of 2: the pretraining run and full fine-tuning from its checkpoint, as
     torchrun would run them on this rank, then the README's LoRA lines."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    as_rank(rank, world)
     pretrained = f"{root}/pretrained"
     for k, (script, name, flags) in enumerate([
             ("optimized_fsdp_checkpoint", "pretrain", ["--steps", "38", "--checkpoint-every", "40",
@@ -85,7 +69,8 @@ def runs(tmp_path_factory):
     singles = {"lora_1": start, "scratch_1": ["--init-from", "scratch"]}
     try:
         for name, flags in singles.items():  # while the launches run
-            world_of_one(root / f"{name}.jsonl", *flags)
+            world_of_one(LORA, *TINY, "--batch-size", "8", "--results",
+                         str(root / f"{name}.jsonl"), *flags)
     finally:
         for launch in launches.values():
             finish(launch)

@@ -4,7 +4,6 @@ shared through one module-scoped fixture, two launches in flight (the hand-writt
 Llama, against the data-parallel run of the same model)."""
 
 import functools
-import os
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 import common
 from helpers import (
     TINY,
+    as_rank,
     assert_bad_input_is_one_line,
     assert_skipped_with_why,
     assert_within_its_tolerance,
@@ -55,8 +55,7 @@ def runs(tmp_path_factory):
 
 
 def _data_parallel_run(rank: int, world: int, port: int, model: str, results: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    as_rank(rank, world, port)
     path = FOLDER / "baseline_symmem_training.py"
     sys.argv = [str(path), *TINY, "--results", results, "--model", model]
     common.run_main(load_recipe(path).main)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import common
-from helpers import load_recipe, readme_python_block
+from helpers import as_rank, load_recipe, readme_python_block
 
 FOLDER = common.ROOT / "05_pipeline"
 README = FOLDER / "README.md"
@@ -410,9 +410,7 @@ def train(kind: str, model: torch.nn.Module, group, record_timeline: bool = Fals
 
 def join(rank: int, world: int, port: int) -> None:
     """The environment torchrun gives rank `rank` of `world`, its store on `port`."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    as_rank(rank, world, port)
 
 
 def _train_every_runtime(rank: int, world: int, port: int, out: str) -> None:

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import common
-from helpers import TINY, assert_within_its_tolerance, load_recipe, readme_python_block
+from helpers import TINY, as_rank, assert_within_its_tolerance, load_recipe, readme_python_block
 
 FOLDER = common.ROOT / "06_symmem"
 # the sweep's helpers: the baseline holds them, optimized_symmem_allreduce.py copies them
@@ -230,8 +230,7 @@ def test_busbw_follows_the_nccl_tests_convention():
 
 
 def _train_three(rank: int, world: int, port: int, results: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    as_rank(rank, world)
     for k, (name, flags) in enumerate([("baseline_symmem_training", []),
                                        ("optimized_symmem_training", []),
                                        ("optimized_symmem_training", ["--replicated-optimizer"]),
@@ -742,9 +741,7 @@ TRAINING = FOLDER / "optimized_symmem_training.py"
 
 
 def _join(rank: int, world: int, port: int):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    as_rank(rank, world, port)
     common.setup(common.parser(None).parse_args(["--timeout", "60"]))
     return load_recipe(TRAINING)
 
@@ -989,8 +986,7 @@ def test_the_readme_lines_train_hf_models_as_ddp_does_and_keep_bf16_weights(chec
 
 
 def _train_llama(rank: int, world: int, port: int, results: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    as_rank(rank, world)
     for k, flags in enumerate([[], [], ["--replicated-optimizer"]]):
         os.environ["MASTER_PORT"] = str(port + k)  # a fresh store for each run's group
         path = FOLDER / f"{'optimized' if k else 'baseline'}_symmem_training.py"

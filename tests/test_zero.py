@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 import common
-from helpers import TINY, assert_within_its_tolerance, load_recipe, readme_python_block
+from helpers import TINY, as_rank, assert_within_its_tolerance, load_recipe, readme_python_block
 from report import results_table
 
 FOLDER = common.ROOT / "04_zero"
@@ -186,8 +186,7 @@ RUNS = {  # world size: the runs of its one spawn, (script, flags)
 
 
 def _run_every_script(rank: int, world: int, port: int, results: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    as_rank(rank, world)
     for k, (name, flags) in enumerate(RUNS[world]):
         os.environ["MASTER_PORT"] = str(port + k)  # a fresh store for each run's group
         path = FOLDER / f"{name}.py"
