@@ -415,19 +415,19 @@ def test_every_script_runs_or_skips_at_the_makefiles_defaults(script, flags, wor
         assert ": " in str(outcome.value)  # why, and what to change
 
 
-def test_a_script_that_skips_before_setup_records_it_once(tmp_path, monkeypatch):
+def test_a_script_that_skips_before_setup_records_it_once(tmp_path):
     """DualPipe at an odd world size skips from its flags alone: recorded, rank 0 only. Each
-    rank's run in this process (it never reaches `setup`; a fresh Python costs seconds)."""
-    script, results = common.ROOT / "05_pipeline" / "optimized_pipeline_dualpipe.py", \
-        tmp_path / "r.jsonl"
-    monkeypatch.setattr(sys, "argv", [str(script), "--results", str(results)])
-    monkeypatch.setattr(common.faulthandler, "enable", lambda: None)  # pytest's own stays
-    # nor may run_main tear down `group`'s world of one, which other tests here hold
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setenv("WORLD_SIZE", "3")
+    rank a fresh Python: in this process a world an earlier test left behind would be its own."""
+    import subprocess
+
+    from helpers import cpu_env
+
+    results = tmp_path / "r.jsonl"
     for rank in (0, 1):
-        monkeypatch.setenv("RANK", str(rank))
-        common.run_main(load_recipe(script).main)  # a failure or an exit 2 raises
+        run = subprocess.run([sys.executable, "05_pipeline/optimized_pipeline_dualpipe.py",
+                              "--results", str(results)], cwd=common.ROOT, capture_output=True,
+                             text=True, timeout=120, env=cpu_env(WORLD_SIZE="3", RANK=str(rank)))
+        assert run.returncode == 0, run.stderr
     (rec,) = common.load_results(results)
     assert (rec["status"], rec["world_size"]) == ("skipped", 3)
     assert "even number of processes" in rec["reason"]
