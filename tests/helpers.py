@@ -138,6 +138,21 @@ def assert_skipped_with_why(script: Path, flags: list[str], hint: str, tmp_path:
     (rec,) = common.load_results(results)
     assert rec["status"] == "skipped" and hint in rec["reason"]
 
+def forked_runs(runs: list[str], nproc: int, out: Path, flags: list[str]) -> list[dict]:
+    """Each run (a script and its flags, with `flags` for all) at `nproc` ranks forked from one
+    Python, as `make smoke` runs them (`python -m report smoke`: torch imported once a world, not
+    once a rank and once more for torchrun's agent); their records, in order. The runs' logs
+    are under out/smoke/logs/."""
+    done = subprocess.run(
+        [sys.executable, "-m", "report", "--out", str(out / "report.md"), "smoke", "--nproc",
+         str(nproc), "--timeout", "300", "--flags", " ".join(flags), "--", *runs],
+        cwd=common.ROOT, capture_output=True, text=True, timeout=900, env=cpu_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = common.load_results(out / "smoke" / "results.jsonl")
+    assert len(records) == len(runs), done.stdout
+    return records
+
+
 def as_rank(rank: int, world: int, port: int | None = None) -> None:
     """This process as torchrun would start rank `rank` of `world` on one host (its port: the
     run's own, or each run's, set before it)."""

@@ -417,7 +417,8 @@ def test_every_script_runs_or_skips_at_the_makefiles_defaults(script, flags, wor
 
 def test_a_script_that_skips_before_setup_records_it_once(tmp_path):
     """DualPipe at an odd world size skips from its flags alone: recorded, rank 0 only. Each
-    rank a fresh Python: in this process a world an earlier test left behind would be its own."""
+    rank in a fresh Python: in pytest's process the record's world size followed what earlier
+    tests left behind (1, not 3)."""
     import subprocess
 
     from helpers import cpu_env

@@ -11,7 +11,6 @@ unsplit model trained in this process on the same batches, and against its model
 
 import argparse
 import functools
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from helpers import (
     TINY,
     assert_bad_input_is_one_line,
     assert_within_its_tolerance,
-    cpu_env,
+    forked_runs,
     load_recipe,
 )
 
@@ -83,13 +82,7 @@ def runs(tmp_path_factory):
         names = [name for name, (_, n, _) in RUNS.items() if n == nproc]
         runs = [smoke_line(name) for name in names]
         out = tmp_path_factory.mktemp(f"world{nproc}")
-        done = subprocess.run(
-            [sys.executable, "-m", "report", "--out", str(out / "report.md"), "smoke", "--nproc",
-             str(nproc), "--timeout", "300", "--flags", " ".join(TINY), "--", *runs],
-            cwd=common.ROOT, capture_output=True, text=True, timeout=900, env=cpu_env())
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        records = common.load_results(out / "smoke" / "results.jsonl")
-        assert len(records) == len(runs), done.stdout
+        records = forked_runs(runs, nproc, out, TINY)
         for name, run, rec in zip(names, runs, records, strict=True):
             script, *own = run.split()  # the log smoke names after them
             log = out / "smoke" / "logs" / (Path(script).stem + "".join(own) + ".log")
