@@ -52,7 +52,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -61,9 +61,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "outputs" / "results.jsonl"
+DRY_RESULTS = ROOT / "outputs" / "dryrun.jsonl"  # a dry run's records, apart from measured ones
 _IMPORTED_AT = time.perf_counter()  # a record's startup_s counts from here
 
 
@@ -815,6 +817,13 @@ def parser(doc: str | None, long_context: bool = False,
     p.add_argument("--trace", action="store_true",
                    help="profile two warm-up steps (untimed; the two before the last) into a "
                         "Chrome/Perfetto trace per rank, in the results file's traces/ folder")
+    p.add_argument("--dry-run", type=int_at_least(1), default=None, metavar="WORLD",
+                   help="play one rank of a world of WORLD on this CPU: a fake process group "
+                        "and fake tensors (shapes, no data), the script's own path for three "
+                        "steps; records memory by kind, bytes by mesh dim and FLOPs, no losses "
+                        f"(default results file: {DRY_RESULTS.relative_to(ROOT)})")
+    p.add_argument("--rank", type=int_at_least(0), default=0,
+                   help="with --dry-run: the rank played (default: 0)")
     p.add_argument("--check-flags", action="store_true",
                    help="parse the flags and exit 0, running nothing (a bad flag exits 2 with "
                         "its one line): what `make` does with ARGS before it launches a folder")
@@ -859,6 +868,18 @@ class RecipeParser(argparse.ArgumentParser):
         if ns.model == "resnet" and ns.batch_size < 2:
             self.error("--model resnet needs --batch-size >= 2 (BatchNorm normalises over the "
                        "batch)")
+        if ns.dry_run is not None:
+            if ns.rank >= ns.dry_run:
+                self.error(f"--rank {ns.rank} is not a rank of --dry-run {ns.dry_run}: use 0 to "
+                           f"{ns.dry_run - 1}")
+            # two warm-up steps, so that the measured one (the last) has optimizer state, and
+            # one more; the GPU's dtype, the world the dry run stands for
+            ns.warmup, ns.steps = 2, 1
+            ns.dtype = ns.dtype or "bf16"
+            if ns.results == RESULTS:
+                ns.results = DRY_RESULTS
+        elif ns.rank:
+            self.error("--rank picks the rank a dry run plays: use it with --dry-run")
         if ns.dtype is None:
             ns.dtype = "bf16" if torch.cuda.is_available() else "fp32"
         if ns.trace and ns.warmup < 3:
@@ -1061,6 +1082,8 @@ def setup(args: argparse.Namespace | None = None, timeout_s: float = 300,
     collective; a trainer of one's own calls `setup()` alone (`timeout_s`). A dead peer is an
     error, never a hang. `compiles`: the run compiles on CUDA (COMPILE_TIMEOUT_S at least)."""
     run_state.args = args
+    if getattr(args, "dry_run", None):
+        return dry_run_setup(args)
     from_srun = "RANK" not in os.environ and "SLURM_PROCID" in os.environ
     per_task = from_srun and "SLURM_GPUS_PER_TASK" in os.environ  # each task its own GPUs
     if from_srun:
@@ -1090,6 +1113,68 @@ def setup(args: argparse.Namespace | None = None, timeout_s: float = 300,
                     backend, device)
     run_state.topo = topo
     return topo
+
+
+# ==== Dry runs ====================================================================================
+# `--dry-run N`: a script's own path as one rank of N on this CPU. The fake process group returns
+# every collective at once (CollectiveBytes still counts what each is handed), and fake tensors
+# have shapes, dtypes and devices but no data: a 70B model's step costs the bookkeeping of its
+# ops, not their FLOPs or bytes. What a real GPU would do differently is stood in for, by name.
+DRY_RUN_GPUS_PER_NODE = 8
+# Fake CUDA tensors run a forward on this driverless host, but autograd's engine asks the driver
+# for the device it runs backward on, and FSDP2 makes CUDA streams: a step needs CPU devices.
+DRY_RUN_DEVICE = {"device": "cpu", "why": "fake CUDA tensors cannot run backward without a "
+                  "driver (autograd asks it for the device), nor FSDP2 make its streams"}
+
+
+def dry_run_setup(args: argparse.Namespace) -> Topology:
+    """`setup` for a dry run: the fake process group as rank --rank of --dry-run, eight ranks a
+    node; from here on every tensor made is fake (FakeTensorMode, on until `run_main` ends).
+    AdamW takes the path it takes on a GPU, foreach over a parameter group, which it never takes
+    on CPU devices (a stand-in the record names)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    rank, world = args.rank, args.dry_run
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    per_node = min(world, DRY_RUN_GPUS_PER_NODE)
+    topo = Topology(rank, rank % per_node, world, per_node, -(-world // per_node), "fake",
+                    torch.device(DRY_RUN_DEVICE["device"]))
+    run_state.topo = topo
+    # torch.optim's own test of a parameter list (_default_to_fused_or_foreach) reads these
+    optimizers = importlib.import_module("torch.optim.optimizer")
+    foreach_devices = optimizers._get_foreach_kernels_supported_devices()
+    optimizers._get_foreach_kernels_supported_devices = lambda: [*foreach_devices, "cpu"]
+    optimizers._foreach_supported_types.append(FakeTensor)  # a fake plain tensor
+    stand_in("optimizer", "foreach over each parameter group, AdamW's default on a GPU")
+    nn.Module.to = _fake_module_to(nn.Module.to)
+    run_state.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    run_state.fake_mode.__enter__()
+    return topo
+
+
+def _fake_module_to(module_to: Callable) -> Callable:
+    """`Module.to` for fake tensors: a module already where it is sent stays as it is. Torch moves
+    a fake parameter by swapping it for its copy, and refuses the swap of one the fake mode holds
+    a weak reference to: every one, even where the copy is itself (`model.to(device)`)."""
+    def to(self: nn.Module, *args, **kwargs) -> nn.Module:
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        if all((device is None or t.device == device) and (dtype is None or t.dtype == dtype)
+               for t in itertools.chain(self.parameters(), self.buffers())):
+            return self
+        return module_to(self, *args, **kwargs)
+    return to
+
+
+def stand_in(what: str, how: str) -> None:
+    """Name, in a dry run's record, what stands in for what the fake world cannot give: a value
+    read from data that does not exist (MoE routing: even), a GPU path on a CPU device."""
+    run_state.stand_ins[what] = how
+
+
+def dry_run(topo: Topology) -> bool:
+    """Whether this run is a dry run (fake group, fake tensors): no losses, no times."""
+    return topo.backend == "fake"
 
 
 # ==== Collectives =================================================================================
@@ -1527,6 +1612,7 @@ class Stats:
     comm_mb_by_kind: dict[str, float] | None = None  # the same, by collective and dtype
     comm_mb_by_group: dict[str, float] | None = None  # the same, by process group name
     comm_by_op: dict[str, list[float]] | None = None  # "allreduce/2" -> [MB, calls]
+    flops: float | None = None  # a dry run's: this rank's in the measured step (FlopCounterMode)
 
 
 def summarize_times(seconds: Sequence[float]) -> tuple[float, float, tuple[float, float]]:
@@ -1571,7 +1657,7 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
             start = time.perf_counter()
             if i == args.warmup - 1:
                 loss, measured = _measured_step(functools.partial(train_step, inputs, targets),
-                                                memory_of, topo.device)
+                                                memory_of, topo.device, dry_run(topo))
             else:
                 loss = train_step(inputs, targets)
             _sync(topo.device)
@@ -1582,7 +1668,10 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
             startup_s = start - _IMPORTED_AT
         times.append(elapsed)
         losses.append(loss.detach().float().reshape(()))
-        if ((i + 1) % every == 0 or i == n - 1) and topo.rank == (loss_rank or 0):
+        if dry_run(topo):  # a fake loss has no value to print
+            print(f"dry run: step {i + 1}/{n} as rank {topo.rank} of {topo.world_size}",
+                  flush=True)
+        elif ((i + 1) % every == 0 or i == n - 1) and topo.rank == (loss_rank or 0):
             print(f"step {i + 1:4d}/{n} | rank-{topo.rank} loss {loss.item():.4f} | "
                   f"{1e3 * elapsed:8.1f} ms | "
                   f"{items_per_step(args, dp_world or topo.world_size) / elapsed:10,.0f} "
@@ -1598,7 +1687,7 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         mean_losses /= topo.world_size
     else:
         dist.broadcast(mean_losses, src=loss_rank)
-    mean_losses = mean_losses.tolist()
+    mean_losses = [] if dry_run(topo) else mean_losses.tolist()  # a fake loss has no value
     diverged = [step for step, loss in enumerate(mean_losses, 1) if not math.isfinite(loss)]
     if diverged:  # a run that diverged is not a result, however fast it was
         raise FloatingPointError(f"the loss is not finite from step {diverged[0]} on: "
@@ -1608,15 +1697,17 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                  mean_losses, **measured)
 
 
-def _measured_step(step: Callable[[], torch.Tensor], memory_of: Sequence, device: torch.device
-                   ) -> tuple[torch.Tensor, dict]:
+def _measured_step(step: Callable[[], torch.Tensor], memory_of: Sequence, device: torch.device,
+                   count_flops: bool = False) -> tuple[torch.Tensor, dict]:
     """Run the last warm-up step (optimizer state exists, nothing timed or traced); return its
     loss and the Stats fields it measures: its own peak memory and the MB this rank sent (in all
     and by kind). On CUDA the peak is the allocator's, reset just before (not the process's: the
     model before FSDP sharded it, compile workspaces); on CPU the live tensors' by kind
     (`peak_tensor_memory` of `memory_of`)."""
     memory = None
-    with CollectiveBytes() as sent:
+    flops = FlopCounterMode(display=False) if count_flops else \
+        contextlib.nullcontext()
+    with flops, CollectiveBytes() as sent:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             loss = step()
@@ -1630,7 +1721,8 @@ def _measured_step(step: Callable[[], torch.Tensor], memory_of: Sequence, device
                   "comm_mb_by_kind": {k: v / 2**20 for k, v in sent.by_kind.items()},
                   "comm_mb_by_group": {k: v / 2**20 for k, v in sent.by_group.items()},
                   "comm_by_op": {k: [sent / 2**20, calls] for k, (sent, calls) in
-                                 sent.by_op.items()}}
+                                 sent.by_op.items()},
+                  "flops": flops.get_total_flops() if count_flops else None}
 
 
 # ==== Memory ======================================================================================
@@ -1746,8 +1838,9 @@ def tensor_mb(tensors: Iterable[torch.Tensor]) -> float:
     seen, total = set(), 0
     for t in (p for tensor in tensors for p in _plain(tensor)):
         storage = t.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
+        # the storage's own identity, which a fake one (a dry run's) has too; it has no address
+        if storage.nbytes() and storage._cdata not in seen:
+            seen.add(storage._cdata)
             total += storage.nbytes()
     return total / 2**20
 
@@ -1855,6 +1948,8 @@ class RunState:
 
     args: argparse.Namespace | None = None
     topo: Topology | None = None
+    fake_mode: TorchDispatchMode | None = None  # a dry run's FakeTensorMode, on while it runs
+    stand_ins: dict[str, str] = field(default_factory=dict)  # a dry run's, by what they replace
 
 
 run_state = RunState()  # this process's: a process runs one recipe
@@ -1938,8 +2033,11 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     # The report shows the busiest rank: on CPU the one with the most live tensor bytes, and the
     # most state (a pipeline's ranks hold stages of different sizes).
     ranks = [None] * topo.world_size
-    dist.all_gather_object(ranks, (peak_memory_mb(topo.device), stats.memory,
-                                   state_mb(model, optimizer)))
+    mine = (peak_memory_mb(topo.device), stats.memory, state_mb(model, optimizer))
+    if dry_run(topo):  # the rank played is the only one there is
+        ranks = [mine]
+    else:
+        dist.all_gather_object(ranks, mine)
     allocator_peak = max(peak for peak, _, _ in ranks)
     memory = max((m for _, m, _ in ranks if m), key=lambda m: m["total"], default=None)
     # a pipeline stage's layers run once a micro-batch: its share of the layers, m times
@@ -1985,6 +2083,10 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     if memory and len(memory) > 1:  # the split by kind, counted from the tensors (CPU)
         rec["memory"] = {k: round(v, 2) for k, v in memory.items() if k != "total"}
     rec.update(extra)
+    if dry_run(topo):
+        _as_dry_run(rec, args, topo, stats)
+        append_record(args.results, rec)
+        return rec
     if topo.is_main:
         append_record(args.results, rec)
         unit = "img/s" if args.model == "resnet" else "tok/s"
@@ -1997,6 +2099,25 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
               f"state {rec['state_mb']:.1f} MB{comm}, final mean loss {stats.losses[-1]:.4f}"
               + (f"; {rec['note']}" if rec.get("note") else ""), flush=True)
     return rec
+
+
+def _as_dry_run(rec: dict, args: argparse.Namespace, topo: Topology, stats: Stats) -> None:
+    """A dry run's record: no times, losses or throughput (fake tensors have none), and what it
+    played (`dry_run`: world, rank, device, stand-ins, FLOPs, the host's time and memory); its
+    summary line. The rank played writes it, rank 0 or not."""
+    for key in ("step_ms", "step_ms_p90", "step_ms_iqr", "tokens_per_s", "samples_per_s"):
+        if key in rec:
+            rec[key] = None
+    rec["dry_run"] = {"world": topo.world_size, "rank": topo.rank, **DRY_RUN_DEVICE,
+                      "stand_ins": dict(run_state.stand_ins), "flops": stats.flops,
+                      "host_s": round(time.perf_counter() - _IMPORTED_AT, 2),
+                      "host_rss_mb": rec.pop("peak_rss_mb")}
+    split = ", ".join(f"{kind} {mb:,.0f}" for kind, mb in rec.get("memory", {}).items())
+    print(f"{rec['script']}: dry run as rank {topo.rank} of {topo.world_size}"
+          + (f" ({rec['variant']})" if rec["variant"] else "")
+          + f": peak {rec['peak_mem_mb']:,.0f} MB ({split}), state {rec['state_mb']:,.1f} MB, "
+          f"comm {rec['comm_mb'] or 0:,.2f} MB/step, {(stats.flops or 0) / 1e12:,.2f} TFLOP/step, "
+          f"{rec['dry_run']['host_s']:.1f} s on this host", flush=True)
 
 
 def log(topo: Topology, message: str) -> None:
@@ -2038,6 +2159,8 @@ def run_main(main: Callable[[], None]) -> None:
         print(f"rank {launch_rank()} failed: {reason}", file=sys.stderr, flush=True)
         raise
     finally:
+        if run_state.fake_mode is not None:
+            run_state.fake_mode.__exit__(None, None, None)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.stdout.flush()  # what is left, through the wrapper: to a closed stdout, dropped
