@@ -94,6 +94,30 @@ class Size:
     top_k: int
     expert_ffn: int
     shared_expert_ffn: int
+    # A published model's shape (PUBLISHED_SIZES): its MLP's and its heads' widths where they
+    # are not the rule's (0: llama_ffn_dim, d_model / n_heads), its family, where it was read
+    ffn_dim: int = 0
+    head_dim: int = 0
+    family: str | None = None
+    source: str | None = None
+
+    @property
+    def llama_ffn(self) -> int:
+        """The Llama's SwiGLU width: the published one, or llama_ffn_dim's rule."""
+        return self.ffn_dim or llama_ffn_dim(self.d_model)
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+def published(source: str, family: str, vocab: int, d_model: int, layers: int, heads: int,
+              kv_heads: int, ffn: int, seq_len: int, head_dim: int = 0, experts: int = 0,
+              top_k: int = 0, expert_ffn: int = 0) -> Size:
+    """A published decoder's shape as a Size: one sequence of its training length a rank, four
+    times that for the long-context recipes; no CNN."""
+    return Size(vocab, d_model, layers, heads, kv_heads, seq_len, 1, 4 * seq_len, 1, "", 0,
+                experts, top_k, expert_ffn, 0, ffn, head_dim, family, source)
 
 
 SIZES = {
@@ -112,6 +136,25 @@ SIZES = {
                   resnet="resnet101", image_size=224, n_experts=8, top_k=2, expert_ffn=1408,
                   shared_expert_ffn=1408),
 }
+# Published shapes, from each model's config.json on Hugging Face (hidden_size, num_hidden_layers,
+# num_attention_heads, num_key_value_heads, intermediate_size, vocab_size, its training length):
+# for dry runs at their real size, and on GPUs where they fit. Qwen3's q/k RMSNorms (2 x 128
+# weights a layer) are left out.
+PUBLISHED_SIZES = {
+    "llama2-7b": published("meta-llama/Llama-2-7b-hf", "llama", 32000, 4096, 32, 32, 32,
+                           11008, 4096),
+    "llama2-70b": published("meta-llama/Llama-2-70b-hf", "llama", 32000, 8192, 80, 64, 8,
+                            28672, 4096),
+    "llama3-8b": published("meta-llama/Meta-Llama-3-8B", "llama", 128256, 4096, 32, 32, 8,
+                           14336, 8192),
+    "llama3-70b": published("meta-llama/Meta-Llama-3-70B", "llama", 128256, 8192, 80, 64, 8,
+                            28672, 8192),
+    "llama3-405b": published("meta-llama/Llama-3.1-405B", "llama", 128256, 16384, 126, 128, 8,
+                             53248, 8192),
+    "qwen3-30b-a3b": published("Qwen/Qwen3-30B-A3B", "moe", 151936, 2048, 48, 32, 4, 6144,
+                               4096, head_dim=128, experts=128, top_k=8, expert_ffn=768),
+}
+SIZES.update(PUBLISHED_SIZES)
 MODELS = ("gpt", "llama", "moe", "resnet")  # the decoders (moe: the Llama with MoE MLPs), the CNN
 
 
@@ -273,9 +316,10 @@ def llama_ffn_dim(d_model: int) -> int:
 
 def llama_param_count(size: Size) -> int:
     """Parameters of `Llama(size)` without building it (no biases; the head is untied)."""
-    d, head_dim = size.d_model, size.d_model // size.n_heads
-    attention = 2 * d * d + 2 * d * size.n_kv_heads * head_dim  # q, o; k, v for the KV heads
-    per_layer = attention + 3 * d * llama_ffn_dim(d) + 2 * d  # gate, up, down; two RMSNorms
+    d, heads_width = size.d_model, size.n_heads * size.attention_head_dim
+    # q, o; k, v for the KV heads
+    attention = 2 * d * heads_width + 2 * d * size.n_kv_heads * size.attention_head_dim
+    per_layer = attention + 3 * d * size.llama_ffn + 2 * d  # gate, up, down; two RMSNorms
     return 2 * size.vocab_size * d + size.n_layers * per_layer + d
 
 
@@ -286,7 +330,7 @@ def moe_param_counts(size: Size) -> tuple[int, int]:
     d, layers = size.d_model, size.n_layers
     expert = 3 * d * size.expert_ffn  # gate, up, down
     moe_dense = d * size.n_experts + 3 * d * size.shared_expert_ffn  # router, shared expert
-    dense = llama_param_count(size) - layers * (3 * d * llama_ffn_dim(d) - moe_dense)
+    dense = llama_param_count(size) - layers * (3 * d * size.llama_ffn - moe_dense)
     return dense + layers * size.n_experts * expert, dense + layers * size.top_k * expert
 
 
@@ -333,9 +377,10 @@ class LlamaAttention(nn.Module):
     """Grouped-query attention with rotary positions and no biases. Head counts are read from the
     projections' widths, so a tensor-parallel shard (some of the heads) runs the same code."""
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, attention: Callable):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, attention: Callable,
+                 head_dim: int = 0):
         super().__init__()
-        self.head_dim = d_model // n_heads
+        self.head_dim = head_dim or d_model // n_heads
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
@@ -492,9 +537,10 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, size: Size, attention: Callable, moe_balance: str | None = None):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(size.d_model, eps=1e-6)
-        self.self_attn = LlamaAttention(size.d_model, size.n_heads, size.n_kv_heads, attention)
+        self.self_attn = LlamaAttention(size.d_model, size.n_heads, size.n_kv_heads, attention,
+                                        size.head_dim)
         self.post_attention_layernorm = nn.RMSNorm(size.d_model, eps=1e-6)
-        self.mlp = (LlamaMLP(size.d_model, llama_ffn_dim(size.d_model)) if moe_balance is None
+        self.mlp = (LlamaMLP(size.d_model, size.llama_ffn) if moe_balance is None
                     else MoE(size, moe_balance))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -533,7 +579,7 @@ class Llama(Decoder):
     def __init__(self, size: Size, attention: Callable = causal_sdpa,
                  autocast_dtype: torch.dtype | None = None, moe_balance: str | None = None):
         super().__init__()
-        if size.d_model % size.n_heads or size.n_heads % size.n_kv_heads:
+        if (size.d_model % size.n_heads and not size.head_dim) or size.n_heads % size.n_kv_heads:
             raise ValueError(f"{size.n_heads} heads of d_model {size.d_model} in "
                              f"{size.n_kv_heads} KV groups do not divide evenly")
         self.autocast_dtype = autocast_dtype
@@ -680,8 +726,10 @@ def workload(args: argparse.Namespace, topo: Topology, attention: Callable = cau
     batches = []
     for step in range(args.warmup + args.steps):
         if args.model != "resnet":
-            tokens = global_token_batch(size, args.seq_len, global_batch, step, args.seed,
-                                        finetune)
+            # a dry run's tokens have no values: the pattern's token-by-token steps, for nothing
+            tokens = torch.zeros(global_batch, args.seq_len + 1, dtype=torch.long) \
+                if dry_run() else global_token_batch(size, args.seq_len, global_batch, step,
+                                                     args.seed, finetune)
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
         else:
             inputs, targets = global_image_batch(size, global_batch, step, args.seed)
@@ -795,7 +843,8 @@ def parser(doc: str | None, long_context: bool = False,
     `skips` maps a --model the technique does not apply to onto why (the run is `skipped`)."""
     p = RecipeParser(doc, long_context, skips)
     p.add_argument("--size", default="small", choices=list(SIZES),
-                   help="model/data preset (default: small)")
+                   help="model/data preset (default: small); a published model's shape "
+                        f"({', '.join(PUBLISHED_SIZES)}) picks its family's --model")
     p.add_argument("--model", default="gpt", choices=list(MODELS),
                    help="workload: the GPT decoder, a Llama-style decoder (RMSNorm, rotary, "
                         "SwiGLU, grouped-query attention, untied head) or a torchvision ResNet")
@@ -822,7 +871,7 @@ def parser(doc: str | None, long_context: bool = False,
                         "and fake tensors (shapes, no data), the script's own path for three "
                         "steps; records memory by kind, bytes by mesh dim and FLOPs, no losses "
                         f"(default results file: {DRY_RESULTS.relative_to(ROOT)})")
-    p.add_argument("--rank", type=int_at_least(0), default=0,
+    p.add_argument("--dry-rank", type=int_at_least(0), default=0,
                    help="with --dry-run: the rank played (default: 0)")
     p.add_argument("--check-flags", action="store_true",
                    help="parse the flags and exit 0, running nothing (a bad flag exits 2 with "
@@ -859,6 +908,12 @@ class RecipeParser(argparse.ArgumentParser):
         ns = super().parse_args(args, namespace)
         own = [_flag(a.dest, value) for a in self.own_flags if a.dest not in self.output_only
                and (value := getattr(ns, a.dest)) != _parsed_default(a)]
+        family = SIZES[ns.size].family
+        if family and ns.model != family:  # a published shape is its family's model
+            if ns.model != _parsed_default(self._option_string_actions["--model"]):
+                self.error(f"--size {ns.size} is a {family} model: use --model {family}, or "
+                           f"leave --model out")
+            ns.model = family
         if not ns.check_flags:  # a check records nothing, a skip included
             run_state.args = ns  # a run that skips before `setup` is recorded too
             if ns.model in self.skips:  # before the checks of a shape the run will never use
@@ -869,17 +924,22 @@ class RecipeParser(argparse.ArgumentParser):
             self.error("--model resnet needs --batch-size >= 2 (BatchNorm normalises over the "
                        "batch)")
         if ns.dry_run is not None:
-            if ns.rank >= ns.dry_run:
-                self.error(f"--rank {ns.rank} is not a rank of --dry-run {ns.dry_run}: use 0 to "
-                           f"{ns.dry_run - 1}")
+            if ns.dry_rank >= ns.dry_run:
+                self.error(f"--dry-rank {ns.dry_rank} is not a rank of --dry-run {ns.dry_run}: "
+                           f"use 0 to {ns.dry_run - 1}")
             # two warm-up steps, so that the measured one (the last) has optimizer state, and
             # one more; the GPU's dtype, the world the dry run stands for
             ns.warmup, ns.steps = 2, 1
             ns.dtype = ns.dtype or "bf16"
+            # what the launcher would have set, read by the checks a script makes before setup
+            per_node = min(ns.dry_run, DRY_RUN_GPUS_PER_NODE)
+            os.environ.update(RANK=str(ns.dry_rank), WORLD_SIZE=str(ns.dry_run),
+                              LOCAL_RANK=str(ns.dry_rank % per_node),
+                              LOCAL_WORLD_SIZE=str(per_node))
             if ns.results == RESULTS:
                 ns.results = DRY_RESULTS
-        elif ns.rank:
-            self.error("--rank picks the rank a dry run plays: use it with --dry-run")
+        elif ns.dry_rank:
+            self.error("--dry-rank picks the rank a dry run plays: use it with --dry-run")
         if ns.dtype is None:
             ns.dtype = "bf16" if torch.cuda.is_available() else "fp32"
         if ns.trace and ns.warmup < 3:
@@ -1128,14 +1188,15 @@ DRY_RUN_DEVICE = {"device": "cpu", "why": "fake CUDA tensors cannot run backward
 
 
 def dry_run_setup(args: argparse.Namespace) -> Topology:
-    """`setup` for a dry run: the fake process group as rank --rank of --dry-run, eight ranks a
+    """`setup` for a dry run: the fake process group as rank --dry-rank of --dry-run, eight ranks a
     node; from here on every tensor made is fake (FakeTensorMode, on until `run_main` ends).
     AdamW takes the path it takes on a GPU, foreach over a parameter group, which it never takes
     on CPU devices (a stand-in the record names)."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    rank, world = args.rank, args.dry_run
+    rank, world = args.dry_rank, args.dry_run
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     per_node = min(world, DRY_RUN_GPUS_PER_NODE)
     topo = Topology(rank, rank % per_node, world, per_node, -(-world // per_node), "fake",
@@ -1148,6 +1209,19 @@ def dry_run_setup(args: argparse.Namespace) -> Topology:
     optimizers._foreach_supported_types.append(FakeTensor)  # a fake plain tensor
     stand_in("optimizer", "foreach over each parameter group, AdamW's default on a GPU")
     nn.Module.to = _fake_module_to(nn.Module.to)
+    # A DeviceMesh reads its ranks back from a tensor, which a fake one cannot give: a rank map
+    # made fake is init_device_mesh's (ranks 0 .. N-1 in order), made real again
+    mesh_init = DeviceMesh.__init__
+
+    def real(value):
+        return torch.arange(value.numel(), dtype=value.dtype).view(value.shape) \
+            if isinstance(value, FakeTensor) else value
+
+    def mesh_of_real_ranks(self, *args, **kwargs) -> None:
+        with unset_fake_temporarily():
+            mesh_init(self, *map(real, args), **{key: real(v) for key, v in kwargs.items()})
+    DeviceMesh.__init__ = mesh_of_real_ranks
+    nn.parallel.DistributedDataParallel.__init__ = _no_dry_ddp
     run_state.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     run_state.fake_mode.__enter__()
     return topo
@@ -1166,15 +1240,20 @@ def _fake_module_to(module_to: Callable) -> Callable:
     return to
 
 
+def _no_dry_ddp(*_, **__) -> None:
+    raise Skip("DDP cannot dry-run: its C++ reducer reads its buckets' data and takes each "
+               "all-reduce's result from a future, and the fake group's carries none")
+
+
 def stand_in(what: str, how: str) -> None:
     """Name, in a dry run's record, what stands in for what the fake world cannot give: a value
     read from data that does not exist (MoE routing: even), a GPU path on a CPU device."""
     run_state.stand_ins[what] = how
 
 
-def dry_run(topo: Topology) -> bool:
-    """Whether this run is a dry run (fake group, fake tensors): no losses, no times."""
-    return topo.backend == "fake"
+def dry_run() -> bool:
+    """Whether this process runs a dry run (fake group, fake tensors): no losses, no times."""
+    return run_state.fake_mode is not None
 
 
 # ==== Collectives =================================================================================
@@ -1405,9 +1484,9 @@ def matmul_weights_per_token(size: Size, model: str) -> float:
     d, layers = size.d_model, size.n_layers
     if model == "gpt":
         return 12 * d * d * layers + d * size.vocab_size
-    head_dim = d // size.n_heads
-    attention = 2 * d * d + 2 * d * size.n_kv_heads * head_dim
-    mlp = 3 * d * llama_ffn_dim(d) if model == "llama" else \
+    head_dim = size.attention_head_dim
+    attention = 2 * d * size.n_heads * head_dim + 2 * d * size.n_kv_heads * head_dim
+    mlp = 3 * d * size.llama_ffn if model == "llama" else \
         d * size.n_experts + 3 * d * (size.top_k * size.expert_ffn + size.shared_expert_ffn)
     return (attention + mlp) * layers + d * size.vocab_size
 
@@ -1657,7 +1736,7 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
             start = time.perf_counter()
             if i == args.warmup - 1:
                 loss, measured = _measured_step(functools.partial(train_step, inputs, targets),
-                                                memory_of, topo.device, dry_run(topo))
+                                                memory_of, topo.device, dry_run())
             else:
                 loss = train_step(inputs, targets)
             _sync(topo.device)
@@ -1668,8 +1747,10 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
             startup_s = start - _IMPORTED_AT
         times.append(elapsed)
         losses.append(loss.detach().float().reshape(()))
-        if dry_run(topo):  # a fake loss has no value to print
-            print(f"dry run: step {i + 1}/{n} as rank {topo.rank} of {topo.world_size}",
+        if dry_run():  # a fake loss has no value to print
+            print(f"dry run: step {i + 1}/{n} as rank {topo.rank} of {topo.world_size} | "
+                  f"{elapsed:.1f} s on this host" + (" (memory, bytes and FLOPs counted)"
+                                                      if i == args.warmup - 1 else ""),
                   flush=True)
         elif ((i + 1) % every == 0 or i == n - 1) and topo.rank == (loss_rank or 0):
             print(f"step {i + 1:4d}/{n} | rank-{topo.rank} loss {loss.item():.4f} | "
@@ -1687,7 +1768,7 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         mean_losses /= topo.world_size
     else:
         dist.broadcast(mean_losses, src=loss_rank)
-    mean_losses = [] if dry_run(topo) else mean_losses.tolist()  # a fake loss has no value
+    mean_losses = [] if dry_run() else mean_losses.tolist()  # a fake loss has no value
     diverged = [step for step, loss in enumerate(mean_losses, 1) if not math.isfinite(loss)]
     if diverged:  # a run that diverged is not a result, however fast it was
         raise FloatingPointError(f"the loss is not finite from step {diverged[0]} on: "
@@ -1759,6 +1840,8 @@ def peak_tensor_memory(step: Callable[[], object], tracked: Sequence, device: to
     # - MemTracker relabels a storage labelled after it was made (a backward hook allocates a
     #   gradient bucket, then makes parameters' .grad views into it) in its current snapshot
     #   only, not in the peak snapshot taken while it was made; no public hook sees a relabel.
+    #   It also updates every module's own peak at every op, a loop over the modules that
+    #   `_update_peak_stats` runs and nothing here reads (a 70B model's step: minutes).
     # - MemTracker hooks the gradient of every parameter, and PyTorch refuses that hook on one
     #   that takes none (LoRA's frozen base): a placeholder where it looks for the hook skips it.
     class LeafSafeModTracker(ModTracker):
@@ -1773,6 +1856,12 @@ def peak_tensor_memory(step: Callable[[], object], tracked: Sequence, device: to
             if old_reftype is not None and current.get("Total") == \
                     self._peak_mem.get(winfo.device):
                 self._peak_mem_snap[winfo.device] = dict(current)
+
+        def _update_peak_stats(self, peak_state) -> None:
+            for device, current in self._curr_mem_snap.items():  # the peak alone: see below
+                if self._peak_mem.get(device, 0) < current["Total"]:
+                    self._peak_mem[device] = current["Total"]
+                    self._peak_mem_snap[device] = dict(current)
 
         def _track_module_params_and_buffers(self, module: nn.Module,
                                              install_grad_hooks: bool = True) -> tuple[int, int]:
@@ -2034,7 +2123,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     # most state (a pipeline's ranks hold stages of different sizes).
     ranks = [None] * topo.world_size
     mine = (peak_memory_mb(topo.device), stats.memory, state_mb(model, optimizer))
-    if dry_run(topo):  # the rank played is the only one there is
+    if dry_run():  # the rank played is the only one there is
         ranks = [mine]
     else:
         dist.all_gather_object(ranks, mine)
@@ -2083,7 +2172,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     if memory and len(memory) > 1:  # the split by kind, counted from the tensors (CPU)
         rec["memory"] = {k: round(v, 2) for k, v in memory.items() if k != "total"}
     rec.update(extra)
-    if dry_run(topo):
+    if dry_run():
         _as_dry_run(rec, args, topo, stats)
         append_record(args.results, rec)
         return rec

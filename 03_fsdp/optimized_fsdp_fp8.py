@@ -210,7 +210,7 @@ def activation_theory(args, checkpointing: bool) -> float:
     """MB of activations the blocks save for backward on one rank: activation_bytes of the
     model's shape and this rank's batch."""
     size = common.SIZES[args.size]
-    ffn = common.llama_ffn_dim(size.d_model) if args.model == "llama" else None
+    ffn = size.llama_ffn if args.model == "llama" else None
     return activation_bytes(size.n_layers, args.batch_size * args.seq_len, size.d_model,
                             size.n_heads, 2 if args.dtype == "bf16" else 4, checkpointing,
                             ffn) / 2**20

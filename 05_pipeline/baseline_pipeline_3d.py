@@ -41,7 +41,7 @@ def tp_problem(args: argparse.Namespace, tp: int, world: int) -> str | None:
               "vocabulary": size.vocab_size, "sequence positions": args.seq_len}
     if args.model == "llama":
         widths.update({"KV heads": size.n_kv_heads,
-                       "MLP units": common.llama_ffn_dim(size.d_model)})
+                       "MLP units": size.llama_ffn})
     for what, width in widths.items():
         if width % tp:
             return (f"--tp {tp} does not divide the {width} {what} of --size {args.size}: use "
