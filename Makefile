@@ -41,7 +41,7 @@ FOLDERS := $(sort $(patsubst %/,%,$(wildcard [0-9][0-9]_*/)))
 TECHNIQUES := $(foreach f,$(FOLDERS),$(word 2,$(subst _, ,$(f))))
 
 # The variables a run uses, checked before anything starts: one line that says what to change.
-RUN_GOALS := all smoke fsdp-ablation calibrate $(TECHNIQUES)
+RUN_GOALS := all smoke fsdp-ablation calibrate dryrun $(TECHNIQUES)
 positive = $(shell [ "$(1)" -ge 1 ] 2>/dev/null && echo yes)
 ifneq ($(filter $(RUN_GOALS),$(MAKECMDGOALS)),)
 ifeq ($(filter $(SIZE),tiny small medium large),)
@@ -124,11 +124,11 @@ TORCHRUN := $(PY) -m torch.distributed.run --nproc_per_node=$$nproc --nnodes=$(N
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: help install preflight all smoke report traces plan list test fix-copies clean \
-	distclean fsdp-ablation calibrate calibrated $(TECHNIQUES)
+	distclean fsdp-ablation calibrate calibrated dryrun $(TECHNIQUES)
 
 # `make foo`: make's own answer ("No rule to make target") says nothing of what there is.
 GOALS := help install preflight all smoke report traces plan list test fix-copies clean \
-	distclean fsdp-ablation calibrate calibrated $(TECHNIQUES) $(INSTALLED)
+	distclean fsdp-ablation calibrate calibrated dryrun $(TECHNIQUES) $(INSTALLED)
 ifneq ($(filter-out $(GOALS),$(MAKECMDGOALS)),)
 $(error no target '$(firstword $(filter-out $(GOALS),$(MAKECMDGOALS)))': run `make` for the list)
 endif
@@ -150,6 +150,8 @@ help:
 	@echo "  make plan ARGS='--params 7e9 --gpus 8 --gpu-mem 80'   which strategy fits, and its bytes"
 	@echo "  make plan           the planner's picks for ResNet-50, GPT-2 1.5B, LLaMA-7B, 70B (--cases)"
 	@echo "  make list           every script with the first line of its docstring"
+	@echo "  make dryrun         every script as rank 0 of 8 and of 64 GPUs on this CPU (fake"
+	@echo "                      tensors), then the planner's seed models at their worlds"
 	@echo "  make fix-copies     rewrite every '# Copied from' copy from its source (a changed one stays)"
 	@echo "  make install        create .venv and install requirements.txt (run targets do it)"
 	@echo "  make clean          remove outputs/;  make distclean also removes .venv"
@@ -351,6 +353,25 @@ preflight: install
 ifneq ($(GPUS),0)
 	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit(f'$(NO_CUDA)')"
 endif
+
+# make dryrun: each script as rank 0 of each world in DRY_WORLDS on this CPU, under the fake
+# process group and fake tensors (--dry-run), then the planner's seed rows at their worlds on the
+# published shapes; two at a time, each bounded; the table by python -m report dryrun.
+DRY_WORLDS ?= 8 64
+DRY_RUNS = $(foreach f,$(FOLDERS),$(sort $(wildcard $(f)/*.py))) '08_moe/optimized_moe_ep.py --fsdp'
+DRY_SEED_RUNS = '03_fsdp/optimized_fsdp.py --size llama2-7b --dry-run 8' \
+	'04_zero/optimized_zero3_offload.py --size llama2-7b --dry-run 8' \
+	'03_fsdp/optimized_fsdp_tp.py --size llama2-70b --dry-run 64' \
+	'03_fsdp/optimized_fsdp.py --size qwen3-30b-a3b --dry-run 16' \
+	'03_fsdp/optimized_fsdp_lora.py --size llama2-7b --dry-run 2'
+dryrun: install
+	@mkdir -p outputs/logs; rm -f outputs/dryrun.jsonl; \
+	{ for world in $(DRY_WORLDS); do for run in $(DRY_RUNS); do \
+		echo "$$run --size $(SIZE) --dry-run $$world"; done; done; \
+	for run in $(DRY_SEED_RUNS); do echo "$$run"; done; } | \
+	xargs -P 2 -I RUN sh -c 'log=outputs/logs/dryrun-$$(echo "RUN" | tr -c "a-z0-9\n" -).log; \
+		timeout 600 $(PY) RUN > $$log 2>&1; tail -1 $$log | cut -c1-200'
+	@$(PY) -m report dryrun
 
 report: install
 	@$(PY) -m report

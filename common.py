@@ -1251,6 +1251,16 @@ def stand_in(what: str, how: str) -> None:
     run_state.stand_ins[what] = how
 
 
+def even_routing(slots: int, ranks: int, experts_per_rank: int) -> list[list[int]]:
+    """A dry run's stand-in for a MoE's routed rows, which fake tokens do not choose: `slots`
+    (tokens x top_k) spread evenly over `ranks` x `experts_per_rank` experts (the first ones one
+    more where they do not divide), by rank then expert, as the split sizes read from them."""
+    stand_in("routing", "even: every expert gets an equal share of the routed slots")
+    experts = ranks * experts_per_rank
+    counts = [slots // experts + (e < slots % experts) for e in range(experts)]
+    return [counts[r * experts_per_rank:(r + 1) * experts_per_rank] for r in range(ranks)]
+
+
 def dry_run() -> bool:
     """Whether this process runs a dry run (fake group, fake tensors): no losses, no times."""
     return run_state.fake_mode is not None

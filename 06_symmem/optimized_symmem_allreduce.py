@@ -85,6 +85,9 @@ class SharedSegment:
     def __init__(self, topo: common.Topology, slot_bytes: int, timeout: float,
                  group: dist.ProcessGroup | None = None):
         group = group or dist.group.WORLD
+        if common.dry_run():  # its fake peers never write: it would wait for them
+            raise common.Skip("a /dev/shm segment waits for its peers' writes, which a dry "
+                              "run's fake peers never make")
         members = dist.get_process_group_ranks(group)  # global ranks, in the group's order
         if len({g // topo.local_world_size for g in members}) > 1:  # launchers number by node
             raise common.Skip("a /dev/shm segment is one host's: run on one node (NNODES=1)")

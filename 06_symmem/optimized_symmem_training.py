@@ -63,6 +63,9 @@ class GradientSegment:
     def __init__(self, numel: int, dtype: torch.dtype, timeout: float, replicated: bool,
                  group: dist.ProcessGroup | None = None):
         group = group or dist.group.WORLD
+        if common.dry_run():  # its fake peers never write: it would wait for them
+            raise common.Skip("a /dev/shm segment waits for its peers' writes, which a dry "
+                              "run's fake peers never make")
         members = dist.get_process_group_ranks(group)  # global ranks, in the group's order
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         if len({g // per_node for g in members}) > 1:  # launchers number ranks node by node

@@ -125,7 +125,11 @@ class ExpertParallel(torch.nn.Module):
         recv_counts_E = torch.empty_like(send_counts_E)  # [p x L + e]: rank p's rows for my e
         dist.all_to_all_single(recv_counts_E, send_counts_E, group=self.group)
         # the exchanges' split sizes, read on the host at once (one sync a layer on a GPU)
-        send_PL, recv_PL = torch.stack([send_counts_E, recv_counts_E]).view(2, ep, local).tolist()
+        if common.dry_run():  # no counts to read: an even share of the slots for every expert
+            send_PL = recv_PL = common.even_routing(top_k_index_TK.numel(), ep, local)
+        else:
+            send_PL, recv_PL = torch.stack([send_counts_E, recv_counts_E]).view(2, ep,
+                                                                                local).tolist()
         send_P, recv_P = [sum(row) for row in send_PL], [sum(row) for row in recv_PL]
         routed_input_ND = tokens_TD[token_N]
         if torch.is_autocast_enabled(tokens_TD.device.type):  # the experts compute in it: send it
@@ -521,7 +525,7 @@ def main():
                   loss_tolerance=LOSS_TOLERANCE[args.dtype], moe_balance=args.moe_balance,
                   ep=ep, mesh=[world // ep, ep], strategy="EP x FSDP" if args.fsdp else "EP",
                   alltoall_mb=by_dim["ep"], comm_mb_by_dim=by_dim,
-                  **load_figures(loads, args.warmup),
+                  **({} if common.dry_run() else load_figures(loads, args.warmup)),  # values
                   # exchanged[warmup - 1]: the step whose bytes the record counts
                   theory=ep_theory(args, ep, world, exchanged[args.warmup - 1], expert_params,
                                    routers, dense))

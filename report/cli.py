@@ -23,6 +23,7 @@ import torch
 import common
 from report.calibrate import MODELS, calibrate, compare_calibrations, render_calibration
 from report.charts import write_charts
+from report.dryrun import render_dry_runs
 from report.gpus import GPUS
 from report.planner import (
     STATE_BYTES,
@@ -125,6 +126,8 @@ def main(argv: Sequence[str]) -> int:
     sub.add_parser("report", help="the results table (the default)")
     sub.add_parser("traces", help="where each traced step's time went, per script and rank")
     sub.add_parser("list", help="every script with the first line of its docstring")
+    sub.add_parser("dryrun", help="(`make dryrun`) the dry runs' table: one rank of each world, "
+                   "as fake tensors counted it (outputs/dryrun.jsonl)")
     plan = sub.add_parser("plan", help="which strategy fits a model on a cluster, and its bytes")
     plan.add_argument("--params", type=common.positive_float,
                       help="model parameters, e.g. 7e9 (required, as --gpus and --gpu-mem are)")
@@ -254,6 +257,9 @@ def main(argv: Sequence[str]) -> int:
         return 0
     if args.command == "list":
         print(list_scripts())
+        return 0
+    if args.command == "dryrun":
+        print(render_dry_runs(common.load_results(common.DRY_RESULTS)))
         return 0
     records = common.load_results(args.results)
     traces = render_traces(args.results.parent / "traces", records)

@@ -1,0 +1,137 @@
+"""Dry runs (`--dry-run N`): a script's own path as one rank of N under the fake process group and
+fake tensors. They equal the real run where this host can run one (world 2 on gloo), they run a
+published shape at 1,024 ranks, and they find what CPU runs cannot (AdamW's GPU path)."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+import common
+from tests.helpers import TINY, cpu_env, finish_all, only_record, torchrun
+
+# (script, flags): the folders' scripts that dry-run, at tiny, checked against a real world of 2
+EQUAL_AT_WORLD_2 = [("01_ddp/baseline_ddp.py", []), ("03_fsdp/optimized_fsdp.py", []),
+                    ("04_zero/optimized_zero2.py", []), ("08_moe/optimized_moe_ep.py", ["--fsdp"])]
+
+
+def dry_run(script: str, results, *flags: str, timeout: float = 120) -> str:
+    """Run `script --dry-run ...` in its own Python (the fake mode stays on until it ends)."""
+    proc = subprocess.run([sys.executable, script, "--results", str(results), *flags],
+                          cwd=common.ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=cpu_env())
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def real_and_dry(tmp_path_factory) -> list[tuple[dict, dict]]:
+    """Each of EQUAL_AT_WORLD_2 run for real (torchrun, 2 processes, fp32) and dry as rank 0 of 2,
+    at the real run's steps, so that both measure the same (third) step."""
+    out = tmp_path_factory.mktemp("dryrun")
+    finish_all([lambda i=i, s=s, f=f: torchrun(common.ROOT / s, out / f"real{i}.jsonl", *f,
+                                                "--steps", "1")
+                for i, (s, f) in enumerate(EQUAL_AT_WORLD_2)])
+    pairs = []
+    for i, (script, flags) in enumerate(EQUAL_AT_WORLD_2):
+        dry_run(script, out / f"dry{i}.jsonl", *TINY, *flags, "--dry-run", "2", "--dtype", "fp32")
+        pairs.append((only_record(out / f"real{i}.jsonl"), only_record(out / f"dry{i}.jsonl")))
+    return pairs
+
+
+@pytest.mark.parametrize("i", range(len(EQUAL_AT_WORLD_2)),
+                         ids=[s for s, _ in EQUAL_AT_WORLD_2])
+def test_a_dry_run_equals_the_real_run_at_world_2(real_and_dry, i):
+    real, dry = real_and_dry[i]
+    assert dry["dry_run"]["world"] == 2 and dry["losses"] == [] and dry["step_ms"] is None
+    assert dry["state_mb"] == real["state_mb"]
+    # MoE's token exchange is as large as its routing, which the dry run stands in for (even)
+    routed = {op for op in real["comm_by_op"] if op.startswith("alltoall")}
+    assert {op: v for op, v in dry["comm_by_op"].items() if op not in routed} == \
+        {op: v for op, v in real["comm_by_op"].items() if op not in routed}
+    assert dry["comm_mb"] == pytest.approx(real["comm_mb"], rel=0.05 if routed else 0)
+    assert bool(routed) == ("routing" in dry["dry_run"]["stand_ins"])
+    assert dry["peak_mem_mb"] == pytest.approx(real["peak_mem_mb"], rel=0.10)
+    assert dry["dry_run"]["flops"] > 0
+
+
+def test_a_llama_70b_fsdp_tp_dry_run_at_1024_ranks(tmp_path):
+    """The seed guide's largest row at a world no CPU has: FSDP x TP over 1,024 ranks, each
+    holding 1/1,024 of Llama 2 70B's state (16 bytes a parameter: fp32 weights, gradients
+    and two AdamW moments), and sending over its TP group of 8."""
+    start = time.perf_counter()
+    out = dry_run("03_fsdp/optimized_fsdp_tp.py", tmp_path / "r.jsonl", "--size", "llama2-70b",
+                  "--dry-run", "1024", "--dry-rank", "1000", "--tp", "8", timeout=240)
+    rec = only_record(tmp_path / "r.jsonl")
+    params = common.llama_param_count(common.SIZES["llama2-70b"])
+    assert rec["params"] == params == 68_976_648_192  # Llama 2 70B's, from its config.json
+    assert rec["dry_run"]["rank"] == 1000 and rec["mesh"] == {"dp": 128, "tp": 8}
+    assert rec["state_mb"] == pytest.approx(16 * params / 1024 / 2**20, rel=0.01)
+    assert rec["dry_run"]["host_rss_mb"] < 8 * 1024
+    assert "dry run as rank 1000 of 1024" in out
+    print(f"1,024-rank Llama 2 70B dry run: {time.perf_counter() - start:.0f} s")
+
+
+def test_the_dry_run_finds_adamws_gpu_crash_on_mixed_parameters(tmp_path):
+    """08's EP x FSDP as it stood before its fix: one AdamW over FSDP's DTensors and the plain
+    experts. On CPU AdamW steps one tensor at a time and trains; on a GPU its default, foreach,
+    refuses the mix. The dry run takes the GPU's path and fails as a GPU would."""
+    before_the_fix = (
+        "import sys, torch\n"
+        "from tests.helpers import load_recipe\n"
+        "import common\n"
+        "ep = load_recipe(common.ROOT / '08_moe/optimized_moe_ep.py')\n"
+        "ep.adamw = lambda model, experts, **kw: torch.optim.AdamW(model.parameters(), **kw)\n"
+        f"sys.argv = ['08_moe/optimized_moe_ep.py', *{TINY!r}, '--fsdp', '--dry-run', '4',\n"
+        f"            '--results', {str(tmp_path / 'r.jsonl')!r}]\n"
+        "ep.main()\n")
+    proc = subprocess.run([sys.executable, "-c", before_the_fix], cwd=common.ROOT, text=True,
+                          capture_output=True, timeout=120, env=cpu_env(PYTHONPATH=str(
+                              common.ROOT)))
+    assert proc.returncode != 0 and "mixed torch.Tensor and DTensor" in proc.stderr, \
+        proc.stderr[-2000:]
+
+
+def test_ddp_says_in_one_line_why_it_cannot_dry_run(tmp_path):
+    dry_run("01_ddp/optimized_ddp.py", tmp_path / "r.jsonl", *TINY, "--dry-run", "8")
+    rec = only_record(tmp_path / "r.jsonl")
+    assert rec["status"] == "skipped" and "DDP cannot dry-run" in rec["reason"]
+
+
+def test_published_shapes_have_their_published_parameter_counts():
+    """From each model's config.json: Llama 2 7B 6,738,415,616; Llama 3 8B 8,030,261,248."""
+    assert common.llama_param_count(common.SIZES["llama2-7b"]) == 6_738_415_616
+    assert common.llama_param_count(common.SIZES["llama3-8b"]) == 8_030_261_248
+    total, active = common.moe_param_counts(common.SIZES["qwen3-30b-a3b"])
+    assert total == pytest.approx(30.5e9, rel=0.01) and active == pytest.approx(3.3e9, rel=0.03)
+
+
+def test_even_routing_spreads_every_slot():
+    counts = common.even_routing(10, 2, 2)
+    assert counts == [[3, 3], [2, 2]] and sum(map(sum, counts)) == 10
+
+
+@pytest.mark.parametrize("flags, hint", [
+    (["--dry-run", "4", "--dry-rank", "4"], "use 0 to 3"),
+    (["--dry-rank", "1"], "use it with --dry-run"),
+    (["--size", "llama3-8b", "--model", "moe"], "use --model llama"),
+])
+def test_bad_dry_run_flags_are_one_line(flags, hint):
+    proc = subprocess.run([sys.executable, "01_ddp/baseline_ddp.py", "--check-flags", *flags],
+                          cwd=common.ROOT, capture_output=True, text=True, timeout=60,
+                          env=cpu_env())
+    assert proc.returncode == 2 and hint in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_the_dry_run_table_shows_peak_by_kind_and_says_why_a_run_did_not(tmp_path):
+    from report.dryrun import render_dry_runs
+    ok = {"folder": "03_fsdp", "script": "optimized_fsdp", "variant": None, "size": "llama2-7b",
+          "model": "llama", "world_size": 8, "status": "ok", "peak_mem_mb": 2048.0,
+          "state_mb": 1024.0, "comm_mb": 512.0, "memory": {"params": 1024.0, "activations": 512},
+          "dry_run": {"world": 8, "flops": 2e12, "host_s": 3.0}}
+    skipped = {**ok, "script": "optimized_ddp", "status": "skipped", "reason": "DDP cannot"}
+    text = render_dry_runs([json.loads(json.dumps(r)) for r in (ok, skipped)])
+    assert "| 2.0 (1.0 /  /  / 0.5 / )" in text and "dp 0.5" in text
+    assert "01_ddp" not in text and "optimized_ddp (llama llama2-7b, world 8): skipped" in text
