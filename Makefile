@@ -361,7 +361,7 @@ DRY_WORLDS ?= 8 64
 DRY_RUNS = $(foreach f,$(FOLDERS),$(sort $(wildcard $(f)/*.py))) '08_moe/optimized_moe_ep.py --fsdp'
 DRY_SEED_RUNS = '03_fsdp/optimized_fsdp.py --size llama2-7b --dry-run 8' \
 	'04_zero/optimized_zero3_offload.py --size llama2-7b --dry-run 8' \
-	'03_fsdp/optimized_fsdp_tp.py --size llama2-70b --dry-run 64' \
+	'03_fsdp/optimized_fsdp_tp.py --size llama2-70b --dry-run 64 --tp 8' \
 	'03_fsdp/optimized_fsdp.py --size qwen3-30b-a3b --dry-run 16' \
 	'03_fsdp/optimized_fsdp_lora.py --size llama2-7b --dry-run 2'
 dryrun: install
