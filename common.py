@@ -538,7 +538,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(size.d_model, eps=1e-6)
         self.self_attn = LlamaAttention(size.d_model, size.n_heads, size.n_kv_heads, attention,
-                                        size.head_dim)
+                                        size.attention_head_dim)
         self.post_attention_layernorm = nn.RMSNorm(size.d_model, eps=1e-6)
         self.mlp = (LlamaMLP(size.d_model, size.llama_ffn) if moe_balance is None
                     else MoE(size, moe_balance))
