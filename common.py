@@ -494,8 +494,9 @@ class Experts(nn.ModuleList):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         order = top_k_index.flatten().argsort(stable=True)
         token_of = order // top_k_index.shape[1]
-        # the split sizes, read on the host: the layer's one sync on a GPU
-        counts = expert_counts(top_k_index, len(self)).tolist()
+        # the split sizes, read on the host: the layer's one sync on a GPU (a dry run has none)
+        counts = even_routing(top_k_index.numel(), 1, len(self))[0] if dry_run() else \
+            expert_counts(top_k_index, len(self)).tolist()
         rows = tokens[token_of].split(counts)
         routed = torch.cat([expert(part) for expert, part in zip(self, rows, strict=True)])
         weighted = routed * top_k_weights.flatten()[order, None]
@@ -1640,6 +1641,14 @@ def load_calibration(path: Path | None = None) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def stepped_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None
+                    ) -> list[torch.Tensor]:
+    """The plain tensors this rank's optimizer steps (a DTensor's shard), else the model's."""
+    return [t for p in (model.parameters() if optimizer is None else
+                        (p for group in optimizer.param_groups for p in group["params"]))
+            for t in _plain(p)]
+
+
 def predicted_step(args: argparse.Namespace, topo: Topology, stats: Stats,
                    model: nn.Module, optimizer: torch.optim.Optimizer | None, dp_world: int,
                    overlapped: Mapping[str, str], recompute: bool, bubble: float,
@@ -1668,9 +1677,7 @@ def predicted_step(args: argparse.Namespace, topo: Topology, stats: Stats,
     size = SIZES[args.size]
     tokens = items_per_step(args, dp_world) / topo.world_size
     matmul, attention = train_flops(size, args.model, tokens, args.seq_len)
-    steps = [t for p in (model.parameters() if optimizer is None else
-                         (p for group in optimizer.param_groups for p in group["params"]))
-             for t in _plain(p)]
+    steps = stepped_tensors(model, optimizer)
     # torchao's Float8Linear (03's FP8 run), by name: a run without torchao never imports it
     float8 = sum(m.in_features * m.out_features for m in model.modules()
                  if type(m).__name__ == "Float8Linear")
@@ -2183,7 +2190,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         rec["memory"] = {k: round(v, 2) for k, v in memory.items() if k != "total"}
     rec.update(extra)
     if dry_run():
-        _as_dry_run(rec, args, topo, stats)
+        _as_dry_run(rec, topo, stats, sum(t.numel() for t in stepped_tensors(model, optimizer)))
         append_record(args.results, rec)
         return rec
     if topo.is_main:
@@ -2200,15 +2207,23 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     return rec
 
 
-def _as_dry_run(rec: dict, args: argparse.Namespace, topo: Topology, stats: Stats) -> None:
+def _as_dry_run(rec: dict, topo: Topology, stats: Stats, stepped_params: int) -> None:
     """A dry run's record: no times, losses or throughput (fake tensors have none), and what it
-    played (`dry_run`: world, rank, device, stand-ins, FLOPs, the host's time and memory); its
-    summary line. The rank played writes it, rank 0 or not."""
+    played (`dry_run`: world, rank, device, stand-ins; the step's work a GPU's would be priced
+    by: FLOPs, the parameters stepped, the MB sent within a node of DRY_RUN_GPUS_PER_NODE and
+    across nodes; the host's time and memory); its summary line. The rank played writes it."""
     for key in ("step_ms", "step_ms_p90", "step_ms_iqr", "tokens_per_s", "samples_per_s"):
         if key in rec:
             rec[key] = None
+    sent = {"node": 0.0, "network": 0.0}
+    for name, mb in (stats.comm_mb_by_group or {}).items():
+        ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(name))
+        nodes = {rank // DRY_RUN_GPUS_PER_NODE for rank in ranks}
+        sent["node" if len(nodes) == 1 else "network"] += mb
     rec["dry_run"] = {"world": topo.world_size, "rank": topo.rank, **DRY_RUN_DEVICE,
                       "stand_ins": dict(run_state.stand_ins), "flops": stats.flops,
+                      "stepped_params": stepped_params,
+                      "sent_mb": {where: round(mb, 3) for where, mb in sent.items()},
                       "host_s": round(time.perf_counter() - _IMPORTED_AT, 2),
                       "host_rss_mb": rec.pop("peak_rss_mb")}
     split = ", ".join(f"{kind} {mb:,.0f}" for kind, mb in rec.get("memory", {}).items())

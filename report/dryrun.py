@@ -1,9 +1,12 @@
 """`make dryrun`'s table: each dry run's record (outputs/dryrun.jsonl, `--dry-run N`), one rank
-of a world this host does not have, as its fake tensors and fake process group counted it."""
+of a world this host does not have, as its fake tensors and fake process group counted it, and
+its step on an H100 as the planner's step-time model prices that work (planner.dry_run_step)."""
 
 from __future__ import annotations
 
 from tabulate import tabulate
+
+from report.planner import dry_run_step
 
 KINDS = ("params", "grads", "optim", "activations", "other")
 
@@ -45,10 +48,10 @@ def render_dry_runs(records: list[dict]) -> str:
         rows.append([name, shape(rec), dry["world"],
                      f"{gb(rec['peak_mem_mb'])} ("
                      + " / ".join(gb(memory.get(kind)) for kind in KINDS) + ")",
-                     gb(rec["state_mb"]), by_dim(rec),
-                     f"{(dry['flops'] or 0) / 1e12:,.1f}", f"{dry['host_s']:.0f}"])
+                     gb(rec["state_mb"]), by_dim(rec), f"{(dry['flops'] or 0) / 1e12:,.1f} "
+                     f"({dry_run_step(dry)['step_ms'] / 1e3:,.2f})", f"{dry['host_s']:.0f}"])
     table = tabulate(rows, headers=["script", "model", "world",
                                     "peak GB (" + " / ".join(KINDS) + ")", "state GB",
-                                    "sent GB by dim", "TFLOP", "host s"],
+                                    "sent GB by dim", "TFLOP (H100 s)", "host s"],
                      tablefmt="github", disable_numparse=True)
     return table + ("\n\nNot dry-run:\n" + "\n".join(sorted(set(notes))) if notes else "")

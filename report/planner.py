@@ -353,6 +353,20 @@ def achieved(run_as: str) -> float:
     return (low + high) / 2
 
 
+def dry_run_step(dry: dict, gpu: str = "h100", run_as: str = "eager") -> dict:
+    """A dry run's step (its record's `dry_run`) on `gpu`, by common.predict_step: its FLOPs at
+    the fraction of the peak the planner's fit achieves (`achieved`), its parameters stepped at
+    the HBM's rate, what it sent within a node over NVLink and the rest over the network, all of
+    it exposed (the record does not say what hides under compute: an upper bound on the link's
+    share). {"step_ms", its parts, "bound_by"}."""
+    sent = dry["sent_mb"]
+    # gpu_rates names its links by mesh dim and place; the dry run's are by place alone
+    work = common.StepWork(dry["flops"], 0.0, 0.0, dry["stepped_params"],
+                           {"dp/nvlink": (sent["node"] * 2**20, 0),
+                            "dp/network": (sent["network"] * 2**20, 0)}, {})
+    return common.predict_step(work, gpu_rates(GPUS[gpu], achieved(run_as)))
+
+
 def plan_strategies(args: argparse.Namespace) -> list[dict]:
     """Every planned strategy, with and without activation checkpointing, at the planner's
     flags. A pipelined one (PP x FSDP x TP) at the smallest pp at which it fits (fewest stages:

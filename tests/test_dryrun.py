@@ -130,8 +130,21 @@ def test_the_dry_run_table_shows_peak_by_kind_and_says_why_a_run_did_not(tmp_pat
     ok = {"folder": "03_fsdp", "script": "optimized_fsdp", "variant": None, "size": "llama2-7b",
           "model": "llama", "world_size": 8, "status": "ok", "peak_mem_mb": 2048.0,
           "state_mb": 1024.0, "comm_mb": 512.0, "memory": {"params": 1024.0, "activations": 512},
-          "dry_run": {"world": 8, "flops": 2e12, "host_s": 3.0}}
+          "dry_run": {"world": 8, "flops": 2e12, "host_s": 3.0, "stepped_params": 1e9,
+                      "sent_mb": {"node": 0.0, "network": 512.0}}}
     skipped = {**ok, "script": "optimized_ddp", "status": "skipped", "reason": "DDP cannot"}
     text = render_dry_runs([json.loads(json.dumps(r)) for r in (ok, skipped)])
     assert "| 2.0 (1.0 /  /  / 0.5 / )" in text and "dp 0.5" in text
     assert "01_ddp" not in text and "optimized_ddp (llama llama2-7b, world 8): skipped" in text
+
+
+def test_a_dry_runs_step_on_a_gpu_is_its_flops_at_the_fitted_rate_plus_its_bytes():
+    from report.gpus import GPUS
+    from report.planner import achieved, dry_run_step
+    dry = {"flops": 1e15, "stepped_params": 0, "sent_mb": {"node": 0.0, "network": 0.0}}
+    alone = dry_run_step(dry)
+    assert alone["compute_ms"] == pytest.approx(1e18 / (GPUS["h100"].bf16_flops *
+                                                        achieved("eager")))
+    slower = dry_run_step({**dry, "sent_mb": {"node": 0.0, "network": 1024.0}})
+    faster = dry_run_step({**dry, "sent_mb": {"node": 1024.0, "network": 0.0}})
+    assert alone["step_ms"] < faster["step_ms"] < slower["step_ms"]
