@@ -177,11 +177,13 @@ def planned_fsdp(plan: common.PlanInput, reshard: bool = True, hybrid: bool = Fa
                  ) -> dict[str, float]:
     """The planner's FSDP rows: FULL_SHARD over every GPU, SHARD_GRAD_OP (`reshard` False), or
     HSDP (`hybrid`): a node's GPUs shard, the nodes replicate. Blocks of equal size; the root
-    the tables and an untied head; bytes across nodes: HSDP's all-reduce, else all of them."""
+    the tables and an untied head; bytes across nodes: HSDP's all-reduce, else all of them.
+    Gradients reduce in fp32 whatever the compute dtype, as `main`'s MixedPrecisionPolicy does
+    (a bf16 run's dry run sends 4/3 of bf16 reductions' bytes)."""
     w, g, o = plan.state_bytes
     group = min(plan.per_node, plan.gpus) if hybrid else plan.gpus
     root = plan.embedding + plan.head
-    predicted = fsdp_bytes(plan.params - root, root, group, plan.gpus // group, reshard, w, g,
+    predicted = fsdp_bytes(plan.params - root, root, group, plan.gpus // group, reshard, w, 4,
                            w + g + o, largest_block=(plan.params - root) / plan.layers)
     across = predicted["across_replicas"] if hybrid else predicted["sent"]
     return {"state": predicted["state"], "sent": predicted["sent"],

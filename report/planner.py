@@ -629,12 +629,59 @@ CASE_FLAGS = {"gpu_mem": 80.0, "gpus_per_node": 8, "micro_batch": 1, "micro_batc
               "lora_rank": 0}
 
 
+# Each seed case's layout run by its script, at the case's world on the published shape it stands
+# for, as `make dryrun` runs it (its DRY_SEED_RUNS, held equal by tests/test_dryrun.py)
+CASE_DRY_RUNS = {
+    "LLaMA-7B on 8 GPUs": ("FSDP full", "03_fsdp/optimized_fsdp.py --size llama2-7b --dry-run 8"),
+    "LLaMA-7B on 8 16-GB GPUs": ("ZeRO-3 + offload", "04_zero/optimized_zero3_offload.py --size "
+                                 "llama2-7b --dry-run 8"),
+    "LLaMA-70B on 64 GPUs": ("FSDP x TP", "03_fsdp/optimized_fsdp_tp.py --size llama2-70b "
+                             "--dry-run 64 --tp 8"),
+    "Qwen3-30B-A3B on 16 GPUs": ("FSDP full", "03_fsdp/optimized_fsdp.py --size qwen3-30b-a3b "
+                                 "--dry-run 16"),
+    "Fine-tuning LLaMA-7B on 2 GPUs": ("FSDP + LoRA", "03_fsdp/optimized_fsdp_lora.py --size "
+                                       "llama2-7b --dry-run 2"),
+}
+
+
+def dry_run_record(run: str, records: list[dict]) -> dict | None:
+    """The newest record of `run` (a script and its flags, CASE_DRY_RUNS') among `records`."""
+    path, *flags = run.split()
+    folder, script = path.removesuffix(".py").split("/")
+    size, world = flags[flags.index("--size") + 1], int(flags[flags.index("--dry-run") + 1])
+    own = " ".join(f for i, f in enumerate(flags) if f not in ("--size", "--dry-run") and
+                   flags[i - 1] not in ("--size", "--dry-run")) or None
+    matching = [r for r in records if (r["folder"], r["script"], r["size"], r.get("variant"),
+                                       r["world_size"]) == (folder, script, size, own, world)]
+    return matching[-1] if matching else None
+
+
+def dry_run_line(args: argparse.Namespace, strategy: str, run: str, rec: dict | None) -> str:
+    """A case's dry run beside the planner's row for the same strategy at the dry run's exact
+    parameter count: state, the rest of the peak (activations, temporaries) and bytes sent a
+    step, in GB a GPU."""
+    head = f"Dry run of {strategy} (`{run}`, rank 0): "
+    if rec is None:
+        return head + "none yet (`make dryrun`)."
+    if rec["status"] != "ok":
+        return head + f"{rec['status']}, {rec['reason']}"
+    exact = argparse.Namespace(**{**vars(args), "params": float(rec["params"])})
+    row = next(r for r in plan_strategies(exact) if r["strategy"] == strategy and
+               not r["checkpointing"])
+    state, peak = rec["state_mb"] * 2**20 / GB, rec["peak_mem_mb"] * 2**20 / GB
+    sent, activations = (rec["comm_mb"] or 0.0) * 2**20 / GB, row["activations"] / GB
+    return head + (f"state {state:,.1f} GB (planner {row['state'] / GB:,.1f}), the rest of its "
+                   f"peak {peak - state:,.1f} GB (planner's activations {activations:,.1f}), "
+                   f"sent {sent:,.1f} GB a step (planner {row['sent'] / GB:,.1f}).")
+
+
 def render_cases() -> str:
     """Each of CASES with what the planner picks (`choose`) and why, one paragraph a case."""
     lines = [f"GPUs of {CASE_FLAGS['gpu_mem']:g} GB, {CASE_FLAGS['gpus_per_node']} a node, "
              f"{CASE_FLAGS['dtype']}, micro-batch {CASE_FLAGS['micro_batch']} a GPU unless said, "
              f"{GPUS[CASE_FLAGS['gpu']].name}, eager. Pick: of what fits, the most tokens/s a GPU "
              f"the step-time model predicts; within {PICK_MARGIN:.0%} of it, the simplest.", ""]
+    dry_runs = common.load_results(common.DRY_RESULTS)
     for name, flags, note in CASES:
         args = argparse.Namespace(**{**CASE_FLAGS, **flags})
         rows = plan_strategies(args)
@@ -643,4 +690,7 @@ def render_cases() -> str:
         count = f"{args.params / 1e9:g}B" if args.params >= 1e9 else f"{args.params / 1e6:g}M"
         lines.append(f"{name} ({count} parameters{f'; {note}' if note else ''}): {pick}"
                      + "".join(f" {line}" for line in crossover_lines(rows) + offload_lines(rows)))
+        if name in CASE_DRY_RUNS:
+            strategy, run = CASE_DRY_RUNS[name]
+            lines[-1] += " " + dry_run_line(args, strategy, run, dry_run_record(run, dry_runs))
     return "\n".join(lines)

@@ -2,7 +2,9 @@
 fake tensors. They equal the real run where this host can run one (world 2 on gloo), they run a
 published shape at 1,024 ranks, and they find what CPU runs cannot (AdamW's GPU path)."""
 
+import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -10,6 +12,7 @@ import time
 import pytest
 
 import common
+from report import planner
 from tests.helpers import TINY, cpu_env, finish_all, only_record, torchrun
 
 # (script, flags): the folders' scripts that dry-run, at tiny, checked against a real world of 2
@@ -58,20 +61,44 @@ def test_a_dry_run_equals_the_real_run_at_world_2(real_and_dry, i):
 
 
 def test_a_llama_70b_fsdp_tp_dry_run_at_1024_ranks(tmp_path):
-    """The seed guide's largest row at a world no CPU has: FSDP x TP over 1,024 ranks, each
+    """The seed guide's largest row at a world no CPU has: FSDP x TP over 1,024 ranks, rank 0
     holding 1/1,024 of Llama 2 70B's state (16 bytes a parameter: fp32 weights, gradients
     and two AdamW moments), and sending over its TP group of 8."""
     start = time.perf_counter()
     out = dry_run("03_fsdp/optimized_fsdp_tp.py", tmp_path / "r.jsonl", "--size", "llama2-70b",
-                  "--dry-run", "1024", "--dry-rank", "1000", "--tp", "8", timeout=240)
+                  "--dry-run", "1024", "--tp", "8", timeout=240)
     rec = only_record(tmp_path / "r.jsonl")
     params = common.llama_param_count(common.SIZES["llama2-70b"])
     assert rec["params"] == params == 68_976_648_192  # Llama 2 70B's, from its config.json
-    assert rec["dry_run"]["rank"] == 1000 and rec["mesh"] == {"dp": 128, "tp": 8}
+    assert rec["dry_run"]["rank"] == 0 and rec["mesh"] == {"dp": 128, "tp": 8}
     assert rec["state_mb"] == pytest.approx(16 * params / 1024 / 2**20, rel=0.01)
     assert rec["dry_run"]["host_rss_mb"] < 8 * 1024
-    assert "dry run as rank 1000 of 1024" in out
+    assert "dry run as rank 0 of 1024" in out
+    # the planner's FSDP x TP row at this world and the shape's exact parameter count: the same
+    # state and bytes (its activations are not checked: the planner counts under half of these)
+    args = argparse.Namespace(**{**planner.CASE_FLAGS, "params": float(params), "gpus": 1024,
+                                 "layers": 80, "hidden": 8192, "vocab": 32000, "seq_len": 4096,
+                                 "llama": True})
+    row = next(r for r in planner.plan_strategies(args)
+               if r["strategy"] == "FSDP x TP" and not r["checkpointing"])
+    assert row["mesh"] == "dp 128 x tp 8"
+    assert rec["state_mb"] * 2**20 == pytest.approx(row["state"], rel=1e-3)
+    assert rec["comm_mb"] * 2**20 == pytest.approx(row["sent"], rel=1e-3)
+    assert {dim: mb * 2**20 for dim, mb in rec["comm_mb_by_dim"].items()} == \
+        pytest.approx(row["by_dim"], rel=1e-3)
     print(f"1,024-rank Llama 2 70B dry run: {time.perf_counter() - start:.0f} s")
+
+
+def test_the_rank_played_is_the_one_asked_for(tmp_path):
+    """FSDP shards dim 0 in chunks of ceil(rows / world), the last rank's short where it does
+    not divide: played as rank 2 of 3, `small` holds less than as rank 0 (its 1,024-token table:
+    342, 342 and 340 rows; its 256-wide norms: 86, 86 and 84)."""
+    for rank in (0, 2):
+        dry_run("03_fsdp/optimized_fsdp.py", tmp_path / f"{rank}.jsonl", "--dry-run", "3",
+                "--dry-rank", str(rank))
+    first, last = (only_record(tmp_path / f"{rank}.jsonl") for rank in (0, 2))
+    assert (first["dry_run"]["rank"], last["dry_run"]["rank"]) == (0, 2)
+    assert last["state_mb"] < first["state_mb"]
 
 
 def test_the_dry_run_finds_adamws_gpu_crash_on_mixed_parameters(tmp_path):
@@ -148,3 +175,29 @@ def test_a_dry_runs_step_on_a_gpu_is_its_flops_at_the_fitted_rate_plus_its_bytes
     slower = dry_run_step({**dry, "sent_mb": {"node": 0.0, "network": 1024.0}})
     faster = dry_run_step({**dry, "sent_mb": {"node": 1024.0, "network": 0.0}})
     assert alone["step_ms"] < faster["step_ms"] < slower["step_ms"]
+
+
+def test_make_dryrun_runs_every_seed_case_the_planner_shows_beside_its_formula():
+    makefile = (common.ROOT / "Makefile").read_text()
+    seed_runs = makefile.split("DRY_SEED_RUNS = ")[1].split("\ndryrun:")[0]
+    assert set(re.findall(r"'([^']+)'", seed_runs)) == \
+        {run for _, run in planner.CASE_DRY_RUNS.values()}
+    assert set(planner.CASE_DRY_RUNS) <= {name for name, _, _ in planner.CASES}
+
+
+def test_plan_cases_shows_a_dry_run_beside_the_formula():
+    """Its own figures at the dry run's parameter count; a missing or failed run says so."""
+    name = "LLaMA-70B on 64 GPUs"
+    flags = next(f for n, f, _ in planner.CASES if n == name)
+    args = argparse.Namespace(**{**planner.CASE_FLAGS, **flags})
+    strategy, run = planner.CASE_DRY_RUNS[name]
+    rec = {"status": "ok", "params": 68_976_648_192, "state_mb": 16_445.6,
+           "peak_mem_mb": 228_354.0, "comm_mb": 345_973.97}
+    line = planner.dry_run_line(args, strategy, run, rec)
+    assert "state 17.2 GB (planner 17.2)" in line
+    assert "sent 362.8 GB a step (planner 362.8)" in line
+    assert "none yet (`make dryrun`)" in planner.dry_run_line(args, strategy, run, None)
+    recorded = {**rec, "folder": "03_fsdp", "script": "optimized_fsdp_tp", "size": "llama2-70b",
+                "variant": "--tp 8", "world_size": 64}
+    assert planner.dry_run_record(run, [recorded]) == recorded
+    assert planner.dry_run_record(run, [{**recorded, "world_size": 8}]) is None
