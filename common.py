@@ -30,6 +30,7 @@ they are the model's own description of where it may be cut, which 05 and 06 bot
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -1260,6 +1261,21 @@ def even_routing(slots: int, ranks: int, experts_per_rank: int) -> list[list[int
     experts = ranks * experts_per_rank
     counts = [slots // experts + (e < slots % experts) for e in range(experts)]
     return [counts[r * experts_per_rank:(r + 1) * experts_per_rank] for r in range(ranks)]
+
+
+class InlineExecutor(concurrent.futures.Executor):
+    """A dry run's stand-in for a worker thread: each call runs where it is submitted, in order.
+    A fake tensor's mode keeps one state for all threads (whether it is inside an op), so fake
+    ops on two threads at once trip its checks."""
+
+    def submit(self, fn: Callable, /, *args, **kwargs) -> concurrent.futures.Future:
+        stand_in("threads", "the work handed to a thread runs on the main one, in order")
+        future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as error:  # as a thread's would: raised by result()
+            future.set_exception(error)
+        return future
 
 
 def dry_run() -> bool:

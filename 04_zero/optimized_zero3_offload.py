@@ -167,6 +167,8 @@ def host_thread(device: torch.device) -> concurrent.futures.ThreadPoolExecutor:
     GPU is a thread's own and a new thread's is GPU 0, where its first CUDA call (waiting for a
     copy's event, the optimizer's graph-capture check, leaving a stream's context) would open a
     context, a few hundred MB that `max_memory_allocated` does not count, for every rank."""
+    if common.dry_run():
+        return common.InlineExecutor()
     if device.type != "cuda":
         return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-adamw")
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-adamw",
