@@ -1224,6 +1224,10 @@ def dry_run_setup(args: argparse.Namespace) -> Topology:
             mesh_init(self, *map(real, args), **{key: real(v) for key, v in kwargs.items()})
     DeviceMesh.__init__ = mesh_of_real_ranks
     nn.parallel.DistributedDataParallel.__init__ = _no_dry_ddp
+    # Python objects travel pickled in real byte tensors; the fake group's gathers and broadcasts
+    # hand every rank this rank's bytes: each other rank answers as this one (a stand-in)
+    for name in ("all_gather_object", "broadcast_object_list"):
+        setattr(dist, name, _as_this_rank(getattr(dist, name), unset_fake_temporarily))
     run_state.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     run_state.fake_mode.__enter__()
     return topo
@@ -1240,6 +1244,16 @@ def _fake_module_to(module_to: Callable) -> Callable:
             return self
         return module_to(self, *args, **kwargs)
     return to
+
+
+def _as_this_rank(collective: Callable, real_tensors: Callable) -> Callable:
+    """An object collective run on real tensors, its answer named a stand-in in the record."""
+    @functools.wraps(collective)
+    def as_this_rank(*args, **kwargs):
+        stand_in(f"dist.{collective.__name__}", "every other rank answers as this one")
+        with real_tensors():
+            return collective(*args, **kwargs)
+    return as_this_rank
 
 
 def _no_dry_ddp(*_, **__) -> None:
