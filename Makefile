@@ -362,7 +362,7 @@ DRY_RUNS = $(foreach f,$(FOLDERS),$(sort $(wildcard $(f)/*.py))) '08_moe/optimiz
 DRY_SEED_RUNS = '03_fsdp/optimized_fsdp.py --size llama2-7b --dry-run 8' \
 	'04_zero/optimized_zero3_offload.py --size llama2-7b --dry-run 8' \
 	'03_fsdp/optimized_fsdp_tp.py --size llama2-70b --dry-run 64 --tp 8' \
-	'03_fsdp/optimized_fsdp.py --size qwen3-30b-a3b --dry-run 16' \
+	'05_pipeline/optimized_pipeline_1f1b.py --size qwen3-30b-a3b --dry-run 16' \
 	'03_fsdp/optimized_fsdp_lora.py --size llama2-7b --dry-run 2'
 dryrun: install
 	@mkdir -p outputs/logs; rm -f outputs/dryrun.jsonl; \

@@ -489,13 +489,13 @@ class OffloadGradReducer(GradReducer):
 
 # Copied from 04_zero/optimized_zero3.py: zero3_bytes
 def zero3_bytes(params: float, blocks: list[float], root: float, world: int, weight: float,
-                grad: float, optim: float, gather: float, buffer_bytes: float = 0.0
-                ) -> dict[str, float]:
+                grad: float, optim: float, gather: float, buffer_bytes: float = 0.0,
+                reduce: float | None = None) -> dict[str, float]:
     """ZeRO-3's bytes a rank, from value counts: weights, gradients and the optimizer's state
     1/N each (`weight`, `grad`, `optim` bytes a value). Sent a step: each block's values
     (`blocks`) all-gathered twice, `gather` bytes a value (the compute dtype), the `root`'s once
-    (kept gathered from forward to backward), every value reduce-scattered once, `grad` bytes,
-    (N-1)/N of each, and the buffers' broadcast. Held in full at once (`gathered`, beyond the
+    (kept gathered from forward to backward), every value reduce-scattered once, `reduce` bytes
+    (default `grad`), (N-1)/N of each, and the buffers' broadcast. Held in full at once (`gathered`, beyond the
     shards): at most the root and two neighbouring blocks. The planner's figures are FSDP
     full's (03_fsdp/optimized_fsdp.py's fsdp_bytes), yet the two stay apart: each counts its
     own implementation's padding, here the flat buckets' (under N values a bucket)."""
@@ -503,7 +503,8 @@ def zero3_bytes(params: float, blocks: list[float], root: float, world: int, wei
     kept = {"params": weight * params / world, "grads": grad * params / world,
             "optim": optim * params / world}
     two_blocks = max((a + b for a, b in zip(blocks, blocks[1:], strict=False)), default=sum(blocks))
-    sent = share * ((2 * gather + grad) * sum(blocks) + (gather + grad) * root + buffer_bytes)
+    reduce = grad if reduce is None else reduce
+    sent = share * ((2 * gather + reduce) * sum(blocks) + (gather + reduce) * root + buffer_bytes)
     return {**kept, "state": sum(kept.values()), "sent": sent,
             "gathered": gather * (root + two_blocks)}
 
@@ -528,7 +529,7 @@ def planned_offload(plan: common.PlanInput) -> dict[str, float]:
     steps."""
     w, g, o = plan.state_bytes
     zero3 = zero3_bytes(plan.params, [plan.blocks / plan.layers] * plan.layers,
-                        plan.embedding + plan.head, plan.gpus, w, g, o, w)
+                        plan.embedding + plan.head, plan.gpus, w, g, o, w, reduce=4)
     predicted = offload_bytes(plan.params, plan.gpus, w)
     return {"state": predicted["device"], "host": predicted["host"],
             "host_link": predicted["host_link"], "sent": zero3["sent"],

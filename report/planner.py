@@ -637,8 +637,8 @@ CASE_DRY_RUNS = {
                                  "llama2-7b --dry-run 8"),
     "LLaMA-70B on 64 GPUs": ("FSDP x TP", "03_fsdp/optimized_fsdp_tp.py --size llama2-70b "
                              "--dry-run 64 --tp 8"),
-    "Qwen3-30B-A3B on 16 GPUs": ("FSDP full", "03_fsdp/optimized_fsdp.py --size qwen3-30b-a3b "
-                                 "--dry-run 16"),
+    "Qwen3-30B-A3B on 16 GPUs": ("pipeline", "05_pipeline/optimized_pipeline_1f1b.py --size "
+                                 "qwen3-30b-a3b --dry-run 16"),
     "Fine-tuning LLaMA-7B on 2 GPUs": ("FSDP + LoRA", "03_fsdp/optimized_fsdp_lora.py --size "
                                        "llama2-7b --dry-run 2"),
 }
