@@ -156,9 +156,10 @@ def zero3_bytes(params: float, blocks: list[float], root: float, world: int, wei
     (`blocks`) all-gathered twice, `gather` bytes a value (the compute dtype), the `root`'s once
     (kept gathered from forward to backward), every value reduce-scattered once, `reduce` bytes
     (default `grad`), (N-1)/N of each, and the buffers' broadcast. Held in full at once
-    (`gathered`, beyond the shards): at most the root and two neighbouring blocks. The planner's figures are FSDP
-    full's (03_fsdp/optimized_fsdp.py's fsdp_bytes), yet the two stay apart: each counts its
-    own implementation's padding, here the flat buckets' (under N values a bucket)."""
+    (`gathered`, beyond the shards): at most the root and two neighbouring blocks. The planner's
+    figures are FSDP full's (03_fsdp/optimized_fsdp.py's fsdp_bytes), yet the two stay apart:
+    each counts its own implementation's padding, here the flat buckets' (under N values a
+    bucket)."""
     share = (world - 1) / world
     kept = {"params": weight * params / world, "grads": grad * params / world,
             "optim": optim * params / world}
