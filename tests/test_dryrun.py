@@ -17,7 +17,8 @@ from tests.helpers import TINY, cpu_env, finish_all, only_record, torchrun
 
 # (script, flags): the folders' scripts that dry-run, at tiny, checked against a real world of 2
 EQUAL_AT_WORLD_2 = [("01_ddp/baseline_ddp.py", []), ("03_fsdp/optimized_fsdp.py", []),
-                    ("04_zero/optimized_zero2.py", []), ("08_moe/optimized_moe_ep.py", ["--fsdp"])]
+                    ("04_zero/optimized_zero2.py", []), ("08_moe/optimized_moe_ep.py", ["--fsdp"]),
+                    ("05_pipeline/optimized_pipeline_1f1b.py", [])]
 
 
 def dry_run(script: str, results, *flags: str, timeout: float = 120) -> str:
