@@ -11,15 +11,27 @@ from report.planner import dry_run_step
 KINDS = ("params", "grads", "optim", "activations", "other")
 
 
-def gb(mb: float | None) -> str:
-    return "" if mb is None else f"{mb / 1024:,.1f}"
+def amount(mb: float | None, unit: str) -> str:
+    if mb is None:
+        return ""
+    return f"{mb / 1024:,.1f}" if unit == "GB" else f"{mb:,.0f}"
+
+
+def figure(value: float) -> str:
+    """Three significant digits under 100, whole numbers with commas from there."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def unit_of(mb: float) -> str:
+    """GB from 1 GB up, MB under it: a tiny run and a 70B one in one table, each readable."""
+    return "GB" if mb >= 1024 else "MB"
 
 
 def by_dim(rec: dict) -> str:
-    """The MB a step sent, by mesh dim where the script names them (else all of it as `dp`), in
-    GB."""
-    sent = rec.get("comm_mb_by_dim") or {"dp": rec.get("comm_mb") or 0.0}
-    return ", ".join(f"{dim} {gb(mb)}" for dim, mb in sent.items())
+    """What a step sent, by mesh dim where the script names them, else in all."""
+    sent = rec.get("comm_mb_by_dim") or {"": rec.get("comm_mb") or 0.0}
+    unit = unit_of(max(sent.values()))
+    return ", ".join(f"{dim} {amount(mb, unit)}".strip() for dim, mb in sent.items()) + f" {unit}"
 
 
 def shape(rec: dict) -> str:
@@ -29,9 +41,10 @@ def shape(rec: dict) -> str:
 
 
 def render_dry_runs(records: list[dict]) -> str:
-    """The newest dry run of each (script, variant, size, model, world), as a table of peak GB a
-    rank by kind, state, GB sent by mesh dim, TFLOPs and the seconds this host took; a run that
-    skipped or failed, its one line instead."""
+    """The newest dry run of each (script, variant, size, model, world), as a table of the peak a
+    rank holds by kind, its state, what it sends a step (by mesh dim where the script names
+    them), its TFLOPs and its step on an H100 (planner.dry_run_step), and the seconds this host
+    took; a run that skipped or failed, its one line instead."""
     newest = {}
     for rec in records:
         world = (rec.get("dry_run") or {}).get("world", rec.get("world_size"))
@@ -45,13 +58,17 @@ def render_dry_runs(records: list[dict]) -> str:
                          f"{rec['reason']}")
             continue
         dry, memory = rec["dry_run"], rec.get("memory", {})
+        unit = unit_of(rec["peak_mem_mb"])
         rows.append([name, shape(rec), dry["world"],
-                     f"{gb(rec['peak_mem_mb'])} ("
-                     + " / ".join(gb(memory.get(kind)) for kind in KINDS) + ")",
-                     gb(rec["state_mb"]), by_dim(rec), f"{(dry['flops'] or 0) / 1e12:,.1f} "
-                     f"({dry_run_step(dry)['step_ms'] / 1e3:,.2f})", f"{dry['host_s']:.0f}"])
+                     f"{amount(rec['peak_mem_mb'], unit)} ("
+                     + " / ".join(amount(memory.get(kind), unit) for kind in KINDS) + f") {unit}",
+                     f"{amount(rec['state_mb'], unit_of(rec['state_mb']))} "
+                     f"{unit_of(rec['state_mb'])}", by_dim(rec),
+                     f"{figure((dry['flops'] or 0) / 1e12)} "
+                     f"({figure(dry_run_step(dry)['step_ms'])})",
+                     f"{dry['host_s']:.0f}"])
     table = tabulate(rows, headers=["script", "model", "world",
-                                    "peak GB (" + " / ".join(KINDS) + ")", "state GB",
-                                    "sent GB by dim", "TFLOP (H100 s)", "host s"],
+                                    "peak (" + " / ".join(KINDS) + ")", "state",
+                                    "sent a step", "TFLOP (H100 ms)", "host s"],
                      tablefmt="github", disable_numparse=True)
     return table + ("\n\nNot dry-run:\n" + "\n".join(sorted(set(notes))) if notes else "")
