@@ -170,6 +170,8 @@ def main():
     ops = args.ops.split(",")
     if unknown := [op for op in ops if op not in OPS]:
         parser.error(f"--ops {','.join(unknown)} unknown: choose from {','.join(OPS)}")
+    if args.dry_run:
+        raise common.Skip("a sweep of collective times and their results: a dry run has neither")
     topo = common.setup(args)
     if topo.world_size == 1:
         ops = [op for op in ops if op != "sendrecv"]  # a send needs a peer
