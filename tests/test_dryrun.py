@@ -15,10 +15,13 @@ import common
 from report import planner
 from tests.helpers import TINY, cpu_env, finish_all, only_record, torchrun
 
-# (script, flags): the folders' scripts that dry-run, at tiny, checked against a real world of 2
-EQUAL_AT_WORLD_2 = [("01_ddp/baseline_ddp.py", []), ("03_fsdp/optimized_fsdp.py", []),
-                    ("04_zero/optimized_zero2.py", []), ("08_moe/optimized_moe_ep.py", ["--fsdp"]),
-                    ("05_pipeline/optimized_pipeline_1f1b.py", [])]
+# (script, flags, world): a script of each folder that dry-runs, at tiny, checked against a real
+# world this host runs on gloo
+EQUAL_TO_THE_REAL_RUN = [
+    ("01_ddp/baseline_ddp.py", [], 2), ("03_fsdp/optimized_fsdp.py", [], 2),
+    ("03_fsdp/optimized_fsdp_tp.py", ["--model", "llama"], 4),
+    ("04_zero/optimized_zero2.py", [], 2), ("05_pipeline/optimized_pipeline_1f1b.py", [], 2),
+    ("06_symmem/baseline_symmem_training.py", [], 2), ("08_moe/optimized_moe_ep.py", ["--fsdp"], 2)]
 
 
 def dry_run(script: str, results, *flags: str, timeout: float = 120) -> str:
@@ -32,24 +35,26 @@ def dry_run(script: str, results, *flags: str, timeout: float = 120) -> str:
 
 @pytest.fixture(scope="module")
 def real_and_dry(tmp_path_factory) -> list[tuple[dict, dict]]:
-    """Each of EQUAL_AT_WORLD_2 run for real (torchrun, 2 processes, fp32) and dry as rank 0 of 2,
+    """Each of EQUAL_TO_THE_REAL_RUN run for real (torchrun, fp32) and dry as rank 0 of as many,
     at the real run's steps, so that both measure the same (third) step."""
     out = tmp_path_factory.mktemp("dryrun")
-    finish_all([lambda i=i, s=s, f=f: torchrun(common.ROOT / s, out / f"real{i}.jsonl", *f,
-                                                "--steps", "1")
-                for i, (s, f) in enumerate(EQUAL_AT_WORLD_2)])
+    finish_all([lambda i=i, s=s, f=f, n=n: torchrun(common.ROOT / s, out / f"real{i}.jsonl", *f,
+                                                     "--steps", "1", nproc=n)
+                for i, (s, f, n) in enumerate(EQUAL_TO_THE_REAL_RUN)])
     pairs = []
-    for i, (script, flags) in enumerate(EQUAL_AT_WORLD_2):
-        dry_run(script, out / f"dry{i}.jsonl", *TINY, *flags, "--dry-run", "2", "--dtype", "fp32")
+    for i, (script, flags, world) in enumerate(EQUAL_TO_THE_REAL_RUN):
+        dry_run(script, out / f"dry{i}.jsonl", *TINY, *flags, "--dry-run", str(world), "--dtype",
+                "fp32")
         pairs.append((only_record(out / f"real{i}.jsonl"), only_record(out / f"dry{i}.jsonl")))
     return pairs
 
 
-@pytest.mark.parametrize("i", range(len(EQUAL_AT_WORLD_2)),
-                         ids=[s for s, _ in EQUAL_AT_WORLD_2])
-def test_a_dry_run_equals_the_real_run_at_world_2(real_and_dry, i):
+@pytest.mark.parametrize("i", range(len(EQUAL_TO_THE_REAL_RUN)),
+                         ids=[f"{s} at {n}" for s, _, n in EQUAL_TO_THE_REAL_RUN])
+def test_a_dry_run_equals_the_real_run(real_and_dry, i):
     real, dry = real_and_dry[i]
-    assert dry["dry_run"]["world"] == 2 and dry["losses"] == [] and dry["step_ms"] is None
+    assert dry["dry_run"]["world"] == real["world_size"] and dry["losses"] == []
+    assert dry["step_ms"] is None
     assert dry["state_mb"] == real["state_mb"]
     # MoE's token exchange is as large as its routing, which the dry run stands in for (even)
     routed = {op for op in real["comm_by_op"] if op.startswith("alltoall")}
