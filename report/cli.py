@@ -164,7 +164,10 @@ def main(argv: Sequence[str]) -> int:
                       "predictions; the other flags are not read")
     plan.add_argument("--cases", action="store_true", help="the decision matrix's worked cases "
                       "(ResNet-50, GPT-2 1.5B, LLaMA-7B, LLaMA-70B, Qwen3-30B-A3B): what the "
-                      "planner picks and why; the other flags are not read")
+                      "planner picks and why, and each case's dry run beside its formula; the "
+                      "other flags are not read")
+    plan.add_argument("--dry-results", type=Path, default=common.DRY_RESULTS,
+                      help="with --cases: the dry runs' records (default: make dryrun's)")
     fail = sub.add_parser("mark-failed", help="(the Makefile's) a run ended non-zero: print its "
                           "error line, and record it if the run could not", epilog="Give the "
                           "script's own flags after --, to record its size and find its results "
@@ -229,12 +232,13 @@ def main(argv: Sequence[str]) -> int:
         missing = [flag for flag in ("--params", "--gpus", "--gpu-mem")
                    if getattr(args, flag[2:].replace("-", "_")) is None]
         shaped = [action.option_strings[0] for action in plan._actions if action.dest not in
-                  ("help", "cases", "published") and getattr(args, action.dest) != action.default]
+                  ("help", "cases", "published", "dry_results")
+                  and getattr(args, action.dest) != action.default]
         if args.published:
             print(render_published())
             return 0
         if args.cases or not shaped:  # `make plan` alone: the worked cases, a first look
-            print(render_cases())
+            print(render_cases(args.dry_results))
             return 0
         if missing:
             plan.error(f"the following arguments are required: {', '.join(missing)} (or no "

@@ -675,13 +675,14 @@ def dry_run_line(args: argparse.Namespace, strategy: str, run: str, rec: dict | 
                    f"sent {sent:,.1f} GB a step (planner {row['sent'] / GB:,.1f}).")
 
 
-def render_cases() -> str:
-    """Each of CASES with what the planner picks (`choose`) and why, one paragraph a case."""
+def render_cases(dry_results: Path = common.DRY_RESULTS) -> str:
+    """Each of CASES with what the planner picks (`choose`) and why, one paragraph a case, and
+    its dry run (CASE_DRY_RUNS) from `dry_results` beside the formula."""
     lines = [f"GPUs of {CASE_FLAGS['gpu_mem']:g} GB, {CASE_FLAGS['gpus_per_node']} a node, "
              f"{CASE_FLAGS['dtype']}, micro-batch {CASE_FLAGS['micro_batch']} a GPU unless said, "
              f"{GPUS[CASE_FLAGS['gpu']].name}, eager. Pick: of what fits, the most tokens/s a GPU "
              f"the step-time model predicts; within {PICK_MARGIN:.0%} of it, the simplest.", ""]
-    dry_runs = common.load_results(common.DRY_RESULTS)
+    dry_runs = common.load_results(dry_results)
     for name, flags, note in CASES:
         args = argparse.Namespace(**{**CASE_FLAGS, **flags})
         rows = plan_strategies(args)

@@ -22,7 +22,8 @@ from report import charts, cli
 FIXTURES = common.ROOT / "tests" / "fixtures"
 GOLDEN = FIXTURES / "golden"
 RECORDS = ("records_small.jsonl", "records_mesh.jsonl")
-PLANS = {"plan_cases": ["--cases"],
+# the seed cases' dry runs, from `make dryrun` on 2026-11-28 (every other dry run left out)
+PLANS = {"plan_cases": ["--cases", "--dry-results", str(FIXTURES / "dryrun_seed_cases.jsonl")],
          "plan_7b_8": ["--params", "7e9", "--gpus", "8", "--gpu-mem", "80"],
          "plan_70b_64_llama": ["--params", "70e9", "--gpus", "64", "--gpu-mem", "80", "--llama"],
          "plan_1b_4_fp32": ["--params", "1.5e9", "--gpus", "4", "--gpu-mem", "24", "--dtype",
