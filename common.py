@@ -1224,6 +1224,12 @@ def dry_run_setup(args: argparse.Namespace) -> Topology:
             mesh_init(self, *map(real, args), **{key: real(v) for key, v in kwargs.items()})
     DeviceMesh.__init__ = mesh_of_real_ranks
     nn.parallel.DistributedDataParallel.__init__ = _no_dry_ddp
+    F.rms_norm = _rms_norm_as_on_cuda
+    # The fake group's collectives return done, yet its work says it is not: code that frees a
+    # buffer once its collective completes (ZeRO's gradient buckets) would keep them all
+    torch._C._distributed_c10d.FakeWork.is_completed = _completed
+    stand_in("collectives", "an asynchronous one is complete when asked, as on a GPU soon after "
+             "it starts")
     # Python objects travel pickled in real byte tensors; the fake group's gathers and broadcasts
     # hand every rank this rank's bytes: each other rank answers as this one (a stand-in)
     for name in ("all_gather_object", "broadcast_object_list"):
@@ -1254,6 +1260,44 @@ def _as_this_rank(collective: Callable, real_tensors: Callable) -> Callable:
         with real_tensors():
             return collective(*args, **kwargs)
     return as_this_rank
+
+
+_composite_rms_norm = F.rms_norm
+
+
+class _RMSNormSavingItsInput(torch.autograd.Function):
+    """RMSNorm keeping for backward what CUDA's fused kernel keeps, its input, and recomputing
+    the rest there: on a CPU device torch runs it as a composite of ops whose autograd saves
+    fp32 copies of the input and of its normalized form (a bf16 model's norms: 5 x their input's
+    bytes, some 20% of a Llama layer's activations)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, normalized_shape, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.normalized_shape, ctx.eps = normalized_shape, eps
+        return _composite_rms_norm(x, normalized_shape, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x, weight = (t if t is None else t.detach().requires_grad_(needs)
+                         for t, needs in zip((x, weight), ctx.needs_input_grad))
+            out = _composite_rms_norm(x, ctx.normalized_shape, weight, ctx.eps)
+            asked = [t for t in (x, weight) if t is not None and t.requires_grad]
+            grads = dict(zip(map(id, asked), torch.autograd.grad(out, asked, grad)))
+        return grads.get(id(x)), grads.get(id(weight)), None, None
+
+
+def _rms_norm_as_on_cuda(x: torch.Tensor, normalized_shape, weight=None, eps=None
+                         ) -> torch.Tensor:
+    stand_in("RMSNorm", "keeps its input for backward, as CUDA's fused kernel, not the CPU "
+             "composite's fp32 copies")
+    return _RMSNormSavingItsInput.apply(x, weight, normalized_shape, eps)
+
+
+def _completed(_work) -> bool:
+    return True
 
 
 def _no_dry_ddp(*_, **__) -> None:
@@ -1295,6 +1339,15 @@ class InlineExecutor(concurrent.futures.Executor):
 def dry_run() -> bool:
     """Whether this process runs a dry run (fake group, fake tensors): no losses, no times."""
     return run_state.fake_mode is not None
+
+
+def real_tensors() -> contextlib.AbstractContextManager:
+    """A block whose tensors are real in a dry run too: values that are the run's configuration,
+    not its data (a mesh's ranks, a sequence shard's positions), read on the host."""
+    if not dry_run():
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    return unset_fake_temporarily()
 
 
 # ==== Collectives =================================================================================
@@ -1492,11 +1545,21 @@ class PlanInput:
     expert_params: float = 0.0  # the routed experts' parameters, all MoE layers together
     ep: int = 1  # EP's degree: the GPUs a layer's experts are spread over
     lora_params: float = 0.0  # LoRA fine-tuning's adapters, all layers (0: no LoRA row)
+    # a value's bytes in compute: what autocast casts fp32 weights to, FSDP gathers them in, and
+    # activations are kept in (bf16: 2)
+    compute_bytes: int = 4
+    ffn: int = 0  # the MLP's width: a Llama's SwiGLU's, a GPT's 4 x hidden
 
     @property
     def blocks(self) -> float:
         """The layers' parameters (with the final norm: a few hidden units)."""
         return self.params - self.embedding - self.head
+
+    def cast(self, weights: float) -> float:
+        """Bytes of autocast's copies of `weights` kept in fp32 and computed in bf16: each
+        forward casts every weight it multiplies by and keeps the copy for its backward (none
+        in fp32)."""
+        return weights * self.compute_bytes if self.compute_bytes < self.state_bytes[0] else 0.0
 
 
 # ==== Step time ===================================================================================
@@ -2220,7 +2283,8 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         rec["memory"] = {k: round(v, 2) for k, v in memory.items() if k != "total"}
     rec.update(extra)
     if dry_run():
-        _as_dry_run(rec, topo, stats, sum(t.numel() for t in stepped_tensors(model, optimizer)))
+        _as_dry_run(rec, topo, stats, sum(t.numel() for t in stepped_tensors(model, optimizer)),
+                    state_split_mb(model, optimizer)["grads_mb"])
         append_record(args.results, rec)
         return rec
     if topo.is_main:
@@ -2237,14 +2301,21 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     return rec
 
 
-def _as_dry_run(rec: dict, topo: Topology, stats: Stats, stepped_params: int) -> None:
+def _as_dry_run(rec: dict, topo: Topology, stats: Stats, stepped_params: int,
+                grads_mb: float) -> None:
     """A dry run's record: no times, losses or throughput (fake tensors have none), and what it
     played (`dry_run`: world, rank, device, stand-ins; the step's work a GPU's would be priced
     by: FLOPs, the parameters stepped, the MB sent within a node of DRY_RUN_GPUS_PER_NODE and
-    across nodes; the host's time and memory); its summary line. The rank played writes it."""
+    across nodes; the host's time and memory; `beyond_state_mb`, the peak less the state alive
+    at it: the weights and optimizer state, and of the gradients (`grads_mb` of the state) those
+    made by then); its summary line. The rank played writes it. The peak is the GPU's: what a
+    run keeps in host memory (offload's `host_state_mb`), on the CPU device the dry run computes
+    on, is left out of it."""
     for key in ("step_ms", "step_ms_p90", "step_ms_iqr", "tokens_per_s", "samples_per_s"):
         if key in rec:
             rec[key] = None
+    rec["peak_mem_mb"] = round(rec["peak_mem_mb"] - rec.get("host_state_mb", 0.0), 1)
+    grads_at_peak = rec.get("memory", {}).get("grads", grads_mb)
     sent = {"node": 0.0, "network": 0.0}
     for name, mb in (stats.comm_mb_by_group or {}).items():
         ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(name))
@@ -2253,6 +2324,8 @@ def _as_dry_run(rec: dict, topo: Topology, stats: Stats, stepped_params: int) ->
     rec["dry_run"] = {"world": topo.world_size, "rank": topo.rank, **DRY_RUN_DEVICE,
                       "stand_ins": dict(run_state.stand_ins), "flops": stats.flops,
                       "stepped_params": stepped_params,
+                      "beyond_state_mb": round(rec["peak_mem_mb"] - rec["state_mb"] + grads_mb
+                                               - min(grads_at_peak, grads_mb), 1),
                       "sent_mb": {where: round(mb, 3) for where, mb in sent.items()},
                       "host_s": round(time.perf_counter() - _IMPORTED_AT, 2),
                       "host_rss_mb": rec.pop("peak_rss_mb")}

@@ -78,8 +78,10 @@ def ddp_bytes(params: float, world: int, weight: float, grad: float, optim: floa
 
 
 def planned_ddp(plan: common.PlanInput) -> dict[str, float]:
-    """The planner's DDP row, the simplest: the whole model and its state on every GPU."""
-    return ddp_bytes(plan.params, plan.gpus, *plan.state_bytes)
+    """The planner's DDP row, the simplest: the whole model and its state on every GPU, and
+    under bf16 autocast its bf16 copy."""
+    return {**ddp_bytes(plan.params, plan.gpus, *plan.state_bytes),
+            "cast": plan.cast(plan.params), "fp32_residual": True}
 
 
 def main():

@@ -258,10 +258,16 @@ def planned_lora(plan: common.PlanInput) -> dict[str, float]:
     few ignored) and AdamW steps the adapters alone."""
     w, g, o = plan.state_bytes
     root, adapters = plan.embedding + plan.head, plan.lora_params
-    predicted = lora_bytes(plan.params - root + adapters, root, adapters, plan.gpus, w, g, w,
-                           w + g + o)
+    frozen = plan.compute_bytes  # frozen weights are kept in the compute dtype
+    predicted = lora_bytes(plan.params - root + adapters, root, adapters, plan.gpus, frozen, g,
+                           frozen, w + g + o)
     return {"state": predicted["state"], "sent": predicted["allgather"] +
-            predicted["reduce_scatter"], "gathered": w * (root + 2 * plan.blocks / plan.layers),
+            predicted["reduce_scatter"],
+            "gathered": frozen * (root + 2 * plan.blocks / plan.layers),
+            # a frozen Linear keeps no input for backward (it makes no weight gradient): the
+            # MLP's input and its down projection's, a layer's activations less
+            "layer_extra": -(plan.hidden + plan.ffn) * plan.micro_batch * plan.seq
+            * plan.compute_bytes,
             "matmul_share": 4 / 6, "stepped": adapters / plan.gpus}
 
 

@@ -487,9 +487,17 @@ def planned_fsdp_tp(plan: common.PlanInput) -> dict:
     tp, dp = plan.tp, plan.gpus // plan.tp
     predicted = fsdp_tp_bytes((plan.blocks - plan.replicated) / tp + plan.replicated,
                               (plan.embedding + plan.head) / tp, plan.norms, plan.layers,
-                              tp * plan.micro_batch * plan.seq, plan.hidden, dp, tp, w,
-                              plan.seq if plan.position_table else 0, w + g + o)
+                              tp * plan.micro_batch * plan.seq, plan.hidden, dp, tp,
+                              plan.compute_bytes, plan.seq if plan.position_table else 0,
+                              w + g + o)
+    # A column-wise Linear keeps its input for backward as it got it: the sequence gathered
+    # from the group's tp GPUs (Megatron-LM keeps its own shard and gathers again). Two a layer
+    # (attention's and the MLP's), (tp-1)/tp of them beyond a GPU's own tokens: tp-1 of its
+    # micro-batch's, which a layer's count of its activations leaves out.
+    gathered_inputs = 2 * (tp - 1) * plan.micro_batch * plan.seq * plan.hidden \
+        * plan.compute_bytes
     return {**predicted, "mesh": f"dp {dp} x tp {tp}", "sequences": plan.gpus * plan.micro_batch,
+            "layer_extra": gathered_inputs, "loss": "loss_parallel",
             "network": predicted["by_dim"]["dp"] if plan.gpus > plan.per_node else 0.0}
 
 

@@ -337,9 +337,11 @@ def zero1_bytes(params: float, world: int, weight: float, grad: float, optim: fl
 
 
 def planned_zero1(plan: common.PlanInput) -> dict[str, float]:
-    """The planner's ZeRO-1 row: its state and bytes at the planner's model and cluster."""
-    return {key: zero1_bytes(plan.params, plan.gpus, *plan.state_bytes)[key]
-            for key in ("state", "sent")}
+    """The planner's ZeRO-1 row: its state and bytes at the planner's model and cluster;
+    under bf16 autocast, the model's bf16 copy."""
+    predicted = zero1_bytes(plan.params, plan.gpus, *plan.state_bytes)
+    return {"state": predicted["state"], "sent": predicted["sent"],
+            "cast": plan.cast(plan.params), "fp32_residual": True}
 
 
 def theory(model: nn.Module, buckets: list[Bucket], n: int) -> dict:

@@ -393,9 +393,11 @@ def zero2_bytes(params: float, world: int, weight: float, grad: float, optim: fl
 
 
 def planned_zero2(plan: common.PlanInput) -> dict[str, float]:
-    """The planner's ZeRO-2 row: its state and bytes at the planner's model and cluster."""
-    return {key: zero2_bytes(plan.params, plan.gpus, *plan.state_bytes)[key]
-            for key in ("state", "sent")}
+    """The planner's ZeRO-2 row: its state and bytes at the planner's model and cluster;
+    under bf16 autocast, the model's bf16 copy."""
+    predicted = zero2_bytes(plan.params, plan.gpus, *plan.state_bytes)
+    return {"state": predicted["state"], "sent": predicted["sent"],
+            "cast": plan.cast(plan.params), "fp32_residual": True}
 
 
 # Copied from 04_zero/optimized_zero1.py: theory, changed: zero2_bytes

@@ -463,7 +463,8 @@ def planned_zero3(plan: common.PlanInput) -> dict[str, float]:
     head; gradients reduced in fp32, as GradReducer does under any compute dtype."""
     w, g, o = plan.state_bytes
     predicted = zero3_bytes(plan.params, [plan.blocks / plan.layers] * plan.layers,
-                            plan.embedding + plan.head, plan.gpus, w, g, o, w, reduce=4)
+                            plan.embedding + plan.head, plan.gpus, w, g, o, plan.compute_bytes,
+                            reduce=4)
     return {key: predicted[key] for key in ("state", "sent", "gathered")}
 
 

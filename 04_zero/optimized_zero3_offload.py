@@ -530,8 +530,9 @@ def planned_offload(plan: common.PlanInput) -> dict[str, float]:
     steps."""
     w, g, o = plan.state_bytes
     zero3 = zero3_bytes(plan.params, [plan.blocks / plan.layers] * plan.layers,
-                        plan.embedding + plan.head, plan.gpus, w, g, o, w, reduce=4)
-    predicted = offload_bytes(plan.params, plan.gpus, w)
+                        plan.embedding + plan.head, plan.gpus, w, g, o, plan.compute_bytes,
+                        reduce=4)
+    predicted = offload_bytes(plan.params, plan.gpus, plan.compute_bytes, w)
     return {"state": predicted["device"], "host": predicted["host"],
             "host_link": predicted["host_link"], "sent": zero3["sent"],
             "gathered": zero3["gathered"], "stepped": plan.params / plan.gpus}

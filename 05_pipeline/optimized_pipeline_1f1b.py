@@ -470,21 +470,37 @@ def uniform_bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def planned_pipeline(plan: common.PlanInput) -> dict[str, float]:
-    """The planner's pipeline row: a stage a GPU, each its 1/G of the blocks, an end stage its
-    tables too (kept whole); m micro-batches of one GPU's sequences (4 G by default) with 1F1B's
-    min(G, m) in flight. Sent by the busiest stage: an end stage comm_theory_mb's (activations
-    one way, a tied table's gradient), a middle one activations forward and gradients back."""
+def planned_pipeline(plan: common.PlanInput) -> dict[str, float] | None:
+    """The planner's pipeline row: a stage a GPU, cut as the script cuts them (common's
+    Decoder.pipeline_stages: by the weights a token meets, the head's among them; a MoE's
+    experts counted as if in every layer); m micro-batches of one GPU's sequences (4 G by
+    default). Memory: the first stage's, the one that binds (the tables, the most layers, and
+    1F1B's min(G, m) micro-batches in flight, each with autocast's bf16 copy of its matrices and
+    its fp32 residual stream; no logits).
+    Sent by the busiest stage: an end stage comm_theory_mb's (activations one way, in the
+    residual stream's fp32, a tied table's gradient), a middle one activations forward and
+    gradients back; `sent_first`, the first stage's. None where the GPUs outnumber the layers it
+    can cut (skip_unless_pipelined's)."""
     w, g, o = plan.state_bytes
     n, m = plan.gpus, plan.micro_batches or 4 * plan.gpus
-    boundary_dtype = {2: torch.bfloat16, 4: torch.float32}[w]
-    end = comm_theory_mb((plan.micro_batch, plan.seq, plan.hidden), boundary_dtype, m,
+    if n > plan.layers + 2:
+        return None
+    final_norm = plan.norms / (2 * plan.layers + 1)  # a layer holds two
+    layer = (plan.blocks - final_norm) / plan.layers
+    experts = plan.expert_params / plan.layers
+    meets = layer - 2 * final_norm - (experts * (1 - plan.top_k / plan.experts)
+                                      if plan.experts else 0.0)
+    stages = common.cut_into_stages([0.0, *[meets] * plan.layers, plan.vocab * plan.hidden], n)
+    first_layers = len(stages[0]) - 1 if n > 1 else plan.layers
+    first = plan.embedding + first_layers * layer + (0.0 if n > 1 else plan.head + final_norm)
+    end = comm_theory_mb((plan.micro_batch, plan.seq, plan.hidden), torch.float32, m,
                          g * plan.tied) * 2**20
     middle = 2 * m * plan.micro_batch * plan.seq * plan.hidden * w if n > 2 else 0.0
-    return {"state": (w + g + o) * ((plan.params - plan.embedding) / n + plan.embedding),
-            "sent": 0.0 if n == 1 else max(end, middle), "bubble": uniform_bubble(n, m),
-            "sequences": plan.micro_batch * m, "stage_layers": -(-plan.layers // n),
-            "in_flight": min(n, m)}
+    return {"state": (w + g + o) * first, "sent": 0.0 if n == 1 else max(end, middle),
+            "sent_first": 0.0 if n == 1 else end, "bubble": uniform_bubble(n, m),
+            "sequences": plan.micro_batch * m, "stage_layers": first_layers,
+            "in_flight": min(n, m), "cast": min(n, m) * plan.cast(first - plan.embedding),
+            "loss": "plain" if n == 1 else None, "fp32_residual": True}
 
 
 def main():

@@ -333,11 +333,13 @@ def tied_weights(model: common.Decoder) -> list[nn.Parameter]:
 def pair_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """This rank's first- and last-stage ranks of its (dp, tp) coordinate: the holders of a tied
     weight. Every rank creates every pair's group, in the same order, as new_group requires."""
-    grid, mine = mesh.mesh, None
-    for coordinate in range(grid[0].numel()):
-        column = grid.flatten(1)[:, coordinate]
-        group = dist.new_group([int(column[0]), int(column[-1])])
-        if dist.get_rank() in (int(column[0]), int(column[-1])):
+    with common.real_tensors():  # the mesh's ranks, read on the host
+        grid = mesh.mesh.flatten(1)
+        pairs = [(int(grid[0, c]), int(grid[-1, c])) for c in range(grid.shape[1])]
+    mine = None
+    for pair in pairs:
+        group = dist.new_group(list(pair))
+        if dist.get_rank() in pair:
             mine = group
     return mine
 
@@ -675,14 +677,19 @@ def planned_pipeline_3d(plan: common.PlanInput) -> dict:
     heavier = max(pieces(plan.embedding, False), pieces(plan.head + plan.tied, True))
     first = stage_bytes(pieces(plan.embedding, False), plan.tied / tp,
                         (plan.norms - final_norm) * share, layers,
-                        tp * plan.micro_batch * plan.seq, plan.hidden, dp, tp, m, w, True,
-                        pp == 1, plan.seq if plan.position_table else 0)
+                        tp * plan.micro_batch * plan.seq, plan.hidden, dp, tp, m,
+                        plan.compute_bytes, True, pp == 1,
+                        plan.seq if plan.position_table else 0)
     sent = first["by_dim"]
     return {"state": (w + g + o) * heavier / dp, "sent": first["sent"], "by_dim": sent,
-            "gathered": w * heavier, "bubble": uniform_bubble(pp, m),
+            "gathered": plan.compute_bytes * heavier, "bubble": uniform_bubble(pp, m),
             "mesh": f"pp {pp} x dp {dp} x tp {tp}, m {m}",
             "sequences": dp * m * tp * plan.micro_batch,
             "stage_layers": layers, "in_flight": min(pp, m),
+            # as FSDP x TP's: each column-wise Linear keeps its gathered input, and the last
+            # stage's loss runs under loss_parallel (both counted, as if on one stage)
+            "layer_extra": 2 * (tp - 1) * plan.micro_batch * plan.seq * plan.hidden
+            * plan.compute_bytes, "loss": "loss_parallel",
             "network": sent["dp"] + sent["pp"] if plan.gpus > plan.per_node else 0.0}
 
 
@@ -743,9 +750,11 @@ def main():
                      mixed_precision(args.dtype))
     del model  # the other stages' layers are freed: a rank holds its stage only
     opt = torch.optim.AdamW(stage.module.parameters(), lr=args.lr)
+    with common.real_tensors():
+        last_stage_rank = int(mesh.mesh[-1].flatten()[0])
     stats = common.timed_steps(
         functools.partial(train_step, stage, opt, mesh, args.clip_grad_norm), batches, args,
-        topo, memory_of=(stage.module, opt), loss_rank=int(mesh.mesh[-1].flatten()[0]))
+        topo, memory_of=(stage.module, opt), loss_rank=last_stage_rank)
     common.record(args, topo, stats, baseline="baseline_pipeline_3d", model=stage.module,
                   optimizer=opt, overlapped=common.FSDP_OVERLAP, comm_mb=stats.comm_mb,
                   params=params, mesh=dims,

@@ -477,13 +477,18 @@ def planned_tp(plan: common.PlanInput, across_nodes: bool = False) -> dict[str, 
     GPU's gradients (the bytes across nodes)."""
     w, g, o = plan.state_bytes
     t = min(plan.per_node, plan.gpus) if across_nodes else plan.gpus
-    whole = plan.embedding + plan.replicated
+    whole = plan.embedding + plan.head + plan.replicated  # an untied head is replicated too
     kept = (plan.params - whole) / t + whole
     predicted = tp_bytes(kept, whole, plan.layers, t * plan.micro_batch * plan.seq,
-                         plan.hidden, t, w, w + g + o, g)
+                         plan.hidden, t, plan.compute_bytes, w + g + o, g)
     replicas = plan.gpus // t
     across = 2 * (replicas - 1) / replicas * g * kept
     return {"state": predicted["state"], "sent": predicted["sent"] + across,
+            "cast": plan.cast(kept), "fp32_residual": True,
+            # ColumnParallel keeps its gathered input for backward: the whole sequence of the
+            # group's tokens, twice a layer, t-1 micro-batches beyond a GPU's own
+            "layer_extra": 2 * (t - 1) * plan.micro_batch * plan.seq * plan.hidden
+            * plan.compute_bytes,
             "network": (across if across_nodes else predicted["sent"])
             if plan.gpus > plan.per_node else 0.0}
 

@@ -440,9 +440,10 @@ def planned_fsdp_cp(plan: common.PlanInput) -> dict:
     w, g, o = plan.state_bytes
     final_norm = plan.norms / (2 * plan.layers + 1)  # the root holds it: a layer holds two
     root = plan.embedding + plan.head + final_norm
-    predicted = fsdp_bytes(plan.params - root, root, plan.gpus, 1, True, w, g, w + g + o,
-                           largest_block=(plan.params - root) / plan.layers)
-    ring = ring_bytes(plan.micro_batch, plan.seq, 1, plan.hidden, plan.cp, plan.layers, w)
+    predicted = fsdp_bytes(plan.params - root, root, plan.gpus, 1, True, plan.compute_bytes, g,
+                           w + g + o, largest_block=(plan.params - root) / plan.layers)
+    ring = ring_bytes(plan.micro_batch, plan.seq, 1, plan.hidden, plan.cp, plan.layers,
+                      plan.compute_bytes)
     return {"state": predicted["state"], "sent": predicted["sent"] + ring,
             "gathered": predicted["gathered"], "cp": plan.cp,
             "sequences": plan.gpus // plan.cp * plan.micro_batch,
@@ -522,7 +523,8 @@ def main():
     mesh = init_device_mesh(topo.device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
     group = mesh.get_group("cp")
     attention = MeasuredRingAttention(group, zigzag=zigzag, overlap=not args.no_overlap)
-    positions = [common.sequence_positions(args.seq_len, r, cp, zigzag) for r in range(cp)]
+    with common.real_tensors():  # the theory reads them on the host
+        positions = [common.sequence_positions(args.seq_len, r, cp, zigzag) for r in range(cp)]
     mine = positions[group.rank()].to(topo.device)
     model, batches = common.workload(settings, topo, attention=attention,
                                      dp_rank=mesh.get_local_rank("dp"), dp_world=world // cp,
@@ -548,6 +550,9 @@ def main():
                                dp_world=world // cp)
     unwrapped = model if args.fsdp else model.module
     ring_mb = sum(mb for kind, mb in stats.comm_mb_by_kind.items() if kind.startswith("send"))
+    with common.real_tensors():  # the positions' attention FLOPs, read on the host
+        predicted = theory(settings, positions,
+                           data_parallel_theory(unwrapped, blocks, world, args.fsdp))
     common.record(recorded_settings(settings, cp), topo, stats,
                   overlapped={**common.DDP_OVERLAP, **common.FSDP_OVERLAP},
                   baseline="baseline_context", model=unwrapped, optimizer=opt,
@@ -556,8 +561,7 @@ def main():
                   strategy="FSDP x CP" if args.fsdp else "DDP x CP", ring_mb=ring_mb,
                   **attention.figures(args.steps, size.d_model // size.n_heads,
                                       cpu=topo.device.type == "cpu"),
-                  theory=theory(settings, positions,
-                                data_parallel_theory(unwrapped, blocks, world, args.fsdp)))
+                  theory=predicted)
 
 
 # The planner's row (report/planner.py reads this; the script never does).

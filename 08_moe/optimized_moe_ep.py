@@ -417,7 +417,7 @@ def expert_parallel_bytes(plan: common.PlanInput) -> dict[str, float]:
     replicas = plan.gpus // plan.ep
     tokens = plan.micro_batch * plan.seq
     return {"alltoall": plan.moe_layers * uniform_alltoall_bytes(
-                tokens, plan.top_k, plan.hidden, plan.state_bytes[0], plan.experts, plan.ep),
+                tokens, plan.top_k, plan.hidden, plan.compute_bytes, plan.experts, plan.ep),
             "replicas": common.ring_allreduce_mb(g * plan.expert_params / plan.ep, replicas)
             * 2**20,
             "counts": common.ring_allreduce_mb(8 * plan.moe_layers * plan.experts, plan.gpus)
@@ -433,7 +433,7 @@ def planned_crossover(plan: common.PlanInput) -> float:
     the all-reduce does not: below this EP sends fewer bytes, above it more."""
     sent = expert_parallel_bytes(plan)
     at = [plan.moe_layers * uniform_alltoall_bytes(n, plan.top_k, plan.hidden,
-                                                   plan.state_bytes[0], plan.experts, plan.ep)
+                                                   plan.compute_bytes, plan.experts, plan.ep)
           for n in (0, 1)]
     return (sent["data_parallel"] - sent["replicas"] - at[0]) / (at[1] - at[0])
 
@@ -450,14 +450,19 @@ def planned_ep(plan: common.PlanInput, fsdp: bool = False) -> dict:
     if fsdp:
         final_norm = plan.norms / (2 * plan.layers + 1)  # the root holds it: a layer holds two
         root = plan.embedding + plan.head + final_norm
+        # no param_dtype: FSDP gathers the fp32 weights, and autocast casts them as the rest
         predicted = fsdp_bytes(dense - root, root, plan.gpus, 1, True, w, g, w + g + o,
                                largest_block=(dense - root) / plan.layers)
         data_parallel = {"sent": predicted["sent"],
                          "state": predicted["state"] + (w + g + o) * plan.expert_params / plan.ep,
-                         "gathered": predicted["gathered"]}
+                         "gathered": predicted["gathered"],
+                         "cast": plan.cast(dense + plan.expert_params / plan.ep),
+                         "fp32_residual": True}
     else:
         data_parallel = {"sent": common.ring_allreduce_mb(g * dense, plan.gpus) * 2**20,
-                         "state": (w + g + o) * (dense + plan.expert_params / plan.ep)}
+                         "state": (w + g + o) * (dense + plan.expert_params / plan.ep),
+                         "cast": plan.cast(dense + plan.expert_params / plan.ep),
+                         "fp32_residual": True}
     dp = data_parallel["sent"] + sent["replicas"] + sent["counts"]
     # the all-to-all's rows to peers in other nodes, when ep spans them (uniform routing)
     off_node = max(plan.ep - plan.per_node, 0) / (plan.ep - 1)

@@ -26,7 +26,7 @@ from report.charts import write_charts
 from report.dryrun import render_dry_runs
 from report.gpus import GPUS
 from report.planner import (
-    STATE_BYTES,
+    COMPUTE_BYTES,
     add_moe_flags,
     moe_error,
     plan_input,
@@ -144,9 +144,15 @@ def main(argv: Sequence[str]) -> int:
     plan.add_argument("--micro-batches", type=common.int_at_least(1), default=None,
                       help="a pipeline's micro-batches per step (default 4 x gpus; PP x FSDP x "
                            "TP: 2 x pp)")
-    plan.add_argument("--dtype", choices=sorted(STATE_BYTES), default="bf16")
+    plan.add_argument("--dtype", choices=sorted(COMPUTE_BYTES), default="bf16")
     plan.add_argument("--llama", action="store_true", help="a Llama's layout: untied head, "
                       "rotary positions (no position table), RMSNorm, no biases (default GPT-2's)")
+    plan.add_argument("--ffn", type=common.int_at_least(1), default=None,
+                      help="with --llama, the SwiGLU's width (intermediate_size; default: "
+                           "Llama's 8/3 x --hidden, rounded up to 256)")
+    plan.add_argument("--cp", type=common.int_at_least(2), default=None,
+                      help="FSDP x CP's context-parallel degree (default: the fewest GPUs of a "
+                           "node that fit)")
     plan.add_argument("--pp", type=common.int_at_least(2), default=None,
                       help="PP x FSDP x TP's stages (default: the fewest at which it fits)")
     add_moe_flags(plan)

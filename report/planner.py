@@ -18,10 +18,14 @@ import common
 from report.gpus import ADAMW_BYTES, FITTED_ON, GPU, GPUS, LLAMA31, gpu_rates, llama_params
 
 GB = 1e9
-# Bytes per parameter: (weights, gradients, optimizer state) with AdamW. fp32: 4 + 4 + 8 (two
-# moments), what every folder measures on CPU. Mixed precision, as the ZeRO paper counts it:
-# 16-bit weights and gradients, and fp32 master weights + two moments in the optimizer, 2+2+12.
-STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
+# Bytes per parameter: (weights, gradients, optimizer state) with AdamW, what the scripts keep:
+# fp32 weights, gradients and two moments, 4 + 4 + 8, whatever they compute in. (The ZeRO paper's
+# mixed precision, 16-bit weights and gradients beside fp32 masters, 2 + 2 + 12, is not theirs:
+# the dry runs measured 4 + 4 + 8.)
+STATE_BYTES = (4, 4, 8)
+# A value's bytes in compute, by --dtype: bf16 runs keep the fp32 state above and compute under
+# autocast (or FSDP's param_dtype), as every script's --dtype bf16 does
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @functools.cache
@@ -36,23 +40,51 @@ def import_script(path: Path) -> types.ModuleType:
     return module
 
 
+# Bytes a logit at the loss's backward, its peak (bf16 logits cast to fp32, cross-entropy and its
+# gradient, in eager): plain F.cross_entropy keeps 14; under loss_parallel (a vocabulary split
+# over TP), whose backward is a chain of ops on each rank's shard, 68. MemTracker's counts under
+# fake tensors, held by tests/test_dryrun.py, which measures both again.
+LOSS_BYTES_PER_LOGIT = {"plain": 14, "loss_parallel": 68}
+
+
 def activations_per_gpu(layers: int, seq: int, batch: int, hidden: int, vocab: int, dtype: str,
                         checkpointing: bool, llama: bool = False, heads: int | None = None,
-                        stage_layers: int | None = None, in_flight: int = 1) -> float:
-    """Activation bytes saved for backward: the blocks' (03_fsdp/optimized_fsdp_fp8.py's
-    activation_bytes, a GPT's blocks or with `llama` a Llama's, `dtype`'s bytes a value; a
-    pipeline stage keeps `in_flight` micro-batches of its `stage_layers`, 1F1B as many as
-    there are stages) and, the planner's own term for the loss, the logits and their gradient
-    in fp32 (2 x seq x batch x vocab x 4), which that script leaves out."""
+                        stage_layers: int | None = None, in_flight: int = 1,
+                        ffn: int | None = None, moe: tuple[int, int, int] | None = None,
+                        loss: str | None = "plain", fp32_residual: bool = False) -> float:
+    """Activation bytes a GPU keeps for backward: the blocks' (03_fsdp/optimized_fsdp_fp8.py's
+    activation_bytes, a GPT's blocks or with `llama` a Llama's of SwiGLU width `ffn` (default
+    llama_ffn_dim), `dtype`'s bytes a value; a pipeline stage keeps `in_flight` micro-batches of
+    its `stage_layers`, 1F1B as many as there are stages) and, the planner's own term, which
+    that script leaves out, the loss's backward: LOSS_BYTES_PER_LOGIT of the `loss` the GPU
+    computes ("plain", or "loss_parallel": its share of the vocabulary for as many more tokens;
+    None: no loss). A MoE (`moe`: top_k, an expert's width, experts) keeps, in its MLP's place,
+    what common.Experts saves a token: its top_k routed rows, their outputs and their weighted
+    sum (3 x hidden each), each expert's SwiGLU (4 x width), and the router's fp32 logits and
+    scores (2 x experts, 2 values of `dtype` each in bf16). `fp32_residual`: autocast over fp32
+    weights, whose residual stream stays fp32 in a bf16 run: the norms' inputs (2 a layer; with
+    checkpointing, the blocks' inputs too) and a MoE's routed rows and their weighted outputs
+    (2 x top_k) kept at 4 bytes, not 2."""
     activation_bytes = import_script(common.ROOT / "03_fsdp" / "optimized_fsdp_fp8.py"
                                      ).activation_bytes
     # The flags give no head count: heads of 128 (Llama's), unless told. Their term, a
     # log-sum-exp a head and token, is about 1/2000 of the rest.
     heads = hidden // 128 if heads is None else heads
-    blocks = activation_bytes(stage_layers if stage_layers is not None else layers,
-                              seq * batch, hidden, heads, 2 if dtype == "bf16" else 4,
-                              checkpointing, common.llama_ffn_dim(hidden) if llama else None)
-    return in_flight * blocks + 8 * seq * batch * vocab
+    if llama:
+        ffn = common.llama_ffn_dim(hidden) if ffn is None else ffn
+    if moe:
+        top_k, expert_ffn, experts = moe
+        # that script's MLP term is 4 x ffn values a token: the MoE's values, as a width
+        ffn = (top_k * (3 * hidden + 4 * expert_ffn) + 4 * experts) / 4
+    layers = stage_layers if stage_layers is not None else layers
+    blocks = activation_bytes(layers, seq * batch, hidden, heads, 2 if dtype == "bf16" else 4,
+                              checkpointing, ffn if llama else None)
+    if fp32_residual and dtype == "bf16":  # 2 bytes more for each value kept in fp32
+        in_fp32 = (2 + (2 * moe[0] if moe else 0)) * hidden
+        blocks += 2 * seq * batch * (layers * hidden + in_fp32 if checkpointing
+                                     else layers * in_fp32)
+    logits = seq * batch * vocab * LOSS_BYTES_PER_LOGIT[loss] if loss else 0.0
+    return in_flight * blocks + logits
 
 
 def tp_degree(gpus: int, per_node: int) -> int:
@@ -73,7 +105,10 @@ def lora_params(args: argparse.Namespace) -> float:
     """--lora-rank r's adapters, r (d_in + d_out) a projection of every layer's attention: a
     GPT's fused qkv (h to 3h) and output projection, 6 r h a layer; a Llama's four, 8 r h a
     layer, its key and value projections taken as h x h (grouped-query attention's are
-    narrower: fewer). 0 without --lora-rank."""
+    narrower: fewer), unless the flags give the count (`lora_params`: a run's own). 0 without
+    --lora-rank."""
+    if getattr(args, "lora_params", None):
+        return args.lora_params
     return float(args.layers * args.lora_rank * (8 if args.llama else 6) * args.hidden)
 
 
@@ -95,13 +130,15 @@ def plan_input(args: argparse.Namespace, tp: int = 1, pp: int = 1, cp: int = 1, 
                  "tied": args.vocab * h, "replicated": norms + 2 * layers * h, "norms": norms,
                  "position_table": True}
     return common.PlanInput(params=args.params, gpus=args.gpus, per_node=args.gpus_per_node,
-                            state_bytes=STATE_BYTES[args.dtype], layers=layers, hidden=h,
+                            state_bytes=STATE_BYTES,
+                            compute_bytes=COMPUTE_BYTES[args.dtype], layers=layers, hidden=h,
                             vocab=args.vocab, seq=args.seq_len, micro_batch=args.micro_batch,
                             micro_batches=args.micro_batches, tp=tp, pp=pp, cp=cp, **parts,
                             experts=args.experts, top_k=args.top_k,
                             moe_layers=(layers if args.moe_layers is None else args.moe_layers)
                             if args.experts else 0, expert_params=expert_params(args), ep=ep,
-                            lora_params=lora_params(args))
+                            lora_params=lora_params(args),
+                            ffn=(args.ffn or common.llama_ffn_dim(h)) if args.llama else 4 * h)
 
 
 def planned_strategies() -> list[dict]:
@@ -131,7 +168,9 @@ def pipeline_depths(args: argparse.Namespace, tp: int) -> list[int]:
 def context_degrees(args: argparse.Namespace) -> list[int]:
     """The cp FSDP x CP may take: each divisor of a node's GPUs from 2 up (the ring of K/V
     blocks stays inside the node) that also divides the GPUs and cuts the sequence into 2 x cp
-    equal chunks (zigzag)."""
+    equal chunks (zigzag); --cp, if given."""
+    if getattr(args, "cp", None):
+        return [args.cp]
     per_node = min(args.gpus, args.gpus_per_node)
     return [cp for cp in range(2, per_node + 1)
             if per_node % cp == 0 and args.gpus % cp == 0 and args.seq_len % (2 * cp) == 0]
@@ -161,8 +200,18 @@ def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpoi
                                args.micro_batch, args.hidden,
                                args.vocab, args.dtype, checkpointing, args.llama,
                                stage_layers=figures.get("stage_layers"),
-                               in_flight=figures.get("in_flight", 1))
-    gathered = figures.get("gathered", 0.0)
+                               in_flight=figures.get("in_flight", 1), ffn=args.ffn,
+                               loss=figures.get("loss", "plain"),
+                               fp32_residual=figures.get("fp32_residual", False),
+                               moe=(args.top_k, args.expert_ffn, args.experts)
+                               if args.experts else None)
+    # what a layer keeps beyond those (sequence parallelism's gathered inputs), for each of
+    # the layers a micro-batch keeps: every one, or, checkpointed, the one recomputing
+    kept_layers = 1 if checkpointing else figures.get("stage_layers", args.layers)
+    acts += figures.get("layer_extra", 0.0) * kept_layers * figures.get("in_flight", 1)
+    # autocast's bf16 copies of fp32 weights, kept to backward: checkpointed, a layer's at once
+    cast = figures.get("cast", 0.0) / (args.layers if checkpointing else 1)
+    gathered = figures.get("gathered", 0.0) + cast
     total = figures["state"] + acts + gathered
     across = figures["sent"] if args.gpus > args.gpus_per_node else 0.0
     return {"strategy": strategy, "checkpointing": checkpointing, "state": figures["state"],
@@ -171,6 +220,7 @@ def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpoi
             "bubble": figures.get("bubble", 0.0),
             "sequences": figures.get("sequences", args.micro_batch * args.gpus),
             **{key: figures[key] for key in ("by_dim", "mesh", "crossover", "alltoall", "tokens",
+                                             "sent_first",
                                              "experts_data_parallel", "experts_replicas",
                                              "host", "host_link")
                if key in figures}}
@@ -211,7 +261,7 @@ def planned_step(args: argparse.Namespace, row: dict, figures: dict, gpu: GPU, a
     # a frozen weight's matmuls skip its gradient (LoRA: 4 FLOPs a weight of full training's 6),
     # and AdamW steps what trains
     matmul = (per_token - attention) * figures.get("matmul_share", 1.0)
-    stepped = figures.get("stepped", figures["state"] / sum(STATE_BYTES[args.dtype]))
+    stepped = figures.get("stepped", figures["state"] / sum(STATE_BYTES))
     if "host_link" in figures:  # offloaded: AdamW in host memory under the next forward, none
         # of it on the GPU; the copies over PCIe counted exposed (they share that window)
         collectives |= {"pcie/offload": (figures["host_link"], 0),
@@ -385,6 +435,7 @@ def plan_strategies(args: argparse.Namespace) -> list[dict]:
         else:
             depths = pipeline_depths(args, tp) if entry.get("pipelined") else [1]
             figures = [entry["figures"](plan_input(args, tp, pp)) for pp in depths]
+        figures = [f for f in figures if f is not None]  # None: the layout cannot run here
         for checkpointing in (False, True) if figures else ():
             tried = [(planned_row(args, entry["strategy"], f, checkpointing), f) for f in figures]
             row, f = next(((r, f) for r, f in tried if r["fits"]), tried[-1])
@@ -607,8 +658,10 @@ CASES = [("ResNet-50 on 8 GPUs", {"params": 25.6e6, "gpus": 8, "layers": 16, "hi
          ("LLaMA-7B on 8 16-GB GPUs", {"params": 7e9, "gpus": 8, "gpu_mem": 16.0,
                                        "layers": 32, "hidden": 4096, "vocab": 32000,
                                        "seq_len": 4096, "llama": True}, None),
+         # Llama 2 70B's SwiGLU is 28,672 wide (its config.json), not the 8/3 rule's 22,016
          ("LLaMA-70B on 64 GPUs", {"params": 70e9, "gpus": 64, "layers": 80, "hidden": 8192,
-                                   "vocab": 32000, "seq_len": 4096, "llama": True}, None),
+                                   "vocab": 32000, "seq_len": 4096, "llama": True,
+                                   "ffn": 28672}, None),
          # Qwen3-30B-A3B, from its Hugging Face config.json (Qwen/Qwen3-30B-A3B): 48 layers,
          # hidden_size 2048, 128 experts a layer (every layer: mlp_only_layers empty), 8 a
          # token, moe_intermediate_size 768, vocab 151,936, untied head; its model card: 30.5B
@@ -617,7 +670,7 @@ CASES = [("ResNet-50 on 8 GPUs", {"params": 25.6e6, "gpus": 8, "layers": 16, "hi
                                        "hidden": 2048, "vocab": 151936, "seq_len": 4096,
                                        "llama": True, "experts": 128, "top_k": 8,
                                        "expert_ffn": 768},
-          "a MoE: its activations counted as a Llama's of its width"),
+          "a MoE: its activations what common.Experts keeps a token"),
          # the seed guide's fine-tuning row (FSDP + LoRA), on two GPUs of a workstation's size
          ("Fine-tuning LLaMA-7B on 2 GPUs", {"params": 7e9, "gpus": 2, "gpu_mem": 24.0,
                                              "layers": 32, "hidden": 4096, "vocab": 32000,
@@ -626,22 +679,29 @@ CASES = [("ResNet-50 on 8 GPUs", {"params": 25.6e6, "gpus": 8, "layers": 16, "hi
 CASE_FLAGS = {"gpu_mem": 80.0, "gpus_per_node": 8, "micro_batch": 1, "micro_batches": None,
               "dtype": "bf16", "llama": False, "pp": None, "experts": 0, "top_k": 0,
               "expert_ffn": 0, "moe_layers": None, "gpu": "h100", "run_as": "eager",
-              "lora_rank": 0}
+              "lora_rank": 0, "ffn": None, "cp": None}
 
 
 # Each seed case's layout run by its script, at the case's world on the published shape it stands
-# for, as `make dryrun` runs it (its DRY_SEED_RUNS, held equal by tests/test_dryrun.py)
+# for, as `make dryrun` runs it (its DRY_SEED_RUNS, held equal by tests/test_dryrun.py), and the
+# planner's flags for what the script runs where they are not the case's: the pipeline's default
+# batch, 8 micro-batches of 4 sequences (the case's 64 of one take a dry run minutes a step)
 CASE_DRY_RUNS = {
-    "LLaMA-7B on 8 GPUs": ("FSDP full", "03_fsdp/optimized_fsdp.py --size llama2-7b --dry-run 8"),
+    "LLaMA-7B on 8 GPUs": ("FSDP full", "03_fsdp/optimized_fsdp.py --size llama2-7b --dry-run 8",
+                           {}),
     "LLaMA-7B on 8 16-GB GPUs": ("ZeRO-3 + offload", "04_zero/optimized_zero3_offload.py --size "
-                                 "llama2-7b --dry-run 8"),
+                                 "llama2-7b --dry-run 8", {}),
     "LLaMA-70B on 64 GPUs": ("FSDP x TP", "03_fsdp/optimized_fsdp_tp.py --size llama2-70b "
-                             "--dry-run 64 --tp 8"),
+                             "--dry-run 64 --tp 8", {}),
     "Qwen3-30B-A3B on 16 GPUs": ("pipeline", "05_pipeline/optimized_pipeline_1f1b.py --size "
-                                 "qwen3-30b-a3b --dry-run 16"),
+                                 "qwen3-30b-a3b --dry-run 16",
+                                 {"micro_batch": 4, "micro_batches": 8}),
     "Fine-tuning LLaMA-7B on 2 GPUs": ("FSDP + LoRA", "03_fsdp/optimized_fsdp_lora.py --size "
-                                       "llama2-7b --dry-run 2"),
+                                       "llama2-7b --dry-run 2", {}),
 }
+# How near a dry run's memory beyond its state must come to the planner's activations (with the
+# weights it holds gathered or cast): the planner counts a layer's activations by formula
+DRY_RUN_ACTIVATIONS_TOLERANCE = 0.15
 
 
 def dry_run_record(run: str, records: list[dict]) -> dict | None:
@@ -656,23 +716,40 @@ def dry_run_record(run: str, records: list[dict]) -> dict | None:
     return matching[-1] if matching else None
 
 
+def beside_dry_run(args: argparse.Namespace, strategy: str, rec: dict) -> dict[str, tuple]:
+    """A dry run's figures and the planner's for the same strategy at the dry run's exact
+    parameter count (the flags `args` give the rest), in bytes a GPU: {"state", "activations",
+    "sent": (dry run's, planner's)}. Activations: the dry run's peak beyond the state alive at it
+    (`beyond_state_mb`) against the planner's activations and the weights it holds gathered or
+    cast. Sent: rank 0's, an end stage's in a pipeline. A LoRA run's adapters are its own (the
+    base model's count without them)."""
+    adapters = float(rec["trainable_params"]) if rec.get("lora_rank") else 0.0
+    exact = argparse.Namespace(**{**vars(args), "params": rec["params"] - adapters,
+                                  **({"lora_params": adapters} if adapters else {})})
+    row = next(r for r in plan_strategies(exact) if r["strategy"] == strategy and
+               not r["checkpointing"])
+    return {"state": (rec["state_mb"] * 2**20, row["state"]),
+            "activations": (rec["dry_run"]["beyond_state_mb"] * 2**20, row["activations"]),
+            "sent": ((rec["comm_mb"] or 0.0) * 2**20, row.get("sent_first", row["sent"]))}
+
+
 def dry_run_line(args: argparse.Namespace, strategy: str, run: str, rec: dict | None) -> str:
-    """A case's dry run beside the planner's row for the same strategy at the dry run's exact
-    parameter count: state, the rest of the peak (activations, temporaries) and bytes sent a
-    step, in GB a GPU."""
+    """A case's dry run beside the planner's row for the same strategy (beside_dry_run), in GB
+    a GPU."""
     head = f"Dry run of {strategy} (`{run}`, rank 0): "
     if rec is None:
         return head + "none yet (`make dryrun`)."
     if rec["status"] != "ok":
         return head + f"{rec['status']}, {rec['reason']}"
-    exact = argparse.Namespace(**{**vars(args), "params": float(rec["params"])})
-    row = next(r for r in plan_strategies(exact) if r["strategy"] == strategy and
-               not r["checkpointing"])
-    state, peak = rec["state_mb"] * 2**20 / GB, rec["peak_mem_mb"] * 2**20 / GB
-    sent, activations = (rec["comm_mb"] or 0.0) * 2**20 / GB, row["activations"] / GB
-    return head + (f"state {state:,.1f} GB (planner {row['state'] / GB:,.1f}), the rest of its "
-                   f"peak {peak - state:,.1f} GB (planner's activations {activations:,.1f}), "
-                   f"sent {sent:,.1f} GB a step (planner {row['sent'] / GB:,.1f}).")
+    if "beyond_state_mb" not in rec.get("dry_run", {}):
+        return head + "older than this planner (`make dryrun` again)."
+    pairs = beside_dry_run(args, strategy, rec)
+    (state, planned_state), (beyond, acts), (sent, planned_sent) = (
+        (dry / GB, planned / GB) for dry, planned in pairs.values())
+    return head + (f"state {state:,.1f} GB (planner {planned_state:,.1f}), its peak beyond the "
+                   f"state {beyond:,.1f} GB (planner's activations {acts:,.1f}, "
+                   f"{beyond / acts - 1:+.0%}), sent {sent:,.2f} GB a step (planner "
+                   f"{planned_sent:,.2f}).")
 
 
 def render_cases(dry_results: Path = common.DRY_RESULTS) -> str:
@@ -692,6 +769,7 @@ def render_cases(dry_results: Path = common.DRY_RESULTS) -> str:
         lines.append(f"{name} ({count} parameters{f'; {note}' if note else ''}): {pick}"
                      + "".join(f" {line}" for line in crossover_lines(rows) + offload_lines(rows)))
         if name in CASE_DRY_RUNS:
-            strategy, run = CASE_DRY_RUNS[name]
-            lines[-1] += " " + dry_run_line(args, strategy, run, dry_run_record(run, dry_runs))
+            strategy, run, configured = CASE_DRY_RUNS[name]
+            lines[-1] += " " + dry_run_line(argparse.Namespace(**{**vars(args), **configured}),
+                                            strategy, run, dry_run_record(run, dry_runs))
     return "\n".join(lines)
