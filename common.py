@@ -1549,6 +1549,7 @@ class PlanInput:
     # activations are kept in (bf16: 2)
     compute_bytes: int = 4
     ffn: int = 0  # the MLP's width: a Llama's SwiGLU's, a GPT's 4 x hidden
+    kv_width: float = 0.0  # K's (and V's) width a token: KV heads x head size (0: hidden)
 
     @property
     def blocks(self) -> float:

@@ -436,16 +436,18 @@ def fsdp_bytes(blocks: float, root: float, group: int, replicas: int = 1, reshar
 def planned_fsdp_cp(plan: common.PlanInput) -> dict:
     """The planner's FSDP x CP row (this script's --fsdp): FSDP over every GPU, each cp group's
     sequences cut across its cp GPUs of one node (the ring stays on NVLink); a group computes a
-    micro-batch, a GPU 1/cp of it. K and V as wide as the model (no GQA: the most bytes)."""
+    micro-batch, a GPU 1/cp of it; K and V of `plan.kv_width` a token. FSDP without a
+    param_dtype: it gathers fp32 weights, and autocast casts them, keeping each layer's copy."""
     w, g, o = plan.state_bytes
     final_norm = plan.norms / (2 * plan.layers + 1)  # the root holds it: a layer holds two
     root = plan.embedding + plan.head + final_norm
-    predicted = fsdp_bytes(plan.params - root, root, plan.gpus, 1, True, plan.compute_bytes, g,
-                           w + g + o, largest_block=(plan.params - root) / plan.layers)
-    ring = ring_bytes(plan.micro_batch, plan.seq, 1, plan.hidden, plan.cp, plan.layers,
-                      plan.compute_bytes)
+    predicted = fsdp_bytes(plan.params - root, root, plan.gpus, 1, True, w, g, w + g + o,
+                           largest_block=(plan.params - root) / plan.layers)
+    ring = ring_bytes(plan.micro_batch, plan.seq, 1, plan.kv_width or plan.hidden, plan.cp,
+                      plan.layers, plan.compute_bytes)
     return {"state": predicted["state"], "sent": predicted["sent"] + ring,
             "gathered": predicted["gathered"], "cp": plan.cp,
+            "cast": plan.cast(plan.params - plan.embedding), "fp32_residual": True,
             "sequences": plan.gpus // plan.cp * plan.micro_batch,
             "by_dim": {"cp": ring, "dp": predicted["sent"]},
             "mesh": f"dp {plan.gpus // plan.cp} x cp {plan.cp}",

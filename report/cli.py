@@ -150,6 +150,12 @@ def main(argv: Sequence[str]) -> int:
     plan.add_argument("--ffn", type=common.int_at_least(1), default=None,
                       help="with --llama, the SwiGLU's width (intermediate_size; default: "
                            "Llama's 8/3 x --hidden, rounded up to 256)")
+    plan.add_argument("--heads", type=common.int_at_least(1), default=None,
+                      help="attention heads (num_attention_heads; default: --hidden / 128)")
+    plan.add_argument("--kv-heads", type=common.int_at_least(1), default=None,
+                      help="K/V heads (num_key_value_heads; default: --heads)")
+    plan.add_argument("--head-dim", type=common.int_at_least(1), default=None,
+                      help="a head's width (head_dim; default: --hidden / --heads)")
     plan.add_argument("--cp", type=common.int_at_least(2), default=None,
                       help="FSDP x CP's context-parallel degree (default: the fewest GPUs of a "
                            "node that fit)")

@@ -40,31 +40,34 @@ def import_script(path: Path) -> types.ModuleType:
     return module
 
 
-# Bytes a logit at the loss's backward, its peak (bf16 logits cast to fp32, cross-entropy and its
-# gradient, in eager): plain F.cross_entropy keeps 14; under loss_parallel (a vocabulary split
-# over TP), whose backward is a chain of ops on each rank's shard, 68. MemTracker's counts under
-# fake tensors, held by tests/test_dryrun.py, which measures both again.
-LOSS_BYTES_PER_LOGIT = {"plain": 14, "loss_parallel": 68}
+# Bytes a logit the loss adds to its bf16 logits at its peak, in backward (cast to fp32, cross-
+# entropy and its gradient, in eager): plain F.cross_entropy 12; under loss_parallel (the
+# vocabulary split over TP), whose backward is a chain of ops on each rank's shard, 68.
+# MemTracker's counts under fake tensors, held by tests/test_dryrun.py, which measures both again.
+LOSS_BYTES_PER_LOGIT = {"plain": 12, "loss_parallel": 68}
 
 
 def activations_per_gpu(layers: int, seq: int, batch: int, hidden: int, vocab: int, dtype: str,
                         checkpointing: bool, llama: bool = False, heads: int | None = None,
                         stage_layers: int | None = None, in_flight: int = 1,
                         ffn: int | None = None, moe: tuple[int, int, int] | None = None,
-                        loss: str | None = "plain", fp32_residual: bool = False) -> float:
+                        loss: str | None = "plain", fp32_residual: bool = False,
+                        q_width: int | None = None, kv_width: int | None = None) -> float:
     """Activation bytes a GPU keeps for backward: the blocks' (03_fsdp/optimized_fsdp_fp8.py's
     activation_bytes, a GPT's blocks or with `llama` a Llama's of SwiGLU width `ffn` (default
     llama_ffn_dim), `dtype`'s bytes a value; a pipeline stage keeps `in_flight` micro-batches of
     its `stage_layers`, 1F1B as many as there are stages) and, the planner's own term, which
-    that script leaves out, the loss's backward: LOSS_BYTES_PER_LOGIT of the `loss` the GPU
-    computes ("plain", or "loss_parallel": its share of the vocabulary for as many more tokens;
-    None: no loss). A MoE (`moe`: top_k, an expert's width, experts) keeps, in its MLP's place,
+    that script leaves out, the logits and the loss's backward: a value of `dtype` and
+    LOSS_BYTES_PER_LOGIT of the `loss` the GPU computes ("plain", or "loss_parallel": its share of
+    the vocabulary for as many more tokens; None: no loss). A MoE (`moe`: top_k, an expert's width, experts) keeps, in its MLP's place,
     what common.Experts saves a token: its top_k routed rows, their outputs and their weighted
     sum (3 x hidden each), each expert's SwiGLU (4 x width), and the router's fp32 logits and
     scores (2 x experts, 2 values of `dtype` each in bf16). `fp32_residual`: autocast over fp32
     weights, whose residual stream stays fp32 in a bf16 run: the norms' inputs (2 a layer; with
     checkpointing, the blocks' inputs too) and a MoE's routed rows and their weighted outputs
-    (2 x top_k) kept at 4 bytes, not 2."""
+    (2 x top_k) kept at 4 bytes, not 2. The attention's widths a token where they are not
+    `hidden` (that script's): `q_width` (heads x head size: q, the attention's output and the
+    output projection's input), `kv_width` (KV heads x head size: k and v)."""
     activation_bytes = import_script(common.ROOT / "03_fsdp" / "optimized_fsdp_fp8.py"
                                      ).activation_bytes
     # The flags give no head count: heads of 128 (Llama's), unless told. Their term, a
@@ -79,11 +82,14 @@ def activations_per_gpu(layers: int, seq: int, batch: int, hidden: int, vocab: i
     layers = stage_layers if stage_layers is not None else layers
     blocks = activation_bytes(layers, seq * batch, hidden, heads, 2 if dtype == "bf16" else 4,
                               checkpointing, ffn if llama else None)
+    value_bytes = 2 if dtype == "bf16" else 4
+    attention = 3 * ((q_width or hidden) - hidden) + 2 * ((kv_width or hidden) - hidden)
+    blocks += value_bytes * seq * batch * attention * (1 if checkpointing else layers)
     if fp32_residual and dtype == "bf16":  # 2 bytes more for each value kept in fp32
         in_fp32 = (2 + (2 * moe[0] if moe else 0)) * hidden
         blocks += 2 * seq * batch * (layers * hidden + in_fp32 if checkpointing
                                      else layers * in_fp32)
-    logits = seq * batch * vocab * LOSS_BYTES_PER_LOGIT[loss] if loss else 0.0
+    logits = seq * batch * vocab * (value_bytes + LOSS_BYTES_PER_LOGIT[loss]) if loss else 0.0
     return in_flight * blocks + logits
 
 
@@ -99,6 +105,14 @@ def expert_params(args: argparse.Namespace) -> float:
     model."""
     moe_layers = args.layers if args.moe_layers is None else args.moe_layers
     return float(moe_layers * args.experts * 3 * args.hidden * args.expert_ffn)
+
+
+def attention_widths(args: argparse.Namespace) -> tuple[int, int]:
+    """(q's, k's) width a token: --heads (default: heads of 128) x --head-dim (default: --hidden
+    / heads), --kv-heads (default: --heads) x --head-dim."""
+    heads = getattr(args, "heads", None) or args.hidden // 128
+    head_dim = getattr(args, "head_dim", None) or args.hidden // heads
+    return heads * head_dim, (getattr(args, "kv_heads", None) or heads) * head_dim
 
 
 def lora_params(args: argparse.Namespace) -> float:
@@ -138,7 +152,8 @@ def plan_input(args: argparse.Namespace, tp: int = 1, pp: int = 1, cp: int = 1, 
                             moe_layers=(layers if args.moe_layers is None else args.moe_layers)
                             if args.experts else 0, expert_params=expert_params(args), ep=ep,
                             lora_params=lora_params(args),
-                            ffn=(args.ffn or common.llama_ffn_dim(h)) if args.llama else 4 * h)
+                            ffn=(args.ffn or common.llama_ffn_dim(h)) if args.llama else 4 * h,
+                            kv_width=attention_widths(args)[1])
 
 
 def planned_strategies() -> list[dict]:
@@ -203,12 +218,16 @@ def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpoi
                                in_flight=figures.get("in_flight", 1), ffn=args.ffn,
                                loss=figures.get("loss", "plain"),
                                fp32_residual=figures.get("fp32_residual", False),
+                               q_width=attention_widths(args)[0],
+                               kv_width=attention_widths(args)[1],
                                moe=(args.top_k, args.expert_ffn, args.experts)
                                if args.experts else None)
     # what a layer keeps beyond those (sequence parallelism's gathered inputs), for each of
     # the layers a micro-batch keeps: every one, or, checkpointed, the one recomputing
     kept_layers = 1 if checkpointing else figures.get("stage_layers", args.layers)
     acts += figures.get("layer_extra", 0.0) * kept_layers * figures.get("in_flight", 1)
+    # what a pipeline keeps a micro-batch beyond its layers' (its stage's output)
+    acts += figures.get("micro_batch_extra", 0.0) * figures.get("in_flight", 1)
     # autocast's bf16 copies of fp32 weights, kept to backward: checkpointed, a layer's at once
     cast = figures.get("cast", 0.0) / (args.layers if checkpointing else 1)
     gathered = figures.get("gathered", 0.0) + cast
@@ -658,18 +677,21 @@ CASES = [("ResNet-50 on 8 GPUs", {"params": 25.6e6, "gpus": 8, "layers": 16, "hi
          ("LLaMA-7B on 8 16-GB GPUs", {"params": 7e9, "gpus": 8, "gpu_mem": 16.0,
                                        "layers": 32, "hidden": 4096, "vocab": 32000,
                                        "seq_len": 4096, "llama": True}, None),
-         # Llama 2 70B's SwiGLU is 28,672 wide (its config.json), not the 8/3 rule's 22,016
+         # Llama 2 70B's SwiGLU is 28,672 wide (its config.json), not the 8/3 rule's 22,016;
+         # its 64 heads share 8 K/V heads
          ("LLaMA-70B on 64 GPUs", {"params": 70e9, "gpus": 64, "layers": 80, "hidden": 8192,
                                    "vocab": 32000, "seq_len": 4096, "llama": True,
-                                   "ffn": 28672}, None),
+                                   "ffn": 28672, "kv_heads": 8}, None),
          # Qwen3-30B-A3B, from its Hugging Face config.json (Qwen/Qwen3-30B-A3B): 48 layers,
          # hidden_size 2048, 128 experts a layer (every layer: mlp_only_layers empty), 8 a
-         # token, moe_intermediate_size 768, vocab 151,936, untied head; its model card: 30.5B
-         # parameters, 3.3B activated
+         # token, moe_intermediate_size 768, vocab 151,936, untied head, 32 heads of 128 (q is
+         # twice hidden_size wide) sharing 4 K/V heads; its model card: 30.5B parameters, 3.3B
+         # activated
          ("Qwen3-30B-A3B on 16 GPUs", {"params": 30.5e9, "gpus": 16, "layers": 48,
                                        "hidden": 2048, "vocab": 151936, "seq_len": 4096,
                                        "llama": True, "experts": 128, "top_k": 8,
-                                       "expert_ffn": 768},
+                                       "expert_ffn": 768, "heads": 32, "kv_heads": 4,
+                                       "head_dim": 128},
           "a MoE: its activations what common.Experts keeps a token"),
          # the seed guide's fine-tuning row (FSDP + LoRA), on two GPUs of a workstation's size
          ("Fine-tuning LLaMA-7B on 2 GPUs", {"params": 7e9, "gpus": 2, "gpu_mem": 24.0,
@@ -679,7 +701,8 @@ CASES = [("ResNet-50 on 8 GPUs", {"params": 25.6e6, "gpus": 8, "layers": 16, "hi
 CASE_FLAGS = {"gpu_mem": 80.0, "gpus_per_node": 8, "micro_batch": 1, "micro_batches": None,
               "dtype": "bf16", "llama": False, "pp": None, "experts": 0, "top_k": 0,
               "expert_ffn": 0, "moe_layers": None, "gpu": "h100", "run_as": "eager",
-              "lora_rank": 0, "ffn": None, "cp": None}
+              "lora_rank": 0, "ffn": None, "cp": None, "heads": None, "kv_heads": None,
+              "head_dim": None}
 
 
 # Each seed case's layout run by its script, at the case's world on the published shape it stands

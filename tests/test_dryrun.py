@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import common
 from report import planner
@@ -31,6 +32,109 @@ def dry_run(script: str, results, *flags: str, timeout: float = 120) -> str:
                           env=cpu_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return proc.stdout
+
+
+def start_dry_run(script: str, results, *flags: str) -> subprocess.Popen:
+    """`dry_run` begun, for finish_all."""
+    return subprocess.Popen([sys.executable, script, "--results", str(results), *flags],
+                            cwd=common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=cpu_env())
+
+
+# Every strategy `make plan` offers that dry-runs: the script and flags that run it at `large`
+# (a Llama of 1B; `small`'s MoE for EP, a shape with no shared expert, which the planner does not
+# count) at a world the planner would plan it at, and the planner's flags for what that run
+# computes (a pipeline's micro-batches, a TP or CP group's sequences).
+LARGE = ["--size", "large", "--model", "llama"]
+PLANNED_DRY_RUNS = {
+    "ZeRO-1": ("04_zero/optimized_zero1.py", [*LARGE, "--dry-run", "8"], {}),
+    "ZeRO-2": ("04_zero/optimized_zero2.py", [*LARGE, "--dry-run", "8"], {}),
+    "ZeRO-3": ("04_zero/optimized_zero3.py", [*LARGE, "--dry-run", "8"], {}),
+    "ZeRO-3 + offload": ("04_zero/optimized_zero3_offload.py", [*LARGE, "--dry-run", "8"], {}),
+    "FSDP full": ("03_fsdp/optimized_fsdp.py", [*LARGE, "--dry-run", "8"], {}),
+    "FSDP + LoRA": ("03_fsdp/optimized_fsdp_lora.py", [*LARGE, "--dry-run", "8"],
+                    {"lora_rank": 8}),
+    "FSDP grad-op": ("03_fsdp/optimized_fsdp.py",
+                     [*LARGE, "--dry-run", "8", "--reshard-after-forward", "false"], {}),
+    "FSDP hybrid": ("03_fsdp/optimized_fsdp.py", [*LARGE, "--dry-run", "16", "--hsdp", "2"],
+                    {}),
+    "pipeline": ("05_pipeline/optimized_pipeline_1f1b.py",
+                 [*LARGE, "--dry-run", "8", "--microbatches", "16", "--batch-size", "64"],
+                 {"micro_batches": 16}),
+    "TP": ("06_symmem/baseline_symmem_tp.py", [*LARGE, "--dry-run", "8", "--batch-size", "32"],
+           {}),
+    "FSDP x TP": ("03_fsdp/optimized_fsdp_tp.py", [*LARGE, "--dry-run", "8", "--tp", "8"], {}),
+    "FSDP x CP": ("07_context/optimized_context_ring.py", [*LARGE, "--dry-run", "8", "--fsdp"],
+                  {"cp": 8}),
+    "PP x FSDP x TP": ("05_pipeline/optimized_pipeline_3d.py",
+                       [*LARGE, "--dry-run", "16", "--tp", "8"], {"pp": 2, "micro_batches": 4}),
+    "EP x FSDP": ("08_moe/optimized_moe_ep.py",
+                  ["--size", "small", "--model", "moe", "--dry-run", "8", "--fsdp"], {}),
+}
+# ... and those that do not, each with why: DDP's reducer; 06's TP spans every rank it is given
+CANNOT_DRY_RUN = {"DDP": "DDP cannot dry-run", "EP": "DDP cannot dry-run",
+                  "TP x DP": "no script runs it: 06's TP spans the world"}
+
+
+def sequences_a_gpu(strategy: str, rec: dict) -> int:
+    """The planner's micro-batch, sequences a GPU computes at once, for what `rec` ran: a TP
+    group's batch over its GPUs, a pipeline's micro-batch, a CP group's batch (one a rank)."""
+    if strategy == "TP":
+        return rec["batch_size"] // rec["world_size"]
+    if strategy == "pipeline":
+        return rec["batch_size"] // rec["microbatches"]
+    if strategy == "FSDP x CP":
+        return rec["batch_size"] * rec["cp"]
+    if strategy == "PP x FSDP x TP":
+        mesh = rec["mesh"]
+        return mesh["pp"] * rec["batch_size"] // rec["microbatches"]
+    return rec["batch_size"]
+
+
+def planner_flags(strategy: str, rec: dict, configured: dict) -> argparse.Namespace:
+    """The planner's flags for a dry run's record: its shape (the size's), world and sequences."""
+    size = common.SIZES[rec["size"]]
+    moe = rec["model"] == "moe"
+    return argparse.Namespace(**{
+        **planner.CASE_FLAGS, "params": float(rec["params"]), "gpus": rec["world_size"],
+        "layers": size.n_layers, "hidden": size.d_model, "vocab": size.vocab_size,
+        "seq_len": rec["seq_len"], "llama": True, "ffn": size.llama_ffn,
+        "heads": size.n_heads, "kv_heads": size.n_kv_heads, "head_dim": size.attention_head_dim,
+        "micro_batch": sequences_a_gpu(strategy, rec),
+        **({"experts": size.n_experts, "top_k": size.top_k, "expert_ffn": size.expert_ffn}
+           if moe else {}),
+        **configured})
+
+
+@pytest.fixture(scope="module")
+def planned_dry_runs(tmp_path_factory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("planned")
+    names = list(PLANNED_DRY_RUNS)
+    finish_all([lambda i=i, n=n: start_dry_run(PLANNED_DRY_RUNS[n][0], out / f"{i}.jsonl",
+                                               *PLANNED_DRY_RUNS[n][1])
+                for i, n in enumerate(names)])
+    return {name: only_record(out / f"{i}.jsonl") for i, name in enumerate(names)}
+
+
+@pytest.mark.parametrize("strategy", PLANNED_DRY_RUNS)
+def test_every_planned_strategy_dry_runs_to_the_planners_figures(planned_dry_runs, strategy):
+    """The planner's row for a strategy, at the dry run's world, shape and exact parameter count,
+    is what the script does as rank 0: the same state and bytes (to FSDP's padding, which the
+    planner leaves out) and, within DRY_RUN_ACTIVATIONS_TOLERANCE, the peak beyond the state."""
+    rec = planned_dry_runs[strategy]
+    assert rec["status"] == "ok", rec["reason"]
+    figures = planner.beside_dry_run(planner_flags(strategy, rec, PLANNED_DRY_RUNS[strategy][2]),
+                                     strategy, rec)
+    dry, planned = zip(*figures.values())
+    assert dry[0] == pytest.approx(planned[0], rel=1e-4), "state"
+    assert dry[2] == pytest.approx(planned[2], rel=1e-4), "sent"
+    assert dry[1] == pytest.approx(planned[1], rel=planner.DRY_RUN_ACTIVATIONS_TOLERANCE), \
+        "activations"
+
+
+def test_every_strategy_the_planner_offers_dry_runs_or_says_why():
+    offered = {entry["strategy"] for entry in planner.planned_strategies()}
+    assert offered == set(PLANNED_DRY_RUNS) | set(CANNOT_DRY_RUN)
 
 
 @pytest.fixture(scope="module")
@@ -187,23 +291,88 @@ def test_make_dryrun_runs_every_seed_case_the_planner_shows_beside_its_formula()
     makefile = (common.ROOT / "Makefile").read_text()
     seed_runs = makefile.split("DRY_SEED_RUNS = ")[1].split("\ndryrun:")[0]
     assert set(re.findall(r"'([^']+)'", seed_runs)) == \
-        {run for _, run in planner.CASE_DRY_RUNS.values()}
+        {run for _, run, _ in planner.CASE_DRY_RUNS.values()}
     assert set(planner.CASE_DRY_RUNS) <= {name for name, _, _ in planner.CASES}
 
 
 def test_plan_cases_shows_a_dry_run_beside_the_formula():
-    """Its own figures at the dry run's parameter count; a missing or failed run says so."""
+    """Its own figures at the dry run's parameter count; a missing, failed or older run says so."""
     name = "LLaMA-70B on 64 GPUs"
     flags = next(f for n, f, _ in planner.CASES if n == name)
     args = argparse.Namespace(**{**planner.CASE_FLAGS, **flags})
-    strategy, run = planner.CASE_DRY_RUNS[name]
+    strategy, run, _ = planner.CASE_DRY_RUNS[name]
     rec = {"status": "ok", "params": 68_976_648_192, "state_mb": 16_445.6,
-           "peak_mem_mb": 228_354.0, "comm_mb": 345_973.97}
+           "peak_mem_mb": 197_439.0, "comm_mb": 345_973.97,
+           "dry_run": {"beyond_state_mb": 185_104.6}}
     line = planner.dry_run_line(args, strategy, run, rec)
     assert "state 17.2 GB (planner 17.2)" in line
-    assert "sent 362.8 GB a step (planner 362.8)" in line
+    assert "sent 362.78 GB a step (planner 362.78)" in line
+    assert "its peak beyond the state 194.1 GB" in line
     assert "none yet (`make dryrun`)" in planner.dry_run_line(args, strategy, run, None)
+    assert "older than this planner" in planner.dry_run_line(args, strategy, run,
+                                                            {**rec, "dry_run": {}})
     recorded = {**rec, "folder": "03_fsdp", "script": "optimized_fsdp_tp", "size": "llama2-70b",
                 "variant": "--tp 8", "world_size": 64}
     assert planner.dry_run_record(run, [recorded]) == recorded
     assert planner.dry_run_record(run, [{**recorded, "world_size": 8}]) is None
+
+
+def test_a_dry_runs_rmsnorm_keeps_its_input_alone_and_trains_as_torchs():
+    """The stand-in for CUDA's fused RMSNorm: torch's gradients, and of the input only the
+    input kept for backward (the CPU composite keeps fp32 copies of it and of its output)."""
+    norm = torch.nn.RMSNorm(16, eps=1e-6)
+    torch.nn.init.uniform_(norm.weight)
+    x = torch.randn(3, 5, 16, dtype=torch.bfloat16, requires_grad=True)
+    norm = norm.to(torch.bfloat16)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = common._rms_norm_as_on_cuda(x, norm.normalized_shape, norm.weight, norm.eps)
+    assert [t.dtype for t in kept] == [torch.bfloat16, torch.bfloat16]  # the input, the weight
+    out.float().square().sum().backward()
+    stood_in = x.grad.clone(), norm.weight.grad.clone()
+    x.grad = norm.weight.grad = None
+    norm(x).float().square().sum().backward()
+    assert torch.equal(stood_in[0], x.grad) and torch.equal(stood_in[1], norm.weight.grad)
+
+
+def test_the_planners_loss_bytes_are_what_the_loss_keeps(tmp_path):
+    """LOSS_BYTES_PER_LOGIT measured again: the peak of bf16 logits' cross-entropy, forward and
+    backward, over the logits it starts from, plainly and under loss_parallel over 8 ranks."""
+    script = tmp_path / "loss.py"
+    script.write_text(LOSS_PEAK)
+    proc = subprocess.run([sys.executable, str(script)], cwd=common.ROOT, capture_output=True,
+                          text=True, timeout=120, env=cpu_env(PYTHONPATH=str(common.ROOT)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == planner.LOSS_BYTES_PER_LOGIT
+
+
+LOSS_PEAK = """
+import json, torch, torch.distributed as dist, torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+mesh = init_device_mesh("cpu", (8,))
+tokens, vocab, cpu = 4096, 32000, torch.device("cpu")
+
+def peak_a_logit(split):
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        logits = torch.randn(tokens, vocab, dtype=torch.bfloat16)
+        targets = torch.zeros(tokens, dtype=torch.long)
+        if split:
+            logits = distribute_tensor(logits, mesh, [Shard(1)])
+        logits.requires_grad_()
+        local = logits.to_local() if split else logits
+        tracker = MemTracker()
+        tracker.track_external(local)
+        with tracker, (loss_parallel() if split else torch.enable_grad()):
+            before = tracker.get_tracker_snapshot()[cpu]["Total"]
+            F.cross_entropy(logits.float(), targets).backward()
+        return round((tracker.get_tracker_snapshot("peak")[cpu]["Total"] - before)
+                     / local.numel())
+
+print(json.dumps({"plain": peak_a_logit(False), "loss_parallel": peak_a_logit(True)}))
+"""
