@@ -358,7 +358,8 @@ endif
 # process group and fake tensors (--dry-run), then the planner's seed rows at their worlds on the
 # published shapes; two at a time, each bounded; the table by python -m report dryrun.
 DRY_WORLDS ?= 8 64
-DRY_RUNS = $(foreach f,$(FOLDERS),$(sort $(wildcard $(f)/*.py))) '08_moe/optimized_moe_ep.py --fsdp'
+DRY_RUNS = $(foreach f,$(FOLDERS),$(sort $(wildcard $(f)/*.py))) '08_moe/optimized_moe_ep.py --fsdp' \
+	'07_context/optimized_context_ring.py --fsdp'
 DRY_SEED_RUNS = '03_fsdp/optimized_fsdp.py --size llama2-7b --dry-run 8' \
 	'04_zero/optimized_zero3_offload.py --size llama2-7b --dry-run 8' \
 	'03_fsdp/optimized_fsdp_tp.py --size llama2-70b --dry-run 64 --tp 8' \

@@ -929,8 +929,8 @@ class RecipeParser(argparse.ArgumentParser):
             if ns.dry_rank >= ns.dry_run:
                 self.error(f"--dry-rank {ns.dry_rank} is not a rank of --dry-run {ns.dry_run}: "
                            f"use 0 to {ns.dry_run - 1}")
-            # two warm-up steps, so that the measured one (the last) has optimizer state, and
-            # one more; the GPU's dtype, the world the dry run stands for
+            # two warm-up steps, so that the measured one (the last, where a dry run ends) has
+            # optimizer state; the GPU's dtype, the world the dry run stands for
             ns.warmup, ns.steps = 2, 1
             ns.dtype = ns.dtype or "bf16"
             # what the launcher would have set, read by the checks a script makes before setup
@@ -1282,10 +1282,10 @@ class _RMSNormSavingItsInput(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         with torch.enable_grad():
             x, weight = (t if t is None else t.detach().requires_grad_(needs)
-                         for t, needs in zip((x, weight), ctx.needs_input_grad))
+                         for t, needs in zip((x, weight), ctx.needs_input_grad[:2], strict=True))
             out = _composite_rms_norm(x, ctx.normalized_shape, weight, ctx.eps)
             asked = [t for t in (x, weight) if t is not None and t.requires_grad]
-            grads = dict(zip(map(id, asked), torch.autograd.grad(out, asked, grad)))
+            grads = dict(zip(map(id, asked), torch.autograd.grad(out, asked, grad), strict=True))
         return grads.get(id(x)), grads.get(id(weight)), None, None
 
 
@@ -1828,16 +1828,18 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                 dp_world: int | None = None) -> Stats:
     """Run every batch through `train_step` and time the steps after the warm-up, whole. A
     `train_step` zeroes the gradients first, not last: `record` counts them. The last warm-up
-    step is measured (`_measured_step`). Losses are averaged over ranks after the clock, or are
+    step is measured (`_measured_step`); a dry run ends there (it has no times to take). Losses
+    are averaged over ranks after the clock, or are
     `loss_rank`'s (a pipeline's last stage, the only one with a loss: it prints progress too).
     `dp_world`: the ranks that take their own share of the batch (default: all; a pipeline: 1).
     """
-    n = len(batches)
+    n = args.warmup if dry_run() else len(batches)
     every = args.log_every or max(1, n // 10)
     times, losses, measured = [], [], {}
     traced = range(max(0, args.warmup - 3), args.warmup - 1) if args.trace else range(0)
     phase_hooks = nvtx_phase_ranges(memory_of) if topo.device.type == "cuda" else []
-    for i, (inputs, targets) in enumerate(batches):
+    load_start, startup_s = os.getloadavg()[0], 0.0  # a dry run's: it times no step
+    for i, (inputs, targets) in enumerate(batches[:n]):
         if i == args.warmup:
             load_start = os.getloadavg()[0]
         if traced and i == traced.start:
@@ -1884,9 +1886,16 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     if diverged:  # a run that diverged is not a result, however fast it was
         raise FloatingPointError(f"the loss is not finite from step {diverged[0]} on: "
                                  f"lower --lr or use --dtype fp32")
-    step_ms, p90, iqr = summarize_times(times[args.warmup:])
+    step_ms, p90, iqr = summarize_times(times[args.warmup:]) if not dry_run() else \
+        (math.nan, math.nan, (math.nan, math.nan))  # none: its record nulls them
     return Stats(step_ms, p90, iqr, startup_s, sum(times[:args.warmup]), (load_start, load_end),
                  mean_losses, **measured)
+
+
+def of_timed_steps(per_step: Sequence, args: argparse.Namespace) -> Sequence:
+    """What a run kept a step (a pipeline's timelines), of its timed steps, those after the warm-
+    up; a dry run's, its measured step's, the last it runs."""
+    return per_step[args.warmup - 1:args.warmup] if dry_run() else per_step[args.warmup:]
 
 
 def _measured_step(step: Callable[[], torch.Tensor], memory_of: Sequence, device: torch.device,
@@ -2316,6 +2325,7 @@ def _as_dry_run(rec: dict, topo: Topology, stats: Stats, stepped_params: int,
         if key in rec:
             rec[key] = None
     rec["peak_mem_mb"] = round(rec["peak_mem_mb"] - rec.get("host_state_mb", 0.0), 1)
+    rec["steps"] = 0  # it ends at its measured step, the last of its warm-up
     grads_at_peak = rec.get("memory", {}).get("grads", grads_mb)
     sent = {"node": 0.0, "network": 0.0}
     for name, mb in (stats.comm_mb_by_group or {}).items():

@@ -184,7 +184,8 @@ def planned_fsdp(plan: common.PlanInput, reshard: bool = True, hybrid: bool = Fa
     group = min(plan.per_node, plan.gpus) if hybrid else plan.gpus
     root = plan.embedding + plan.head
     predicted = fsdp_bytes(plan.params - root, root, group, plan.gpus // group, reshard,
-                           plan.compute_bytes, 4, w + g + o, largest_block=(plan.params - root) / plan.layers)
+                           plan.compute_bytes, 4, w + g + o,
+                           largest_block=(plan.params - root) / plan.layers)
     across = predicted["across_replicas"] if hybrid else predicted["sent"]
     return {"state": predicted["state"], "sent": predicted["sent"],
             "gathered": predicted["gathered"],

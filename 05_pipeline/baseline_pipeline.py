@@ -373,7 +373,8 @@ def main():
 
     stats = common.timed_steps(train_step, batches, settings, topo, memory_of=(stage.layers, opt),
                                loss_rank=p - 1, dp_world=1)
-    steps, measured, _, _ = gather_timelines(stage.timelines[settings.warmup:], 1, settings, topo)
+    steps, measured, _, _ = gather_timelines(common.of_timed_steps(stage.timelines, settings), 1,
+                                             settings, topo)
     common.record(settings, topo, stats, baseline=None, model=stage.layers, optimizer=opt,
                   comm_mb=stats.comm_mb, dp_world=1, params=params, schedule="naive",
                   microbatches=1, stages=p, timeline=[[list(a) for a in tl] for tl in steps[-1]],

@@ -575,7 +575,7 @@ def main():
     stats = common.timed_steps(train_step, batches, settings, topo, memory_of=(pipe.layers, opt),
                                loss_rank=0, dp_world=1)
     steps, measured, means, inflight_max = gather_timelines(
-        pipe.timelines[settings.warmup:], pipe.inflight_max, settings, topo)
+        common.of_timed_steps(pipe.timelines, settings), pipe.inflight_max, settings, topo)
     bubble, inflight, _ = simulate_split(schedule(p, m), means)
     paired, _, _ = simulate_split(schedule(p, m), means, paired=True)
     common.record(settings, topo, stats, baseline="baseline_pipeline", model=pipe.layers,

@@ -59,15 +59,16 @@ def activations_per_gpu(layers: int, seq: int, batch: int, hidden: int, vocab: i
     its `stage_layers`, 1F1B as many as there are stages) and, the planner's own term, which
     that script leaves out, the logits and the loss's backward: a value of `dtype` and
     LOSS_BYTES_PER_LOGIT of the `loss` the GPU computes ("plain", or "loss_parallel": its share of
-    the vocabulary for as many more tokens; None: no loss). A MoE (`moe`: top_k, an expert's width, experts) keeps, in its MLP's place,
-    what common.Experts saves a token: its top_k routed rows, their outputs and their weighted
-    sum (3 x hidden each), each expert's SwiGLU (4 x width), and the router's fp32 logits and
-    scores (2 x experts, 2 values of `dtype` each in bf16). `fp32_residual`: autocast over fp32
-    weights, whose residual stream stays fp32 in a bf16 run: the norms' inputs (2 a layer; with
-    checkpointing, the blocks' inputs too) and a MoE's routed rows and their weighted outputs
-    (2 x top_k) kept at 4 bytes, not 2. The attention's widths a token where they are not
-    `hidden` (that script's): `q_width` (heads x head size: q, the attention's output and the
-    output projection's input), `kv_width` (KV heads x head size: k and v)."""
+    the vocabulary for as many more tokens; None: no loss). A MoE (`moe`: top_k, an expert's
+    width, experts) keeps, in its MLP's place, what common.Experts saves a token: its top_k
+    routed rows, their outputs and their weighted sum (3 x hidden each), each expert's SwiGLU
+    (4 x width), and the router's fp32 logits and scores (2 x experts, 2 values of `dtype` each
+    in bf16). `fp32_residual`: autocast over fp32 weights, whose residual stream stays fp32 in a
+    bf16 run: the norms' inputs (2 a layer; with checkpointing, the blocks' inputs too) and a
+    MoE's routed rows and their weighted outputs (2 x top_k) kept at 4 bytes, not 2. The
+    attention's widths a token where they are not `hidden` (that script's): `q_width` (heads x
+    head size: q, the attention's output and the output projection's input), `kv_width` (KV
+    heads x head size: k and v)."""
     activation_bytes = import_script(common.ROOT / "03_fsdp" / "optimized_fsdp_fp8.py"
                                      ).activation_bytes
     # The flags give no head count: heads of 128 (Llama's), unless told. Their term, a

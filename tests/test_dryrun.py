@@ -22,7 +22,8 @@ EQUAL_TO_THE_REAL_RUN = [
     ("01_ddp/baseline_ddp.py", [], 2), ("03_fsdp/optimized_fsdp.py", [], 2),
     ("03_fsdp/optimized_fsdp_tp.py", ["--model", "llama"], 4),
     ("04_zero/optimized_zero2.py", [], 2), ("05_pipeline/optimized_pipeline_1f1b.py", [], 2),
-    ("06_symmem/baseline_symmem_training.py", [], 2), ("08_moe/optimized_moe_ep.py", ["--fsdp"], 2)]
+    ("06_symmem/baseline_symmem_training.py", [], 2), ("08_moe/optimized_moe_ep.py", ["--fsdp"], 2),
+    ("04_zero/optimized_zero3.py", [], 8)]
 
 
 def dry_run(script: str, results, *flags: str, timeout: float = 120) -> str:
@@ -125,7 +126,7 @@ def test_every_planned_strategy_dry_runs_to_the_planners_figures(planned_dry_run
     assert rec["status"] == "ok", rec["reason"]
     figures = planner.beside_dry_run(planner_flags(strategy, rec, PLANNED_DRY_RUNS[strategy][2]),
                                      strategy, rec)
-    dry, planned = zip(*figures.values())
+    dry, planned = zip(*figures.values(), strict=True)
     assert dry[0] == pytest.approx(planned[0], rel=1e-4), "state"
     assert dry[2] == pytest.approx(planned[2], rel=1e-4), "sent"
     assert dry[1] == pytest.approx(planned[1], rel=planner.DRY_RUN_ACTIVATIONS_TOLERANCE), \
@@ -184,16 +185,19 @@ def test_a_llama_70b_fsdp_tp_dry_run_at_1024_ranks(tmp_path):
     assert rec["state_mb"] == pytest.approx(16 * params / 1024 / 2**20, rel=0.01)
     assert rec["dry_run"]["host_rss_mb"] < 8 * 1024
     assert "dry run as rank 0 of 1024" in out
-    # the planner's FSDP x TP row at this world and the shape's exact parameter count: the same
-    # state and bytes (its activations are not checked: the planner counts under half of these)
-    args = argparse.Namespace(**{**planner.CASE_FLAGS, "params": float(params), "gpus": 1024,
-                                 "layers": 80, "hidden": 8192, "vocab": 32000, "seq_len": 4096,
-                                 "llama": True})
-    row = next(r for r in planner.plan_strategies(args)
-               if r["strategy"] == "FSDP x TP" and not r["checkpointing"])
+    # the planner's FSDP x TP row at this world, the seed case's flags (Llama 2 70B's shape) and
+    # the exact parameter count: the same state and bytes, and its activations
+    flags = next(f for n, f, _ in planner.CASES if n == "LLaMA-70B on 64 GPUs")
+    args = argparse.Namespace(**{**planner.CASE_FLAGS, **flags, "gpus": 1024})
+    figures = planner.beside_dry_run(args, "FSDP x TP", rec)
+    dry, planned = zip(*figures.values(), strict=True)
+    assert dry[0] == pytest.approx(planned[0], rel=1e-3) and \
+        dry[2] == pytest.approx(planned[2], rel=1e-3)
+    assert dry[1] == pytest.approx(planned[1], rel=planner.DRY_RUN_ACTIVATIONS_TOLERANCE)
+    row = next(r for r in planner.plan_strategies(argparse.Namespace(
+        **{**vars(args), "params": float(params)})) if r["strategy"] == "FSDP x TP" and not
+        r["checkpointing"])
     assert row["mesh"] == "dp 128 x tp 8"
-    assert rec["state_mb"] * 2**20 == pytest.approx(row["state"], rel=1e-3)
-    assert rec["comm_mb"] * 2**20 == pytest.approx(row["sent"], rel=1e-3)
     assert {dim: mb * 2**20 for dim, mb in rec["comm_mb_by_dim"].items()} == \
         pytest.approx(row["by_dim"], rel=1e-3)
     print(f"1,024-rank Llama 2 70B dry run: {time.perf_counter() - start:.0f} s")
