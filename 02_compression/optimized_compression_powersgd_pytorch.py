@@ -112,8 +112,8 @@ def resolve_start_iter(parser: argparse.ArgumentParser, args: argparse.Namespace
     """The plain steps before compression: --start-iter, or by default --warmup - 2. At least 2
     plain steps (DDP rebuilds its buckets in them), and at least 2 compressed warm-up steps, so
     that the last one, which measures bytes and memory, already carries the error-feedback
-    residual like the timed steps."""
-    if args.start_iter is None and args.warmup < 4:
+    residual like the timed steps. (A dry run's two: its DDP says why it cannot run.)"""
+    if args.start_iter is None and args.warmup < 4 and args.dry_run is None:
         parser.error(f"--warmup {args.warmup} leaves no room for 2 plain steps (DDP rebuilds "
                      f"its buckets in them) and 2 compressed ones before the timed steps: use "
                      f"--warmup 4 or more")

@@ -87,6 +87,20 @@ def float8_gather_note(rows: dict[str, int], shard_ranks: int, dtype: str = "--d
             f"{math.gcd(*rows.values())} gathers float8")
 
 
+def flatten_float8_weights_as_on_a_gpu() -> None:
+    """A dry run's stand-in: torchao's float8 weight, flattened (as the memory tracker does),
+    asks whether its precomputed scale is nonzero, a value a GPU reads and a fake tensor lacks;
+    here it asks whether the weight has one."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    def flatten(self):
+        scale = ["_precomputed_scale"] if self._precomputed_scale is not None else []
+        return ["_tensor", *scale], {"mm_config": self._linear_mm_config, "dtype": self._dtype}
+    WeightWithDynamicFloat8CastTensor.__tensor_flatten__ = flatten
+    common.stand_in("float8 weights", "flattened with their precomputed scale, whose value a "
+                    "fake tensor cannot give")
+
+
 def convert_to_fp8(model: torch.nn.Module, keep: list[torch.nn.Module], shard_ranks: int
                    ) -> tuple[list[str], bool]:
     """Swap the eligible linears for torchao's Float8Linear, except the modules in `keep` (the
@@ -240,6 +254,8 @@ def main():
     if fp8 and topo.device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         raise common.Skip("float8 matmuls need a GPU of compute capability 8.9 or more: "
                           "run with --no-fp8 for checkpointing alone")
+    if fp8 and common.dry_run():
+        flatten_float8_weights_as_on_a_gpu()
     model, batches = common.workload(args, topo)
     blocks = common.transformer_blocks(model)
     converted, gather_fp8 = convert_to_fp8(model, [common.output_head(model)], topo.world_size) \
