@@ -470,27 +470,28 @@ def uniform_bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def first_stage_layers(plan: common.PlanInput, stages: int) -> int:
-    """The decoder layers of a pipeline's first stage, cut as the scripts cut them (common's
-    Decoder.pipeline_stages: by the weights of the matrix multiplies a token meets, the head's
-    among them; a MoE's experts counted as if in every layer)."""
+def end_stage_layers(plan: common.PlanInput, stages: int) -> tuple[int, int]:
+    """The decoder layers of a pipeline's first and last stages, cut as the scripts cut them
+    (common's Decoder.pipeline_stages: by the weights of the matrix multiplies a token meets,
+    the head's among them; a MoE's experts counted as if in every layer)."""
     if stages == 1:
-        return plan.layers
+        return plan.layers, plan.layers
     final_norm = plan.norms / (2 * plan.layers + 1)  # a layer holds two
     layer = (plan.blocks - final_norm) / plan.layers
     experts = plan.expert_params / plan.layers
     meets = layer - 2 * final_norm - (experts * (1 - plan.top_k / plan.experts)
                                       if plan.experts else 0.0)
     cut = common.cut_into_stages([0.0, *[meets] * plan.layers, plan.vocab * plan.hidden], stages)
-    return len(cut[0]) - 1
+    return len(cut[0]) - 1, len(cut[-1]) - 1
 
 
 def planned_pipeline(plan: common.PlanInput) -> dict[str, float] | None:
-    """The planner's pipeline row: a stage a GPU (first_stage_layers); m micro-batches of one
-    GPU's sequences (4 G by default). Memory: the first stage's, the one that binds (the tables,
-    the most layers, and 1F1B's min(G, m) micro-batches in flight, each with autocast's bf16
-    copy of its matrices, its fp32 residual stream and its output, kept to its backward; no
-    logits).
+    """The planner's pipeline row: a stage a GPU (end_stage_layers); m micro-batches of one
+    GPU's sequences (4 G by default). State: the heavier end's (the first's tables, or the head
+    and a tied head's copy of the token table). Activations: the first stage's, the one they
+    bind (the most layers, and 1F1B's min(G, m) micro-batches in flight, each with autocast's
+    bf16 copy of its matrices, its fp32 residual stream and its output, kept to its backward;
+    no logits).
     Sent by the busiest stage: an end stage comm_theory_mb's (activations one way, in the
     residual stream's fp32, a tied table's gradient), a middle one activations forward and
     gradients back; `sent_first`, the first stage's. None where the GPUs outnumber the layers it
@@ -501,12 +502,13 @@ def planned_pipeline(plan: common.PlanInput) -> dict[str, float] | None:
         return None
     final_norm = plan.norms / (2 * plan.layers + 1)  # a layer holds two
     layer = (plan.blocks - final_norm) / plan.layers
-    first_layers = first_stage_layers(plan, n)
+    first_layers, last_layers = end_stage_layers(plan, n)
     first = plan.embedding + first_layers * layer + (0.0 if n > 1 else plan.head + final_norm)
+    last = plan.head + plan.tied + final_norm + last_layers * layer
     end = comm_theory_mb((plan.micro_batch, plan.seq, plan.hidden), torch.float32, m,
                          g * plan.tied) * 2**20
     middle = 2 * m * plan.micro_batch * plan.seq * plan.hidden * w if n > 2 else 0.0
-    return {"state": (w + g + o) * first, "sent": 0.0 if n == 1 else max(end, middle),
+    return {"state": (w + g + o) * max(first, last), "sent": 0.0 if n == 1 else max(end, middle),
             "sent_first": 0.0 if n == 1 else end, "bubble": uniform_bubble(n, m),
             "sequences": plan.micro_batch * m, "stage_layers": first_layers,
             "in_flight": min(n, m), "cast": min(n, m) * plan.cast(first - plan.embedding),

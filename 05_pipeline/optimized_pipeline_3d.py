@@ -659,50 +659,57 @@ def uniform_bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: first_stage_layers
-def first_stage_layers(plan: common.PlanInput, stages: int) -> int:
-    """The decoder layers of a pipeline's first stage, cut as the scripts cut them (common's
-    Decoder.pipeline_stages: by the weights of the matrix multiplies a token meets, the head's
-    among them; a MoE's experts counted as if in every layer)."""
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: end_stage_layers
+def end_stage_layers(plan: common.PlanInput, stages: int) -> tuple[int, int]:
+    """The decoder layers of a pipeline's first and last stages, cut as the scripts cut them
+    (common's Decoder.pipeline_stages: by the weights of the matrix multiplies a token meets,
+    the head's among them; a MoE's experts counted as if in every layer)."""
     if stages == 1:
-        return plan.layers
+        return plan.layers, plan.layers
     final_norm = plan.norms / (2 * plan.layers + 1)  # a layer holds two
     layer = (plan.blocks - final_norm) / plan.layers
     experts = plan.expert_params / plan.layers
     meets = layer - 2 * final_norm - (experts * (1 - plan.top_k / plan.experts)
                                       if plan.experts else 0.0)
     cut = common.cut_into_stages([0.0, *[meets] * plan.layers, plan.vocab * plan.hidden], stages)
-    return len(cut[0]) - 1
+    return len(cut[0]) - 1, len(cut[-1]) - 1
 
 
 def planned_pipeline_3d(plan: common.PlanInput) -> dict:
-    """The planner's PP x FSDP x TP row at pp = `plan.pp` stages (first_stage_layers), TP over
+    """The planner's PP x FSDP x TP row at pp = `plan.pp` stages (end_stage_layers), TP over
     `plan.tp` GPUs, FSDP over the dp that leaves, m micro-batches (2 pp by default), a GPU's
-    micro-batch of one sequence shard a TP rank. Its figures are the first stage's, the one
-    memory binds (its tables, the most layers, min(pp, m) micro-batches in flight, no loss):
-    state, bytes (the last runs loss_parallel instead of the embedding's collectives) and the
-    stage held gathered (FSDP's bf16 param_dtype); each column-wise Linear keeps its gathered
-    input, as FSDP x TP's."""
+    micro-batch of one sequence shard a TP rank. State and the stage held gathered (FSDP's bf16
+    param_dtype): the heavier end's (the first's tables, or the head and a tied head's copy of
+    the token table). The rest, the first stage's, the one activations bind (the most layers,
+    min(pp, m) micro-batches in flight, no loss): its bytes (the last runs loss_parallel instead
+    of the embedding's collectives) and, as FSDP x TP's, each column-wise Linear's gathered
+    input kept."""
     w, g, o = plan.state_bytes
     pp, tp = plan.pp, plan.tp
     dp, m = plan.gpus // (pp * tp), plan.micro_batches or 2 * pp
-    layers = first_stage_layers(plan, pp)
-    share, final_norm = layers / plan.layers, plan.norms / (2 * plan.layers + 1)
-    last = pp == 1  # the first stage is also the last
-    whole = (plan.replicated - final_norm) * share + final_norm * last
-    pieces = ((plan.blocks - plan.replicated) * share + plan.embedding
-              + (plan.head + plan.tied) * last) / tp + whole
-    first = stage_bytes(pieces, plan.tied / tp, (plan.norms - final_norm) * share, layers,
+    final_norm = plan.norms / (2 * plan.layers + 1)
+
+    def pieces(layers: int, end: float, last: bool) -> float:  # a stage's parameters after TP
+        share = layers / plan.layers
+        whole = (plan.replicated - final_norm) * share + final_norm * last
+        return ((plan.blocks - plan.replicated) * share + end) / tp + whole
+
+    layers, last_layers = end_stage_layers(plan, pp)
+    first_pieces = pieces(layers, plan.embedding + (plan.head + plan.tied) * (pp == 1), pp == 1)
+    heavier = max(first_pieces, pieces(last_layers, plan.head + plan.tied, True))
+    first = stage_bytes(first_pieces, plan.tied / tp,
+                        (plan.norms - final_norm) * layers / plan.layers, layers,
                         tp * plan.micro_batch * plan.seq, plan.hidden, dp, tp, m,
-                        plan.compute_bytes, True, last, plan.seq if plan.position_table else 0)
+                        plan.compute_bytes, True, pp == 1,
+                        plan.seq if plan.position_table else 0)
     sent = first["by_dim"]
-    return {"state": (w + g + o) * pieces / dp, "sent": first["sent"], "by_dim": sent,
-            "gathered": plan.compute_bytes * pieces, "bubble": uniform_bubble(pp, m),
+    return {"state": (w + g + o) * heavier / dp, "sent": first["sent"], "by_dim": sent,
+            "gathered": plan.compute_bytes * heavier, "bubble": uniform_bubble(pp, m),
             "mesh": f"pp {pp} x dp {dp} x tp {tp}, m {m}",
             "sequences": dp * m * tp * plan.micro_batch,
             "stage_layers": layers, "in_flight": min(pp, m),
             "layer_extra": 2 * (tp - 1) * plan.micro_batch * plan.seq * plan.hidden
-            * plan.compute_bytes, "loss": "loss_parallel" if last else None,
+            * plan.compute_bytes, "loss": "loss_parallel" if pp == 1 else None,
             "network": sent["dp"] + sent["pp"] if plan.gpus > plan.per_node else 0.0}
 
 
