@@ -12,9 +12,10 @@ KINDS = ("params", "grads", "optim", "activations", "other")
 
 
 def amount(mb: float | None, unit: str) -> str:
+    """A record's MB (2^20 bytes) in `unit`, GB (10^9 bytes, the planner's) or MB (10^6)."""
     if mb is None:
         return ""
-    return f"{mb / 1024:,.1f}" if unit == "GB" else f"{mb:,.0f}"
+    return f"{mb * 2**20 / 1e9:,.1f}" if unit == "GB" else f"{mb * 2**20 / 1e6:,.0f}"
 
 
 def figure(value: float) -> str:
@@ -24,7 +25,7 @@ def figure(value: float) -> str:
 
 def unit_of(mb: float) -> str:
     """GB from 1 GB up, MB under it: a tiny run and a 70B one in one table, each readable."""
-    return "GB" if mb >= 1024 else "MB"
+    return "GB" if mb * 2**20 >= 1e9 else "MB"
 
 
 def by_dim(rec: dict) -> str:

@@ -275,7 +275,8 @@ def test_the_dry_run_table_shows_peak_by_kind_and_says_why_a_run_did_not(tmp_pat
                       "sent_mb": {"node": 0.0, "network": 512.0}}}
     skipped = {**ok, "script": "optimized_ddp", "status": "skipped", "reason": "DDP cannot"}
     text = render_dry_runs([json.loads(json.dumps(r)) for r in (ok, skipped)])
-    assert "| 2.0 (1.0 /  /  / 0.5 / ) GB" in text and "| 512 MB " in text and "| 1.0 GB " in text
+    # in the planner's units: 2,048 MB of 2^20 bytes are 2.1 GB of 10^9
+    assert "| 2.1 (1.1 /  /  / 0.5 / ) GB" in text and "| 537 MB " in text and "| 1.1 GB " in text
     assert "01_ddp" not in text and "optimized_ddp (llama llama2-7b, world 8): skipped" in text
 
 
