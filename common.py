@@ -2294,7 +2294,7 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     rec.update(extra)
     if dry_run():
         _as_dry_run(rec, topo, stats, sum(t.numel() for t in stepped_tensors(model, optimizer)),
-                    state_split_mb(model, optimizer)["grads_mb"])
+                    state_split_mb(model, optimizer))
         append_record(args.results, rec)
         return rec
     if topo.is_main:
@@ -2312,20 +2312,22 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
 
 
 def _as_dry_run(rec: dict, topo: Topology, stats: Stats, stepped_params: int,
-                grads_mb: float) -> None:
+                state: dict[str, float]) -> None:
     """A dry run's record: no times, losses or throughput (fake tensors have none), and what it
     played (`dry_run`: world, rank, device, stand-ins; the step's work a GPU's would be priced
     by: FLOPs, the parameters stepped, the MB sent within a node of DRY_RUN_GPUS_PER_NODE and
     across nodes; the host's time and memory; `beyond_state_mb`, the peak less the state alive
-    at it: the weights and optimizer state, and of the gradients (`grads_mb` of the state) those
-    made by then); its summary line. The rank played writes it. The peak is the GPU's: what a
-    run keeps in host memory (offload's `host_state_mb`), on the CPU device the dry run computes
-    on, is left out of it."""
+    at it: the weights and optimizer state, and of the gradients (`state`'s, state_split_mb)
+    those made by then; `gathered_mb`, the parameters at the peak beyond the state's: weights
+    held gathered as parameters, FSDP2's unsharded ones); its summary line. The rank played
+    writes it. The peak is the GPU's: what a run keeps in host memory (offload's
+    `host_state_mb`), on the CPU device the dry run computes on, is left out of it."""
     for key in ("step_ms", "step_ms_p90", "step_ms_iqr", "tokens_per_s", "samples_per_s"):
         if key in rec:
             rec[key] = None
     rec["peak_mem_mb"] = round(rec["peak_mem_mb"] - rec.get("host_state_mb", 0.0), 1)
     rec["steps"] = 0  # it ends at its measured step, the last of its warm-up
+    grads_mb = state["grads_mb"]
     grads_at_peak = rec.get("memory", {}).get("grads", grads_mb)
     sent = {"node": 0.0, "network": 0.0}
     for name, mb in (stats.comm_mb_by_group or {}).items():
@@ -2337,6 +2339,8 @@ def _as_dry_run(rec: dict, topo: Topology, stats: Stats, stepped_params: int,
                       "stepped_params": stepped_params,
                       "beyond_state_mb": round(rec["peak_mem_mb"] - rec["state_mb"] + grads_mb
                                                - min(grads_at_peak, grads_mb), 1),
+                      "gathered_mb": round(max(0.0, rec.get("memory", {}).get("params", 0.0)
+                                               - state["params_mb"]), 1),
                       "sent_mb": {where: round(mb, 3) for where, mb in sent.items()},
                       "host_s": round(time.perf_counter() - _IMPORTED_AT, 2),
                       "host_rss_mb": rec.pop("peak_rss_mb")}

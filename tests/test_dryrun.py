@@ -23,7 +23,7 @@ EQUAL_TO_THE_REAL_RUN = [
     ("03_fsdp/optimized_fsdp_tp.py", ["--model", "llama"], 4),
     ("04_zero/optimized_zero2.py", [], 2), ("05_pipeline/optimized_pipeline_1f1b.py", [], 2),
     ("06_symmem/baseline_symmem_training.py", [], 2), ("08_moe/optimized_moe_ep.py", ["--fsdp"], 2),
-    ("04_zero/optimized_zero3.py", [], 8)]
+    ("04_zero/optimized_zero3.py", [], 8), ("07_context/optimized_context_ring.py", ["--fsdp"], 2)]
 
 
 def dry_run(script: str, results, *flags: str, timeout: float = 120) -> str:
@@ -131,6 +131,15 @@ def test_every_planned_strategy_dry_runs_to_the_planners_figures(planned_dry_run
     assert dry[2] == pytest.approx(planned[2], rel=1e-4), "sent"
     assert dry[1] == pytest.approx(planned[1], rel=planner.DRY_RUN_ACTIVATIONS_TOLERANCE), \
         "activations"
+
+
+def test_fsdp_holds_its_root_gathered_at_the_peak(planned_dry_runs):
+    """`dry_run.gathered_mb`, the parameters at the peak beyond the state's: at FSDP full's (its
+    loss's backward) the root, which FSDP2 keeps gathered from forward to backward, in bf16 (the
+    token table, the head and the final norm), and no block (each resharded after its forward)."""
+    size, rec = common.SIZES["large"], planned_dry_runs["FSDP full"]
+    root = 2 * (2 * size.vocab_size * size.d_model + size.d_model)
+    assert rec["dry_run"]["gathered_mb"] * 2**20 == pytest.approx(root, rel=1e-3)
 
 
 def test_every_strategy_the_planner_offers_dry_runs_or_says_why():
