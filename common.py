@@ -1838,7 +1838,8 @@ def timed_steps(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     times, losses, measured = [], [], {}
     traced = range(max(0, args.warmup - 3), args.warmup - 1) if args.trace else range(0)
     phase_hooks = nvtx_phase_ranges(memory_of) if topo.device.type == "cuda" else []
-    load_start, startup_s = os.getloadavg()[0], 0.0  # a dry run's: it times no step
+    # a dry run's, which times no step: its load from the start
+    load_start, startup_s = (os.getloadavg()[0], 0.0) if dry_run() else (None, None)
     for i, (inputs, targets) in enumerate(batches[:n]):
         if i == args.warmup:
             load_start = os.getloadavg()[0]

@@ -470,7 +470,7 @@ def uniform_bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def end_stage_layers(plan: common.PlanInput, stages: int) -> tuple[int, int]:
+def planned_end_stage_layers(plan: common.PlanInput, stages: int) -> tuple[int, int]:
     """The decoder layers of a pipeline's first and last stages, cut as the scripts cut them
     (common's Decoder.pipeline_stages: by the weights of the matrix multiplies a token meets,
     the head's among them; a MoE's experts counted as if in every layer)."""
@@ -486,23 +486,22 @@ def end_stage_layers(plan: common.PlanInput, stages: int) -> tuple[int, int]:
 
 
 def planned_pipeline(plan: common.PlanInput) -> dict[str, float] | None:
-    """The planner's pipeline row: a stage a GPU (end_stage_layers); m micro-batches of one
-    GPU's sequences (4 G by default). State: the heavier end's (the first's tables, or the head
-    and a tied head's copy of the token table). Activations: the first stage's, the one they
-    bind (the most layers, and 1F1B's min(G, m) micro-batches in flight, each with autocast's
-    bf16 copy of its matrices, its fp32 residual stream and its output, kept to its backward;
-    no logits).
-    Sent by the busiest stage: an end stage comm_theory_mb's (activations one way, in the
-    residual stream's fp32, a tied table's gradient), a middle one activations forward and
-    gradients back; `sent_first`, the first stage's. None where the GPUs outnumber the layers it
-    can cut (skip_unless_pipelined's)."""
+    """The planner's pipeline row: a stage a GPU (planned_end_stage_layers); m micro-batches of
+    one GPU's sequences (4 G by default). State: the heavier end's (the first's tables, or the
+    head and a tied head's copy of the token table). Activations: the first stage's, the one
+    they bind (the most layers, and 1F1B's min(G, m) micro-batches in flight, each with
+    autocast's bf16 copy of its matrices, its fp32 residual stream and its output, kept to its
+    backward; no logits). Sent by the busiest stage: an end stage comm_theory_mb's
+    (activations one way, in the residual stream's fp32, a tied table's gradient), a middle one
+    activations forward and gradients back; `sent_first`, the first stage's. None where the GPUs
+    outnumber the layers it can cut (skip_unless_pipelined's)."""
     w, g, o = plan.state_bytes
     n, m = plan.gpus, plan.micro_batches or 4 * plan.gpus
     if n > plan.layers + 2:
         return None
     final_norm = plan.norms / (2 * plan.layers + 1)  # a layer holds two
     layer = (plan.blocks - final_norm) / plan.layers
-    first_layers, last_layers = end_stage_layers(plan, n)
+    first_layers, last_layers = planned_end_stage_layers(plan, n)
     first = plan.embedding + first_layers * layer + (0.0 if n > 1 else plan.head + final_norm)
     last = plan.head + plan.tied + final_norm + last_layers * layer
     end = comm_theory_mb((plan.micro_batch, plan.seq, plan.hidden), torch.float32, m,

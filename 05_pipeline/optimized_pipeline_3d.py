@@ -659,8 +659,8 @@ def uniform_bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-# Copied from 05_pipeline/optimized_pipeline_1f1b.py: end_stage_layers
-def end_stage_layers(plan: common.PlanInput, stages: int) -> tuple[int, int]:
+# Copied from 05_pipeline/optimized_pipeline_1f1b.py: planned_end_stage_layers
+def planned_end_stage_layers(plan: common.PlanInput, stages: int) -> tuple[int, int]:
     """The decoder layers of a pipeline's first and last stages, cut as the scripts cut them
     (common's Decoder.pipeline_stages: by the weights of the matrix multiplies a token meets,
     the head's among them; a MoE's experts counted as if in every layer)."""
@@ -676,8 +676,8 @@ def end_stage_layers(plan: common.PlanInput, stages: int) -> tuple[int, int]:
 
 
 def planned_pipeline_3d(plan: common.PlanInput) -> dict:
-    """The planner's PP x FSDP x TP row at pp = `plan.pp` stages (end_stage_layers), TP over
-    `plan.tp` GPUs, FSDP over the dp that leaves, m micro-batches (2 pp by default), a GPU's
+    """The planner's PP x FSDP x TP row at pp = `plan.pp` stages (planned_end_stage_layers), TP
+    over `plan.tp` GPUs, FSDP over the dp that leaves, m micro-batches (2 pp by default), a GPU's
     micro-batch of one sequence shard a TP rank. State and the stage held gathered (FSDP's bf16
     param_dtype): the heavier end's (the first's tables, or the head and a tied head's copy of
     the token table). The rest, the first stage's, the one activations bind (the most layers,
@@ -694,7 +694,7 @@ def planned_pipeline_3d(plan: common.PlanInput) -> dict:
         whole = (plan.replicated - final_norm) * share + final_norm * last
         return ((plan.blocks - plan.replicated) * share + end) / tp + whole
 
-    layers, last_layers = end_stage_layers(plan, pp)
+    layers, last_layers = planned_end_stage_layers(plan, pp)
     first_pieces = pieces(layers, plan.embedding + (plan.head + plan.tied) * (pp == 1), pp == 1)
     heavier = max(first_pieces, pieces(last_layers, plan.head + plan.tied, True))
     first = stage_bytes(first_pieces, plan.tied / tp,

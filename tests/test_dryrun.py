@@ -244,10 +244,23 @@ def test_the_dry_run_finds_adamws_gpu_crash_on_mixed_parameters(tmp_path):
         proc.stderr[-2000:]
 
 
-def test_ddp_says_in_one_line_why_it_cannot_dry_run(tmp_path):
-    dry_run("01_ddp/optimized_ddp.py", tmp_path / "r.jsonl", *TINY, "--dry-run", "8")
+@pytest.mark.parametrize("script, why", [
+    ("01_ddp/optimized_ddp.py", "DDP cannot dry-run"),
+    # its own check of --warmup, which a dry run's two steps fail, waits for DDP's word
+    ("02_compression/optimized_compression_powersgd.py", "DDP cannot dry-run"),
+    ("05_pipeline/optimized_pipeline_pytorch.py", "learns each stage's shapes")])
+def test_what_cannot_dry_run_says_why_in_one_line(tmp_path, script, why):
+    dry_run(script, tmp_path / "r.jsonl", *TINY, "--dry-run", "2")
     rec = only_record(tmp_path / "r.jsonl")
-    assert rec["status"] == "skipped" and "DDP cannot dry-run" in rec["reason"]
+    assert rec["status"] == "skipped" and why in rec["reason"] and "\n" not in rec["reason"]
+
+
+def test_fp8_dry_runs_its_float8_weights_with_their_precomputed_scales(tmp_path):
+    """torchao's float8 weight, flattened, asks whether its scale is nonzero, which a fake one
+    cannot say: the dry run flattens it as a GPU does, and names the stand-in."""
+    dry_run("03_fsdp/optimized_fsdp_fp8.py", tmp_path / "r.jsonl", *TINY, "--dry-run", "2")
+    rec = only_record(tmp_path / "r.jsonl")
+    assert rec["status"] == "ok" and "float8 weights" in rec["dry_run"]["stand_ins"]
 
 
 def test_published_shapes_have_their_published_parameter_counts():
