@@ -776,9 +776,26 @@ def dry_run_line(args: argparse.Namespace, strategy: str, run: str, rec: dict | 
                    f"{planned_sent:,.2f}).")
 
 
+# A case's table: one row a candidate, what a user compares across them
+CASE_COLUMNS = ["strategy", "mesh", "GB a GPU", "fits", "step", "tokens/s a GPU", "MFU",
+                "bound by", "GB across nodes a step"]
+
+
+def case_table(rows: list[dict]) -> str:
+    """A case's candidates (plan_strategies' rows), one row each: the strategy, checkpointed or
+    not, its mesh, what it needs of a GPU and whether that fits, its predicted step, tokens/s a
+    GPU and MFU, what binds it, and what a GPU sends across nodes a step."""
+    return tabulate([[r["strategy"] + (", checkpointed" if r["checkpointing"] else ""),
+                      r.get("mesh", ""), f"{r['total'] / GB:,.1f}", "yes" if r["fits"] else "no",
+                      seconds(r["step_s"]), f"{r['tokens_per_gpu_s']:,.0f}", f"{r['mfu']:.0%}",
+                      r["bound_by"], f"{r['network'] / GB:,.2f}"] for r in rows],
+                    CASE_COLUMNS, tablefmt="github", disable_numparse=True)
+
+
 def render_cases(dry_results: Path = common.DRY_RESULTS) -> str:
-    """Each of CASES with what the planner picks (`choose`) and why, one paragraph a case, and
-    its dry run (CASE_DRY_RUNS) from `dry_results` beside the formula."""
+    """Each of CASES: a table of its candidates (case_table), then what the planner picks
+    (`choose`) and why in a sentence, and its dry run (CASE_DRY_RUNS) from `dry_results` beside
+    the formula."""
     lines = [f"GPUs of {CASE_FLAGS['gpu_mem']:g} GB, {CASE_FLAGS['gpus_per_node']} a node, "
              f"{CASE_FLAGS['dtype']}, micro-batch {CASE_FLAGS['micro_batch']} a GPU unless said, "
              f"{GPUS[CASE_FLAGS['gpu']].name}, eager. Pick: of what fits, the most tokens/s a GPU "
@@ -790,10 +807,13 @@ def render_cases(dry_results: Path = common.DRY_RESULTS) -> str:
         best = choose(rows)
         pick = why_picked(rows, best, args.gpu_mem) if best else "nothing fits."
         count = f"{args.params / 1e9:g}B" if args.params >= 1e9 else f"{args.params / 1e6:g}M"
-        lines.append(f"{name} ({count} parameters{f'; {note}' if note else ''}): {pick}"
-                     + "".join(f" {line}" for line in crossover_lines(rows) + offload_lines(rows)))
+        lines += [f"{name} ({count} parameters{f'; {note}' if note else ''})", "",
+                  case_table(rows), "",
+                  f"Pick: {pick}" + "".join(f" {line}" for line in
+                                            crossover_lines(rows) + offload_lines(rows))]
         if name in CASE_DRY_RUNS:
             strategy, run, configured = CASE_DRY_RUNS[name]
-            lines[-1] += " " + dry_run_line(argparse.Namespace(**{**vars(args), **configured}),
-                                            strategy, run, dry_run_record(run, dry_runs))
-    return "\n".join(lines)
+            lines.append(dry_run_line(argparse.Namespace(**{**vars(args), **configured}),
+                                      strategy, run, dry_run_record(run, dry_runs)))
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")

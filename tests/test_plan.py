@@ -373,11 +373,20 @@ def test_tp_traffic_stays_in_the_node():
     assert all(row[-1].startswith("pp 4 x dp 2 x tp 8, m 8") for row in rows[2:])
 
 
+def case_picks(stdout: str) -> dict[str, str]:
+    """Each case's "Pick: ..." sentence, by the case's name (the line that opens its table)."""
+    names, picks, case = [name for name, _, _ in planner.CASES], {}, None
+    for line in stdout.splitlines():
+        case = next((name for name in names if line.startswith(f"{name} (")), case)
+        if line.startswith("Pick: "):
+            picks[case] = line.removeprefix("Pick: ")
+    return picks
+
+
 def test_the_decision_matrix_cases():
     run = plan("--cases")
     assert run.returncode == 0, run.stderr
-    picks = {line.split(" (")[0]: line.split("): ", 1)[1].split(":")[0]
-             for line in run.stdout.splitlines() if " GPUs (" in line}
+    picks = {case: pick.split(":")[0] for case, pick in case_picks(run.stdout).items()}
     assert picks == {
         # the most tokens/s a GPU; within 5% the simplest. GPT-2: ZeRO-1 and -2 gather and
         # reduce fp32 values, ZeRO-3 gathers bf16 ones (as FSDP does, as fast)
@@ -552,8 +561,13 @@ def test_every_planned_row_has_a_step_time_mfu_and_what_binds_it():
 
 
 def test_the_cases_say_their_step_mfu_and_what_binds_it():
+    """A table a case, one row a candidate (CASE_COLUMNS), then its pick in a sentence."""
     run = plan("--cases")
-    cases = [line for line in run.stdout.splitlines() if " GPUs (" in line]
+    headers = [line for line in run.stdout.splitlines() if line.startswith("| strategy ")]
+    assert len(headers) == len(planner.CASES)
+    assert all([cell.strip() for cell in line.split("|")[1:-1]] == planner.CASE_COLUMNS
+               for line in headers)
+    cases = list(case_picks(run.stdout).values())
     assert len(cases) == len(planner.CASES)
     assert all(re.search(r"[\d,]+ tokens/s a GPU \(MFU \d+%, a step [\d.,]+ m?s, bound by "
                          r"(compute|NVLink|network|bubble|optimizer|host link|host memory)\)",
