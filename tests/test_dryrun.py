@@ -150,17 +150,15 @@ def test_every_strategy_the_planner_offers_dry_runs_or_says_why():
 @pytest.fixture(scope="module")
 def real_and_dry(tmp_path_factory) -> list[tuple[dict, dict]]:
     """Each of EQUAL_TO_THE_REAL_RUN run for real (torchrun, fp32) and dry as rank 0 of as many,
-    at the real run's steps, so that both measure the same (third) step."""
+    both measuring the same step, the last of two warm-up steps; all started as slots free."""
     out = tmp_path_factory.mktemp("dryrun")
-    finish_all([lambda i=i, s=s, f=f, n=n: torchrun(common.ROOT / s, out / f"real{i}.jsonl", *f,
-                                                     "--steps", "1", nproc=n)
-                for i, (s, f, n) in enumerate(EQUAL_TO_THE_REAL_RUN)])
-    pairs = []
-    for i, (script, flags, world) in enumerate(EQUAL_TO_THE_REAL_RUN):
-        dry_run(script, out / f"dry{i}.jsonl", *TINY, *flags, "--dry-run", str(world), "--dtype",
-                "fp32")
-        pairs.append((only_record(out / f"real{i}.jsonl"), only_record(out / f"dry{i}.jsonl")))
-    return pairs
+    finish_all([start for i, (s, f, n) in enumerate(EQUAL_TO_THE_REAL_RUN) for start in (
+        lambda i=i, s=s, f=f, n=n: torchrun(common.ROOT / s, out / f"real{i}.jsonl", *f,
+                                            "--steps", "1", nproc=n),
+        lambda i=i, s=s, f=f, n=n: start_dry_run(s, out / f"dry{i}.jsonl", *TINY, *f,
+                                                 "--dry-run", str(n), "--dtype", "fp32"))])
+    return [(only_record(out / f"real{i}.jsonl"), only_record(out / f"dry{i}.jsonl"))
+            for i in range(len(EQUAL_TO_THE_REAL_RUN))]
 
 
 @pytest.mark.parametrize("i", range(len(EQUAL_TO_THE_REAL_RUN)),
