@@ -209,9 +209,10 @@ def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpoi
                 ) -> dict:
     """A table row from a strategy's figures (bytes a GPU): its activations
     (activations_per_gpu, a pipeline stage's layers and micro-batches in flight, a context-
-    parallel GPU's 1/cp of each sequence) beside the weights it holds gathered; whether it fits;
-    what a GPU sends across nodes (all of it, unless the figures say) for how many sequences a
-    step (one a GPU, unless the figures say)."""
+    parallel GPU's 1/cp of each sequence, its loss, an fp32 residual stream; what a layer or a
+    micro-batch keeps beyond them) beside the weights it holds gathered or autocast's copies of
+    them; whether it fits; what a GPU sends across nodes (all of it, unless the figures say) for
+    how many sequences a step (one a GPU, unless the figures say)."""
     acts = activations_per_gpu(args.layers, args.seq_len // figures.get("cp", 1),
                                args.micro_batch, args.hidden,
                                args.vocab, args.dtype, checkpointing, args.llama,
