@@ -213,6 +213,7 @@ def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpoi
     micro-batch keeps beyond them) beside the weights it holds gathered or autocast's copies of
     them; whether it fits; what a GPU sends across nodes (all of it, unless the figures say) for
     how many sequences a step (one a GPU, unless the figures say)."""
+    q_width, kv_width = attention_widths(args)
     acts = activations_per_gpu(args.layers, args.seq_len // figures.get("cp", 1),
                                args.micro_batch, args.hidden,
                                args.vocab, args.dtype, checkpointing, args.llama,
@@ -220,8 +221,7 @@ def planned_row(args: argparse.Namespace, strategy: str, figures: dict, checkpoi
                                in_flight=figures.get("in_flight", 1), ffn=args.ffn,
                                loss=figures.get("loss", "plain"),
                                fp32_residual=figures.get("fp32_residual", False),
-                               q_width=attention_widths(args)[0],
-                               kv_width=attention_widths(args)[1],
+                               q_width=q_width, kv_width=kv_width,
                                moe=(args.top_k, args.expert_ffn, args.experts)
                                if args.experts else None)
     # what a layer keeps beyond those (sequence parallelism's gathered inputs), for each of
