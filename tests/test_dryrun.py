@@ -7,7 +7,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -26,17 +25,9 @@ EQUAL_TO_THE_REAL_RUN = [
     ("04_zero/optimized_zero3.py", [], 8), ("07_context/optimized_context_ring.py", ["--fsdp"], 2)]
 
 
-def dry_run(script: str, results, *flags: str, timeout: float = 120) -> str:
-    """Run `script --dry-run ...` in its own Python (the fake mode stays on until it ends)."""
-    proc = subprocess.run([sys.executable, script, "--results", str(results), *flags],
-                          cwd=common.ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=cpu_env())
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return proc.stdout
-
-
 def start_dry_run(script: str, results, *flags: str) -> subprocess.Popen:
-    """`dry_run` begun, for finish_all."""
+    """`script --dry-run ...` begun in its own Python (the fake mode stays on until it ends),
+    for finish_all."""
     return subprocess.Popen([sys.executable, script, "--results", str(results), *flags],
                             cwd=common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=cpu_env())
@@ -107,22 +98,42 @@ def planner_flags(strategy: str, rec: dict, configured: dict) -> argparse.Namesp
         **configured})
 
 
+# The other single dry runs the tests below read, started with those above in one pool: the
+# 1,024-rank one first (the longest), FSDP as rank 0 and rank 2 of 3, FP8, and what cannot
+# dry-run (each records why)
+CANNOT_DRY_RUN_SCRIPTS = {
+    "01_ddp/optimized_ddp.py": "DDP cannot dry-run",
+    # its own check of --warmup, which a dry run's two steps fail, waits for DDP's word
+    "02_compression/optimized_compression_powersgd.py": "DDP cannot dry-run",
+    "05_pipeline/optimized_pipeline_pytorch.py": "learns each stage's shapes"}
+OTHER_DRY_RUNS = {
+    "llama2-70b at 1024": ("03_fsdp/optimized_fsdp_tp.py",
+                           ["--size", "llama2-70b", "--dry-run", "1024", "--tp", "8"]),
+    **{f"fsdp as rank {rank} of 3": ("03_fsdp/optimized_fsdp.py",
+                                      ["--dry-run", "3", "--dry-rank", str(rank)])
+       for rank in (0, 2)},
+    "fp8": ("03_fsdp/optimized_fsdp_fp8.py", [*TINY, "--dry-run", "2"]),
+    **{script: (script, [*TINY, "--dry-run", "2"]) for script in CANNOT_DRY_RUN_SCRIPTS}}
+
+
 @pytest.fixture(scope="module")
-def planned_dry_runs(tmp_path_factory) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp("planned")
-    names = list(PLANNED_DRY_RUNS)
-    finish_all([lambda i=i, n=n: start_dry_run(PLANNED_DRY_RUNS[n][0], out / f"{i}.jsonl",
-                                               *PLANNED_DRY_RUNS[n][1])
-                for i, n in enumerate(names)])
-    return {name: only_record(out / f"{i}.jsonl") for i, name in enumerate(names)}
+def dry_runs(tmp_path_factory) -> dict[str, tuple[dict, str]]:
+    """{name: (record, console)} of every run in OTHER_DRY_RUNS and PLANNED_DRY_RUNS, two at a
+    time (each is one process on one core)."""
+    out = tmp_path_factory.mktemp("dry")
+    runs = {**OTHER_DRY_RUNS, **{name: run[:2] for name, run in PLANNED_DRY_RUNS.items()}}
+    consoles = finish_all([lambda i=i, run=run: start_dry_run(run[0], out / f"{i}.jsonl", *run[1])
+                           for i, run in enumerate(runs.values())])
+    return {name: (only_record(out / f"{i}.jsonl"), console)
+            for i, (name, console) in enumerate(zip(runs, consoles, strict=True))}
 
 
 @pytest.mark.parametrize("strategy", PLANNED_DRY_RUNS)
-def test_every_planned_strategy_dry_runs_to_the_planners_figures(planned_dry_runs, strategy):
+def test_every_planned_strategy_dry_runs_to_the_planners_figures(dry_runs, strategy):
     """The planner's row for a strategy, at the dry run's world, shape and exact parameter count,
     is what the script does as rank 0: the same state and bytes (to FSDP's padding, which the
     planner leaves out) and, within DRY_RUN_ACTIVATIONS_TOLERANCE, the peak beyond the state."""
-    rec = planned_dry_runs[strategy]
+    rec = dry_runs[strategy][0]
     assert rec["status"] == "ok", rec["reason"]
     figures = planner.beside_dry_run(planner_flags(strategy, rec, PLANNED_DRY_RUNS[strategy][2]),
                                      strategy, rec)
@@ -133,11 +144,11 @@ def test_every_planned_strategy_dry_runs_to_the_planners_figures(planned_dry_run
         "activations"
 
 
-def test_fsdp_holds_its_root_gathered_at_the_peak(planned_dry_runs):
+def test_fsdp_holds_its_root_gathered_at_the_peak(dry_runs):
     """`dry_run.gathered_mb`, the parameters at the peak beyond the state's: at FSDP full's (its
     loss's backward) the root, which FSDP2 keeps gathered from forward to backward, in bf16 (the
     token table, the head and the final norm), and no block (each resharded after its forward)."""
-    size, rec = common.SIZES["large"], planned_dry_runs["FSDP full"]
+    size, rec = common.SIZES["large"], dry_runs["FSDP full"][0]
     root = 2 * (2 * size.vocab_size * size.d_model + size.d_model)
     assert rec["dry_run"]["gathered_mb"] * 2**20 == pytest.approx(root, rel=1e-3)
 
@@ -178,14 +189,11 @@ def test_a_dry_run_equals_the_real_run(real_and_dry, i):
     assert dry["dry_run"]["flops"] > 0
 
 
-def test_a_llama_70b_fsdp_tp_dry_run_at_1024_ranks(tmp_path):
+def test_a_llama_70b_fsdp_tp_dry_run_at_1024_ranks(dry_runs):
     """The seed guide's largest row at a world no CPU has: FSDP x TP over 1,024 ranks, rank 0
     holding 1/1,024 of Llama 2 70B's state (16 bytes a parameter: fp32 weights, gradients
     and two AdamW moments), and sending over its TP group of 8."""
-    start = time.perf_counter()
-    out = dry_run("03_fsdp/optimized_fsdp_tp.py", tmp_path / "r.jsonl", "--size", "llama2-70b",
-                  "--dry-run", "1024", "--tp", "8", timeout=240)
-    rec = only_record(tmp_path / "r.jsonl")
+    rec, out = dry_runs["llama2-70b at 1024"]
     params = common.llama_param_count(common.SIZES["llama2-70b"])
     assert rec["params"] == params == 68_976_648_192  # Llama 2 70B's, from its config.json
     assert rec["dry_run"]["rank"] == 0 and rec["mesh"] == {"dp": 128, "tp": 8}
@@ -207,17 +215,14 @@ def test_a_llama_70b_fsdp_tp_dry_run_at_1024_ranks(tmp_path):
     assert row["mesh"] == "dp 128 x tp 8"
     assert {dim: mb * 2**20 for dim, mb in rec["comm_mb_by_dim"].items()} == \
         pytest.approx(row["by_dim"], rel=1e-3)
-    print(f"1,024-rank Llama 2 70B dry run: {time.perf_counter() - start:.0f} s")
+    print(f"1,024-rank Llama 2 70B dry run: {rec['dry_run']['host_s']:.0f} s")
 
 
-def test_the_rank_played_is_the_one_asked_for(tmp_path):
+def test_the_rank_played_is_the_one_asked_for(dry_runs):
     """FSDP shards dim 0 in chunks of ceil(rows / world), the last rank's short where it does
     not divide: played as rank 2 of 3, `small` holds less than as rank 0 (its 1,024-token table:
     342, 342 and 340 rows; its 256-wide norms: 86, 86 and 84)."""
-    for rank in (0, 2):
-        dry_run("03_fsdp/optimized_fsdp.py", tmp_path / f"{rank}.jsonl", "--dry-run", "3",
-                "--dry-rank", str(rank))
-    first, last = (only_record(tmp_path / f"{rank}.jsonl") for rank in (0, 2))
+    first, last = (dry_runs[f"fsdp as rank {rank} of 3"][0] for rank in (0, 2))
     assert (first["dry_run"]["rank"], last["dry_run"]["rank"]) == (0, 2)
     assert last["state_mb"] < first["state_mb"]
 
@@ -242,22 +247,17 @@ def test_the_dry_run_finds_adamws_gpu_crash_on_mixed_parameters(tmp_path):
         proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("script, why", [
-    ("01_ddp/optimized_ddp.py", "DDP cannot dry-run"),
-    # its own check of --warmup, which a dry run's two steps fail, waits for DDP's word
-    ("02_compression/optimized_compression_powersgd.py", "DDP cannot dry-run"),
-    ("05_pipeline/optimized_pipeline_pytorch.py", "learns each stage's shapes")])
-def test_what_cannot_dry_run_says_why_in_one_line(tmp_path, script, why):
-    dry_run(script, tmp_path / "r.jsonl", *TINY, "--dry-run", "2")
-    rec = only_record(tmp_path / "r.jsonl")
-    assert rec["status"] == "skipped" and why in rec["reason"] and "\n" not in rec["reason"]
+@pytest.mark.parametrize("script", CANNOT_DRY_RUN_SCRIPTS)
+def test_what_cannot_dry_run_says_why_in_one_line(dry_runs, script):
+    rec = dry_runs[script][0]
+    assert rec["status"] == "skipped" and CANNOT_DRY_RUN_SCRIPTS[script] in rec["reason"] and \
+        "\n" not in rec["reason"]
 
 
-def test_fp8_dry_runs_its_float8_weights_with_their_precomputed_scales(tmp_path):
+def test_fp8_dry_runs_its_float8_weights_with_their_precomputed_scales(dry_runs):
     """torchao's float8 weight, flattened, asks whether its scale is nonzero, which a fake one
     cannot say: the dry run flattens it as a GPU does, and names the stand-in."""
-    dry_run("03_fsdp/optimized_fsdp_fp8.py", tmp_path / "r.jsonl", *TINY, "--dry-run", "2")
-    rec = only_record(tmp_path / "r.jsonl")
+    rec = dry_runs["fp8"][0]
     assert rec["status"] == "ok" and "float8 weights" in rec["dry_run"]["stand_ins"]
 
 
