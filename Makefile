@@ -36,6 +36,8 @@ LINK ?=
 # TRACE=1: every training script also writes a Chrome trace per rank (--trace); `make traces`
 # then shows where each step's time went.
 TRACE ?=
+# CALIBRATE=0: no quick calibration of the step-time model's rates before a target's runs
+CALIBRATE ?= 1
 
 FOLDERS := $(sort $(patsubst %/,%,$(wildcard [0-9][0-9]_*/)))
 TECHNIQUES := $(foreach f,$(FOLDERS),$(word 2,$(subst _, ,$(f))))
@@ -145,8 +147,8 @@ help:
 	@echo "  make report         table of outputs/results.jsonl, also written to outputs/report.md"
 	@echo "                      with charts in outputs/charts/"
 	@echo "  make traces         where each traced step's time went (after make all TRACE=1)"
-	@echo "  make calibrate      this host's rates for the step-time model (90 s on 2 cores), into"
-	@echo "                      outputs/calibration.json: every record then has predicted_step_ms"
+	@echo "  make calibrate      this host's rates for the step-time model, every world and decoder,"
+	@echo "                      into outputs/calibration.json (each target takes a quick one first)"
 	@echo "  make plan ARGS='--params 7e9 --gpus 8 --gpu-mem 80'   which strategy fits, and its bytes"
 	@echo "  make plan           the planner's picks for ResNet-50, GPT-2 1.5B, LLaMA-7B, 70B (--cases)"
 	@echo "  make list           every script with the first line of its docstring"
@@ -162,7 +164,8 @@ help:
 		"STEPS=$(STEPS) ARGS='$(ARGS)'" \
 		"PYTHON=$(PY) LINK=$(LINK) (e.g. 1gbit: a rate-limited loopback) TRACE=$(TRACE)"
 	@echo "           RESTARTS=$(RESTARTS) (torchrun --max-restarts) RDZV=$(RDZV) (c10d: elastic" \
-		"rendezvous) CPU=$(CPU) (1: hide the GPUs, run on CPU)"
+		"rendezvous) CPU=$(CPU) (1: hide the GPUs, run on CPU) CALIBRATE=$(CALIBRATE) (0: no" \
+		"quick calibration before the runs)"
 	@echo "Example:   make ddp report NPROC=4 SIZE=medium ARGS='--dtype bf16'"
 
 install: $(INSTALLED)
@@ -176,7 +179,7 @@ endif
 	.venv/bin/pip install -r requirements.txt
 	touch $@
 
-# first this host's calibration at SIZE, where it has none: every record then has a prediction
+# first a quick calibration of every world the folders run (each folder's own then finds it)
 all: calibrated $(TECHNIQUES)
 
 # Runs a folder makes beyond one per script, as "script flags" (the script's default runs
@@ -298,20 +301,28 @@ $(if $(strip $(ARGS)),$(PY) \
 endef
 
 # The step-time model's rates at the process counts the folders run (NPROC and the mesh runs'),
-# measured at SIZE: `make calibrate` measures again; `make all` measures only what is missing
-# (a folder's target alone uses whatever calibration there is).
+# measured at SIZE: `make calibrate` measures them all for the three decoders. Before its runs,
+# each target takes a quick calibration of its worlds for MODEL (about 15 s a world) unless this
+# host has one younger than an hour with this torch (CALIBRATE=0: none): the report prices each
+# run at the calibration taken with it, so that a speedup's two steps are priced alike.
 CALIBRATED_WORLDS := $(sort $(NPROC) $(foreach t,$(TECHNIQUES),$(MESH_NPROC_$(t))))
 calibrate: preflight
 	@$(PY) -m report calibrate --size $(SIZE) --worlds $(CALIBRATED_WORLDS)
 
+define quick_calibration
+$(if $(filter resnet,$(MODEL))$(filter 0,$(CALIBRATE)),true,$(PY) -m report calibrate --quick \
+	--if-older 3600 --size $(SIZE) --models $(or $(MODEL),gpt) --worlds $(1))
+endef
+
 calibrated: preflight
-	@$(PY) -m report calibrate --size $(SIZE) --worlds $(CALIBRATED_WORLDS) --if-missing
+	@$(call quick_calibration,$(CALIBRATED_WORLDS))
 
 # One folder: every baseline, then every optimized script, then its extra runs, then its mesh
 # runs (on GPUs, the baseline again only where the mesh's world is not NPROC's).
 $(TECHNIQUES): %: preflight
 	@mkdir -p outputs/logs; status=0; folder=$(filter %_$@,$(FOLDERS)); nproc=$(NPROC); \
 	$(check_args); \
+	$(call quick_calibration,$(sort $(NPROC) $(MESH_NPROC_$@))) || exit 1; \
 	for run in $$(ls $$folder/baseline_*.py $$folder/optimized_*.py | grep -vxF \
 			"$$(printf '%s\n' $(MESH_ONLY))") $(EXTRA_RUNS_$@); do \
 		script=$${run%% *}; flags=$${run#$$script}; \

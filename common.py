@@ -12,10 +12,8 @@ Sections, in reading order:
     Topology                 torchrun, srun or a world of one: device, backend, process group
     Collectives              the renamed tensor collectives, gloo's reduce-scatter done right
     Bytes sent               the bytes handed to collectives, counted or from the ring formula
-    Planned figures          PlanInput: the numbers report/planner.py hands a script's PLANNED
-                             formulas (a script without a planner row needs none of it)
-    Step time                the cost model: compute, exposed collectives, the optimizer, a
-                             pipeline's bubble, at this host's calibrated rates (Rates, StepWork)
+    Step work                what a step did (FLOPs, parameters stepped, collectives, what
+                             overlaps), recorded for the report's step-time model to price
     Timing                   warm-up then timed steps, step statistics
     Memory                   a step's peak (allocator or live tensors), state from the tensors
     Tracing                  step ranges, NVTX, profiler traces
@@ -32,7 +30,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import dataclasses
 import datetime
 import faulthandler
 import functools
@@ -1508,78 +1505,17 @@ def ddp_bucket_bytes(model: nn.Module) -> list[int]:
     return [int(s) for s in str(sizes).split(",") if s.strip()]
 
 
-# ==== Planned figures =============================================================================
-# What report/planner.py hands a script's formulas. A script lists its strategies in a
-# module-level PLANNED: [{"strategy": name, "place": its row's position, "figures": a function
-# of one PlanInput giving that strategy's per-GPU figures}]. Its own theory() calls the same
-# formulas with its model's counts; the planner imports the script, the script never the planner.
-@dataclass(frozen=True)
-class PlanInput:
-    """A decoder on a cluster, in plain numbers (parameter counts, bytes, degrees): the
-    planner's flags, or the configuration a run recorded. A Mixture of Experts adds its routed
-    experts (the rest of it, shared experts and routers included, is dense); a dense model
-    leaves them at 0."""
-
-    params: float
-    gpus: int
-    per_node: int  # GPUs a node
-    state_bytes: tuple[int, int, int]  # a parameter's: weights, gradients, optimizer state
-    layers: int
-    hidden: int
-    vocab: int
-    seq: int
-    micro_batch: int  # sequences one GPU computes at once
-    micro_batches: int | None  # a pipeline's m; None: the strategy's default
-    tp: int  # the composed layouts' tensor-parallel degree
-    pp: int  # PP x FSDP x TP's stages (1 for the other layouts)
-    cp: int  # FSDP x CP's context-parallel degree: the ranks a sequence is cut across (else 1)
-    embedding: float  # the input tables: token, and position if learned
-    head: float  # an untied output head's (0 if tied to the token table)
-    tied: float  # the token table a tied head repeats on the last stage (0 if untied)
-    replicated: float  # what TP keeps whole in the blocks: norms (and row-parallel biases)
-    norms: float  # of those, the norms (their gradients are each TP rank's tokens')
-    position_table: bool  # a learned seq x hidden table
-    experts: int = 0  # routed experts a MoE layer (0: a dense model)
-    top_k: int = 0  # the routed experts a token goes to
-    moe_layers: int = 0  # the layers with experts
-    expert_params: float = 0.0  # the routed experts' parameters, all MoE layers together
-    ep: int = 1  # EP's degree: the GPUs a layer's experts are spread over
-    lora_params: float = 0.0  # LoRA fine-tuning's adapters, all layers (0: no LoRA row)
-    # a value's bytes in compute: what autocast casts fp32 weights to, FSDP gathers them in, and
-    # activations are kept in (bf16: 2)
-    compute_bytes: int = 4
-    ffn: int = 0  # the MLP's width: a Llama's SwiGLU's, a GPT's 4 x hidden
-    kv_width: float = 0.0  # K's (and V's) width a token: KV heads x head size (0: hidden)
-
-    @property
-    def blocks(self) -> float:
-        """The layers' parameters (with the final norm: a few hidden units)."""
-        return self.params - self.embedding - self.head
-
-    def cast(self, weights: float) -> float:
-        """Bytes of autocast's copies of `weights` kept in fp32 and computed in bf16: each
-        forward casts every weight it multiplies by and keeps the copy for its backward (none
-        in fp32)."""
-        return weights * self.compute_bytes if self.compute_bytes < self.state_bytes[0] else 0.0
-
-
-# ==== Step time ===================================================================================
-# The cost model behind a record's `predicted_step_ms` and the planner's step times, one formula
-# for both: compute (FLOPs over the rate achieved at the workload's shapes, a forward more where
-# activations are recomputed; the rest of the ops per token and layer), the optimizer's step,
-# each collective's latency and bytes, less what the technique hides under compute, and a
-# pipeline's bubble. `make calibrate` (report/calibrate.py) measures this host's rates into
-# outputs/calibration.json; report/planner.py gives a GPU's from its datasheet.
-CALIBRATION = ROOT / "outputs" / "calibration.json"
-# The compute a collective can hide under, as a fraction of the step's compute: DDP's buckets
-# and ZeRO-2's reduce-scatters go out as backward (2/3 of the FLOPs) makes gradients; FSDP's
-# prefetched gathers and its reduce-scatters span forward and backward; an offloaded
-# optimizer's host step runs under the next forward (1/3).
-OVERLAP_WINDOWS = {"backward": 2 / 3, "forward": 1 / 3, "step": 1.0}
+# ==== Step work ===================================================================================
+# What a record says its step did, for the step-time model the report prices it with
+# (report/costmodel.py): this rank's FLOPs, the ops that are no matmul by token and layer, the
+# parameters its optimizer steps, the collectives handed over, which of them the technique runs
+# under compute, recompute and a pipeline's bubble. The scripts describe; the report predicts.
 # What a record's `overlapped=` says of the common wrappers: DDP's bucketed all-reduce under
 # backward; FSDP's gathers (prefetched) under the step, its reduce-scatters under backward.
 DDP_OVERLAP = {"allreduce": "backward"}
 FSDP_OVERLAP = {"allgather": "step", "reduce_scatter": "backward"}
+
+
 
 
 def matmul_weights_per_token(size: Size, model: str) -> float:
@@ -1613,128 +1549,6 @@ def train_flops(size: Size, model: str, tokens: float, seq_len: int) -> tuple[fl
                                              size.n_layers, size.d_model, seq_len)
     return (every - attention) * tokens, attention * tokens
 
-
-@dataclass(frozen=True)
-class Rates:
-    """What a step's parts cost on one host or GPU: the achieved matmul and attention FLOP/s
-    (one process's, with the host's other processes busy too), the rest of the ops a token and
-    layer, the optimizer's step a parameter, each collective's (op, group size): seconds a
-    message and a byte sent; and the fraction of a collective's time that compute hides when
-    the two run at once."""
-
-    matmul_flops: float
-    attention_flops: float  # at any length, unless attention_by_length says otherwise
-    other_s: float  # a token and layer: norms, activations, residuals, the loss, autograd
-    optimizer_s: float  # a parameter the optimizer steps (AdamW)
-    links: Mapping[str, tuple[float, float]]  # "allreduce/2" -> (s a message, s a byte sent)
-    overlap: float
-    source: str  # which calibration or datasheet
-    layer_s: float = 0.0  # a layer's forward and backward whatever its tokens: op dispatch
-    attention_by_length: tuple[tuple[int, float], ...] = ()  # (sequence length, FLOP/s)
-    float8_matmul_flops: float = 0.0  # torchao's Float8Linear; 0: not measured (matmul_flops)
-
-    def attention_rate(self, seq: int) -> float:
-        """Attention's FLOP/s at sequence length `seq`: between two lengths measured, linear in
-        log length; past the ends, the nearest end's (a longer sequence's kernel does not
-        slow down; a shorter one's is the shortest measured)."""
-        points = sorted(self.attention_by_length)
-        if not points:
-            return self.attention_flops
-        if seq <= points[0][0]:
-            return points[0][1]
-        for (short, low), (long, high) in itertools.pairwise(points):
-            if seq <= long:
-                return low + (high - low) * math.log(seq / short) / math.log(long / short)
-        return points[-1][1]
-
-    def link(self, key: str) -> tuple[float, float]:
-        """(latency, s a byte) of a collective "op/group": measured at that group size, else
-        at the nearest group measured, else the nearest group's all-reduce (each collective
-        a ring's steps). A GPU's links are named by mesh dim and where they run instead
-        ("dp/network")."""
-        if key in self.links:
-            return self.links[key]
-        op, group = key.split("/")
-        if group == "1":  # a group of one sends nothing (a world of one's DDP, say)
-            return 0.0, 0.0
-        measured = [k for k in self.links if k.split("/")[0] == op] or \
-            [k for k in self.links if k.startswith("allreduce/")]
-        if not group.isdigit() or not measured:
-            raise KeyError(f"{self.source} has no link for {key!r}; it has {sorted(self.links)}")
-        return self.links[min(measured, key=lambda k: abs(int(k.split("/")[1]) - int(group)))]
-
-
-def rates_from_calibration(calibration: Mapping, world: int, model: str) -> Rates | None:
-    """This host's Rates for a world of `world` processes and `model`, from one size's entry of
-    outputs/calibration.json, measured at that world; None where it has none."""
-    measured = calibration.get("worlds", {}).get(str(world))
-    if not measured or "layer_s" not in measured["compute"].get(model, {}):
-        return None  # not measured here, or by an older `make calibrate`
-    compute = measured["compute"][model]
-    return Rates(compute["matmul_flops"], compute["attention_flops"], compute["other_s"],
-                 measured["optimizer_s"], {key: tuple(value) for key, value in
-                                           measured["collectives"].items()},
-                 measured["overlap"], calibration["id"], compute["layer_s"],
-                 tuple((int(seq), rate) for seq, rate in compute["attention_by_length"]),
-                 compute.get("float8_matmul_flops") or 0.0)
-
-
-@dataclass(frozen=True)
-class StepWork:
-    """One rank's work a step, in plain numbers: FLOPs (matmul, attention in blocks of
-    `seq_len` tokens: the rate it runs at), token-layers (the ops that are no matmul, by token) and
-    layer passes (by layer: a pipeline's stage runs each of its layers once a micro-batch),
-    recompute (activation checkpointing: the blocks' forward again), the parameters it steps,
-    its collectives {"allreduce/2": (bytes sent, messages)}, which of them hide under compute
-    ({"allreduce": "backward"}, OVERLAP_WINDOWS), the fraction of the step a pipeline's
-    stage idles (its bubble), and the share of the matmul FLOPs in float8 linears."""
-
-    matmul_flops: float
-    attention_flops: float
-    token_layers: float
-    stepped_params: float
-    collectives: Mapping[str, tuple[float, int]]
-    overlapped: Mapping[str, str]
-    recompute: bool = False
-    bubble: float = 0.0
-    seq_len: int = 0
-    layer_passes: float = 0.0
-    float8_share: float = 0.0
-
-
-def predict_step(work: StepWork, rates: Rates) -> dict[str, float | str]:
-    """The step's time in ms, and its parts: compute (with recompute, a third more: one forward
-    of three), the optimizer, the collectives' time left exposed (less `rates.overlap` of the
-    compute window each hides under), the bubble's idle time, and what binds the step (the
-    largest part)."""
-    float8_rate = rates.float8_matmul_flops or rates.matmul_flops
-    compute = (work.matmul_flops * (1 - work.float8_share) / rates.matmul_flops
-               + work.matmul_flops * work.float8_share / float8_rate
-               + work.attention_flops / rates.attention_rate(work.seq_len)
-               + work.token_layers * rates.other_s
-               + work.layer_passes * rates.layer_s) * (4 / 3 if work.recompute else 1)
-    exposed = 0.0
-    for key, (sent, messages) in work.collectives.items():
-        latency, per_byte = rates.link(key)
-        cost = messages * latency + sent * per_byte
-        window = OVERLAP_WINDOWS.get(work.overlapped.get(key.split("/")[0], ""), 0.0) * compute
-        exposed += cost - rates.overlap * min(cost, window)
-    bubble = compute * work.bubble / (1 - work.bubble)
-    optimizer = work.stepped_params * rates.optimizer_s
-    parts = {"compute": compute, "communication": exposed, "bubble": bubble,
-             "optimizer": optimizer}
-    return {"step_ms": 1e3 * sum(parts.values()),
-            **{f"{name}_ms": 1e3 * value for name, value in parts.items()},
-            "bound_by": max(parts, key=parts.get)}
-
-
-def load_calibration(path: Path | None = None) -> dict | None:
-    """`path`, by default CALIBRATION (outputs/calibration.json, `make calibrate`), or None
-    before the first calibration."""
-    path = path or CALIBRATION
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def stepped_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None
                     ) -> list[torch.Tensor]:
     """The plain tensors this rank's optimizer steps (a DTensor's shard), else the model's."""
@@ -1742,48 +1556,35 @@ def stepped_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None
                         (p for group in optimizer.param_groups for p in group["params"]))
             for t in _plain(p)]
 
-
-def predicted_step(args: argparse.Namespace, topo: Topology, stats: Stats,
-                   model: nn.Module, optimizer: torch.optim.Optimizer | None, dp_world: int,
-                   overlapped: Mapping[str, str], recompute: bool, bubble: float,
-                   layer_passes: float, cp: int = 1, attention_busiest: float = 1.0
-                   ) -> dict[str, float | str]:
-    """A run's step time as the cost model predicts it at this host's calibration: this rank's
+def step_work(args: argparse.Namespace, topo: Topology, stats: Stats, model: nn.Module,
+              optimizer: torch.optim.Optimizer | None, dp_world: int,
+              overlapped: Mapping[str, str], recompute: bool, bubble: float,
+              layer_passes: float, cp: int = 1, attention_busiest: float = 1.0) -> dict | None:
+    """This rank's work in the measured step, as report/costmodel.py's StepWork prices it: its
     share of the step's FLOPs (the step's tokens over the world: data, tensor, pipeline and
     context parallelism each give a rank 1/N of the work), the parameters its optimizer steps,
-    the collectives it handed over in the measured step (CollectiveBytes: bytes and calls by
-    op and group), `overlapped` (which of them hide under compute, OVERLAP_WINDOWS), activation
-    checkpointing's recompute, a pipeline's bubble and the layer passes a rank runs (a pipeline
-    stage's layers once a micro-batch); context parallelism's attention at the rate of its
-    blocks, 1/cp of the sequence, and as the busiest rank's (`attention_busiest` times an even
-    share: every rank waits for it). Without a calibration that applies, {"why": what to
-    run}."""
-    calibration = load_calibration()
+    the collectives it handed over (CollectiveBytes: bytes and calls by op and group),
+    `overlapped` (which of them hide under compute), activation checkpointing's recompute, a
+    pipeline's bubble and the layer passes a rank runs (a stage's layers once a micro-batch);
+    context parallelism's attention in blocks of 1/cp of the sequence, as the busiest rank's
+    (`attention_busiest` times an even share: every rank waits for it). None for the ResNet,
+    whose convolutions the model does not price."""
     if args.model not in ("gpt", "llama", "moe"):
-        return {"why": "no cost model for the ResNet's convolutions"}
-    sized = (calibration or {}).get("sizes", {}).get(args.size)
-    if sized is None:
-        return {"why": f"no calibration at size {args.size}: run make calibrate SIZE={args.size}"}
-    rates = rates_from_calibration(sized, topo.world_size, args.model)
-    if rates is None or sized["device"] != topo.device.type or sized["dtype"] != args.dtype:
-        return {"why": f"no calibration of {topo.world_size} {topo.device.type} processes in "
-                       f"{args.dtype}: run make calibrate SIZE={args.size}"}
+        return None
     size = SIZES[args.size]
     tokens = items_per_step(args, dp_world) / topo.world_size
     matmul, attention = train_flops(size, args.model, tokens, args.seq_len)
-    steps = stepped_tensors(model, optimizer)
     # torchao's Float8Linear (03's FP8 run), by name: a run without torchao never imports it
     float8 = sum(m.in_features * m.out_features for m in model.modules()
                  if type(m).__name__ == "Float8Linear")
-    work = StepWork(matmul, attention * attention_busiest, tokens * size.n_layers,
-                    sum(t.numel() for t in steps),
-                    {op: (mb * 2**20, calls) for op, (mb, calls) in
-                     (stats.comm_by_op or {}).items()}, overlapped, recompute, bubble,
-                    args.seq_len // cp, size.n_layers * layer_passes,
-                    float8 / matmul_weights_per_token(size, args.model))
-    return {**predict_step(work, rates), "calibration": rates.source,
-            "work": {**dataclasses.asdict(work), "collectives": {
-                op: list(value) for op, value in work.collectives.items()}}}
+    return {"matmul_flops": matmul, "attention_flops": attention * attention_busiest,
+            "token_layers": tokens * size.n_layers,
+            "stepped_params": sum(t.numel() for t in stepped_tensors(model, optimizer)),
+            "collectives": {op: [mb * 2**20, calls] for op, (mb, calls) in
+                            (stats.comm_by_op or {}).items()},
+            "overlapped": dict(overlapped), "recompute": recompute, "bubble": bubble,
+            "seq_len": args.seq_len // cp, "layer_passes": size.n_layers * layer_passes,
+            "float8_share": float8 / matmul_weights_per_token(size, args.model)}
 
 
 # ==== Timing ======================================================================================
@@ -2238,7 +2039,8 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     `note=`: what the host changed of the run's settings (a mesh without dp, weights not
     gathered in float8), in one line: the summary line ends with it, the report shows it.
     `overlapped`: the collectives the technique runs under compute, as the step-time model
-    reads them ({"allreduce": "backward"}: DDP's buckets; see OVERLAP_WINDOWS)."""
+    reads them ({"allreduce": "backward"}: DDP's buckets; report/costmodel.py's
+    OVERLAP_WINDOWS)."""
     items = items_per_step(args, dp_world or topo.world_size)
     # The report shows the busiest rank: on CPU the one with the most live tensor bytes, and the
     # most state (a pipeline's ranks hold stages of different sizes).
@@ -2253,12 +2055,11 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
     # a pipeline stage's layers run once a micro-batch: its share of the layers, m times
     mesh = extra.get("mesh") if isinstance(extra.get("mesh"), dict) else {}
     stages = mesh.get("pp") or (topo.world_size if "microbatches" in extra else 1)
-    prediction = predicted_step(args, topo, stats, model, optimizer,
-                                dp_world or topo.world_size, overlapped or {},
-                                bool(extra.get("checkpointing")),
-                                theory.get("bubble", theory.get("bubble_uniform", 0.0)),
-                                extra.get("microbatches", 1) / stages, extra.get("cp", 1),
-                                theory.get("attention_busiest", 1.0))
+    work = step_work(args, topo, stats, model, optimizer, dp_world or topo.world_size,
+                     overlapped or {}, bool(extra.get("checkpointing")),
+                     theory.get("bubble", theory.get("bubble_uniform", 0.0)),
+                     extra.get("microbatches", 1) / stages, extra.get("cp", 1),
+                     theory.get("attention_busiest", 1.0))
     rec = base_record(args, topo, baseline, "ok", None)
     rec.update({
         "params": sum(p.numel() for p in model.parameters()),  # a tied weight counts once
@@ -2279,10 +2080,8 @@ def record(args: argparse.Namespace, topo: Topology, stats: Stats, *, baseline: 
         "seed": args.seed, "lr": args.lr,
         "seq_len": None if args.model == "resnet" else args.seq_len, "dtype": args.dtype,
         "startup_s": round(stats.startup_s, 2), "warmup_s": round(stats.warmup_s, 2),
-        "predicted_step_ms": round(prediction["step_ms"], 3) if "step_ms" in prediction else None,
-        # its parts, the calibration it used and the work it priced (common.StepWork's fields)
-        "prediction": {k: round(v, 3) if isinstance(v, float) else v
-                       for k, v in prediction.items() if k != "step_ms"},
+        # what the step did, for the report to price (report/costmodel.py: predicted_step_ms)
+        "work": work,
         "comm_by_op": {op: [round(mb, 3), calls] for op, (mb, calls) in
                        (stats.comm_by_op or {}).items()},
     })

@@ -28,6 +28,7 @@ import math
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
+
+if TYPE_CHECKING:  # the planner's numbers, for PLANNED's formulas (never imported when run)
+    from report.plan_input import PlanInput
 
 # The same sums grouped differently (buckets, micro-batches): fp32 rounding. Under bf16
 # autocast a last-bit difference in a weight can flip an activation's bf16 rounding, so the
@@ -77,7 +81,7 @@ def ddp_bytes(params: float, world: int, weight: float, grad: float, optim: floa
             "sent": common.ring_allreduce_mb(grad * params, world) * 2**20}
 
 
-def planned_ddp(plan: common.PlanInput) -> dict[str, float]:
+def planned_ddp(plan: "PlanInput") -> dict[str, float]:
     """The planner's DDP row, the simplest: the whole model and its state on every GPU, and
     under bf16 autocast its bf16 copy."""
     return {**ddp_bytes(plan.params, plan.gpus, *plan.state_bytes),

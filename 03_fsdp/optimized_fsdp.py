@@ -27,6 +27,7 @@ import functools
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
+
+if TYPE_CHECKING:  # the planner's numbers, for PLANNED's formulas (never imported when run)
+    from report.plan_input import PlanInput
 
 # Against DDP: in fp32 the same sums grouped differently (per step, absolute). In bf16 FSDP
 # gathers bf16 weights where DDP autocasts fp32 ones: they round differently, so the losses may
@@ -173,7 +177,7 @@ def fsdp_bytes(blocks: float, root: float, group: int, replicas: int = 1, reshar
             "gathered": gather * (root + 2 * largest_block) if reshard else gather * values}
 
 
-def planned_fsdp(plan: common.PlanInput, reshard: bool = True, hybrid: bool = False
+def planned_fsdp(plan: "PlanInput", reshard: bool = True, hybrid: bool = False
                  ) -> dict[str, float]:
     """The planner's FSDP rows: FULL_SHARD over every GPU, SHARD_GRAD_OP (`reshard` False), or
     HSDP (`hybrid`): a node's GPUs shard, the nodes replicate. Blocks of equal size; the root

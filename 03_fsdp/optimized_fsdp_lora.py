@@ -27,6 +27,7 @@ import fnmatch
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
+
+if TYPE_CHECKING:  # the planner's numbers, for PLANNED's formulas (never imported when run)
+    from report.plan_input import PlanInput
 
 # From random weights (`--init-from scratch`) the adapters alone learn little: against full
 # training no per-step tolerance is claimed.
@@ -250,7 +254,7 @@ def theory(model: nn.Module, blocks: list[nn.Module], group: int, rank: int, gat
             "full_finetune_reduce_scatter_mb": predicted["full_reduce_scatter"] / 2**20}
 
 
-def planned_lora(plan: common.PlanInput) -> dict[str, float]:
+def planned_lora(plan: "PlanInput") -> dict[str, float]:
     """The planner's FSDP + LoRA row: the frozen model sharded over every GPU in the weights'
     dtype, the adapters (PlanInput.lora_params) with their gradients and AdamW's state; sent,
     lora_bytes; held gathered, the root and a block with its prefetched next. Its step: the

@@ -33,6 +33,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,9 @@ from torch.distributed.tensor.parallel import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
+
+if TYPE_CHECKING:  # the planner's numbers, for PLANNED's formulas (never imported when run)
+    from report.plan_input import PlanInput
 
 # Against DDP, fp32: TP splits each matrix multiply's sum over d (row-wise) into tp partial
 # sums added by the reduce-scatter, FSDP sums gradients over dp in its own order: the same sums
@@ -478,7 +482,7 @@ def fsdp_tp_bytes(block_pieces: float, root_pieces: float, norms: float, layers:
             "gathered": 2 * activation * block_pieces / layers}
 
 
-def planned_fsdp_tp(plan: common.PlanInput) -> dict:
+def planned_fsdp_tp(plan: "PlanInput") -> dict:
     """The planner's FSDP x TP row: TP over `plan.tp` GPUs (a node's), FSDP over the dp that
     leaves; blocks split t ways but for what TP replicates, the tables and an untied head split
     t ways; each GPU one micro-batch, its group's t of them together. TP's bytes stay in the

@@ -29,6 +29,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
+
+if TYPE_CHECKING:  # the planner's numbers, for PLANNED's formulas (never imported when run)
+    from report.plan_input import PlanInput
 
 # Exact in fp32: the same sums, in another order at most. Under bf16 autocast (GPU) such
 # last-bit differences grow through the low-precision steps, as for FSDP in 03_fsdp.
@@ -336,7 +340,7 @@ def zero1_bytes(params: float, world: int, weight: float, grad: float, optim: fl
             "sent": share * (grad + weight) * values + share * buffer_bytes}
 
 
-def planned_zero1(plan: common.PlanInput) -> dict[str, float]:
+def planned_zero1(plan: "PlanInput") -> dict[str, float]:
     """The planner's ZeRO-1 row: its state and bytes at the planner's model and cluster;
     under bf16 autocast, the model's bf16 copy."""
     predicted = zero1_bytes(plan.params, plan.gpus, *plan.state_bytes)

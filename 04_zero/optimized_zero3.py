@@ -35,6 +35,7 @@ import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,9 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
+
+if TYPE_CHECKING:  # the planner's numbers, for PLANNED's formulas (never imported when run)
+    from report.plan_input import PlanInput
 
 # Exact in fp32: the same sums, in another order at most. Under bf16 autocast (GPU) such
 # last-bit differences grow through the low-precision steps, as for FSDP in 03_fsdp.
@@ -458,7 +462,7 @@ def zero3_bytes(params: float, blocks: list[float], root: float, world: int, wei
             "gathered": gather * (root + two_blocks)}
 
 
-def planned_zero3(plan: common.PlanInput) -> dict[str, float]:
+def planned_zero3(plan: "PlanInput") -> dict[str, float]:
     """The planner's ZeRO-3 row: the blocks of equal size, the root the tables and an untied
     head; gradients reduced in fp32, as GradReducer does under any compute dtype."""
     w, g, o = plan.state_bytes

@@ -29,6 +29,7 @@ import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
+
+if TYPE_CHECKING:  # the planner's numbers, for PLANNED's formulas (never imported when run)
+    from report.plan_input import PlanInput
 
 # Against ZeRO-3 (optimized_zero3.py), exact in fp32: the same values, gathered, reduced and
 # stepped by the same AdamW, only where it runs differs. Under bf16 autocast, as ZeRO-3's.
@@ -522,7 +526,7 @@ def offload_bytes(params: float, world: int, compute: float, master: float = 4
             "host_link": (master + compute) * shard}
 
 
-def planned_offload(plan: common.PlanInput) -> dict[str, float]:
+def planned_offload(plan: "PlanInput") -> dict[str, float]:
     """The planner's ZeRO-3 + offload row: a GPU holds the compute shard (the weights' bytes a
     value / N) and, gathered, the root and two blocks, as ZeRO-3; the master and AdamW's state
     go to the host. Sent over the network and held gathered, ZeRO-3's (zero3_bytes, blocks of

@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
+
+if TYPE_CHECKING:  # the planner's numbers, for PLANNED's formulas (never imported when run)
+    from report.plan_input import PlanInput
 
 # Against baseline_pipeline, fp32: the same model, its gradients summed over micro-batches
 # in another order (per step, absolute). bf16: the dtype's resolution.
@@ -470,7 +473,7 @@ def uniform_bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def planned_end_stage_layers(plan: common.PlanInput, stages: int) -> tuple[int, int]:
+def planned_end_stage_layers(plan: "PlanInput", stages: int) -> tuple[int, int]:
     """The decoder layers of a pipeline's first and last stages, cut as the scripts cut them
     (common's Decoder.pipeline_stages: by the weights of the matrix multiplies a token meets,
     the head's among them; a MoE's experts counted as if in every layer)."""
@@ -485,7 +488,7 @@ def planned_end_stage_layers(plan: common.PlanInput, stages: int) -> tuple[int, 
     return len(cut[0]) - 1, len(cut[-1]) - 1
 
 
-def planned_pipeline(plan: common.PlanInput) -> dict[str, float] | None:
+def planned_pipeline(plan: "PlanInput") -> dict[str, float] | None:
     """The planner's pipeline row: a stage a GPU (planned_end_stage_layers); m micro-batches of
     one GPU's sequences (4 G by default). State: the heavier end's (the first's tables, or the
     head and a tied head's copy of the token table). Activations: the first stage's, the one

@@ -31,7 +31,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,9 @@ from torch.distributed.tensor.parallel import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
+
+if TYPE_CHECKING:  # the planner's numbers, for PLANNED's formulas (never imported when run)
+    from report.plan_input import PlanInput
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 # Against DDP, fp32: TP's partial sums, FSDP's and the micro-batches' gradient sums, each in
@@ -660,7 +663,7 @@ def uniform_bubble(stages: int, microbatches: int) -> float:
 
 
 # Copied from 05_pipeline/optimized_pipeline_1f1b.py: planned_end_stage_layers
-def planned_end_stage_layers(plan: common.PlanInput, stages: int) -> tuple[int, int]:
+def planned_end_stage_layers(plan: "PlanInput", stages: int) -> tuple[int, int]:
     """The decoder layers of a pipeline's first and last stages, cut as the scripts cut them
     (common's Decoder.pipeline_stages: by the weights of the matrix multiplies a token meets,
     the head's among them; a MoE's experts counted as if in every layer)."""
@@ -675,7 +678,7 @@ def planned_end_stage_layers(plan: common.PlanInput, stages: int) -> tuple[int, 
     return len(cut[0]) - 1, len(cut[-1]) - 1
 
 
-def planned_pipeline_3d(plan: common.PlanInput) -> dict:
+def planned_pipeline_3d(plan: "PlanInput") -> dict:
     """The planner's PP x FSDP x TP row at pp = `plan.pp` stages (planned_end_stage_layers), TP
     over `plan.tp` GPUs, FSDP over the dp that leaves, m micro-batches (2 pp by default), a GPU's
     micro-batch of one sequence shard a TP rank. State and the stage held gathered (FSDP's bf16

@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
+
+if TYPE_CHECKING:  # the planner's numbers, for PLANNED's formulas (never imported when run)
+    from report.plan_input import PlanInput
 
 # Per step, against the data-parallel baseline: row-parallel outputs are summed over ranks in
 # another order than one matmul's, so fp32 rounding, compounded over the steps by AdamW. Under
@@ -470,7 +474,7 @@ def tp_bytes(kept: float, reduced: float, layers: int, tokens: float, hidden: in
             + common.ring_allreduce_mb(grad * reduced, world) * 2**20}
 
 
-def planned_tp(plan: common.PlanInput, across_nodes: bool = False) -> dict[str, float]:
+def planned_tp(plan: "PlanInput", across_nodes: bool = False) -> dict[str, float]:
     """The planner's TP rows. TP: the blocks split over every GPU, the tables, norms and
     row-parallel biases whole, the group working on its G GPUs' micro-batches together. TP x DP
     (`across_nodes`): TP over a node's GPUs, its replicas on the other nodes all-reducing each

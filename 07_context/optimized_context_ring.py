@@ -30,6 +30,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
+
+if TYPE_CHECKING:  # the planner's numbers, for PLANNED's formulas (never imported when run)
+    from report.plan_input import PlanInput
 
 # Exact: the ring computes the same attention as one fused kernel over the whole sequence, its
 # softmax sums regrouped by block (fp32 rounding), which training carries from step to step: 3e-5
@@ -433,7 +437,7 @@ def fsdp_bytes(blocks: float, root: float, group: int, replicas: int = 1, reshar
             "gathered": gather * (root + 2 * largest_block) if reshard else gather * values}
 
 
-def planned_fsdp_cp(plan: common.PlanInput) -> dict:
+def planned_fsdp_cp(plan: "PlanInput") -> dict:
     """The planner's FSDP x CP row (this script's --fsdp): FSDP over every GPU, each cp group's
     sequences cut across its cp GPUs of one node (the ring stays on NVLink); a group computes a
     micro-batch, a GPU 1/cp of it; K and V of `plan.kv_width` a token. FSDP without a

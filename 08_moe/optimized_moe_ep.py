@@ -27,6 +27,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
+
+if TYPE_CHECKING:  # the planner's numbers, for PLANNED's formulas (never imported when run)
+    from report.plan_input import PlanInput
 
 # Exact arithmetic but for the order of sums (an expert's rows batched with other ranks', its
 # gradient summed before the mean): the layer matches every expert on every rank to fp32
@@ -407,7 +411,7 @@ def ep_theory(args: argparse.Namespace, ep: int, world: int, exchanged: list[tup
             "busiest_expert_tokens": tokens * size.top_k / size.n_experts}
 
 
-def expert_parallel_bytes(plan: common.PlanInput) -> dict[str, float]:
+def expert_parallel_bytes(plan: "PlanInput") -> dict[str, float]:
     """EP's bytes a GPU a step at the planner's model and cluster, by what sends them: the all-
     to-alls of `moe_layers` layers for uniform routing at a GPU's micro_batch x seq tokens
     (uniform_alltoall_bytes), the experts' gradients all-reduced over their gpus/ep replicas,
@@ -426,7 +430,7 @@ def expert_parallel_bytes(plan: common.PlanInput) -> dict[str, float]:
             "tokens": tokens}
 
 
-def planned_crossover(plan: common.PlanInput) -> float:
+def planned_crossover(plan: "PlanInput") -> float:
     """Tokens a GPU a step at which EP's all-to-all bytes equal what it saves: data
     parallelism's all-reduce of every expert's gradient less EP's over the experts' replicas.
     The all-to-all grows with the tokens (a line through its bytes at no token and at one),
@@ -438,7 +442,7 @@ def planned_crossover(plan: common.PlanInput) -> float:
     return (sent["data_parallel"] - sent["replicas"] - at[0]) / (at[1] - at[0])
 
 
-def planned_ep(plan: common.PlanInput, fsdp: bool = False) -> dict:
+def planned_ep(plan: "PlanInput", fsdp: bool = False) -> dict:
     """The planner's EP rows (this script, and its --fsdp): each layer's experts over ep GPUs of
     a node (the all-to-all on NVLink) or, where a node's GPUs are too few, across nodes; the
     dense part (the rest: tables, attention, routers, shared experts, norms) data-parallel
@@ -475,7 +479,7 @@ def planned_ep(plan: common.PlanInput, fsdp: bool = False) -> dict:
             "experts_replicas": sent["replicas"]}
 
 
-def planned_ep_fsdp(plan: common.PlanInput) -> dict:
+def planned_ep_fsdp(plan: "PlanInput") -> dict:
     """The planner's EP x FSDP row (--fsdp): planned_ep with the dense part sharded."""
     return planned_ep(plan, fsdp=True)
 

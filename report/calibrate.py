@@ -1,4 +1,4 @@
-"""`make calibrate`: this host's rates for the step-time model (common.Rates), measured at the
+"""`make calibrate`: this host's rates for the step-time model (costmodel.Rates), measured at the
 workload's shapes and at the process counts `make all` runs, into outputs/calibration.json.
 
 For each world (2, 4 and 8 processes on CPU; the GPUs on a GPU host), forked from this
@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
+from report.costmodel import load_calibration
 from report.gpus import ADAMW_BYTES
 
 # Each world is forked from this interpreter, and CUDA once initialised does not survive a fork:
@@ -168,8 +169,11 @@ def float8_matmul_flops(shapes: dict[tuple, int], device: torch.device, reps: in
                         ) -> float | None:
     """The FLOP/s of torchao's Float8Linear (03's optimized_fsdp_fp8) at the model's matmul
     shapes that float8 takes (multiples of 16), forward and backward: the casts to E4M3 and E5M2
-    with their scales and the matmuls (emulated where the host has no float8 units, as on a
-    CPU). None without torchao, or where float8 does not run."""
+    with their scales and the matmuls. None without torchao, and where float8 matmuls do not run
+    natively (a CPU, a GPU before sm89), whose emulation is no rate a GPU's run would see and
+    takes minutes at the workload's shapes; the model prices float8 at the matmul rate there."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return None
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError:
@@ -184,7 +188,7 @@ def float8_matmul_flops(shapes: dict[tuple, int], device: torch.device, reps: in
         try:
             seconds += count * _median_s(lambda x=x, linear=linear: _forward_backward(linear, x),
                                          device, reps)
-        except RuntimeError:  # a GPU without float8 matmuls (before sm89)
+        except RuntimeError:  # a kernel this build of torchao has not for this GPU
             return None
         flops += count * 6 * rows * fan_in * fan_out
     return flops / seconds if seconds else None
@@ -280,16 +284,18 @@ def _collective(op: str, nbytes: int, group: dist.ProcessGroup, device: torch.de
     return exchange, 2 * nbytes  # two messages: the per-message figures halve it
 
 
-def measure_collectives(world: int, device: torch.device, reps: int
-                        ) -> tuple[dict[str, list[float]], dict[str, float]]:
+def measure_collectives(world: int, device: torch.device, reps: int,
+                        groups: Sequence[int] = ()) -> tuple[dict[str, list[float]],
+                                                             dict[str, float]]:
     """({"op/group": [seconds a message, seconds a byte sent]}, {"group": the wake-up}) for
-    every group size dividing the world, all groups of that size busy at once. A message's time
+    every group size dividing the world (of `groups` only, if given), all groups of that size
+    busy at once. A message's time
     is what it costs inside a step: its small message's back to back (more calls: its median
     is noisier) and the wake-up (`wake_up_s`) each collective pays there; a byte's, the large
     message's less the small's."""
     out, woken = {}, {}
     rank = dist.get_rank()
-    for g in [g for g in range(2, world + 1) if world % g == 0]:
+    for g in [g for g in range(2, world + 1) if world % g == 0 and g in (groups or (g,))]:
         groups = [dist.new_group(list(range(start, start + g))) for start in range(0, world, g)]
         group = groups[rank // g]
         woken[str(g)] = wake_up_s(group, device, reps)
@@ -351,47 +357,61 @@ def measure_overlap(device: torch.device, reps: int) -> float:
     return min(max((alone + reduce - together) / min(alone, reduce), 0.0), 1.0)
 
 
-def measure_world(world: int, size: str, dtype: str, reps: int, first: dict | None) -> dict:
-    """This rank's part of a world's calibration; the ranks' median of each figure on rank 0.
-    The first world measured (`first` None) decomposes each model's step; the others scale it."""
+def measure_world(world: int, size: str, dtype: str, reps: int, first: dict | None,
+                  models: Sequence[str] = MODELS, repeats: int = 1, quick: bool = False
+                  ) -> dict:
+    """This rank's part of a world's calibration, measured `repeats` times over; on rank 0 each
+    figure's median over the ranks, then over the repeats, and in `band` the lowest and highest
+    repeat's (the spread a prediction carries). The first world measured (`first` None)
+    decomposes each of `models`' steps; the others time the first model's whole step and scale
+    the first world's decomposition by it. `quick`: the collectives over 2 ranks and over the
+    whole world only (the rest priced at the nearest group measured, as Rates.link does)."""
     topo = common.setup(timeout_s=300)
-    # past the first world, the GPT's step alone: every model slows alike when ranks share cores
-    compute = {name: measure_compute(name, size, topo.device, dtype, reps, first is None)
-               for name in (MODELS if first is None else MODELS[:1])}
-    if first is None:
-        longer = attention_by_length(size, topo.device, reps, dtype)
-        for rates in compute.values():
-            rates["attention_by_length"] = [[common.SIZES[size].seq_len,
-                                             rates["attention_flops"]], *longer]
-    figures = {"compute": compute}
-    figures["optimizer_s"], figures["memory_bytes_per_s"] = measure_optimizer(topo.device, reps)
-    figures["collectives"], figures["wake_up_s"] = \
-        measure_collectives(world, topo.device, reps) if world > 1 else ({}, {})
-    figures["overlap"] = measure_overlap(topo.device, reps) if world > 1 else 0.0
-    gathered = [None] * world
-    dist.all_gather_object(gathered, figures)
+    passes = []
+    for _ in range(repeats):
+        # past the first world, one model's step alone: every model slows alike when ranks share
+        # cores
+        compute = {name: measure_compute(name, size, topo.device, dtype, reps, first is None)
+                   for name in (models if first is None else models[:1])}
+        if first is None:
+            longer = attention_by_length(size, topo.device, reps, dtype)
+            for rates in compute.values():
+                rates["attention_by_length"] = [[common.SIZES[size].seq_len,
+                                                 rates["attention_flops"]], *longer]
+        figures = {"compute": compute}
+        figures["optimizer_s"], figures["memory_bytes_per_s"] = measure_optimizer(topo.device,
+                                                                                  reps)
+        figures["collectives"], figures["wake_up_s"] = \
+            measure_collectives(world, topo.device, reps, (2, world) if quick else ()) \
+            if world > 1 else ({}, {})
+        figures["overlap"] = measure_overlap(topo.device, reps) if world > 1 else 0.0
+        gathered = [None] * world
+        dist.all_gather_object(gathered, figures)
+        passes.append(_median_of(gathered))
     dist.destroy_process_group()
-    figures = _median_of(gathered)
     if first is not None:
-        step_s = figures["compute"][MODELS[0]]["step_s"]
-        figures["compute"] = {name: scaled_compute(decomposed, decomposed["step_s"] * step_s /
-                                                   first["compute"][MODELS[0]]["step_s"])
-                              for name, decomposed in first["compute"].items()}
-    return figures
+        for figures in passes:
+            step_s = figures["compute"][models[0]]["step_s"]
+            figures["compute"] = {name: scaled_compute(decomposed, decomposed["step_s"] * step_s
+                                                       / first["compute"][models[0]]["step_s"])
+                                  for name, decomposed in first["compute"].items()}
+    return {**_median_of(passes), "band": {"low": _median_of(passes, min),
+                                           "high": _median_of(passes, max)}}
 
 
-def _median_of(values: Sequence):
-    """Figure by figure, the median over the ranks' measurements (nested dicts and lists)."""
+def _median_of(values: Sequence, of: Callable = statistics.median):
+    """Figure by figure, the median (or `of`) over measurements (nested dicts and lists) of the
+    same figures: the ranks', or the repeats'."""
     first = values[0]
     if isinstance(first, dict):
-        return {key: _median_of([v[key] for v in values]) for key in first}
+        return {key: _median_of([v[key] for v in values], of) for key in first}
     if isinstance(first, (list, tuple)):
-        return [_median_of([v[i] for v in values]) for i in range(len(first))]
-    return statistics.median(values)
+        return [_median_of([v[i] for v in values], of) for i in range(len(first))]
+    return of(values)
 
 
 def _fork_world(world: int, size: str, dtype: str, reps: int, first: dict | None, out: Path,
-                timeout: float) -> dict:
+                timeout: float, models: Sequence[str], repeats: int, quick: bool) -> dict:
     """`world` processes forked from this one, as torchrun would start them; rank 0's JSON."""
     port, pids = common.free_port(), []
     for rank in range(world):
@@ -402,7 +422,7 @@ def _fork_world(world: int, size: str, dtype: str, reps: int, first: dict | None
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                                   MASTER_PORT=str(port))
-                figures = measure_world(world, size, dtype, reps, first)
+                figures = measure_world(world, size, dtype, reps, first, models, repeats, quick)
                 if rank == 0:
                     out.write_text(json.dumps(figures))
                 code = 0
@@ -425,26 +445,37 @@ def _fork_world(world: int, size: str, dtype: str, reps: int, first: dict | None
     return json.loads(out.read_text())
 
 
+# Calibrations a file keeps besides the newest of each size: the records priced at them
+HISTORY = 50
+
+
 def calibrate(worlds: Sequence[int], size: str, dtype: str, reps: int, path: Path,
-              timeout: float = 300) -> dict:
-    """Every world's figures at `size`, named by host, time and torch, into `path`
-    (outputs/calibration.json) beside the other sizes' there; returns this size's."""
+              timeout: float = 300, models: Sequence[str] = MODELS, repeats: int = 1,
+              quick: bool = False) -> dict:
+    """Every world's figures at `size` for `models`, each the median of `repeats` (its band:
+    the lowest and highest), named by host, time and torch, into `path` (outputs/
+    calibration.json) as this size's newest, the one it replaces kept in its history for the
+    records priced at it; returns the entry."""
     began = time.monotonic()
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    entry = {"id": f"{platform.node()} {now} torch {torch.__version__}", "host": platform.node(),
-             "time": now, "torch": torch.__version__, "device": device, "cpus": os.cpu_count(),
-             "size": size, "dtype": dtype, "reps": reps, "worlds": {}}
+    entry = {"id": f"{platform.node()} {now} torch {torch.__version__}" + (" quick" * quick),
+             "host": platform.node(), "time": now, "torch": torch.__version__, "device": device,
+             "cpus": os.cpu_count(), "size": size, "dtype": dtype, "reps": reps,
+             "repeats": repeats, "models": list(models), "quick": quick, "worlds": {}}
     with tempfile.TemporaryDirectory() as tmp:
         first = None
         for world in worlds:
             sys.stdout.flush()
             figures = _fork_world(world, size, dtype, reps, first, Path(tmp) / f"{world}.json",
-                                  timeout)
+                                  timeout, models, repeats, quick)
             entry["worlds"][str(world)] = figures
             first = first or figures
     entry["seconds"] = round(time.monotonic() - began, 1)
-    calibration = common.load_calibration(path) or {"sizes": {}}
+    calibration = load_calibration(path) or {"sizes": {}}
+    replaced = calibration["sizes"].get(size)
+    history = calibration.get("history", []) + ([replaced] if replaced else [])
+    calibration["history"] = history[-HISTORY:]
     calibration["sizes"][size] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(calibration, indent=1) + "\n")
@@ -478,6 +509,7 @@ def render_calibration(calibration: dict) -> str:
         for key, (latency, per_byte) in figures["collectives"].items():
             lines.append(f"    {key:<16} {latency * 1e6:8.1f} us a message, "
                          f"{1 / per_byte / 1e9 if per_byte else float('inf'):6.2f} GB/s sent")
+    lines += spread_lines(calibration)
     return "\n".join(lines)
 
 
@@ -503,6 +535,37 @@ def calibration_figures(entry: dict) -> dict[str, float]:
     return figures
 
 
+def band_figures(entry: dict, end: str) -> dict[str, float]:
+    """calibration_figures of the lowest ("low") or highest ("high") repeat's figures, or {}
+    for a calibration without bands."""
+    if not all("band" in measured for measured in entry["worlds"].values()):
+        return {}
+    return calibration_figures({**entry, "worlds": {world: {**measured, **measured["band"][end]}
+                                                    for world, measured in
+                                                    entry["worlds"].items()}})
+
+
+def spread_lines(entry: dict) -> list[str]:
+    """Each figure's spread over the repeats, (highest - lowest) / median, the widest first."""
+    low, high, mid = band_figures(entry, "low"), band_figures(entry, "high"), \
+        calibration_figures(entry)
+    spreads = sorted(((high[p] - low[p]) / abs(mid[p]), p) for p in low if mid.get(p))
+    if not spreads:
+        return []
+    return [f"{entry['id']}: {len(spreads)} figures over {entry.get('repeats', 1)} repeats, the "
+            f"median's spread {statistics.median(s for s, _ in spreads):.1%}, the widest:"] + \
+        [f"  {s:5.1%} {p}" for s, p in reversed(spreads[-8:])]
+
+
+def outside_band(first: dict, second: dict) -> list[tuple[str, float, float, float]]:
+    """(figure, second's value, first's lowest, first's highest) of each of `second`'s figures
+    outside the band of `first`'s repeats."""
+    low, high, values = band_figures(first, "low"), band_figures(first, "high"), \
+        calibration_figures(second)
+    return [(p, values[p], low[p], high[p]) for p in sorted(low.keys() & values.keys())
+            if not low[p] <= values[p] <= high[p]]
+
+
 def compare_calibrations(first: dict, second: dict, tolerance: float = 0.10) -> str:
     """How far two calibrations of one size apart agree: the figures within `tolerance` of each
     other (relative to the larger), and every one that is not, farthest first."""
@@ -517,4 +580,12 @@ def compare_calibrations(first: dict, second: dict, tolerance: float = 0.10) -> 
              f"{len(a.keys() & b.keys())} figures within {tolerance:.0%}"]
     lines += [f"  {gap:4.0%} apart: {path} {a[path]:.4g} and {b[path]:.4g}"
               for gap, path in sorted(apart, reverse=True)]
+    if band_figures(first, "low"):
+        outside = outside_band(first, second)
+        lines += spread_lines(first) + spread_lines(second)
+        lines.append(f"{len(a.keys() & b.keys()) - len(outside)} of {len(a.keys() & b.keys())} "
+                     f"figures of the second within the first's band (its repeats' lowest to "
+                     f"highest)" + (", outside:" if outside else ""))
+        lines += [f"  {path} {value:.4g}, the band {low:.4g} to {high:.4g}"
+                  for path, value, low, high in outside]
     return "\n".join(lines)

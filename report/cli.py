@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import datetime
+import json
+import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,19 +26,13 @@ import torch
 import common
 from report.calibrate import MODELS, calibrate, compare_calibrations, render_calibration
 from report.charts import write_charts
+from report.costmodel import CALIBRATION, load_calibration, priced, rates_from_calibration
 from report.dryrun import render_dry_runs
 from report.gpus import GPUS
-from report.planner import (
-    COMPUTE_BYTES,
-    add_moe_flags,
-    moe_error,
-    plan_input,
-    render_cases,
-    render_plan,
-    render_published,
-    tp_degree,
-)
-from report.results_table import render_report
+from report.plan_cases import cases_json, render_cases
+from report.plan_input import COMPUTE_BYTES, add_moe_flags, moe_error, plan_input, tp_degree
+from report.plan_print import plan_json, render_plan, render_published
+from report.results_table import json_rows, render_report
 from report.runs import mark_failed, smoke
 from report.traces import render_traces
 
@@ -84,12 +81,18 @@ A training run (status ok) also:
                         allowed, or (a long lossy run) how far the final loss may be from the
                         baseline's final loss, as a fraction of it
   theory                what the technique predicts, computed, beside the measured keys
+  work                  what the step did, for the step-time model: this rank's FLOPs
+                        (matmul_flops, attention_flops, in blocks of seq_len), token_layers,
+                        layer_passes, stepped_params, collectives {"allreduce/2": [bytes sent,
+                        calls]}, overlapped (which hide under compute), recompute, bubble,
+                        float8_share; null for the ResNet
   predicted_step_ms, prediction
-                        the step-time model's step (common.predict_step) at this host's
-                        calibration (`make calibrate`), null without one; prediction holds
-                        its parts (compute_ms, communication_ms, bubble_ms, optimizer_ms),
-                        bound_by (the largest), calibration (its id) and work (the FLOPs,
-                        collectives and parameters it priced), or why (no calibration)
+                        not in the file: the report adds them as it reads a record (and
+                        --json prints them), the model's step (report/costmodel.py) at the
+                        calibration its run took (`make calibrate`), null without one;
+                        prediction holds its parts (compute_ms, communication_ms, bubble_ms,
+                        optimizer_ms), bound_by (the largest) and calibration (its id), or
+                        why (no calibration). An older record carries its own
   comm_by_op            the collectives of the measured step by op and group size:
                         {"allreduce/2": [MB sent, calls]}
   note                  what the host changed of the run's settings, in one line, where it did
@@ -106,6 +109,23 @@ A script adds what its technique measures (compression, bubble, timeline, optim_
 """
 
 
+def calibration_covers(entry: dict, dtype: str, worlds: Sequence[int], models: Sequence[str],
+                       younger_than_s: float | None = None) -> bool:
+    """Whether `entry` (a size's calibration) applies: this device and dtype, every world's
+    rates for every model; with `younger_than_s`, also this host and torch, taken less than
+    that long ago."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if (entry.get("dtype"), entry.get("device")) != (dtype, device) or not all(
+            rates_from_calibration(entry, world, model) for world in worlds for model in models):
+        return False
+    if younger_than_s is None:
+        return True
+    taken = datetime.datetime.fromisoformat(entry["time"])
+    age = (datetime.datetime.now(datetime.UTC) - taken).total_seconds()
+    return (entry.get("host"), entry.get("torch")) == (platform.node(), torch.__version__) \
+        and age < younger_than_s
+
+
 class OneLineErrors(argparse.ArgumentParser):
     """Bad flags end with one line that names what to change, as the recipes' do."""
 
@@ -119,6 +139,9 @@ def main(argv: Sequence[str]) -> int:
                         epilog=RESULTS_SCHEMA, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_argument("--results", type=Path, default=common.RESULTS)
     cli.add_argument("--out", type=Path, default=common.RESULTS.parent / "report.md")
+    cli.add_argument("--json", action="store_true", help="every measured run as JSON lines for "
+                     "machines: its step and the model's, and beside its baseline the measured "
+                     "and predicted speedups (results_table.json_rows)")
     cli.add_argument("--wide", action="store_true", help="the results in one table of every "
                      "column (setup, spread, predicted step, theory), not the narrow table and "
                      "its detail below")
@@ -178,6 +201,8 @@ def main(argv: Sequence[str]) -> int:
                       "(ResNet-50, GPT-2 1.5B, LLaMA-7B, LLaMA-70B, Qwen3-30B-A3B): what the "
                       "planner picks and why, and each case's dry run beside its formula; the "
                       "other flags are not read")
+    plan.add_argument("--json", action="store_true", help="the same for machines: a JSON object "
+                      "of every candidate row and the pick (with --cases, one a case)")
     plan.add_argument("--dry-results", type=Path, default=common.DRY_RESULTS,
                       help="with --cases: the dry runs' records (default: make dryrun's)")
     fail = sub.add_parser("mark-failed", help="(the Makefile's) a run ended non-zero: print its "
@@ -197,10 +222,22 @@ def main(argv: Sequence[str]) -> int:
     cal.add_argument("--size", choices=sorted(common.SIZES), default="small")
     cal.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                      help="default: bf16 on CUDA, fp32 on CPU (as the recipes)")
-    cal.add_argument("--reps", type=common.int_at_least(1), default=5,
-                     help="timings a figure, their median (a timing: 15 ms of calls at least)")
+    cal.add_argument("--reps", type=common.int_at_least(1), default=1,
+                     help="timings a figure in each repeat, their median (a timing: 15 ms of "
+                          "calls at least; default 1)")
+    cal.add_argument("--repeats", type=common.int_at_least(1), default=3,
+                     help="measurements of every figure, their median its value and their "
+                          "lowest and highest its band (default 3)")
+    cal.add_argument("--models", choices=MODELS, nargs="+", default=list(MODELS),
+                     help="the decoders whose steps are decomposed (default: all three)")
+    cal.add_argument("--quick", action="store_true", help="the calibration a `make` target "
+                     "takes before its runs: the collectives over 2 ranks and the whole world "
+                     "only (the others priced at the nearest measured)")
     cal.add_argument("--if-missing", action="store_true", help="only if outputs/calibration"
-                     ".json lacks this size, device, dtype or one of the worlds")
+                     ".json lacks this size, device, dtype, one of the worlds or models")
+    cal.add_argument("--if-older", type=common.int_at_least(1), default=None, metavar="SECONDS",
+                     help="only if this host's calibration at --size, with this torch, is older "
+                          "than SECONDS, or lacks one of the worlds or models")
     cal.add_argument("--compare", type=Path, nargs=2, metavar=("A", "B"), default=None,
                      help="measure nothing: how far two calibration files' figures at --size "
                      "agree (within 10%%, and every one that does not)")
@@ -216,7 +253,7 @@ def main(argv: Sequence[str]) -> int:
     if args.command == "smoke":
         return smoke(rest, args.nproc, args.flags.split(), args.out.parent / "smoke", args.timeout)
     if args.command == "calibrate" and args.compare:
-        entries = [(common.load_calibration(path) or {}).get("sizes", {}).get(args.size)
+        entries = [(load_calibration(path) or {}).get("sizes", {}).get(args.size)
                    for path in args.compare]
         for path, entry in zip(args.compare, entries, strict=True):
             if entry is None:
@@ -226,15 +263,14 @@ def main(argv: Sequence[str]) -> int:
         return 0
     if args.command == "calibrate":
         dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
-        have = (common.load_calibration() or {}).get("sizes", {}).get(args.size, {})
-        # present and of this `make calibrate`: every world's rates for every model
-        if args.if_missing and have.get("dtype") == dtype and have.get("device") == (
-                "cuda" if torch.cuda.is_available() else "cpu") and \
-                all(common.rates_from_calibration(have, world, model)
-                    for world in args.worlds for model in MODELS):
+        have = (load_calibration() or {}).get("sizes", {}).get(args.size, {})
+        if (args.if_missing or args.if_older) and calibration_covers(
+                have, dtype, args.worlds, args.models, args.if_older):
             return 0
-        print(render_calibration(calibrate(args.worlds, args.size, dtype, args.reps,
-                                           common.CALIBRATION)))
+        entry = calibrate(args.worlds, args.size, dtype, args.reps,
+                          CALIBRATION, models=args.models, repeats=args.repeats,
+                          quick=args.quick)
+        print(render_calibration(entry))
         return 0
     if args.command == "mark-failed":
         print(mark_failed(args.script, rest, args.since, args.exit_code, args.log,
@@ -244,13 +280,14 @@ def main(argv: Sequence[str]) -> int:
         missing = [flag for flag in ("--params", "--gpus", "--gpu-mem")
                    if getattr(args, flag[2:].replace("-", "_")) is None]
         shaped = [action.option_strings[0] for action in plan._actions if action.dest not in
-                  ("help", "cases", "published", "dry_results")
+                  ("help", "cases", "published", "dry_results", "json")
                   and getattr(args, action.dest) != action.default]
         if args.published:
             print(render_published())
             return 0
         if args.cases or not shaped:  # `make plan` alone: the worked cases, a first look
-            print(render_cases(args.dry_results))
+            print(json.dumps(cases_json(), indent=1) if args.json else
+                  render_cases(args.dry_results))
             return 0
         if missing:
             plan.error(f"the following arguments are required: {', '.join(missing)} (or no "
@@ -269,7 +306,7 @@ def main(argv: Sequence[str]) -> int:
                        f"{args.layers}: use a divisor of {args.gpus // tp} up to {args.layers}")
         if moe_error(args):
             plan.error(moe_error(args))
-        print(render_plan(args))
+        print(json.dumps(plan_json(args), indent=1) if args.json else render_plan(args))
         return 0
     if args.command == "list":
         print(list_scripts())
@@ -277,7 +314,11 @@ def main(argv: Sequence[str]) -> int:
     if args.command == "dryrun":
         print(render_dry_runs(common.load_results(common.DRY_RESULTS)))
         return 0
-    records = common.load_results(args.results)
+    records = priced(common.load_results(args.results))
+    if args.json and args.command in (None, "report"):
+        for row in json_rows(records):
+            print(json.dumps(row))
+        return 0
     traces = render_traces(args.results.parent / "traces", records)
     if args.command == "traces":
         print(traces or f"No traces in {args.results.parent / 'traces'}: run with --trace "

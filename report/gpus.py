@@ -1,7 +1,7 @@
 """GPUs for the planner's step times: each one's datasheet figures, with their sources, and what a
 training step achieves of them (this host's own rates come from `make calibrate` instead).
 
-A GPU's step is the one cost model the records use (common.predict_step), given the GPU's
+A GPU's step is the one cost model the records use (report/costmodel.py), given the GPU's
 Rates: the matmuls and attention at a fraction of the peak dense FLOP/s (ACHIEVED below), the
 optimizer's step at the HBM bandwidth, and each mesh dim's bytes over NVLink inside a node or
 the network across nodes at LINK_EFFICIENCY of the link."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import common
+from report.costmodel import Rates
 
 GB, TB = 1e9, 1e12
 
@@ -110,7 +110,7 @@ def llama_params(shape: dict) -> tuple[float, float]:
     return shape["layers"] * layer + 2 * table + h, table
 
 
-def gpu_rates(gpu: GPU, achieved: float) -> common.Rates:
+def gpu_rates(gpu: GPU, achieved: float) -> Rates:
     """A GPU's Rates at `achieved` of its peak: links are named by mesh dim and where they run
     ("tp/nvlink", "dp/network"), priced per byte at LINK_EFFICIENCY of the link."""
     links = {f"{dim}/{where}": (0.0, 1 / (LINK_EFFICIENCY * rate))
@@ -120,5 +120,5 @@ def gpu_rates(gpu: GPU, achieved: float) -> common.Rates:
     # optimizer offload: the copies over PCIe, and the host's AdamW as a pass over host memory
     links |= {"pcie/offload": (0.0, 1 / (LINK_EFFICIENCY * gpu.pcie_bytes_per_s)),
               "host/offload": (0.0, 1 / gpu.host_memory_bytes_per_s)}
-    return common.Rates(gpu.bf16_flops * achieved, gpu.bf16_flops * achieved, 0.0,
+    return Rates(gpu.bf16_flops * achieved, gpu.bf16_flops * achieved, 0.0,
                         ADAMW_BYTES / gpu.hbm_bytes_per_s, links, GPU_OVERLAP, gpu.name)

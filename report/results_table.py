@@ -190,7 +190,8 @@ def _report_cells(rec: dict, base: dict | None) -> dict:
     status += f"; no speedup: {few}" if few else ""
     status += f"; {rec['note']}" if rec.get("note") else ""  # what the host changed of the run
     return {**cells, "world": _world_label(rec), "step ms": f"{rec['step_ms']:.1f}",
-            "p90 ms": f"{rec['step_ms_p90']:.1f}", "predicted ms": _predicted_cell(rec),
+            "p90 ms": f"{rec['step_ms_p90']:.1f}",
+            "predicted ms": _predicted_cell(rec, base if speedup else None),
             "throughput": _fmt(throughput, ",.0f"), "speedup": speedup,
             "per s": "tok/s" if rec.get("tokens_per_s") else "img/s",
             "peak MB": _fmt(rec.get("peak_mem_mb"), ",.0f"), "mem vs base": mem_ratio,
@@ -283,12 +284,29 @@ def prediction_error(rec: dict) -> float | None:
         predicted / rec["step_ms"] - 1
 
 
-def _predicted_cell(rec: dict) -> str:
-    """The predicted step time, how far from the measured one, and what binds it."""
+def _predicted_cell(rec: dict, base: dict | None = None) -> str:
+    """The predicted step time, how far from the measured one, and what binds it; beside a
+    baseline, the speedup predicted over it (`; 1.07x`)."""
     error = prediction_error(rec)
     if error is None:
         return ""
-    return f"{rec['predicted_step_ms']:.1f} ({error:+.0%} {rec['prediction']['bound_by']})"
+    ratio = predicted_speedup(rec, base) if base is not None else None
+    return (f"{rec['predicted_step_ms']:.1f} ({error:+.0%} {rec['prediction']['bound_by']}"
+            + (f"; {ratio:.2f}x" if ratio else "") + ")")
+
+
+def predicted_speedup(rec: dict, base: dict) -> float | None:
+    """The speedup the model predicts over the baseline: the baseline's predicted step over
+    this one's, both priced from the same `make` run's calibration, as the measured speedup
+    divides two steps timed on the same host within minutes: its drift cancels in both."""
+    ours, theirs = rec.get("predicted_step_ms"), base.get("predicted_step_ms")
+    return theirs / ours if ours and theirs else None
+
+
+def speedup_error(rec: dict, base: dict) -> float | None:
+    """How far the predicted speedup is from the measured one, as a fraction of it."""
+    predicted = predicted_speedup(rec, base)
+    return None if predicted is None else predicted / (base["step_ms"] / rec["step_ms"]) - 1
 
 
 # The cost model's target on the runs it can see: a prediction this close to the measured step
@@ -305,7 +323,7 @@ def prediction_summary(runs: list[dict]) -> str:
     misses = sorted((r for r in predicted if abs(prediction_error(r)) > PREDICTION_MISS),
                     key=prediction_error)
     used = sorted({r["prediction"]["calibration"] for r in predicted})
-    line = (f"predicted = the step-time model's (common.predict_step: compute, exposed "
+    line = (f"predicted = the step-time model's (report/costmodel.py: compute, exposed "
             f"collectives, optimizer, bubble) at this host's calibration ({'; '.join(used)}): "
             f"{len(near)} of {len(predicted)} rows within ±{PREDICTION_BAND:.0%} of the "
             f"measured step, the part named the largest.")
@@ -314,6 +332,53 @@ def prediction_summary(runs: list[dict]) -> str:
             f"{row_label(r)} ({_size_label(r)}, {r['world_size']}: "
             f"{prediction_error(r):+.0%})" for r in misses) + "."
     return line
+
+
+def speedup_summary(pairs: list[tuple[dict, dict]]) -> str:
+    """How many of the compared runs' predicted speedups fall within PREDICTION_BAND of the
+    measured ones, and each off by more than PREDICTION_MISS."""
+    errors = [(rec, speedup_error(rec, base)) for rec, base in pairs]
+    errors = [(rec, error) for rec, error in errors if error is not None]
+    if not errors:
+        return ""
+    near = [rec for rec, error in errors if abs(error) <= PREDICTION_BAND]
+    misses = sorted(((rec, e) for rec, e in errors if abs(e) > PREDICTION_MISS),
+                    key=lambda pair: pair[1])
+    line = (f"predicted speedup (after the predicted step) = the baseline's predicted step over "
+            f"the run's: {len(near)} of {len(errors)} within ±{PREDICTION_BAND:.0%} of the "
+            f"measured speedup.")
+    if misses:
+        line += f" Off by more than {PREDICTION_MISS:.0%}: " + ", ".join(
+            f"{row_label(r)} ({_size_label(r)}, {r['world_size']}: {e:+.0%})"
+            for r, e in misses) + "."
+    return line
+
+
+def json_rows(records: list[dict]) -> list[dict]:
+    """`python -m report --json`: every measured run of the table (priced: costmodel.priced),
+    with its measured and predicted step and, beside a baseline it is compared with, the
+    measured and predicted speedups."""
+    runs = [r for r in latest_runs(records) if r.get("status") == "ok" and "sweep" not in r
+            and r.get("step_ms") is not None]
+    by_key = {common.run_key(r) + (script_label(r),): r for r in runs}
+    rows = []
+    for rec in runs:
+        base = baseline_run(rec, by_key) if rec.get("baseline") else None
+        compared = base is not None and why_not_compared(rec, base) is None and \
+            not too_few_steps(rec)
+        prediction = rec.get("prediction") or {}
+        rows.append({
+            **{k: rec.get(k) for k in ("folder", "script", "variant", "baseline", "size",
+                                       "model", "world_size", "device", "dtype", "time")},
+            "step_ms": rec["step_ms"], "predicted_step_ms": rec.get("predicted_step_ms"),
+            "bound_by": prediction.get("bound_by"), "calibration": prediction.get("calibration"),
+            "why_not_predicted": prediction.get("why"),
+            "baseline_step_ms": base["step_ms"] if compared else None,
+            "baseline_predicted_step_ms": base.get("predicted_step_ms") if compared else None,
+            "speedup": round(base["step_ms"] / rec["step_ms"], 4) if compared else None,
+            "predicted_speedup": round(predicted_speedup(rec, base), 4)
+            if compared and predicted_speedup(rec, base) else None})
+    return rows
 
 
 # The table a reader scans: what the technique won, at what memory and bytes, at which losses;
@@ -461,6 +526,7 @@ def render_report(records: list[dict], wide: bool = False) -> str:
                      "long run's final loss against its baseline's, checked against its stated "
                      "relative tolerance).")
     notes.append(prediction_summary([r for r in runs if "sweep" not in r]))
+    notes.append(speedup_summary(compared_pairs(records)))
     if any(busy_host(r) for r in runs) or \
             any(within_noise(rec, base) for rec, base in compared_pairs(records)):
         notes.append(NOISE_NOTE)

@@ -350,12 +350,16 @@ EXAMPLE_OPTIMIZED = '''
 
     import sys
     from pathlib import Path
+    from typing import TYPE_CHECKING
 
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
     import common  # noqa: E402
+
+    if TYPE_CHECKING:
+        from report.plan_input import PlanInput
 
     # The same sums grouped in buckets: fp32 rounding; bf16, the dtype's resolution.
     LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2}
@@ -369,7 +373,7 @@ EXAMPLE_OPTIMIZED = '''
                 "sent": common.ring_allreduce_mb(grad * params, world) * 2**20}
 
 
-    def planned_example(plan: common.PlanInput) -> dict[str, float]:
+    def planned_example(plan: "PlanInput") -> dict[str, float]:
         """The planner's row: the record's formula at the planner's model and cluster."""
         return state_and_sent(plan.params, plan.gpus, *plan.state_bytes)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import common
-from report import planner
+from report import plan_cases, plan_input, planner
 from tests.helpers import TINY, cpu_env, finish_all, only_record, torchrun
 
 # (script, flags, world): a script of each folder that dry-runs, at tiny, checked against a real
@@ -88,7 +88,7 @@ def planner_flags(strategy: str, rec: dict, configured: dict) -> argparse.Namesp
     size = common.SIZES[rec["size"]]
     moe = rec["model"] == "moe"
     return argparse.Namespace(**{
-        **planner.CASE_FLAGS, "params": float(rec["params"]), "gpus": rec["world_size"],
+        **plan_input.FLAG_DEFAULTS, "params": float(rec["params"]), "gpus": rec["world_size"],
         "layers": size.n_layers, "hidden": size.d_model, "vocab": size.vocab_size,
         "seq_len": rec["seq_len"], "llama": True, "ffn": size.llama_ffn,
         "heads": size.n_heads, "kv_heads": size.n_kv_heads, "head_dim": size.attention_head_dim,
@@ -135,12 +135,12 @@ def test_every_planned_strategy_dry_runs_to_the_planners_figures(dry_runs, strat
     planner leaves out) and, within DRY_RUN_ACTIVATIONS_TOLERANCE, the peak beyond the state."""
     rec = dry_runs[strategy][0]
     assert rec["status"] == "ok", rec["reason"]
-    figures = planner.beside_dry_run(planner_flags(strategy, rec, PLANNED_DRY_RUNS[strategy][2]),
+    figures = plan_cases.beside_dry_run(planner_flags(strategy, rec, PLANNED_DRY_RUNS[strategy][2]),
                                      strategy, rec)
     dry, planned = zip(*figures.values(), strict=True)
     assert dry[0] == pytest.approx(planned[0], rel=1e-4), "state"
     assert dry[2] == pytest.approx(planned[2], rel=1e-4), "sent"
-    assert dry[1] == pytest.approx(planned[1], rel=planner.DRY_RUN_ACTIVATIONS_TOLERANCE), \
+    assert dry[1] == pytest.approx(planned[1], rel=plan_cases.DRY_RUN_ACTIVATIONS_TOLERANCE), \
         "activations"
 
 
@@ -202,13 +202,13 @@ def test_a_llama_70b_fsdp_tp_dry_run_at_1024_ranks(dry_runs):
     assert "dry run as rank 0 of 1024" in out
     # the planner's FSDP x TP row at this world, the seed case's flags (Llama 2 70B's shape) and
     # the exact parameter count: the same state and bytes, and its activations
-    flags = next(f for n, f, _ in planner.CASES if n == "LLaMA-70B on 64 GPUs")
-    args = argparse.Namespace(**{**planner.CASE_FLAGS, **flags, "gpus": 1024})
-    figures = planner.beside_dry_run(args, "FSDP x TP", rec)
+    flags = next(f for n, f, _ in plan_cases.CASES if n == "LLaMA-70B on 64 GPUs")
+    args = argparse.Namespace(**{**plan_input.FLAG_DEFAULTS, **flags, "gpus": 1024})
+    figures = plan_cases.beside_dry_run(args, "FSDP x TP", rec)
     dry, planned = zip(*figures.values(), strict=True)
     assert dry[0] == pytest.approx(planned[0], rel=1e-3) and \
         dry[2] == pytest.approx(planned[2], rel=1e-3)
-    assert dry[1] == pytest.approx(planned[1], rel=planner.DRY_RUN_ACTIVATIONS_TOLERANCE)
+    assert dry[1] == pytest.approx(planned[1], rel=plan_cases.DRY_RUN_ACTIVATIONS_TOLERANCE)
     row = next(r for r in planner.plan_strategies(argparse.Namespace(
         **{**vars(args), "params": float(params)})) if r["strategy"] == "FSDP x TP" and not
         r["checkpointing"])
@@ -316,30 +316,30 @@ def test_make_dryrun_runs_every_seed_case_the_planner_shows_beside_its_formula()
     makefile = (common.ROOT / "Makefile").read_text()
     seed_runs = makefile.split("DRY_SEED_RUNS = ")[1].split("\ndryrun:")[0]
     assert set(re.findall(r"'([^']+)'", seed_runs)) == \
-        {run for _, run, _ in planner.CASE_DRY_RUNS.values()}
-    assert set(planner.CASE_DRY_RUNS) <= {name for name, _, _ in planner.CASES}
+        {run for _, run, _ in plan_cases.CASE_DRY_RUNS.values()}
+    assert set(plan_cases.CASE_DRY_RUNS) <= {name for name, _, _ in plan_cases.CASES}
 
 
 def test_plan_cases_shows_a_dry_run_beside_the_formula():
     """Its own figures at the dry run's parameter count; a missing, failed or older run says so."""
     name = "LLaMA-70B on 64 GPUs"
-    flags = next(f for n, f, _ in planner.CASES if n == name)
-    args = argparse.Namespace(**{**planner.CASE_FLAGS, **flags})
-    strategy, run, _ = planner.CASE_DRY_RUNS[name]
+    flags = next(f for n, f, _ in plan_cases.CASES if n == name)
+    args = argparse.Namespace(**{**plan_input.FLAG_DEFAULTS, **flags})
+    strategy, run, _ = plan_cases.CASE_DRY_RUNS[name]
     rec = {"status": "ok", "params": 68_976_648_192, "state_mb": 16_445.6,
            "peak_mem_mb": 197_439.0, "comm_mb": 345_973.97,
            "dry_run": {"beyond_state_mb": 185_104.6}}
-    line = planner.dry_run_line(args, strategy, run, rec)
+    line = plan_cases.dry_run_line(args, strategy, run, rec)
     assert "state 17.2 GB (planner 17.2)" in line
     assert "sent 362.78 GB a step (planner 362.78)" in line
     assert "its peak beyond the state 194.1 GB" in line
-    assert "none yet (`make dryrun`)" in planner.dry_run_line(args, strategy, run, None)
-    assert "older than this planner" in planner.dry_run_line(args, strategy, run,
+    assert "none yet (`make dryrun`)" in plan_cases.dry_run_line(args, strategy, run, None)
+    assert "older than this planner" in plan_cases.dry_run_line(args, strategy, run,
                                                             {**rec, "dry_run": {}})
     recorded = {**rec, "folder": "03_fsdp", "script": "optimized_fsdp_tp", "size": "llama2-70b",
                 "variant": "--tp 8", "world_size": 64}
-    assert planner.dry_run_record(run, [recorded]) == recorded
-    assert planner.dry_run_record(run, [{**recorded, "world_size": 8}]) is None
+    assert plan_cases.dry_run_record(run, [recorded]) == recorded
+    assert plan_cases.dry_run_record(run, [{**recorded, "world_size": 8}]) is None
 
 
 def test_a_dry_runs_rmsnorm_keeps_its_input_alone_and_trains_as_torchs():
@@ -368,7 +368,7 @@ def test_the_planners_loss_bytes_are_what_the_loss_keeps(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=common.ROOT, capture_output=True,
                           text=True, timeout=120, env=cpu_env(PYTHONPATH=str(common.ROOT)))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout.splitlines()[-1]) == planner.LOSS_BYTES_PER_LOGIT
+    assert json.loads(proc.stdout.splitlines()[-1]) == plan_input.LOSS_BYTES_PER_LOGIT
 
 
 LOSS_PEAK = """

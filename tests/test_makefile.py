@@ -5,6 +5,7 @@ in one line; `make smoke` gives a line per script; LINK really slows the ranks' 
 refuses on GPUs."""
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -190,15 +191,29 @@ def test_link_runs_the_launch_behind_a_rate_limited_loopback(tmp_path):
 
 
 def test_restarts_and_c10d_rendezvous_pass_through_to_torchrun(tmp_path):
+    """... and the target takes its quick calibration first (CALIBRATE=1, which the suite
+    otherwise turns off), at which the report prices the run; a second finds it young enough."""
     project_copy(tmp_path, "01_ddp",
                  {"baseline_ddp.py": (common.ROOT / "01_ddp" / "baseline_ddp.py").read_text()})
     run = subprocess.run(["make", "ddp", f"PYTHON={sys.executable}", "NPROC=2", "SIZE=tiny",
                           "STEPS=2", "ARGS=--warmup 1 --timeout 60", "RESTARTS=1", "RDZV=c10d",
-                          f"MASTER_PORT={common.free_port()}"],
+                          f"MASTER_PORT={common.free_port()}", "CALIBRATE=1"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:]
     (rec,) = common.load_results(tmp_path / "outputs" / "results.jsonl")
     assert rec["status"] == "ok" and rec["world_size"] == 2
+    calibration = tmp_path / "outputs" / "calibration.json"
+    entry = json.loads(calibration.read_text())["sizes"]["tiny"]
+    assert entry["quick"] and list(entry["worlds"]) == ["2"] and entry["models"] == ["gpt"]
+    priced = subprocess.run([sys.executable, "-m", "report", "--json"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    (row,) = [json.loads(line) for line in priced.stdout.splitlines()]
+    assert row["calibration"] == entry["id"] and row["predicted_step_ms"] > 0
+    again = subprocess.run([sys.executable, "-m", "report", "calibrate", "--quick", "--if-older",
+                            "3600", "--size", "tiny", "--models", "gpt", "--worlds", "2"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and again.stdout == ""
+    assert json.loads(calibration.read_text())["sizes"]["tiny"] == entry
     dry = subprocess.run(["make", "-n", "ddp", f"PYTHON={sys.executable}", "RESTARTS=1",
                           "RDZV=c10d"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert "--max-restarts=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:" in dry.stdout

@@ -13,9 +13,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import common
-from report import cli, gpus, planner
+from report import cli, gpus, plan_cases, plan_input, plan_print, planner
 
 FIXTURE = common.ROOT / "tests" / "fixtures" / "records_small.jsonl"
 MESH_FIXTURE = common.ROOT / "tests" / "fixtures" / "records_mesh.jsonl"
@@ -57,7 +58,7 @@ ENTRIES = {entry["strategy"]: entry for entry in planner.planned_strategies()}
 FSDP_STRATEGY = {"full_shard": "FSDP full", "shard_grad_op": "FSDP grad-op"}
 
 
-def run_input(rec: dict) -> common.PlanInput:
+def run_input(rec: dict) -> plan_input.PlanInput:
     """A record's own configuration as the planner hands it to a script's formulas: its model
     (size preset, sequence length), world (one node), fp32, and a GPU's sequences a
     micro-batch: a pipeline's batch over its m micro-batches (3-D: a dp rank's pp x batch),
@@ -85,7 +86,7 @@ def run_input(rec: dict) -> common.PlanInput:
         llama=rec["model"] in ("llama", "moe"), experts=size.n_experts if moe else 0,
         top_k=size.top_k if moe else 0, expert_ffn=size.expert_ffn if moe else 0,
         moe_layers=None, lora_rank=0, ffn=size.llama_ffn if rec["model"] != "gpt" else None)
-    layout = planner.plan_input(flags, mesh.get("tp", 1), mesh.get("pp", 1), rec.get("cp", 1),
+    layout = plan_input.plan_input(flags, mesh.get("tp", 1), mesh.get("pp", 1), rec.get("cp", 1),
                                 rec.get("ep", 1))
     # LoRA's adapters as the run counted them (the Llama's grouped-query k and v: narrower),
     # beside the model they adapt
@@ -186,13 +187,13 @@ def test_the_planned_bytes_are_what_each_folder_counted():
     assert checked == set(BYTES_OF)
 
 
-def decoder(**numbers) -> common.PlanInput:
+def decoder(**numbers) -> plan_input.PlanInput:
     """A 1e9-parameter decoder of 32 layers with no tables (what shards is all of it)."""
     parts = {"params": 1e9, "gpus": 8, "per_node": 8, "state_bytes": (4, 4, 8), "layers": 32,
              "hidden": 4096, "vocab": 32000, "seq": 4096, "micro_batch": 1,
              "micro_batches": None, "tp": 1, "pp": 1, "cp": 1, "embedding": 0.0, "head": 0.0,
              "tied": 0.0, "replicated": 0.0, "norms": 0.0, "position_table": False}
-    return common.PlanInput(**{**parts, **numbers})
+    return plan_input.PlanInput(**{**parts, **numbers})
 
 
 def figure(strategy: str, key: str, **numbers) -> float:
@@ -270,11 +271,11 @@ def test_tensor_parallelism_moves_activations_not_parameters():
 
 def test_checkpointing_shrinks_activations():
     kw = {"layers": 32, "seq": 4096, "batch": 1, "hidden": 4096, "vocab": 32000, "dtype": "bf16"}
-    full = planner.activations_per_gpu(checkpointing=False, **kw)
-    assert planner.activations_per_gpu(checkpointing=True, **kw) < full / 4
-    assert planner.activations_per_gpu(checkpointing=False, **{**kw, "dtype": "fp32"}) > full
+    full = plan_input.activations_per_gpu(checkpointing=False, **kw)
+    assert plan_input.activations_per_gpu(checkpointing=True, **kw) < full / 4
+    assert plan_input.activations_per_gpu(checkpointing=False, **{**kw, "dtype": "fp32"}) > full
     # a Llama layer saves 4 tensors of its SwiGLU's width (8/3 hidden): more than a GPT block
-    assert planner.activations_per_gpu(checkpointing=False, llama=True, **kw) > full
+    assert plan_input.activations_per_gpu(checkpointing=False, llama=True, **kw) > full
 
 
 def test_the_planned_activations_are_the_recorded_theory():
@@ -288,7 +289,7 @@ def test_the_planned_activations_are_the_recorded_theory():
         size, seq, batch = common.SIZES[rec["size"]], rec["seq_len"], rec["batch_size"]
         for checkpointing, key in ((rec["checkpointing"], "activation_mb"),
                                    (False, "activation_mb_without_checkpointing")):
-            acts = planner.activations_per_gpu(size.n_layers, seq, batch, size.d_model,
+            acts = plan_input.activations_per_gpu(size.n_layers, seq, batch, size.d_model,
                                                size.vocab_size, rec["dtype"], checkpointing,
                                                rec["model"] == "llama", heads=size.n_heads,
                                                ffn=size.llama_ffn, loss=None)
@@ -300,15 +301,15 @@ def test_the_planned_activations_are_the_recorded_theory():
 def test_the_pick_names_ddp_by_name():
     """why_picked finds DDP's row (without checkpointing) wherever it sits, and says nothing of
     DDP when no row is DDP's."""
-    args = argparse.Namespace(**{**planner.CASE_FLAGS, "params": 7e9, "gpus": 8, "layers": 32,
+    args = argparse.Namespace(**{**plan_input.FLAG_DEFAULTS, "params": 7e9, "gpus": 8, "layers": 32,
                                  "hidden": 4096, "vocab": 32000, "seq_len": 4096})
     rows = planner.plan_strategies(args)
     best = planner.choose(rows)
     ddp = next(r for r in rows if r["strategy"] == "DDP" and not r["checkpointing"])
-    assert f"DDP needs {ddp['total'] / planner.GB:,.1f}" in \
-        planner.why_picked(rows[::-1], best, args.gpu_mem)
+    assert f"DDP needs {ddp['total'] / plan_input.GB:,.1f}" in \
+        plan_print.why_picked(rows[::-1], best, args.gpu_mem)
     without = [r for r in rows if r["strategy"] != "DDP"]
-    assert "DDP" not in planner.why_picked(without, planner.choose(without), args.gpu_mem)
+    assert "DDP" not in plan_print.why_picked(without, planner.choose(without), args.gpu_mem)
 
 
 def test_a_7b_model_on_8_gpus_of_80_gb():
@@ -375,7 +376,7 @@ def test_tp_traffic_stays_in_the_node():
 
 def case_picks(stdout: str) -> dict[str, str]:
     """Each case's "Pick: ..." sentence, by the case's name (the line that opens its table)."""
-    names, picks, case = [name for name, _, _ in planner.CASES], {}, None
+    names, picks, case = [name for name, _, _ in plan_cases.CASES], {}, None
     for line in stdout.splitlines():
         case = next((name for name in names if line.startswith(f"{name} (")), case)
         if line.startswith("Pick: "):
@@ -541,7 +542,7 @@ def test_every_planned_row_has_a_step_time_mfu_and_what_binds_it():
     run = plan("--params", "7e9", "--gpus", "16", "--gpu-mem", "80", "--llama")
     assert run.returncode == 0, run.stderr
     assert "| step " in run.stdout and "tok/s/GPU" in run.stdout and "bound by" in run.stdout
-    args = argparse.Namespace(**{**planner.CASE_FLAGS, "params": 7e9, "gpus": 16,
+    args = argparse.Namespace(**{**plan_input.FLAG_DEFAULTS, "params": 7e9, "gpus": 16,
                                  "layers": 32, "hidden": 4096, "vocab": 32000,
                                  "seq_len": 4096, "llama": True})
     rows = planner.plan_strategies(args)
@@ -561,14 +562,57 @@ def test_every_planned_row_has_a_step_time_mfu_and_what_binds_it():
 
 
 def test_the_cases_say_their_step_mfu_and_what_binds_it():
-    """A table a case, one row a candidate (CASE_COLUMNS), then its pick in a sentence."""
+    """A table a case, one row a candidate (CASE_COLUMNS), then its pick in a sentence: a
+    decoder's speed in tokens/s, the CNN's in images/s."""
     run = plan("--cases")
     headers = [line for line in run.stdout.splitlines() if line.startswith("| strategy ")]
-    assert len(headers) == len(planner.CASES)
-    assert all([cell.strip() for cell in line.split("|")[1:-1]] == planner.CASE_COLUMNS
-               for line in headers)
+    assert len(headers) == len(plan_cases.CASES)
+    units = ["images" if flags.get("flops_per_item") else "tokens"
+             for _, flags, _ in plan_cases.CASES]
+    assert [[cell.strip() for cell in line.split("|")[1:-1]] for line in headers] == \
+        [[c.format(unit=unit) for c in plan_print.CASE_COLUMNS] for unit in units]
     cases = list(case_picks(run.stdout).values())
-    assert len(cases) == len(planner.CASES)
-    assert all(re.search(r"[\d,]+ tokens/s a GPU \(MFU \d+%, a step [\d.,]+ m?s, bound by "
+    assert len(cases) == len(plan_cases.CASES)
+    assert all(re.search(rf"[\d,]+ {unit}/s a GPU \(MFU \d+%, a step [\d.,]+ m?s, bound by "
                          r"(compute|NVLink|network|bubble|optimizer|host link|host memory)\)",
-                         line) for line in cases)
+                         line) for line, unit in zip(cases, units, strict=True))
+
+
+def test_resnet50s_flops_an_image_are_what_torch_counts():
+    """The CNN case's FLOPs an image: torchvision's ResNet-50 at 224 x 224, forward and
+    backward, as FlopCounterMode counts them (24.30 GFLOP)."""
+    torchvision = pytest.importorskip("torchvision")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = torchvision.models.resnet50()
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randn(1, 3, 224, 224)).sum().backward()
+    assert counter.get_total_flops() == pytest.approx(plan_cases.RESNET50_TRAIN_FLOPS, rel=0.01)
+
+
+def test_the_resnet_case_is_checked_against_its_published_run():
+    """Its DDP row priced on the published run's GPUs, beside that run's images/s a GPU."""
+    name, flags, _ = plan_cases.CASES[0]
+    args = argparse.Namespace(**{**plan_input.FLAG_DEFAULTS, **flags})
+    line = plan_cases.published_resnet_line(args)
+    per_gpu = plan_cases.RESNET50_PUBLISHED["images_per_s"] / 8
+    assert name.startswith("ResNet-50") and f"{per_gpu:,.0f} images/s a GPU" in line
+    at = argparse.Namespace(**{**vars(args), "gpu": "a100"})
+    ddp = next(r for r in planner.plan_strategies(at) if r["strategy"] == "DDP")
+    assert f"{ddp['per_gpu_s']:,.0f} ({ddp['per_gpu_s'] / per_gpu - 1:+.0%}" in line
+    assert line in plan("--cases").stdout
+
+
+def test_the_plan_as_json_is_what_the_tables_print():
+    """`--json`: the same rows and pick for machines, a case each with --cases."""
+    one = json.loads(plan("--params", "7e9", "--gpus", "8", "--gpu-mem", "80", "--json").stdout)
+    text = plan("--params", "7e9", "--gpus", "8", "--gpu-mem", "80").stdout
+    assert f"Pick: {one['why']}" in text and one["why"].startswith(one["pick"])
+    assert [r["strategy"] for r in one["rows"]] == [
+        line.split("|")[1].strip() for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("| strategy")]
+    cases = json.loads(plan("--cases", "--json").stdout)
+    picks = case_picks(plan("--cases").stdout)
+    assert [c["case"] for c in cases] == [name for name, _, _ in plan_cases.CASES]
+    assert all(picks[c["case"]].startswith(c["why"]) for c in cases)
+    assert cases[0]["rows"][0]["unit"] == "images"

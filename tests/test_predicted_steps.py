@@ -12,7 +12,7 @@ import re
 import pytest
 
 import common
-from report import results_table
+from report import costmodel, results_table
 
 FIXTURES = common.ROOT / "tests" / "fixtures"
 README = common.ROOT / "report" / "README.md"
@@ -25,9 +25,9 @@ def repredicted(rec: dict, calibration: dict = CALIBRATION) -> dict:
     """The model's step for a record's own work at a fixture's calibration."""
     work = dict(rec["prediction"]["work"])
     work["collectives"] = {op: tuple(value) for op, value in work["collectives"].items()}
-    rates = common.rates_from_calibration(calibration["sizes"][rec["size"]], rec["world_size"],
+    rates = costmodel.rates_from_calibration(calibration["sizes"][rec["size"]], rec["world_size"],
                                           rec["model"])
-    return common.predict_step(common.StepWork(**work), rates)
+    return costmodel.predict_step(costmodel.StepWork(**work), rates)
 
 
 def test_the_fixture_is_one_make_all_of_each_model_with_its_calibration():
@@ -104,3 +104,54 @@ def test_the_h200_runs_are_one_gpu_in_bf16_and_the_last_ones_carry_the_fixtures_
 def test_the_readme_shows_the_h200_table_the_fixtures_give():
     block = README.read_text().split("<!-- h200:start -->\n")[1].split("<!-- h200:end -->")[0]
     assert block.strip() == h200_table(), "\n" + h200_table()
+
+
+# --- speedups: the ratio of two steps priced alike ------------------------------------------
+def test_a_predicted_speedup_is_the_baselines_predicted_step_over_the_runs():
+    """`python -m report --json`: every run of the table, its measured and predicted steps, and
+    beside a baseline it is compared with, both speedups; the fixture's, priced as they ran."""
+    rows = results_table.json_rows(costmodel.priced(RECORDS, CALIBRATION))
+    compared = [r for r in rows if r["speedup"] is not None]
+    assert len(compared) >= 40
+    for row in compared:
+        assert row["speedup"] == pytest.approx(row["baseline_step_ms"] / row["step_ms"],
+                                               rel=1e-3)
+        assert row["predicted_speedup"] == pytest.approx(
+            row["baseline_predicted_step_ms"] / row["predicted_step_ms"], rel=1e-3)
+    assert all(r["speedup"] is None and r["predicted_speedup"] is None for r in rows
+               if r["baseline"] is None)
+
+
+# --- the ratio runs: records carrying their work, priced at the calibration their run took ----
+RATIO_CALIBRATION = json.loads((FIXTURES / "calibration_ratios.json").read_text())
+RATIO_RECORDS = costmodel.priced(common.load_results(FIXTURES / "records_ratios.jsonl"),
+                                 RATIO_CALIBRATION)
+
+
+def test_the_ratio_runs_are_priced_at_the_quick_calibrations_their_make_runs_took():
+    """`make ddp zero pipeline` and `make all MODEL=llama SIZE=tiny`: each record carries its
+    work, no prediction of its own; the report prices each at the newest quick calibration of
+    its size taken before it ran."""
+    measured = [r for r in RATIO_RECORDS if r.get("step_ms") is not None]
+    assert measured and all("work" in r and r["prediction"].get("calibration") for r in measured
+                            if r["model"] != "resnet")
+    used = {r["prediction"]["calibration"] for r in measured if r["model"] != "resnet"}
+    assert all(entry["quick"] for entry in costmodel.calibrations(RATIO_CALIBRATION)
+               if entry["id"] in used)
+
+
+def test_the_readme_states_the_ratio_runs_hit_rates():
+    """The README's counts for the ratio runs: speedups within 15%, steps within 25%."""
+    readme = README.read_text()
+    block = readme.split("<!-- ratios:start -->")[1].split("<!-- ratios:end -->")[0]
+    errors = [(rec, results_table.speedup_error(rec, base))
+              for rec, base in results_table.compared_pairs(RATIO_RECORDS)]
+    errors = [(rec, e) for rec, e in errors if e is not None]
+    near = sum(abs(e) <= results_table.PREDICTION_BAND for _, e in errors)
+    assert f"{near} of {len(errors)} speedups within ±15%" in block
+    steps = [results_table.prediction_error(r) for r in results_table.latest_runs(RATIO_RECORDS)
+             if "sweep" not in r]
+    steps = [e for e in steps if e is not None]
+    assert f"{sum(abs(e) <= 0.25 for e in steps)} of {len(steps)} steps within ±25%" in block
+    over = {rec["script"] for rec, e in errors if abs(e) > results_table.PREDICTION_MISS}
+    assert over <= set(re.findall(r"`(\w+)`", block)), over
