@@ -221,8 +221,8 @@ def calibration_for(rec: dict, calibration: Mapping) -> dict | None:
     if named:
         return next((e for e in fits if e["id"] == named), None)
     own = [e for e in fits if e.get("host") == rec.get("host")]
-    ran = _when(rec["time"])
-    before = [e for e in own if e["torch"] == rec.get("torch") and _when(e["time"]) <= ran]
+    before = [e for e in own if e["torch"] == rec.get("torch") and rec.get("time") and
+              _when(e["time"]) <= _when(rec["time"])]
     return (before or own or [None])[-1]
 
 
@@ -243,15 +243,16 @@ def priced(records: list[dict], calibration: Mapping | None = None) -> list[dict
         if entry is None and rec.get("predicted_step_ms") is not None:
             out.append(rec)  # an older record priced as it ran, at a calibration not here
             continue
-        rates = entry and rates_from_calibration(entry, rec["world_size"], rec["model"])
+        world, size = rec.get("world_size"), rec.get("size")
+        rates = entry and rates_from_calibration(entry, world, rec.get("model"))
         if work is None or rates is None:
             why = ("no cost model for the ResNet's convolutions" if rec.get("model") == "resnet"
-                   else f"no calibration of {rec['world_size']} processes at {rec['size']} in "
-                        f"{rec['dtype']} on this host: run make calibrate SIZE={rec['size']}")
+                   else f"no calibration of {world} processes at {size} in "
+                        f"{rec.get('dtype')} on this host: run make calibrate SIZE={size}")
             out.append({**rec, "predicted_step_ms": None, "prediction": {"why": why}})
             continue
         step = predict_step(work, rates)
-        band = rates_band(entry, rec["world_size"], rec["model"])
+        band = rates_band(entry, world, rec["model"])
         out.append({**rec, "predicted_step_ms": round(step.pop("step_ms"), 3),
                     "prediction": {**{k: round(v, 3) if isinstance(v, float) else v
                                       for k, v in step.items()}, "calibration": rates.source,

@@ -497,7 +497,7 @@ def test_render_calibration_has_a_line_for_each_world_and_link(calibrated):
 ])
 def test_calibrate_if_missing_measures_only_what_the_file_lacks(flags, measures, tmp_path,
                                                                 monkeypatch, capsys):
-    monkeypatch.setattr(common, "CALIBRATION", tmp_path / "calibration.json")
+    monkeypatch.setattr(cli, "CALIBRATION", tmp_path / "calibration.json")
     with_calibration(monkeypatch, tmp_path, {"sizes": {"tiny": size_entry(worlds=(2, 4))}})
     calls = []
     monkeypatch.setattr(cli, "calibrate", lambda *call, **kw: calls.append(call) or size_entry())
