@@ -535,6 +535,11 @@ def calibration_figures(entry: dict) -> dict[str, float]:
     return figures
 
 
+def _about_zero(median: float, highest: float) -> bool:
+    """A figure whose median is under 1% of its highest: a remainder clipped at zero."""
+    return abs(median) <= 0.01 * abs(highest)
+
+
 def band_figures(entry: dict, end: str) -> dict[str, float]:
     """calibration_figures of the lowest ("low") or highest ("high") repeat's figures, or {}
     for a calibration without bands."""
@@ -546,10 +551,13 @@ def band_figures(entry: dict, end: str) -> dict[str, float]:
 
 
 def spread_lines(entry: dict) -> list[str]:
-    """Each figure's spread over the repeats, (highest - lowest) / median, the widest first."""
+    """Each figure's spread over the repeats, (highest - lowest) / median, the widest first; of
+    the figures that are not about zero (a remainder the calibration clips at zero, as a layer's
+    fixed cost where the step is all matmuls: its median under 1% of its highest)."""
     low, high, mid = band_figures(entry, "low"), band_figures(entry, "high"), \
         calibration_figures(entry)
-    spreads = sorted(((high[p] - low[p]) / abs(mid[p]), p) for p in low if mid.get(p))
+    spreads = sorted(((high[p] - low[p]) / abs(mid[p]), p) for p in low
+                     if not _about_zero(mid.get(p, 0.0), high[p]))
     if not spreads:
         return []
     return [f"{entry['id']}: {len(spreads)} figures over {entry.get('repeats', 1)} repeats, the "
@@ -559,11 +567,12 @@ def spread_lines(entry: dict) -> list[str]:
 
 def outside_band(first: dict, second: dict) -> list[tuple[str, float, float, float]]:
     """(figure, second's value, first's lowest, first's highest) of each of `second`'s figures
-    outside the band of `first`'s repeats."""
+    outside the band of `first`'s repeats (of those not about zero in the first)."""
     low, high, values = band_figures(first, "low"), band_figures(first, "high"), \
         calibration_figures(second)
+    mid = calibration_figures(first)
     return [(p, values[p], low[p], high[p]) for p in sorted(low.keys() & values.keys())
-            if not low[p] <= values[p] <= high[p]]
+            if not _about_zero(mid[p], high[p]) and not low[p] <= values[p] <= high[p]]
 
 
 def compare_calibrations(first: dict, second: dict, tolerance: float = 0.10) -> str:
