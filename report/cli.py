@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-import datetime
 import json
-import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,9 +22,14 @@ from pathlib import Path
 import torch
 
 import common
-from report.calibrate import MODELS, calibrate, compare_calibrations, render_calibration
+from report.calibrate import (
+    MODELS,
+    calibrate,
+    compare_calibrations,
+    render_calibration,
+)
 from report.charts import write_charts
-from report.costmodel import CALIBRATION, load_calibration, priced, rates_from_calibration
+from report.costmodel import CALIBRATION, calibration_covers, load_calibration, priced
 from report.dryrun import render_dry_runs
 from report.gpus import GPUS
 from report.plan_cases import cases_json, render_cases
@@ -107,23 +110,6 @@ runs that started alike.
 A collectives sweep has `sweep`: one {op, bytes, ms, algbw_gbps, busbw_gbps} per op and size.
 A script adds what its technique measures (compression, bubble, timeline, optim_mb, ...).
 """
-
-
-def calibration_covers(entry: dict, dtype: str, worlds: Sequence[int], models: Sequence[str],
-                       younger_than_s: float | None = None) -> bool:
-    """Whether `entry` (a size's calibration) applies: this device and dtype, every world's
-    rates for every model; with `younger_than_s`, also this host and torch, taken less than
-    that long ago."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if (entry.get("dtype"), entry.get("device")) != (dtype, device) or not all(
-            rates_from_calibration(entry, world, model) for world in worlds for model in models):
-        return False
-    if younger_than_s is None:
-        return True
-    taken = datetime.datetime.fromisoformat(entry["time"])
-    age = (datetime.datetime.now(datetime.UTC) - taken).total_seconds()
-    return (entry.get("host"), entry.get("torch")) == (platform.node(), torch.__version__) \
-        and age < younger_than_s
 
 
 class OneLineErrors(argparse.ArgumentParser):

@@ -18,9 +18,12 @@ import datetime
 import itertools
 import json
 import math
-from collections.abc import Mapping
+import platform
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 import common
 
@@ -224,6 +227,22 @@ def calibration_for(rec: dict, calibration: Mapping) -> dict | None:
     before = [e for e in own if e["torch"] == rec.get("torch") and rec.get("time") and
               _when(e["time"]) <= _when(rec["time"])]
     return (before or own or [None])[-1]
+
+
+def calibration_covers(entry: dict, dtype: str, worlds: Sequence[int], models: Sequence[str],
+                       younger_than_s: float | None = None) -> bool:
+    """Whether `entry` (a size's calibration) applies: this device and dtype, every world's
+    rates for every model; with `younger_than_s`, also this host and torch, taken less than
+    that long ago."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if (entry.get("dtype"), entry.get("device")) != (dtype, device) or not all(
+            rates_from_calibration(entry, world, model) for world in worlds for model in models):
+        return False
+    if younger_than_s is None:
+        return True
+    age = (datetime.datetime.now(datetime.UTC) - _when(entry["time"])).total_seconds()
+    return (entry.get("host"), entry.get("torch")) == (platform.node(), torch.__version__) \
+        and age < younger_than_s
 
 
 def priced(records: list[dict], calibration: Mapping | None = None) -> list[dict]:

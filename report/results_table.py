@@ -356,28 +356,25 @@ def speedup_summary(pairs: list[tuple[dict, dict]]) -> str:
 
 def json_rows(records: list[dict]) -> list[dict]:
     """`python -m report --json`: every measured run of the table (priced: costmodel.priced),
-    with its measured and predicted step and, beside a baseline it is compared with, the
-    measured and predicted speedups."""
-    runs = [r for r in latest_runs(records) if r.get("status") == "ok" and "sweep" not in r
-            and r.get("step_ms") is not None]
-    by_key = {common.run_key(r) + (script_label(r),): r for r in runs}
+    with its measured and predicted step and, beside a baseline it is compared with
+    (compared_pairs'), both steps and the measured and predicted speedups."""
+    bases = {id(rec): base for rec, base in compared_pairs(records)}
     rows = []
-    for rec in runs:
-        base = baseline_run(rec, by_key) if rec.get("baseline") else None
-        compared = base is not None and why_not_compared(rec, base) is None and \
-            not too_few_steps(rec)
-        prediction = rec.get("prediction") or {}
+    for rec in latest_runs(records):
+        if rec.get("status") != "ok" or "sweep" in rec or rec.get("step_ms") is None:
+            continue
+        base, prediction = bases.get(id(rec)), rec.get("prediction") or {}
+        predicted = base and predicted_speedup(rec, base)
         rows.append({
             **{k: rec.get(k) for k in ("folder", "script", "variant", "baseline", "size",
                                        "model", "world_size", "device", "dtype", "time")},
             "step_ms": rec["step_ms"], "predicted_step_ms": rec.get("predicted_step_ms"),
             "bound_by": prediction.get("bound_by"), "calibration": prediction.get("calibration"),
             "why_not_predicted": prediction.get("why"),
-            "baseline_step_ms": base["step_ms"] if compared else None,
-            "baseline_predicted_step_ms": base.get("predicted_step_ms") if compared else None,
-            "speedup": round(base["step_ms"] / rec["step_ms"], 4) if compared else None,
-            "predicted_speedup": round(predicted_speedup(rec, base), 4)
-            if compared and predicted_speedup(rec, base) else None})
+            "baseline_step_ms": base and base["step_ms"],
+            "baseline_predicted_step_ms": base and base.get("predicted_step_ms"),
+            "speedup": base and round(base["step_ms"] / rec["step_ms"], 4),
+            "predicted_speedup": round(predicted, 4) if predicted else None})
     return rows
 
 

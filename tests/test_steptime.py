@@ -542,13 +542,14 @@ def test_if_older_takes_a_quick_calibration_unless_this_hosts_is_younger(monkeyp
     now = datetime.datetime.now(datetime.UTC)
     entry = size_entry(host=platform.node(), torch_version=torch.__version__,
                        time=(now - datetime.timedelta(minutes=30)).isoformat())
-    assert cli.calibration_covers(entry, "fp32", [1, 2], ["gpt"], 3600)
-    assert not cli.calibration_covers(entry, "fp32", [1, 2], ["gpt"], 600)  # too old
-    assert not cli.calibration_covers(entry, "fp32", [4], ["gpt"], 3600)  # a world missing
-    assert not cli.calibration_covers(entry, "bf16", [2], ["gpt"], 3600)
-    assert not cli.calibration_covers({**entry, "host": "elsewhere"}, "fp32", [2], ["gpt"], 3600)
-    assert not cli.calibration_covers({**entry, "torch": "0.0"}, "fp32", [2], ["gpt"], 3600)
-    assert cli.calibration_covers({**entry, "host": "elsewhere"}, "fp32", [2], ["gpt"])
+    covers = costmodel.calibration_covers
+    assert covers(entry, "fp32", [1, 2], ["gpt"], 3600)
+    assert not covers(entry, "fp32", [1, 2], ["gpt"], 600)  # too old
+    assert not covers(entry, "fp32", [4], ["gpt"], 3600)  # a world missing
+    assert not covers(entry, "bf16", [2], ["gpt"], 3600)
+    assert not covers({**entry, "host": "elsewhere"}, "fp32", [2], ["gpt"], 3600)
+    assert not covers({**entry, "torch": "0.0"}, "fp32", [2], ["gpt"], 3600)
+    assert covers({**entry, "host": "elsewhere"}, "fp32", [2], ["gpt"])
 
 
 def banded_entry() -> dict:
