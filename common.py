@@ -156,13 +156,6 @@ SIZES.update(PUBLISHED_SIZES)
 MODELS = ("gpt", "llama", "moe", "resnet")  # the decoders (moe: the Llama with MoE MLPs), the CNN
 
 
-def gpt_param_count(size: Size, seq_len: int) -> int:
-    """Parameters of `GPT(size, seq_len)` without building it (the head is tied)."""
-    d = size.d_model
-    per_block = 12 * d * d + 13 * d  # qkv, proj, fc, fc_proj weights and biases, two LayerNorms
-    return size.vocab_size * d + seq_len * d + size.n_layers * per_block + 2 * d
-
-
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Default attention: PyTorch's fused kernel, O(T) memory. Shapes (batch, heads, seq,
     head_dim). k and v may have fewer heads than q (grouped-query attention): KV head h serves
@@ -310,26 +303,6 @@ def llama_ffn_dim(d_model: int) -> int:
     """SwiGLU's hidden width: 8/3 of d_model (the same weights as a 4x GELU MLP, in three
     matrices), rounded up to a multiple of 64 as Llama rounds to its own multiple."""
     return -(-8 * d_model // 3 // 64) * 64
-
-
-def llama_param_count(size: Size) -> int:
-    """Parameters of `Llama(size)` without building it (no biases; the head is untied)."""
-    d, heads_width = size.d_model, size.n_heads * size.attention_head_dim
-    # q, o; k, v for the KV heads
-    attention = 2 * d * heads_width + 2 * d * size.n_kv_heads * size.attention_head_dim
-    per_layer = attention + 3 * d * size.llama_ffn + 2 * d  # gate, up, down; two RMSNorms
-    return 2 * size.vocab_size * d + size.n_layers * per_layer + d
-
-
-def moe_param_counts(size: Size) -> tuple[int, int]:
-    """(total, active) parameters of the MoE Llama (`--model moe`) without building it: the Llama
-    with each MLP replaced by a router (experts x d_model), the routed experts (top_k of them
-    active a token) and the shared expert (always active)."""
-    d, layers = size.d_model, size.n_layers
-    expert = 3 * d * size.expert_ffn  # gate, up, down
-    moe_dense = d * size.n_experts + 3 * d * size.shared_expert_ffn  # router, shared expert
-    dense = llama_param_count(size) - layers * (3 * d * size.llama_ffn - moe_dense)
-    return dense + layers * size.n_experts * expert, dense + layers * size.top_k * expert
 
 
 def rotary_table(seq: int, head_dim: int, device: torch.device, dtype: torch.dtype,

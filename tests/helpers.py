@@ -253,3 +253,32 @@ def scripts_over_own_lines(root: Path = common.ROOT) -> list[tuple[str, int]]:
              for path in root.glob("[0-9][0-9]_*/*.py")]
     return sorted([(name, n) for name, n in found if n > OWN_LINES_WARNING],
                   key=lambda pair: -pair[1])
+
+
+# The models' parameter counts without building them, which records and dry runs are checked
+# against (a 70B Llama is never built whole here).
+def gpt_param_count(size: common.Size, seq_len: int) -> int:
+    """Parameters of `GPT(size, seq_len)` without building it (the head is tied)."""
+    d = size.d_model
+    per_block = 12 * d * d + 13 * d  # qkv, proj, fc, fc_proj weights and biases, two LayerNorms
+    return size.vocab_size * d + seq_len * d + size.n_layers * per_block + 2 * d
+
+
+def llama_param_count(size: common.Size) -> int:
+    """Parameters of `Llama(size)` without building it (no biases; the head is untied)."""
+    d, heads_width = size.d_model, size.n_heads * size.attention_head_dim
+    # q, o; k, v for the KV heads
+    attention = 2 * d * heads_width + 2 * d * size.n_kv_heads * size.attention_head_dim
+    per_layer = attention + 3 * d * size.llama_ffn + 2 * d  # gate, up, down; two RMSNorms
+    return 2 * size.vocab_size * d + size.n_layers * per_layer + d
+
+
+def moe_param_counts(size: common.Size) -> tuple[int, int]:
+    """(total, active) parameters of the MoE Llama (`--model moe`) without building it: the Llama
+    with each MLP replaced by a router (experts x d_model), the routed experts (top_k of them
+    active a token) and the shared expert (always active)."""
+    d, layers = size.d_model, size.n_layers
+    expert = 3 * d * size.expert_ffn  # gate, up, down
+    moe_dense = d * size.n_experts + 3 * d * size.shared_expert_ffn  # router, shared expert
+    dense = llama_param_count(size) - layers * (3 * d * size.llama_ffn - moe_dense)
+    return dense + layers * size.n_experts * expert, dense + layers * size.top_k * expert

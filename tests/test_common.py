@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import common
+import helpers
 from helpers import report_rows, run_then_leave
 from report import cli, results_table, runs
 
@@ -295,18 +296,18 @@ def test_a_trainer_of_ones_own_gets_its_topology_from_the_environment_alone(monk
 def test_gpt_param_count_matches_the_built_model(size):
     model = common.GPT(common.SIZES[size], 64)
     built = sum(p.numel() for p in model.parameters())  # parameters() yields the tied weight once
-    assert built == common.gpt_param_count(common.SIZES[size], 64)
+    assert built == helpers.gpt_param_count(common.SIZES[size], 64)
 
 
 @pytest.mark.parametrize("size", ["tiny", "small", "medium"])
 def test_llama_param_count_matches_the_built_model(size):
     built = sum(p.numel() for p in common.Llama(common.SIZES[size]).parameters())
-    assert built == common.llama_param_count(common.SIZES[size])
+    assert built == helpers.llama_param_count(common.SIZES[size])
 
 
 def test_large_preset_is_near_one_billion_parameters():
-    assert 0.9e9 < common.gpt_param_count(common.SIZES["large"], 1024) < 1.1e9
-    assert 0.9e9 < common.llama_param_count(common.SIZES["large"]) < 1.1e9
+    assert 0.9e9 < helpers.gpt_param_count(common.SIZES["large"], 1024) < 1.1e9
+    assert 0.9e9 < helpers.llama_param_count(common.SIZES["large"]) < 1.1e9
 
 
 def test_state_mb_counts_params_grads_and_adam_state():

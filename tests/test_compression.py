@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+import helpers
 from helpers import as_rank, load_recipe, readme_python_block, run_then_leave
 from report import results_table
 
@@ -114,7 +115,7 @@ def test_compression_theory_counts_matrices_and_uncompressed_tensors_from_the_sh
     matrices = [(size.vocab_size, d), (size.seq_len, d)] + size.n_layers * [
         (3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]
     full = sum(n * m for n, m in matrices)
-    uncompressed = common.gpt_param_count(size, size.seq_len) - full
+    uncompressed = helpers.gpt_param_count(size, size.seq_len) - full
     sent = sum(r * (n + m) for n, m in matrices) + uncompressed
     assert powersgd.compression_theory(model, r, []) == pytest.approx((full + uncompressed) / sent)
     assert 38 < (full + uncompressed) / sent < 42  # "about 40x at small"
@@ -135,7 +136,7 @@ def test_compression_theory_of_the_llama_keeps_its_untied_embedding_and_head_who
         common.llama_ffn_dim(size.d_model)
     embedding = head = (size.vocab_size, d)
     layer = [(d, d), (kv, d), (kv, d), (d, d), (ffn, d), (ffn, d), (d, ffn)]
-    full = common.llama_param_count(size)
+    full = helpers.llama_param_count(size)
     vectors = full - sum(n * m for n, m in [embedding, head, *size.n_layers * layer])
     sent = vectors + sum(r * (n + m) for n, m in size.n_layers * layer)
     whole = [model.model.embed_tokens.weight, model.lm_head.weight]

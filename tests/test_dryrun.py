@@ -13,6 +13,7 @@ import torch
 
 import common
 from report import plan_cases, plan_input, planner
+from tests import helpers
 from tests.helpers import TINY, cpu_env, finish_all, only_record, torchrun
 
 # (script, flags, world): a script of each folder that dry-runs, at tiny, checked against a real
@@ -194,7 +195,7 @@ def test_a_llama_70b_fsdp_tp_dry_run_at_1024_ranks(dry_runs):
     holding 1/1,024 of Llama 2 70B's state (16 bytes a parameter: fp32 weights, gradients
     and two AdamW moments), and sending over its TP group of 8."""
     rec, out = dry_runs["llama2-70b at 1024"]
-    params = common.llama_param_count(common.SIZES["llama2-70b"])
+    params = helpers.llama_param_count(common.SIZES["llama2-70b"])
     assert rec["params"] == params == 68_976_648_192  # Llama 2 70B's, from its config.json
     assert rec["dry_run"]["rank"] == 0 and rec["mesh"] == {"dp": 128, "tp": 8}
     assert rec["state_mb"] == pytest.approx(16 * params / 1024 / 2**20, rel=0.01)
@@ -263,9 +264,9 @@ def test_fp8_dry_runs_its_float8_weights_with_their_precomputed_scales(dry_runs)
 
 def test_published_shapes_have_their_published_parameter_counts():
     """From each model's config.json: Llama 2 7B 6,738,415,616; Llama 3 8B 8,030,261,248."""
-    assert common.llama_param_count(common.SIZES["llama2-7b"]) == 6_738_415_616
-    assert common.llama_param_count(common.SIZES["llama3-8b"]) == 8_030_261_248
-    total, active = common.moe_param_counts(common.SIZES["qwen3-30b-a3b"])
+    assert helpers.llama_param_count(common.SIZES["llama2-7b"]) == 6_738_415_616
+    assert helpers.llama_param_count(common.SIZES["llama3-8b"]) == 8_030_261_248
+    total, active = helpers.moe_param_counts(common.SIZES["qwen3-30b-a3b"])
     assert total == pytest.approx(30.5e9, rel=0.01) and active == pytest.approx(3.3e9, rel=0.03)
 
 

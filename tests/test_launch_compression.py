@@ -23,6 +23,7 @@ import pytest
 import torch.multiprocessing as mp
 
 import common
+import helpers
 from helpers import (
     LAUNCH_TIMEOUT,
     TINY,
@@ -98,8 +99,8 @@ def test_each_run_records_sane_figures_and_the_bytes_its_theory_predicts(runs, n
     assert len(rec["losses"]) == 8 and all(math.isfinite(x) for x in rec["losses"])
     assert rec["losses"][-1] < rec["losses"][0]
     assert rec["model"] == ("llama" if "--model" in RUNS[name][2] else "gpt")
-    assert rec["params"] == (common.llama_param_count(common.SIZES["tiny"]) if rec["model"] ==
-                             "llama" else common.gpt_param_count(common.SIZES["tiny"], 32))
+    assert rec["params"] == (helpers.llama_param_count(common.SIZES["tiny"]) if rec["model"] ==
+                             "llama" else helpers.gpt_param_count(common.SIZES["tiny"], 32))
     # int8 pads every bucket to whole blocks per rank; PowerSGD and fp32 send exact shapes
     assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"],
                                            rel=0.05 if "int8" in name else 1e-3)

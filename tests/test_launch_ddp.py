@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import common
+import helpers
 from helpers import TINY as STEPS
 from helpers import (
     as_rank,
@@ -93,10 +94,10 @@ def test_each_script_records_a_sane_two_rank_run(runs, script):
     assert rec["peak_rss_mb"] > rec["peak_mem_mb"]
     if script in FLAGS:
         assert rec["model"] == "llama"
-        assert rec["params"] == common.llama_param_count(common.SIZES["tiny"])
+        assert rec["params"] == helpers.llama_param_count(common.SIZES["tiny"])
     else:
         assert rec["model"] == "gpt"
-        assert rec["params"] == common.gpt_param_count(common.SIZES["tiny"], 32)
+        assert rec["params"] == helpers.gpt_param_count(common.SIZES["tiny"], 32)
     # AdamW after a step: params, grads and two moments, all fp32
     assert rec["state_mb"] == pytest.approx(4 * rec["params"] * 4 / 2**20, rel=0.01)
     # what was counted on the wire matches the ring all-reduce formula
@@ -191,7 +192,7 @@ def test_two_nodes_on_localhost(runs):
     baseline run, which the optimized pair's losses above are held to."""
     rec, console = runs["baseline_ddp"]
     assert rec["status"] == "ok" and rec["world_size"] == 2 and rec["nnodes"] == 2
-    assert rec["params"] == common.gpt_param_count(common.SIZES["tiny"], 32)
+    assert rec["params"] == helpers.gpt_param_count(common.SIZES["tiny"], 32)
     assert "step    8/8" in console  # node 0 holds rank 0, which prints
 
 

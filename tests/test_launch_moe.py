@@ -12,6 +12,7 @@ import math
 import pytest
 
 import common
+import helpers
 from helpers import assert_within_its_tolerance, finish_all, only_record, torchrun
 from report import results_table
 
@@ -41,7 +42,7 @@ def test_each_run_records_a_sane_run(runs, name):
     script, nproc, _ = RUNS[name]
     assert (rec["status"], rec["script"], rec["world_size"]) == ("ok", script, nproc)
     assert rec["model"] == "moe" and rec["moe_balance"] == "bias"
-    assert rec["params"] == common.moe_param_counts(TINY)[0]
+    assert rec["params"] == helpers.moe_param_counts(TINY)[0]
     assert len(rec["losses"]) == 8 and all(math.isfinite(x) for x in rec["losses"])
     assert rec["losses"][-1] < rec["losses"][0]
     for figure in ("comm_mb", "state_mb"):

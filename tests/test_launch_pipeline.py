@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import common
+import helpers
 from helpers import (
     TINY,
     assert_bad_input_is_one_line,
@@ -123,8 +124,8 @@ def test_every_schedule_trains_the_unsplit_model(runs, script):
     assert rec["model"] == ("llama" if "llama" in script else "gpt")
     assert max_relative_difference(rec["losses"], unsplit_losses(rec)) <= 1e-5
     size = common.SIZES[rec["size"]]
-    assert rec["params"] == (common.llama_param_count(size) if rec["model"] == "llama"
-                             else common.gpt_param_count(size, rec["seq_len"]))  # all stages
+    assert rec["params"] == (helpers.llama_param_count(size) if rec["model"] == "llama"
+                             else helpers.gpt_param_count(size, rec["seq_len"]))  # all stages
 
 
 @pytest.mark.parametrize("script, stages_of", [

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
+import helpers
 from helpers import assert_bad_input_is_one_line, assert_skipped_with_why, load_recipe
 
 EP_SCRIPT = common.ROOT / "08_moe" / "optimized_moe_ep.py"
@@ -71,7 +72,7 @@ class HostReads(TorchDispatchMode):
 def test_moe_param_counts_match_the_built_model(size):
     shape = common.SIZES[size]
     model = common.Llama(shape, moe_balance="none") if size != "medium" else None
-    total, active = common.moe_param_counts(shape)
+    total, active = helpers.moe_param_counts(shape)
     if model is not None:
         assert total == sum(p.numel() for p in model.parameters())
         experts = sum(p.numel() for layer in model.model.layers

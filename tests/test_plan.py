@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import common
+import helpers
 from report import cli, gpus, plan_cases, plan_input, plan_print, planner
 
 FIXTURE = common.ROOT / "tests" / "fixtures" / "records_small.jsonl"
@@ -79,7 +80,7 @@ def run_input(rec: dict) -> plan_input.PlanInput:
         micro_batch = batch
     moe = rec["model"] == "moe"
     flags = argparse.Namespace(
-        params=common.moe_param_counts(size)[0] if moe else rec["params"],
+        params=helpers.moe_param_counts(size)[0] if moe else rec["params"],
         gpus=rec["world_size"], gpus_per_node=rec["world_size"],
         layers=size.n_layers, hidden=size.d_model, vocab=size.vocab_size, seq_len=rec["seq_len"],
         micro_batch=micro_batch, micro_batches=m, dtype="fp32",

@@ -155,3 +155,27 @@ def test_the_readme_states_the_ratio_runs_hit_rates():
     assert f"{sum(abs(e) <= 0.25 for e in steps)} of {len(steps)} steps within ±25%" in block
     over = {rec["script"] for rec, e in errors if abs(e) > results_table.PREDICTION_MISS}
     assert over <= set(re.findall(r"`(\w+)`", block)), over
+
+
+def measured_speedups(records: list[dict]) -> dict[tuple, float]:
+    """Each compared run's measured speedup, by what names the run: folder, script, variant,
+    world, size and model."""
+    return {(rec["folder"], rec["script"], rec.get("variant"), rec["world_size"], rec["size"],
+             rec["model"]): base["step_ms"] / rec["step_ms"]
+            for rec, base in results_table.compared_pairs(results_table.latest_runs(records))}
+
+
+def test_the_readme_states_how_closely_the_measured_speedups_repeat():
+    """The ratio runs made again (records_ratios_rerun.jsonl): at each size, how many measured
+    speedups the two runs agree on within ±15%, and the largest move, as the README says."""
+    block = README.read_text().split("<!-- ratios:start -->")[1].split("<!-- ratios:end -->")[0]
+    block = " ".join(block.split())
+    first = measured_speedups(common.load_results(FIXTURES / "records_ratios.jsonl"))
+    again = measured_speedups(common.load_results(FIXTURES / "records_ratios_rerun.jsonl"))
+    assert set(first) == set(again)
+    moves = {size: [again[k] / first[k] - 1 for k in first if k[4] == size]
+             for size in ("small", "tiny")}
+    for size, changes in moves.items():
+        near = sum(abs(c) <= results_table.PREDICTION_BAND for c in changes)
+        assert f"{near} of {len(changes)} speedups at `{size}`" in block.replace("**", "")
+    assert f"up to {round(100 * max(map(abs, moves['tiny'])))}%" in block

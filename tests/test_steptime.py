@@ -27,6 +27,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
 import common
+import helpers
 from helpers import cpu_env
 from report import calibrate, cli, costmodel
 
@@ -113,7 +114,7 @@ def test_train_flops_matmuls_are_what_torchs_flop_counter_counts_in_a_step(name)
 
 
 def test_the_moes_matmul_weights_a_token_are_its_active_parameters_less_the_input_table():
-    active = common.moe_param_counts(TINY)[1]
+    active = helpers.moe_param_counts(TINY)[1]
     norms = TINY.n_layers * 2 * TINY.d_model + TINY.d_model
     assert common.matmul_weights_per_token(TINY, "moe") == \
         active - TINY.vocab_size * TINY.d_model - norms
@@ -323,7 +324,7 @@ def test_a_runs_work_is_its_share_of_the_step(tmp_path):
     got = common.step_work(args, cpu_topology(2), stats({"allreduce/2": [1.5, 2]}), model,
                            None, 2, common.DDP_OVERLAP, False, 0.0, 1)
     work = costmodel.StepWork(*common.train_flops(TINY, "gpt", tokens, TINY.seq_len),
-                              tokens * TINY.n_layers, common.gpt_param_count(TINY, TINY.seq_len),
+                              tokens * TINY.n_layers, helpers.gpt_param_count(TINY, TINY.seq_len),
                               {"allreduce/2": (1.5 * 2**20, 2)}, common.DDP_OVERLAP,
                               seq_len=TINY.seq_len, layer_passes=TINY.n_layers)
     assert got == {**work.__dict__, "collectives": {"allreduce/2": [1.5 * 2**20, 2]}}
