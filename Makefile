@@ -210,7 +210,11 @@ EXTRA_RUNS_symmem := "06_symmem/optimized_symmem_training.py --replicated-optimi
 	$(if $(filter resnet,$(MODEL)),,"06_symmem/baseline_symmem_training.py --batch-size 1 --seq-len 32" \
 	"06_symmem/optimized_symmem_training.py --batch-size 1 --seq-len 32" \
 	"06_symmem/optimized_symmem_training.py --batch-size 1 --seq-len 32 --replicated-optimizer")
-EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1b" \
+EXTRA_RUNS_pipeline := "05_pipeline/optimized_pipeline_zb.py --zbv" \
+	"05_pipeline/optimized_pipeline_pytorch.py --schedule 1f1b" \
+	"05_pipeline/optimized_pipeline_pytorch.py --schedule interleaved" \
+	"05_pipeline/optimized_pipeline_pytorch.py --schedule zb" \
+	"05_pipeline/optimized_pipeline_pytorch.py --schedule zbv" \
 	"05_pipeline/optimized_pipeline_pytorch.py --schedule dualpipev"
 # 07's lengths by size: the long-context length (common.SIZES' long_seq_len, the folder's
 # default), and one where attention is most of a step, for the balance and overlap rows.

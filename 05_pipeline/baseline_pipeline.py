@@ -346,7 +346,7 @@ def main():
                         help="the pipelines' m: sets the default batch only (4 sequences per "
                              "micro-batch, as theirs), which this baseline runs in one piece")
     parser.set_defaults(batch_size=0)
-    parser.set_defaults(steps=8, warmup=3)  # as the pipelines'
+    parser.set_defaults(steps=6, warmup=3)  # as the pipelines'
     args = parser.parse_args()
     settings = common.resolved(args, batch_size=args.batch_size or 4 * args.microbatches)
     world = common.launch_world_size()

@@ -108,7 +108,7 @@ def main():
     parser.add_argument("--clip-grad-norm", type=common.positive_float, default=None,
                         metavar="MAX", help="clip the gradient to this global 2-norm before "
                         "each step, with torch.nn.utils.clip_grad_norm_ (default: no clipping)")
-    parser.set_defaults(steps=8, warmup=3)  # optimized_pipeline_3d.py's
+    parser.set_defaults(steps=6, warmup=3)  # optimized_pipeline_3d.py's
     args = parser.parse_args()
     default_3d_tp(args, common.launch_world_size())  # skips where the 3-D run skips
     topo = common.setup(args)

@@ -527,7 +527,7 @@ def main():
     # batch 0: four sequences per micro-batch. On a CPU smaller ones run each GEMM well below
     # the whole batch's speed: a cost of splitting that would blur the bubble's.
     parser.set_defaults(batch_size=0)
-    parser.set_defaults(steps=8, warmup=3)  # fewer than elsewhere: eight runs in `make pipeline`
+    parser.set_defaults(steps=6, warmup=3)  # fewer than elsewhere: 14 runs in `make pipeline`
     args = parser.parse_args()
     settings = common.resolved(args, batch_size=args.batch_size or 4 * args.microbatches)
     if settings.batch_size % settings.microbatches:

@@ -4,7 +4,7 @@ What it does: the decoder's layers (GPT or Llama) are cut into p stages; half th
 go through them from rank 0 to rank p-1, the other half back, so rank r holds stages r and p-1-r
 and sums their gradients with rank p-1-r each step (`TwinGradients`, one exchange; a tied
 embedding and head are among them): the unsplit model, exactly. The split backward, the runtime
-and the schedule are DualPipeV's (`SplitAction`, `TwoStagePipelineRank`, `dualpipe_rank`) with
+and the schedule are DualPipeV's (`SplitAction`, `MultiStagePipelineRank`, `dualpipe_rank`) with
 every count halved: p and m even, m >= 2p.
 Why it helps: each direction's idle start is filled by the other's work, the W's fill the rest:
 the bubble falls from 1F1B's (p-1)(F+B) to (p/2-1)(F+B-2W) (per stage; F = I). The price:
@@ -201,14 +201,16 @@ def run_layers(layers: Iterable[nn.Module], x: torch.Tensor,
     return x
 
 
-# Copied from 05_pipeline/optimized_pipeline_dualpipev.py: TwoStagePipelineRank
-class TwoStagePipelineRank:
-    """GPipe's and 1F1B's runtime (`PipelineRank`) for this rank's two stages (`stages`: index
-    -> layers), a backward whole (B) or as an I and a later W; an input for a stage on this rank
-    (the V's turn) is handed over in memory, not sent. Its arguments are `PipelineRank`'s less
-    `tied`: a weight on the first and the last stage (a tied embedding and head) is on one rank,
-    and autograd sums its gradients. The W's walk the layers with weights of their own
-    (`parameters(recurse=False)`), so the loss function has none (the head is a layer)."""
+# Copied from 05_pipeline/optimized_pipeline_dualpipev.py: MultiStagePipelineRank
+class MultiStagePipelineRank:
+    """GPipe's and 1F1B's runtime (`PipelineRank`) for this rank's stages, any number of them
+    (`stages`: index -> layers; a V's two, an interleaved pipeline's v), a backward whole (B) or
+    as an I and a later W; an input for a stage on this rank (the V's turn) is handed over in
+    memory, not sent. Its arguments are `PipelineRank`'s less `tied`: a weight on two stages of
+    one rank (the V's tied embedding and head) has its gradients summed by autograd; on two
+    ranks, `TiedGradients.summed()` around `run` sums them. The W's walk the layers with weights
+    of their own (`parameters(recurse=False)`), so the loss function has none (the head is a
+    layer)."""
 
     def __init__(self, stages: dict[int, list[nn.Module]],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -535,7 +537,7 @@ def main():
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
                         help="micro-batches m, even and at least 2p (default: max(8, 2p))")
     parser.set_defaults(batch_size=0)  # 0: four sequences per micro-batch, as the others
-    parser.set_defaults(steps=8, warmup=3)  # fewer than elsewhere: eight runs in `make pipeline`
+    parser.set_defaults(steps=6, warmup=3)  # fewer than elsewhere: 14 runs in `make pipeline`
     args = parser.parse_args()
     world = common.launch_world_size()
     m = args.microbatches or max(8, 2 * world)
@@ -559,7 +561,7 @@ def main():
     shape = (settings.batch_size // m, settings.seq_len,
              common.input_embedding(model).embedding_dim)
     # the timeline of every step: the timed ones give the bubble (on CUDA, each action synced)
-    pipe = TwoStagePipelineRank(mine, cross_entropy, schedule(p, m), shape,
+    pipe = MultiStagePipelineRank(mine, cross_entropy, schedule(p, m), shape,
                         autocast_dtype=model.autocast_dtype, record_timeline=True)
     del model, stages  # the other ranks' layers are freed: a rank holds its stages only
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=settings.lr)

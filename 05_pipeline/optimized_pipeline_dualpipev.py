@@ -5,7 +5,7 @@ on the way down the V and 2p-1-r on the way up (rank 0 the first and last: a tie
 head once, nothing to sum). A backward runs whole (B) or split as in zero-bubble pipelines: I,
 the input's gradient, which the previous stage waits for, then W, the weights', which fills a
 gap. The schedule is DeepSeek's (`dualpipe_rank`, github.com/deepseek-ai/DualPipe); the runtime
-(`TwoStagePipelineRank`: two stages' layers, a loss function, the boundary's shape, `call_layer`)
+(`MultiStagePipelineRank`: its stages' layers, a loss function, the boundary's shape, `call_layer`)
 is GPipe's and 1F1B's `PipelineRank` for two stages a rank, its actions (`SplitAction`) I and W
 besides F, B.
 Why it helps: the V is fed from both ends and the W's fill the gaps: the bubble falls from
@@ -195,13 +195,15 @@ def run_layers(layers: Iterable[nn.Module], x: torch.Tensor,
     return x
 
 
-class TwoStagePipelineRank:
-    """GPipe's and 1F1B's runtime (`PipelineRank`) for this rank's two stages (`stages`: index
-    -> layers), a backward whole (B) or as an I and a later W; an input for a stage on this rank
-    (the V's turn) is handed over in memory, not sent. Its arguments are `PipelineRank`'s less
-    `tied`: a weight on the first and the last stage (a tied embedding and head) is on one rank,
-    and autograd sums its gradients. The W's walk the layers with weights of their own
-    (`parameters(recurse=False)`), so the loss function has none (the head is a layer)."""
+class MultiStagePipelineRank:
+    """GPipe's and 1F1B's runtime (`PipelineRank`) for this rank's stages, any number of them
+    (`stages`: index -> layers; a V's two, an interleaved pipeline's v), a backward whole (B) or
+    as an I and a later W; an input for a stage on this rank (the V's turn) is handed over in
+    memory, not sent. Its arguments are `PipelineRank`'s less `tied`: a weight on two stages of
+    one rank (the V's tied embedding and head) has its gradients summed by autograd; on two
+    ranks, `TiedGradients.summed()` around `run` sums them. The W's walk the layers with weights
+    of their own (`parameters(recurse=False)`), so the loss function has none (the head is a
+    layer)."""
 
     def __init__(self, stages: dict[int, list[nn.Module]],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -500,7 +502,7 @@ def main():
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
                         help="micro-batches m, at least 2p (default: max(8, 2p))")
     parser.set_defaults(batch_size=0)  # 0: four sequences per micro-batch, as the others
-    parser.set_defaults(steps=8, warmup=3)  # fewer than elsewhere: eight runs in `make pipeline`
+    parser.set_defaults(steps=6, warmup=3)  # fewer than elsewhere: 14 runs in `make pipeline`
     args = parser.parse_args()
     world = common.launch_world_size()
     m = args.microbatches or max(8, 2 * world)
@@ -521,7 +523,7 @@ def main():
     shape = (settings.batch_size // m, settings.seq_len,
              common.input_embedding(model).embedding_dim)
     # the timeline of every step: the timed ones give the bubble (on CUDA, each action synced)
-    pipe = TwoStagePipelineRank(mine, cross_entropy, schedule(p, m), shape,
+    pipe = MultiStagePipelineRank(mine, cross_entropy, schedule(p, m), shape,
                         autocast_dtype=model.autocast_dtype, record_timeline=True)
     del model, stages  # the other ranks' layers are freed: a rank holds its stages only
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=settings.lr)

@@ -3,24 +3,28 @@
 What it does: the same stages as the hand-written scripts (the decoder's layers, GPT or Llama,
 cut into p contiguous stages; a tied embedding and head, found by identity, has its gradients
 summed between the first and last rank), run by torch.distributed.pipelining: a `PipelineStage`
-per rank and `ScheduleGPipe` (`--schedule gpipe`, the default) or `Schedule1F1B` (`--schedule
-1f1b`); or two stages per rank in a V (rank r: stages r and 2p-1-r, a tied weight twice on rank
-0, nothing to sum) and `ScheduleDualPipeV` (`--schedule dualpipev`). The last stage hands its
-logits to the schedule's loss function.
+per rank and `ScheduleGPipe` (`--schedule gpipe`, the default), `Schedule1F1B` (`1f1b`) or
+`ScheduleInterleavedZeroBubble` (`zb`: ZB-H1 at one stage a rank); two stages per rank in a loop
+(rank r: stages r and r+p) and `ScheduleInterleaved1F1B` (`interleaved`); or two in a V (rank r:
+stages r and 2p-1-r, a tied weight twice on rank 0, nothing to sum) and `ScheduleDualPipeV`
+(`dualpipev`) or `ScheduleZBVZeroBubble` (`zbv`). The last stage hands its logits to the
+schedule's loss function.
 Why it is here: a schedule written by hand is checked against the library's. The losses must
 match the hand-written one's to float rounding (the launch tests check it), and
 `make pipeline report` puts the step times side by side.
 Run:        torchrun --nproc_per_node=2 05_pipeline/optimized_pipeline_pytorch.py --size small
-            (and with --schedule 1f1b, --schedule dualpipev)
-Look for:   the rows `optimized_pipeline_pytorch` (beside optimized_pipeline_gpipe),
-            `optimized_pipeline_pytorch --schedule 1f1b` (beside optimized_pipeline_1f1b) and
-            `--schedule dualpipev` (beside optimized_pipeline_dualpipev).
+            (and with --schedule 1f1b, interleaved, zb, zbv, dualpipev)
+Look for:   the rows `optimized_pipeline_pytorch` (beside optimized_pipeline_gpipe), and each
+            `--schedule` beside its hand-written twin: 1f1b, interleaved, zb (ZB-H1), zbv
+            (`optimized_pipeline_zb --zbv`), dualpipev.
 Theory:     the schedules' own: bubble (p-1)/(m+p-1) for GPipe and 1F1B, activations of m (GPipe)
             or min(p, m) (1F1B) micro-batches in flight; torch records no timeline to measure them.
 """
 
 import itertools
+import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -32,6 +36,9 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleDualPipeV,
     ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
@@ -43,7 +50,13 @@ LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
 # No planner row: PyTorch's schedules, the same rows as the hand-written ones'.
 PLANNED = []
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "dualpipev": ScheduleDualPipeV}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleInterleavedZeroBubble,
+             "interleaved": ScheduleInterleaved1F1B, "dualpipev": ScheduleDualPipeV,
+             "zbv": ScheduleZBVZeroBubble}
+# Each rank's stages, by the schedule: one, two in a loop (r, r + p) or two in a V (r, 2p-1-r)
+LOOPED, V_SHAPED = {"interleaved"}, {"dualpipev", "zbv"}
+# Those that take a list of a rank's stages (PipelineScheduleMulti), a single one among them
+MULTI_STAGE = LOOPED | V_SHAPED | {"zb"}
 
 
 # Copied from 01_ddp/baseline_ddp.py: broadcast_parameters
@@ -91,6 +104,27 @@ def skip_unless_pipelined(world: int, stages: int, size: str) -> None:
                           f"--size")
 
 
+# Copied from 05_pipeline/optimized_pipeline_interleaved.py: rank_balanced_cut
+def rank_balanced_cut(costs: Sequence[float], p: int, v: int) -> list[range]:
+    """The layers (each's cost, as `Decoder.pipeline_stages` weighs it) cut into v p contiguous
+    stages, stage s on rank s mod p, so that the busiest rank's cost is least, ties to the
+    smallest largest stage. Cutting stage by stage (common's cut) can leave a rank two heavy
+    stages: at `small` 4 blocks' cost on rank 0 against 2.3 on rank 1, where 1F1B's halves
+    are 3 and 3.3. Every cut is tried where there are at most 10^5 (a few dozen layers), else
+    common's."""
+    n = v * p
+    if math.comb(len(costs) - 1, n - 1) > 100_000:
+        return common.cut_into_stages(list(costs), n)
+    running = [0.0, *itertools.accumulate(costs)]
+
+    def busiest(ends: tuple[int, ...]) -> tuple[float, float]:
+        stages = [running[b] - running[a] for a, b in itertools.pairwise((0, *ends, len(costs)))]
+        return max(sum(stages[r::p]) for r in range(p)), max(stages)
+
+    ends = min(itertools.combinations(range(1, len(costs)), n - 1), key=busiest)
+    return [range(a, b) for a, b in itertools.pairwise((0, *ends, len(costs)))]
+
+
 # Copied from 05_pipeline/baseline_pipeline.py: uniform_bubble
 def uniform_bubble(stages: int, microbatches: int) -> float:
     """The idle fraction of a step whose actions all take the same time: a stage waits p-1
@@ -107,22 +141,26 @@ def main():
                         help="torch.distributed.pipelining's schedule (default: gpipe)")
     parser.add_argument("--microbatches", type=common.int_at_least(1), default=None,
                         help="micro-batches m the batch is split into (default: 8; for "
-                             "dualpipev 2p above 4 processes)")
+                             "dualpipev and zbv 2p above 4 processes)")
     parser.set_defaults(batch_size=0)  # 0: four sequences per micro-batch, as the others
-    parser.set_defaults(steps=8, warmup=3)  # fewer than elsewhere: eight runs in `make pipeline`
+    parser.set_defaults(steps=6, warmup=3)  # fewer than elsewhere: 14 runs in `make pipeline`
     args = parser.parse_args()
     world = common.launch_world_size()
-    v = args.schedule == "dualpipev"
-    n_stages = 2 * world if v else world
+    v, looped = args.schedule in V_SHAPED, args.schedule in LOOPED
+    n_stages = 2 * world if v or looped else world
     m = args.microbatches or max(8, n_stages if v else 0)
     settings = common.resolved(args, microbatches=m, batch_size=args.batch_size or 4 * m)
     if settings.batch_size % settings.microbatches:
         parser.error(f"--batch-size {settings.batch_size} does not split into --microbatches "
                      f"{settings.microbatches}: use a multiple of it")
     skip_unless_pipelined(world, n_stages, settings.size)
-    if v and settings.microbatches < n_stages:  # never the default, max(8, 2p)
+    if args.schedule == "dualpipev" and settings.microbatches < n_stages:  # never the default
         parser.error(f"ScheduleDualPipeV needs at least as many micro-batches as its {n_stages} "
                      f"stages: use --microbatches {n_stages} or more")
+    rounds = max(1, settings.microbatches // world)  # torch's interleaved schedules' groups
+    if args.schedule in {"interleaved", "zb"} and settings.microbatches % rounds:
+        parser.error(f"--schedule {args.schedule} takes the micro-batches in {rounds} equal "
+                     f"groups of about {world}: use --microbatches a multiple of {rounds}")
     topo = common.setup(settings)
     if common.dry_run():
         raise common.Skip("torch's pipelining learns each stage's shapes by running it over the "
@@ -131,8 +169,15 @@ def main():
     model, batches = common.workload(settings, topo, dp_rank=0, dp_world=1)
     broadcast_parameters(model)  # the whole model on every rank: rank 0's, whatever the seed
     params, tied = sum(q.numel() for q in model.parameters()), tied_weights(model)
-    stages = model.pipeline_stages(n_stages)
-    mine = [topo.rank, 2 * p - 1 - topo.rank] if v else [topo.rank]  # stage indices
+    if looped:  # the interleaved script's cut: each rank's share balanced, not each stage's
+        layers = model.pipeline_layers()
+        stages = [[layers[i] for i in stage] for stage in rank_balanced_cut(
+            [common.matmul_weights(layer) for layer in layers], p, n_stages // p)]
+        del layers  # with the model: a rank keeps its own stages
+    else:
+        stages = model.pipeline_stages(n_stages)
+    mine = [topo.rank, 2 * p - 1 - topo.rank] if v else [topo.rank, topo.rank + p] if looped \
+        else [topo.rank]  # stage indices
     modules = {s: nn.Sequential(*plain_layers(stages[s], s == n_stages - 1)) for s in mine}
     autocast_dtype = model.autocast_dtype
     del model, stages
@@ -140,8 +185,11 @@ def main():
     pipe_stages = [PipelineStage(modules[s], s, n_stages, topo.device) for s in mine]
     if v:  # torch (2.14) divides each stage's gradients by m: the tied weight's, in two of rank
         # 0's stages, twice. Each micro-batch's loss divided by m instead: the same gradients, once.
-        pipe = ScheduleDualPipeV(pipe_stages, m, scale_grads=False,
-                                 loss_fn=lambda logits, targets: cross_entropy(logits, targets) / m)
+        pipe = SCHEDULES[settings.schedule](
+            pipe_stages, m, scale_grads=False,
+            loss_fn=lambda logits, targets: cross_entropy(logits, targets) / m)
+    elif settings.schedule in MULTI_STAGE:
+        pipe = SCHEDULES[settings.schedule](pipe_stages, m, loss_fn=cross_entropy)
     else:
         pipe = SCHEDULES[settings.schedule](pipe_stages[0], m, loss_fn=cross_entropy)
     first, last = 0 in mine, n_stages - 1 in mine  # this rank feeds the tokens, the targets
@@ -170,7 +218,8 @@ def main():
                   comm_mb=stats.comm_mb, dp_world=1, params=params,
                   loss_tolerance=LOSS_TOLERANCE[settings.dtype],
                   schedule=f"torch {settings.schedule}", microbatches=m, stages=n_stages,
-                  theory={} if v else {"bubble_uniform": round(uniform_bubble(p, m), 4)})
+                  theory={} if settings.schedule in MULTI_STAGE else
+                  {"bubble_uniform": round(uniform_bubble(p, m), 4)})
 
 
 if __name__ == "__main__":

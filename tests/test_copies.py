@@ -157,7 +157,7 @@ def test_the_deliberate_copies_are_marked():
         ("optimized_zero3.py", "GradReducer"), ("optimized_zero3.py", "Bucket"),
         ("optimized_zero2.py", "flatten"), ("optimized_zero2.py", "theory")}
     assert {("optimized_pipeline_1f1b.py", "PipelineRank"), ("optimized_pipeline_1f1b.py",
-            "simulate"), ("optimized_pipeline_dualpipe.py", "TwoStagePipelineRank"),
+            "simulate"), ("optimized_pipeline_dualpipe.py", "MultiStagePipelineRank"),
             ("optimized_pipeline_dualpipe.py", "dualpipe_rank"), ("optimized_zero2.py",
             "partition"), ("optimized_zero3.py", "partition"),
             ("optimized_zero2.py", "clip_grad_norm_"), ("optimized_zero3.py", "clip_grad_norm_"),

@@ -47,7 +47,21 @@ RUNS = {  # name: script, processes, flags
     "1f1b at 3 ranks llama": ("optimized_pipeline_1f1b", 3,
                               [*LLAMA, "--microbatches", "3", "--batch-size", "6"]),
     "dualpipe at 4 ranks llama": ("optimized_pipeline_dualpipe", 4,
-                                  [*LLAMA, "--microbatches", "8", "--batch-size", "8"])}
+                                  [*LLAMA, "--microbatches", "8", "--batch-size", "8"]),
+    # interleaved (v 2) and zero-bubble: p 2 and 4, m 4 and 8, both decoders, beside torch's
+    "optimized_pipeline_interleaved": ("optimized_pipeline_interleaved", 2, []),
+    "torch interleaved": ("optimized_pipeline_pytorch", 2, ["--schedule", "interleaved"]),
+    "optimized_pipeline_zb llama": ("optimized_pipeline_zb", 2, LLAMA),
+    "torch zb llama": ("optimized_pipeline_pytorch", 2, [*LLAMA, "--schedule", "zb"]),
+    "zbv": ("optimized_pipeline_zb", 2, ["--zbv"]),
+    "torch zbv": ("optimized_pipeline_pytorch", 2, ["--schedule", "zbv"]),
+    # m 8, the scripts' default: a batch of 8 and no --microbatches (smoke_line)
+    "zb m 8": ("optimized_pipeline_zb", 2, ["--batch-size", "8"]),
+    "interleaved m 8 llama": ("optimized_pipeline_interleaved", 2, [*LLAMA, "--batch-size", "8"]),
+    "interleaved at 4 ranks llama": ("optimized_pipeline_interleaved", 4,
+                                     [*LLAMA, *DEEPER, "--batch-size", "8"]),
+    "zb at 4 ranks": ("optimized_pipeline_zb", 4, []),
+    "zbv at 4 ranks llama": ("optimized_pipeline_zb", 4, [*LLAMA, *DEEPER, "--zbv"])}
 SCHEDULES = [name for name in RUNS if not name.startswith("baseline")]
 
 
@@ -65,13 +79,37 @@ def max_relative_difference(losses: list[float], reference: list[float]) -> floa
     return max(abs(a - b) / b for a, b in zip(losses, reference, strict=True))
 
 
+def planned_schedule(name: str, flags: list[str], p: int, m: int) -> list:
+    """The action lists the script `name` runs with `flags` on p ranks: its own schedule's."""
+    recipe = load_recipe(FOLDER / f"{name}.py")
+    if name == "optimized_pipeline_interleaved":
+        return recipe.schedule(p, m, 2)  # --virtual-stages' default
+    return recipe.zbv_schedule(p, m) if "--zbv" in flags else recipe.schedule(p, m)
+
+
+def stages_a_rank(name: str, flags: list[str]) -> int:
+    """Two for DualPipeV, interleaving (v 2) and ZBV; one for the others."""
+    return 2 if name in ("optimized_pipeline_dualpipev", "optimized_pipeline_interleaved") \
+        or "--zbv" in flags else 1
+
+
+def asked_microbatches(flags: list[str]) -> int:
+    """The m a run's flags ask for: its --microbatches; else, where it sets its own batch, the
+    scripts' default 8 (a flag at its default is no part of the run's name: smoke would not find
+    its record); else smoke_line's M."""
+    if "--microbatches" in flags:
+        return int(flags[flags.index("--microbatches") + 1])
+    return 8 if "--batch-size" in flags else M
+
+
 def smoke_line(name: str) -> str:
     """RUNS[name] as a run of `python -m report smoke`: the script, M micro-batches of 2
-    sequences unless its flags say otherwise (a flag given twice would name the run otherwise
+    sequences unless its flags set the batch (a flag given twice would name the run otherwise
     than its record does, and smoke would not find the record), its flags."""
     script, _, flags = RUNS[name]
-    batch = [f"{flag} {value}" for flag, value in [("--batch-size", 2 * M), ("--microbatches", M)]
-             if flag not in flags]
+    batch = [] if "--batch-size" in flags else \
+        [f"{flag} {value}" for flag, value in [("--batch-size", 2 * M), ("--microbatches", M)]
+         if flag not in flags]
     return " ".join([f"05_pipeline/{script}.py", *batch, *flags])
 
 
@@ -132,7 +170,9 @@ def test_every_schedule_trains_the_unsplit_model(runs, script):
     ("optimized_pipeline_1f1b llama", lambda r, p: [r]),
     ("1f1b at 3 ranks llama", lambda r, p: [r]),
     ("optimized_pipeline_dualpipev", lambda r, p: [r, 2 * p - 1 - r]),
-    ("dualpipev at 3 ranks", lambda r, p: [r, 2 * p - 1 - r])])
+    ("dualpipev at 3 ranks", lambda r, p: [r, 2 * p - 1 - r]),
+    ("interleaved at 4 ranks llama", lambda r, p: [r, r + p]),
+    ("zbv at 4 ranks llama", lambda r, p: [r, 2 * p - 1 - r])])
 def test_state_is_the_busiest_ranks_every_stage(runs, script, stages_of):
     rec, _ = runs[script]
     p = rec["world_size"]
@@ -159,14 +199,14 @@ def test_records_carry_the_real_timeline_of_the_schedule_and_its_bubble(runs, sc
     rec, console = runs[script]
     m, p = rec["microbatches"], rec["world_size"]
     name, _, flags = RUNS[script]
-    asked = int(flags[flags.index("--microbatches") + 1]) if "--microbatches" in flags else M
+    asked = asked_microbatches(flags)
     if name == "baseline_pipeline":  # the whole batch forward, then backward, on every rank
         planned, stages = [[("F", 0, r), ("B", 0, r)] for r in range(p)], p
         assert m == 1 and rec["theory"]["bubble"] == pytest.approx((p - 1) / p, abs=1e-4)
     else:
         planned = [[(a.kind, a.micro, a.stage) for a in actions]
-                   for actions in load_recipe(FOLDER / f"{name}.py").schedule(p, m)]
-        stages = 2 * p if name == "optimized_pipeline_dualpipev" else p
+                   for actions in planned_schedule(name, flags, p, m)]
+        stages = stages_a_rank(name, flags) * p
         assert m == asked
     assert rec["stages"] == stages and rec["tokens_per_s"] > 0
     timeline = [[TimedAction(*a) for a in actions] for actions in rec["timeline"]]
@@ -177,8 +217,15 @@ def test_records_carry_the_real_timeline_of_the_schedule_and_its_bubble(runs, sc
     assert 0 < rec["bubble"] < 1 and 0 <= rec["theory"]["bubble"] < 1
     if name in ("optimized_pipeline_gpipe", "optimized_pipeline_1f1b"):
         assert rec["theory"]["bubble_uniform"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-4)
-    elif name != "baseline_pipeline":  # DualPipe(V): both simulations of its own lists are there
-        assert 0 <= rec["theory"]["bubble_paired"] < 1
+    elif name == "optimized_pipeline_interleaved":  # v = 2: the fill a stage of half the layers
+        uniform = {"bubble_uniform": (p - 1) / (2 * m + p - 1),
+                   "bubble_1f1b_uniform": (p - 1) / (m + p - 1)}
+        for key, value in uniform.items():  # a record's theory: three decimals
+            assert rec["theory"][key] == pytest.approx(value, abs=1e-3)
+    elif name != "baseline_pipeline" and name != "optimized_pipeline_zb":
+        assert 0 <= rec["theory"]["bubble_paired"] < 1  # DualPipe(V): both simulations'
+    if name == "optimized_pipeline_zb":
+        assert rec["schedule"] == ("zbv" if "--zbv" in flags else "zb-h1")
     assert rec["comm_mb"] == pytest.approx(rec["theory"]["comm_mb"], rel=1e-3)
     assert all(f"rank  {r} |" in console for r in range(p))
 
@@ -187,7 +234,11 @@ def test_in_flight_activations_match_each_schedules_theory(runs):
     expected = {"optimized_pipeline_gpipe": M, "optimized_pipeline_1f1b llama": 2,  # m, p
                 "1f1b at 3 ranks llama": 3,
                 "optimized_pipeline_dualpipev": 5, "dualpipev at 3 ranks": 7,  # 2p+1 stages'
-                "dualpipe at 4 ranks llama": 5}  # p+1 stages'
+                "dualpipe at 4 ranks llama": 5,  # p+1 stages'
+                # (v-1)g + 2p - 1 half stages', g micro-batches a group (PyTorch's order)
+                "optimized_pipeline_interleaved": 5, "interleaved at 4 ranks llama": 11,
+                "optimized_pipeline_zb llama": 2, "zb at 4 ranks": 4,  # p, 1F1B's
+                "zbv": 4, "zbv at 4 ranks llama": 8}  # 2p half stages'
     for script, inflight in expected.items():
         rec = runs[script][0]
         assert rec["inflight_max"] == rec["theory"]["inflight_max"] == inflight, script
@@ -211,6 +262,13 @@ def test_a_tied_gradient_is_summed_only_where_the_weight_is_on_two_ranks(runs):
     tied = 4 * 128 * 64 / 2**20  # the tiny GPT's embedding, fp32
     assert gpipe["comm_mb"] == pytest.approx(M * shape + tied, rel=1e-2)
     assert llama["comm_mb"] == pytest.approx(M * shape, rel=1e-2)  # nothing but activations
+    # interleaving's rank 0: v m activations on, (v-1) m gradients back, and the tied gradient;
+    # ZB-H1's are 1F1B's (the Llama's: activations only), ZBV's DualPipeV's
+    assert runs["optimized_pipeline_interleaved"][0]["comm_mb"] == pytest.approx(
+        3 * M * shape + tied, rel=1e-2)
+    assert runs["optimized_pipeline_zb llama"][0]["comm_mb"] == pytest.approx(M * shape, rel=1e-2)
+    assert runs["zbv"][0]["comm_mb"] == pytest.approx(2 * M * shape, rel=1e-3)
+    assert stages(runs["optimized_pipeline_interleaved"][0]) == [[0, 2], [1, 3]]
 
 
 @pytest.mark.parametrize("script, flags, world, hint", [
@@ -227,6 +285,12 @@ def test_a_tied_gradient_is_summed_only_where_the_weight_is_on_two_ranks(runs):
      "--microbatches"),
     ("optimized_pipeline_pytorch", ["--schedule", "dualpipev", "--microbatches", "2"], "2",
      "--microbatches 4 or more"),
+    ("optimized_pipeline_interleaved", ["--microbatches", "9", "--batch-size", "9"], "4",
+     "a multiple of 2"),
+    ("optimized_pipeline_pytorch", ["--schedule", "interleaved", "--microbatches", "9",
+                                    "--batch-size", "9"], "4", "a multiple of 2"),
+    ("optimized_pipeline_zb", ["--batch-size", "6", "--microbatches", "4"], "2",
+     "--microbatches"),
 ])
 def test_bad_input_exits_2_with_one_line(script, flags, world, hint, tmp_path):
     assert_bad_input_is_one_line(FOLDER / f"{script}.py", flags, hint, tmp_path,
@@ -242,7 +306,12 @@ PAST_THE_CUT = [
     ("optimized_pipeline_dualpipe", ["--microbatches", "12"], "6", 6),  # even p only
     ("optimized_pipeline_pytorch", [], "5", 5),
     ("optimized_pipeline_pytorch", ["--schedule", "1f1b"], "5", 5),
-    ("optimized_pipeline_pytorch", ["--schedule", "dualpipev", "--microbatches", "6"], "3", 6)]
+    ("optimized_pipeline_pytorch", ["--schedule", "dualpipev", "--microbatches", "6"], "3", 6),
+    ("optimized_pipeline_interleaved", [], "3", 6),  # v 2: 2p stages
+    ("optimized_pipeline_zb", [], "5", 5), ("optimized_pipeline_zb", ["--zbv"], "3", 6),
+    ("optimized_pipeline_pytorch", ["--schedule", "interleaved"], "3", 6),
+    ("optimized_pipeline_pytorch", ["--schedule", "zb"], "5", 5),
+    ("optimized_pipeline_pytorch", ["--schedule", "zbv"], "3", 6)]
 
 
 @pytest.mark.parametrize("script, flags, world, hint", [
@@ -254,7 +323,7 @@ PAST_THE_CUT = [
     *((script, ["--model", "resnet"], "2", "a decoder's list of layers") for script in [
         "baseline_pipeline", "optimized_pipeline_gpipe", "optimized_pipeline_1f1b",
         "optimized_pipeline_dualpipev", "optimized_pipeline_dualpipe",
-        "optimized_pipeline_pytorch"]),
+        "optimized_pipeline_interleaved", "optimized_pipeline_zb", "optimized_pipeline_pytorch"]),
 ])
 def test_a_world_the_schedule_cannot_use_is_skipped_with_why(script, flags, world, hint,
                                                             monkeypatch):
@@ -313,7 +382,10 @@ def test_micro_batches_default_to_what_the_world_needs(script, world, m, monkeyp
 
 @pytest.mark.parametrize("mine, theirs", [("optimized_pipeline_gpipe", "torch gpipe"),
                                           ("optimized_pipeline_1f1b llama", "torch 1f1b llama"),
-                                          ("optimized_pipeline_dualpipev", "torch dualpipev")])
+                                          ("optimized_pipeline_dualpipev", "torch dualpipev"),
+                                          ("optimized_pipeline_interleaved", "torch interleaved"),
+                                          ("optimized_pipeline_zb llama", "torch zb llama"),
+                                          ("zbv", "torch zbv")])
 def test_the_hand_written_schedule_trains_like_torchs_own(runs, mine, theirs):
     ours, torchs = runs[mine][0], runs[theirs][0]
     assert max_relative_difference(ours["losses"], torchs["losses"]) <= 1e-5

@@ -4,15 +4,18 @@ lifts them (a plain loss function, a process group, tied or untied heads, a time
 asked, the README's lines), in gloo processes forked from this one."""
 
 import collections
+import contextlib
 import json
 import multiprocessing
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import schedules as torch_schedules
 
 import common
 from helpers import as_rank, load_recipe, readme_python_block
@@ -24,14 +27,29 @@ RECIPES = {name: load_recipe(FOLDER / f"{script}.py") for name, script in [
     ("1f1b", "optimized_pipeline_1f1b"), ("dualpipev", "optimized_pipeline_dualpipev"),
     ("dualpipe", "optimized_pipeline_dualpipe")]}
 BASELINE = load_recipe(FOLDER / "baseline_pipeline.py")  # the timeline code the others copy
+INTERLEAVED = load_recipe(FOLDER / "optimized_pipeline_interleaved.py")
+ZB = load_recipe(FOLDER / "optimized_pipeline_zb.py")
+# Schedules of several stages a rank or a split backward, as (p, m) -> each rank's actions, and
+# PyTorch's class for each with its stages a rank
+INTERLEAVED_AND_ZB = {"interleaved v2": lambda p, m: INTERLEAVED.schedule(p, m, 2),
+                      "interleaved v3": lambda p, m: INTERLEAVED.schedule(p, m, 3),
+                      "zb-h1": ZB.schedule, "zbv": ZB.zbv_schedule}
+PYTORCHS = {"interleaved v2": (torch_schedules.ScheduleInterleaved1F1B, 2),
+            "interleaved v3": (torch_schedules.ScheduleInterleaved1F1B, 3),
+            "zb-h1": (torch_schedules.ScheduleInterleavedZeroBubble, 1),
+            "zbv": (torch_schedules.ScheduleZBVZeroBubble, 2)}
 UNIFORM = {"F": 1.0, "B": 2.0}  # a backward costs two forwards
 SPLIT = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}  # and splits into equal I and W
 
 
 def check_valid(recipe, p, m):
+    """`recipe`'s schedule for p ranks and m micro-batches is valid (check_actions)."""
+    check_actions(recipe.schedule(p, m), p, m)
+
+
+def check_actions(schedule, p, m):
     """Each micro-batch's F of each stage runs once, on one rank, then on that rank its B, or its
     I and later its W; every stage of every micro-batch runs."""
-    schedule = recipe.schedule(p, m)
     assert len(schedule) == p
     runs = collections.Counter((a.micro, a.stage) for actions in schedule for a in actions
                                if a.kind == "F")
@@ -217,6 +235,96 @@ def test_dualpipev_idles_less_than_1f1b_on_the_same_ranks():
     assert v < one_f_one_b / 2
 
 
+def pytorchs_order(name: str, p: int, m: int) -> list[list[tuple[str, int, int]]] | None:
+    """PyTorch's `pipeline_order` for `name` (PYTORCHS) on p ranks and m micro-batches, each
+    rank's actions as (kind, micro, stage) without its idle slots; None where torch refuses m.
+    Its stages are stand-ins: the order reads only their group's size and the stage count."""
+    schedule_class, stages_a_rank = PYTORCHS[name]
+    stages = [types.SimpleNamespace(group_size=p, group_rank=0, num_stages=p * stages_a_rank,
+                                    submod=None) for _ in range(stages_a_rank)]
+    try:
+        order = schedule_class(stages, m).pipeline_order
+    except ValueError:  # interleaved schedules: m in groups of about p that do not divide it
+        return None
+    kinds = {torch_schedules.FORWARD: "F", torch_schedules.FULL_BACKWARD: "B",
+             torch_schedules.BACKWARD_INPUT: "I", torch_schedules.BACKWARD_WEIGHT: "W"}
+    return [[(kinds[a.computation_type], a.microbatch_index, a.stage_index)
+             for a in order[r] if a is not None] for r in range(p)]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+@pytest.mark.parametrize("name", list(INTERLEAVED_AND_ZB))
+def test_the_interleaved_and_zero_bubble_schedules_are_pytorchs_action_for_action(name, p):
+    """Each rank's list equals torch.distributed.pipelining's order, m = 1..12. Where torch
+    refuses an m (its interleaved schedules group the micro-batches), the interleaved script
+    refuses it too, in one line; ZB-H1, one stage a rank, has no groups and takes any m."""
+    for m in range(1, 13):
+        theirs = pytorchs_order(name, p, m)
+        if theirs is None and name.startswith("interleaved"):
+            with pytest.raises(ValueError, match="--microbatches") as refused:
+                INTERLEAVED_AND_ZB[name](p, m)
+            assert len(str(refused.value).splitlines()) == 1
+            continue
+        ours = [[tuple(a[:3]) for a in actions] for actions in INTERLEAVED_AND_ZB[name](p, m)]
+        assert theirs is None or ours == theirs, (p, m)
+        check_actions(INTERLEAVED_AND_ZB[name](p, m), p, m)
+
+
+@pytest.mark.parametrize("fifo", ["pair", "rank"])
+@pytest.mark.parametrize("name, p", [(name, p) for name in INTERLEAVED_AND_ZB
+                                     for p in range(2, 9)])
+def test_interleaved_and_zero_bubble_receives_never_deadlock_under_nccls_rule(name, p, fifo):
+    for m in range(1, 17):
+        try:
+            schedule = INTERLEAVED_AND_ZB[name](p, m)
+        except ValueError:  # m in groups that do not divide it (the test above)
+            continue
+        run_under_nccls_rule(schedule, ZB.simulate_split(schedule)[2], fifo)
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_interleaving_cuts_the_bubble_v_fold_and_holds_more_stages(p):
+    """v chunks a rank, each 1/v of its layers: the bubble (p-1)/(vm+p-1) from m = p on (its
+    recorded `bubble_uniform`), and rank 0 holds (v-1)g + 2p - 1 stages' activations (g
+    micro-batches a group, p where p divides m), all it runs if fewer: 1F1B's p at v = 1 is
+    2p - 1 here, as PyTorch's interleaved order warms up twice as deep."""
+    for m in range(1, 25):
+        for v in (1, 2, 3, 4):
+            try:
+                schedule = INTERLEAVED.schedule(p, m, v)
+            except ValueError:
+                continue
+            stage = {"F": 1 / v, "B": 2 / v}  # 1/v of a rank's layers
+            bubble, held, _ = INTERLEAVED.simulate_split(schedule, [stage] * p)
+            if m >= p:  # fewer: a micro-batch's next chunk waits for it to come round the ranks
+                assert bubble == pytest.approx(INTERLEAVED.interleaved_bubble(p, m, v)), (m, v)
+                assert bubble == pytest.approx((p - 1) / (v * m + p - 1))
+            else:
+                assert bubble >= INTERLEAVED.interleaved_bubble(p, m, v) - 1e-12
+            g = m // max(1, m // p)
+            assert held == min((v - 1) * g + 2 * p - 1, v * m), (m, v)
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_zb_h1_idles_f_plus_i_minus_w_a_stage_at_1f1bs_memory_and_zbv_less(p):
+    """ZB-H1 on p stages, m >= p: (p-1)(F+I-W) idle a rank (1F1B's (p-1)(F+B) less 2W) and p
+    micro-batches' activations, 1F1B's; ZBV on 2p half stages, m >= 2p: less idle still, 2p
+    half stages' activations (p whole ones)."""
+    for m in range(p, 25):
+        for F, I, W in [(1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.0, 1.0, 0.5), (1.0, 1.0, 0.0)]:
+            seconds = {"F": F, "I": I, "W": W}
+            idle, held = idle_time(ZB, ZB.schedule(p, m), seconds)
+            assert idle == pytest.approx((p - 1) * (F + I - W)) and held == p, (m, seconds)
+            one_f_one_b, _, _ = RECIPES["1f1b"].simulate(RECIPES["1f1b"].schedule(p, m),
+                                                         [{"F": F, "B": I + W}] * p)
+            one_f_one_b_idle = one_f_one_b / (1 - one_f_one_b) * m * (F + I + W)
+            assert idle == pytest.approx(one_f_one_b_idle - 2 * (p - 1) * W)
+            if m >= 2 * p:
+                half = {kind: value / 2 for kind, value in seconds.items()}
+                idle_v, held_v = idle_time(ZB, ZB.zbv_schedule(p, m), half)
+                assert idle_v < idle and held_v == 2 * p, (m, seconds)
+
+
 def test_the_simulator_finds_a_deadlock_and_uneven_stages_widen_the_bubble():
     recipe = RECIPES["1f1b"]
     A = recipe.Action
@@ -306,14 +414,18 @@ def test_a_stage_cut_empty_stops_in_one_line():
 
 # --- the runtimes as a user lifts them, in forked gloo processes -------------------------------
 RUNTIMES = {"baseline": BASELINE, "1f1b": RECIPES["1f1b"],
-            "dualpipev": RECIPES["dualpipev"], "dualpipe": RECIPES["dualpipe"]}
+            "dualpipev": RECIPES["dualpipev"], "dualpipe": RECIPES["dualpipe"],
+            "interleaved": INTERLEAVED, "zb": ZB, "zbv": ZB}
 SCRIPTS = {**RUNTIMES, "gpipe": RECIPES["gpipe"]}  # every runtime's script, by kind
-LOSS_RANK = {"baseline": -1, "gpipe": -1, "1f1b": -1, "dualpipev": 0, "dualpipe": 0}  # in group
+LOSS_RANK = {"baseline": -1, "gpipe": -1, "1f1b": -1, "dualpipev": 0, "dualpipe": 0,
+             "interleaved": -1, "zb": -1, "zbv": 0}  # in group
+# The runtimes that sum a tied weight across ranks around `run` (TiedGradients.summed), not in it
+SUMMED_AROUND_RUN = {"interleaved", "zb", "zbv"}
 TINY_SIZE, BATCH, MICRO, STEPS, LR = common.SIZES["tiny"], 8, 4, 3, 1e-3
 # the project's models seeded apart, rank r from seed r: each runtime once, each model twice
 SEEDED_APART = [("baseline", "llama"), ("1f1b", "gpt"), ("dualpipev", "llama"), ("dualpipe", "gpt")]
 # tests/hf_models.py's CASES on every runtime but 1F1B, which the README's lines run
-HF_RUNTIMES = ["baseline", "gpipe", "dualpipev", "dualpipe"]
+HF_RUNTIMES = ["baseline", "gpipe", "dualpipev", "dualpipe", "interleaved", "zb", "zbv"]
 # Windows shorter than the 32-token sequences, which the models' own mask builder makes: Mistral's
 # on every layer, Qwen2's on its layers past max_window_layers (one mask a layer type)
 WINDOWED = {"mistral window 8": ("mistral", {"sliding_window": 8}),
@@ -369,10 +481,24 @@ def build_runtime(kind: str, model: torch.nn.Module, group, record_timeline: boo
                                             **options)
         return recipe.PipelineRank(stage, plain_loss, recipe.schedule(p, MICRO), shape,
                                    tied=tied, **options)
+    if kind in SUMMED_AROUND_RUN:  # as their scripts' main: the stages, then the tied weight's
+        n = p if kind == "zb" else 2 * p
+        stages = cut(model, n)
+        mine = {"interleaved": range(r, n, p), "zb": [r], "zbv": [r, n - 1 - r]}[kind]
+        actions = {"interleaved": lambda: recipe.schedule(p, MICRO, 2),
+                   "zb": lambda: recipe.schedule(p, MICRO),
+                   "zbv": lambda: recipe.zbv_schedule(p, MICRO)}[kind]()
+        pipe = recipe.MultiStagePipelineRank({s: stages[s] for s in mine}, plain_loss, actions,
+                                             shape, **options)
+        held = list(pipe.layers.parameters())
+        pipe.tied = recipe.TiedGradients([w for w in recipe.tied_weights(model)
+                                          if any(w is q for q in held)],
+                                         group or dist.group.WORLD)
+        return pipe
     n = 2 * p if kind == "dualpipev" else p
     stages = cut(model, n)
-    return recipe.TwoStagePipelineRank({s: stages[s] for s in sorted({r, n - 1 - r})},
-                                       plain_loss, recipe.schedule(p, MICRO), shape, **options)
+    return recipe.MultiStagePipelineRank({s: stages[s] for s in sorted({r, n - 1 - r})},
+                                         plain_loss, recipe.schedule(p, MICRO), shape, **options)
 
 
 class NoClock:
@@ -393,9 +519,11 @@ def train(kind: str, model: torch.nn.Module, group, record_timeline: bool = Fals
     held = list(pipe.layers.parameters())
     twins = RUNTIMES["dualpipe"].TwinGradients(held, group) if kind == "dualpipe" else None
     losses = []
+    summed = pipe.tied.summed if kind in SUMMED_AROUND_RUN else contextlib.nullcontext
     for tokens, targets in token_batches():
         opt.zero_grad(set_to_none=True)
-        loss = pipe.run(tokens, targets)
+        with summed():
+            loss = pipe.run(tokens, targets)
         if twins is not None:
             loss = twins.sum(loss)
         opt.step()
@@ -611,7 +739,7 @@ def test_a_runtime_on_a_sub_group_trains_as_on_a_world_of_two(trained, kind, mod
     assert max_relative_difference(world[LOSS_RANK[kind]]["losses"], reference) <= 1e-5
 
 
-@pytest.mark.parametrize("kind", ["baseline", "1f1b"])
+@pytest.mark.parametrize("kind", ["baseline", "1f1b", "interleaved", "zb"])
 def test_a_tied_head_is_summed_on_its_two_stages_an_untied_one_nowhere(trained, kind):
     """By identity: the GPT's embedding is its head (both ends hold it and sum its gradients,
     so its two copies stay one weight, the unsplit model's), the Llama's is not."""
