@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -373,9 +374,10 @@ def gather_timelines(steps: list[tuple[float, list[TimedAction]]], held: int,
     stage, start, end) on the rank's clock, read on rank 0's (`clock_offset`) and counted from
     the moment the step's first rank started it (no barrier: it would stop ranks overlapping one
     step's end with the next's start). Rank 0 prints and writes the last step. Returns the steps
-    (a timeline per rank); the bubble, a step's mean idle fraction: 1 - busy time / (ranks x its
-    span); each rank's mean time per kind of action; the most micro-batches' activations a rank
-    `held`."""
+    (a timeline per rank); the bubble, the steps' median idle fraction, 1 - busy time / (ranks x
+    the step's span), as `step_ms` is their median time (a step where the host stalled a rank
+    moves neither); each rank's mean time per kind of action; the most micro-batches'
+    activations a rank `held`."""
     gathered = [None] * topo.world_size
     dist.all_gather_object(gathered, (steps, held, clock_offset(topo)))
 
@@ -388,9 +390,9 @@ def gather_timelines(steps: list[tuple[float, list[TimedAction]]], held: int,
                         for start, actions in rank] for rank, _, off in gathered], strict=True):
         reference = min(start for start, _ in ranks)
         timed.append([[shifted(a, -reference) for a in actions] for _, actions in ranks])
-    bubble = statistics.mean(1 - sum(a.end - a.start for tl in ranks for a in tl)
-                             / (len(ranks) * max(a.end for tl in ranks for a in tl))
-                             for ranks in timed)
+    bubble = statistics.median(1 - sum(a.end - a.start for tl in ranks for a in tl)
+                               / (len(ranks) * max(a.end for tl in ranks for a in tl))
+                               for ranks in timed)
     means = [{kind: statistics.mean(a.end - a.start for a in actions if a.kind == kind)
               for kind in {a.kind for a in actions}}
              for actions in ([TimedAction(*a) for _, acts in rank for a in acts]
@@ -423,7 +425,8 @@ def render_timeline(timelines: Sequence[Sequence[TimedAction]], width: int = 96)
 # Copied from 05_pipeline/baseline_pipeline.py: write_timeline_trace
 def write_timeline_trace(timelines: Sequence[Sequence[TimedAction]], args: argparse.Namespace,
                          topo: common.Topology) -> None:
-    """The same step as a Chrome/Perfetto trace, a track per rank, in the results' traces/."""
+    """The same step as a Chrome/Perfetto trace, a track per rank, in the results' traces/,
+    named as common names a run's profiler traces: by script and flags (`..._zb--zbv_...`)."""
     if not topo.is_main:
         return
     timelines = [[TimedAction(*a) for a in tl] for tl in timelines]
@@ -435,7 +438,9 @@ def write_timeline_trace(timelines: Sequence[Sequence[TimedAction]], args: argpa
                 "args": {"micro-batch": micro, "stage": stage}}
                for r, tl in enumerate(timelines) for kind, micro, stage, start, end in tl]
     script = Path(sys.argv[0]).resolve()
-    path = args.results.parent / "traces" / f"{script.parent.name}_{script.stem}_timeline.json"
+    variant = re.sub(r"[^\w.-]", "", getattr(args, "variant", None) or "")
+    path = args.results.parent / "traces" / \
+        f"{script.parent.name}_{script.stem}{variant}_timeline.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": events}))
     common.log(topo, f"timeline of one step written to {path} (open in https://ui.perfetto.dev)")

@@ -5,6 +5,7 @@ asked, the README's lines), in gloo processes forked from this one."""
 
 import collections
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -437,9 +438,14 @@ WINDOWED = {"mistral window 8": ("mistral", {"sliding_window": 8}),
 BF16_TOLERANCE = 1e-3
 
 
-def tiny_decoder(name: str, seed: int = 0) -> common.Decoder:
+# 8 layers (embeddings, 6 blocks, loss head): a stage each for interleaving (v 2) and ZBV at 4
+# ranks; the grid below trains the interleaved and zero-bubble runtimes at p 2 and 4, m 4 and 8
+DEEPER_TINY = dataclasses.replace(TINY_SIZE, n_layers=6)
+GRID = [(kind, p, m) for kind in sorted(SUMMED_AROUND_RUN) for p in (2, 4) for m in (4, 8)]
+
+
+def tiny_decoder(name: str, seed: int = 0, size: common.Size = TINY_SIZE) -> common.Decoder:
     torch.manual_seed(seed)
-    size = TINY_SIZE
     return common.Llama(size) if name == "llama" else common.GPT(size, size.seq_len)
 
 
@@ -466,13 +472,13 @@ def cut(model: torch.nn.Module, n: int) -> list[list[torch.nn.Module]]:
 
 
 def build_runtime(kind: str, model: torch.nn.Module, group, record_timeline: bool = False,
-                  call_layer=None):
+                  call_layer=None, m: int = MICRO):
     """`kind`'s runtime for this rank of `group`, as a trainer builds it: every rank's whole
-    model made the group's first rank's (`broadcast_parameters`), then cut."""
+    model made the group's first rank's (`broadcast_parameters`), then cut; m micro-batches."""
     recipe, p, r = SCRIPTS[kind], dist.get_world_size(group), dist.get_rank(group)
     recipe.broadcast_parameters(model, group)
     width = common.input_embedding(model).embedding_dim
-    shape = (BATCH // MICRO, TINY_SIZE.seq_len, width)
+    shape = (BATCH // m, TINY_SIZE.seq_len, width)
     options = dict(group=group, call_layer=call_layer, record_timeline=record_timeline)
     if kind in ("baseline", "gpipe", "1f1b"):
         stage, tied = cut(model, p)[r], recipe.tied_weights(model)
@@ -485,9 +491,9 @@ def build_runtime(kind: str, model: torch.nn.Module, group, record_timeline: boo
         n = p if kind == "zb" else 2 * p
         stages = cut(model, n)
         mine = {"interleaved": range(r, n, p), "zb": [r], "zbv": [r, n - 1 - r]}[kind]
-        actions = {"interleaved": lambda: recipe.schedule(p, MICRO, 2),
-                   "zb": lambda: recipe.schedule(p, MICRO),
-                   "zbv": lambda: recipe.zbv_schedule(p, MICRO)}[kind]()
+        actions = {"interleaved": lambda: recipe.schedule(p, m, 2),
+                   "zb": lambda: recipe.schedule(p, m),
+                   "zbv": lambda: recipe.zbv_schedule(p, m)}[kind]()
         pipe = recipe.MultiStagePipelineRank({s: stages[s] for s in mine}, plain_loss, actions,
                                              shape, **options)
         held = list(pipe.layers.parameters())
@@ -510,10 +516,10 @@ class NoClock:
 
 
 def train(kind: str, model: torch.nn.Module, group, record_timeline: bool = False,
-          call_layer=None) -> dict:
-    """STEPS steps of `kind` on `model` (this rank's, whole): the losses, the stage's final
-    weights (in `layers`' order) and which weights its `TiedGradients` sums."""
-    pipe = build_runtime(kind, model, group, record_timeline, call_layer)
+          call_layer=None, m: int = MICRO) -> dict:
+    """STEPS steps of `kind` on `model` (this rank's, whole) in m micro-batches: the losses, the
+    stage's final weights (in `layers`' order) and which weights its `TiedGradients` sums."""
+    pipe = build_runtime(kind, model, group, record_timeline, call_layer, m)
     del model
     opt = torch.optim.AdamW(pipe.layers.parameters(), lr=LR)
     held = list(pipe.layers.parameters())
@@ -659,10 +665,31 @@ def _train_hf_models(rank: int, world: int, port: int, out: str) -> None:
     torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
+def _train_the_grid(rank: int, world: int, port: int, out: str) -> None:
+    """GRID's runs of p = `world`, on both decoders: the tiny ones at p 2 (4 layers, the 4
+    stages of interleaving and ZBV), the deeper ones at p 4."""
+    join(rank, world, port)
+    common.setup(common.parser(None).parse_args(["--timeout", "60"]))
+    torch.set_num_threads(1)
+    size = TINY_SIZE if world == 2 else DEEPER_TINY
+    try:
+        results = {("grid", kind, model_name, p, m, rank): train(
+            kind, tiny_decoder(model_name, size=size), None, m=m)
+            for kind, p, m in GRID if p == world for model_name in ("gpt", "llama")}
+        torch.save(results, Path(out) / f"grid{world}-rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def _spawned(rank: int, world: int, port: int, out: str) -> None:
     """One start a world size (a world's start-up costs seconds): every runtime; at 2 ranks
-    then the HuggingFace models, in a folder and on a port of their own."""
-    _train_every_runtime(rank, world, port, out)
+    then the HuggingFace models, in a folder and on a port of their own; at 2 and 4, the grid's
+    runs, on a third port."""
+    if world != 4:
+        _train_every_runtime(rank, world, port, out)
+    if world in (2, 4):
+        _train_the_grid(rank, world, port + 2, out)
     if world == 2:
         (Path(out) / "hf models").mkdir(exist_ok=True)
         _train_hf_models(rank, world, port + 1, str(Path(out) / "hf models"))
@@ -678,8 +705,8 @@ def spawned(tmp_path_factory):
     """Each world's ranks forked from this process: torch and the recipes imported once, not
     once a rank."""
     out, fork = tmp_path_factory.mktemp("runtimes"), multiprocessing.get_context("fork")
-    for world in (2, 3):
-        port = common.free_port(block=2)  # the runtimes' store, then the HuggingFace models'
+    for world in (2, 3, 4):
+        port = common.free_port(block=3)  # the runtimes' store, the HuggingFace models', grid'
         ranks = [fork.Process(target=_spawned, args=(r, world, port, str(out)))
                  for r in range(world)]
         for p in ranks:
@@ -697,7 +724,7 @@ def spawned(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(spawned):
     results = {}
-    for path in spawned.glob("world*.pt"):
+    for path in [*spawned.glob("world*.pt"), *spawned.glob("grid*.pt")]:
         results.update(torch.load(path, weights_only=False))
     return results
 
@@ -737,6 +764,18 @@ def test_a_runtime_on_a_sub_group_trains_as_on_a_world_of_two(trained, kind, mod
                                                          strict=True))
     reference, _ = unsplit(model_name)
     assert max_relative_difference(world[LOSS_RANK[kind]]["losses"], reference) <= 1e-5
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+@pytest.mark.parametrize("kind, p, m", GRID)
+def test_interleaved_and_zero_bubble_train_the_unsplit_model_at_p_2_and_4_m_4_and_8(
+        trained, kind, p, m, model_name):
+    """Interleaving (v 2), ZB-H1 and ZBV at p 2 (the tiny decoders) and 4 (the deeper ones), m 4
+    and 8: the unsplit model's losses to 1e-5, relative."""
+    reference, _ = unsplit(model_name, tiny_decoder(model_name, size=TINY_SIZE if p == 2
+                                                    else DEEPER_TINY))
+    losses = trained[("grid", kind, model_name, p, m, p - 1 if LOSS_RANK[kind] else 0)]["losses"]
+    assert max_relative_difference(losses, reference) <= 1e-5
 
 
 @pytest.mark.parametrize("kind", ["baseline", "1f1b", "interleaved", "zb"])
