@@ -471,8 +471,10 @@ def gather_timelines(steps: list[tuple[float, list[TimedAction]]], held: int,
                      ) -> tuple[list[list[list[TimedAction]]], float, list[dict[str, float]], int]:
     """A pipeline's timed steps from every rank: each (its start, its actions: kind, micro-batch,
     stage, start, end) on the rank's clock, read on rank 0's (`clock_offset`) and counted from
-    the moment the step's first rank started it (no barrier: it would stop ranks overlapping one
-    step's end with the next's start). Rank 0 prints and writes the last step. Returns the steps
+    its first stage's first forward, which waits for nothing (the simulator's time 0; no
+    barrier: it would stop ranks overlapping one step's end with the next's start). A rank that
+    started the step before it waited for another rank to end the step before: idle counted
+    there (that one's tail), not twice. Rank 0 prints and writes the last step. Returns the steps
     (a timeline per rank); the bubble, the steps' median idle fraction, 1 - busy time / (ranks x
     the step's span), as `step_ms` is their median time (a step where the host stalled a rank
     moves neither); each rank's mean time per kind of action; the most micro-batches'
@@ -487,7 +489,8 @@ def gather_timelines(steps: list[tuple[float, list[TimedAction]]], held: int,
     timed = []
     for ranks in zip(*[[(start + off, [shifted(a, off) for a in actions])
                         for start, actions in rank] for rank, _, off in gathered], strict=True):
-        reference = min(start for start, _ in ranks)
+        reference = min(a.start for _, actions in ranks for a in actions
+                        if a.kind == "F" and a.stage == 0)
         timed.append([[shifted(a, -reference) for a in actions] for _, actions in ranks])
     bubble = statistics.median(1 - sum(a.end - a.start for tl in ranks for a in tl)
                                / (len(ranks) * max(a.end for tl in ranks for a in tl))

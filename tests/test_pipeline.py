@@ -369,9 +369,10 @@ def test_the_timeline_draws_each_action_where_it_ran(tmp_path):
         ("F0", 1, 250000.0, 250000.0, 1)]
 
 
-def test_gathered_timelines_count_from_the_steps_first_start(tmp_path):
-    """Each step's times from the moment its first rank started it (here the only rank, whose
-    clock is rank 0's: offset 0); the bubble from busy time over the span to the last end."""
+def test_gathered_timelines_count_from_the_first_stages_first_forward(tmp_path):
+    """Each step's times from its first stage's first forward (here on the only rank, whose
+    clock is rank 0's: offset 0), not from the step's start before it; the bubble, the steps'
+    median of idle time over the span to the last end."""
     import datetime
 
     import torch.distributed as dist
@@ -387,9 +388,9 @@ def test_gathered_timelines_count_from_the_steps_first_start(tmp_path):
         timed, bubble, means, held = BASELINE.gather_timelines(steps, 3, args, topo)
     finally:
         dist.destroy_process_group()
-    assert timed == [[[("F", 0, 0, 0.5, 1.0), ("B", 0, 0, 1.0, 2.0)]],
+    assert timed == [[[("F", 0, 0, 0.0, 0.5), ("B", 0, 0, 0.5, 1.5)]],
                      [[("F", 0, 0, 0.0, 1.0), ("B", 0, 0, 2.0, 4.0)]]]
-    assert bubble == pytest.approx((0.25 + 0.25) / 2)  # 1.5 of 2 s busy, then 3 of 4
+    assert bubble == pytest.approx((0.0 + 0.25) / 2)  # all 1.5 s busy, then 3 of 4
     assert means == [{"F": 0.75, "B": 1.5}] and held == 3
 
 
