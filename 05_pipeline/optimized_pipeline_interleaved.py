@@ -110,7 +110,7 @@ def rank_balanced_cut(costs: Sequence[float], p: int, v: int) -> list[range]:
     return [range(a, b) for a, b in itertools.pairwise((0, *ends, len(costs)))]
 
 
-# --- the runtime, the same in the GPipe and 1F1B scripts ---------------------------------------
+# --- the runtime: DualPipeV's, for any number of stages a rank (the same in the ZB script) ---
 # Copied from 05_pipeline/optimized_pipeline_dualpipev.py: simulate_split
 def simulate_split(ranks: list[list[SplitAction]], seconds: list[dict[str, float]] | None = None,
                    paired: bool = False

@@ -127,6 +127,7 @@ def zbv_rank(p: int, m: int, r: int) -> list[SplitAction]:
     return [a for a in actions if a.micro < m]
 
 
+# --- the runtime: DualPipeV's, for any number of stages a rank (the same in interleaving's) -
 # Copied from 05_pipeline/optimized_pipeline_dualpipev.py: simulate_split
 def simulate_split(ranks: list[list[SplitAction]], seconds: list[dict[str, float]] | None = None,
                    paired: bool = False
