@@ -180,6 +180,10 @@ def main(argv: Sequence[str]) -> int:
                       help="fine-tuning: plan FSDP + LoRA beside full training, rank-r adapters "
                            "on every layer's attention projections, the rest frozen (03_fsdp/"
                            "optimized_fsdp_lora.py)")
+    plan.add_argument("--muon", action="store_true",
+                      help="train with Muon on the hidden matrices, AdamW on the rest: plan "
+                           "04_zero's Muon layouts (DDP, ZeRO-1 and FSDP with owners) in place "
+                           "of AdamW's, their Newton-Schulz FLOPs in the step")
     plan.add_argument("--published", action="store_true", help="the published runs the "
                       "step-time model is held to (torchtitan's, Megatron-LM's) beside its "
                       "predictions; the other flags are not read")

@@ -31,7 +31,7 @@ FLAG_DEFAULTS = {"gpu_mem": 80.0, "gpus_per_node": 8, "micro_batch": 1, "micro_b
                  "dtype": "bf16", "llama": False, "pp": None, "experts": 0, "top_k": 0,
                  "expert_ffn": 0, "moe_layers": None, "gpu": "h100", "run_as": "eager",
                  "lora_rank": 0, "ffn": None, "cp": None, "heads": None, "kv_heads": None,
-                 "head_dim": None, "flops_per_item": None}
+                 "head_dim": None, "flops_per_item": None, "muon": False}
 
 
 # What report/planner.py hands a script's formulas. A script lists its strategies in a

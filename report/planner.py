@@ -146,8 +146,10 @@ def planned_step(args: argparse.Namespace, row: dict, figures: dict, gpu: GPU, a
         collectives |= {"pcie/offload": (figures["host_link"], 0),
                         "host/offload": (stepped * ADAMW_BYTES, 0)}
         stepped = 0.0
-    work = StepWork(matmul * tokens, attention * tokens, 0.0, stepped, collectives,
-                           overlapped, row["checkpointing"], figures.get("bubble", 0.0))
+    # Muon's Newton-Schulz: matmuls the optimizer adds, a GPU's share (its owned matrices')
+    work = StepWork(matmul * tokens + figures.get("optimizer_flops", 0.0), attention * tokens,
+                    0.0, stepped, collectives, overlapped, row["checkpointing"],
+                    figures.get("bubble", 0.0))
     step = predict_step(work, gpu_rates(gpu, achieved))
     tokens_per_s = tokens / (step["step_ms"] / 1e3)
     bound = step["bound_by"]
@@ -265,6 +267,8 @@ def plan_strategies(args: argparse.Namespace) -> list[dict]:
     rows = []
     for entry in planned_strategies():
         if entry.get("fine_tuning") and not args.lora_rank:
+            continue
+        if bool(entry.get("muon")) != bool(args.muon):  # one optimizer's rows: AdamW's or Muon's
             continue
         if entry.get("context_parallel"):
             figures = [entry["figures"](plan_input(args, cp=cp)) for cp in context_degrees(args)]

@@ -1,0 +1,278 @@
+"""Distributed Muon by hand: each rank orthogonalizes the whole matrices it owns, once, for all.
+
+What it does: `DistributedMuon(model, blocks, lr=...)` is baseline_muon.py's optimizer (PyTorch's
+Muon on the hidden matrices, AdamW on the rest) as ZeRO-1 by whole tensors, as Moonlight's and
+DeepSpeed's distributed Muon: every parameter has one owner. The matrices are dealt out by their
+Newton-Schulz FLOPs (the largest to the least loaded rank), then the rest by size. The weights
+move into one flat buffer laid out by owner, rank r's tensors back to back in the r-th of N
+equal slices (the largest owner's size), and backward accumulates into a flat gradient laid out
+alike. `step()` reduce-scatters it: each rank receives the summed gradient of exactly the
+tensors it owns, whole. It runs torch.optim.Muon and AdamW on those alone (their state exists
+for them alone) and all-gathers the slices back into every rank's weights. Why an all-gather of
+the updated weights and not a broadcast per owner: the slices are equal, so one collective
+moves each value once, (N-1)/N of the buffer a rank, as a ring does.
+Why it helps: the baseline's ranks all run Newton-Schulz on every matrix; here each runs it on
+about 1/N of the FLOPs, and Muon's and Adam's state fall by N, for the bytes of DDP's all-reduce
+(a reduce-scatter plus an all-gather) and the slices' padding. The update is torch's own on the
+same averaged gradient, so the losses are the baseline's to float rounding.
+Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero1_muon.py --size small [--model llama]
+Look for:   `make zero report`: speedup over baseline_muon, optimizer_ms against the baseline's,
+            theory.ns_gflop_rank (the busiest owner's) against theory.ns_gflop_all, equal losses.
+Theory:     Newton-Schulz k(4m^2 n + 2m^3) FLOPs an m x n matrix (m <= n), the busiest rank its
+            owned matrices'. Per rank b x NS for weights and gradients (S: the largest owner's
+            values) + b a value of its matrices + 2b a value of its other tensors; sent a step
+            2(N-1)/N x b x NS (reduce-scatter and all-gather), b = bytes a value.
+"""
+
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
+import common  # noqa: E402
+
+if TYPE_CHECKING:  # the planner's numbers, for PLANNED's formulas (never imported when run)
+    from report.plan_input import PlanInput
+
+# Muon's settings in every script of the folder: AdamW's learning rate for both (Muon's update
+# scaled to AdamW's RMS, Moonlight's rule) and Moonlight's weight decay, 0.1, for both.
+MUON = {"adjust_lr_fn": "match_rms_adamw", "weight_decay": 0.1, "ns_steps": 5}
+SKIPS = {"resnet": "Muon orthogonalizes a decoder's hidden matrices; a ResNet's are "
+                   "convolutions: run --model gpt or llama",
+         "moe": "an expert no token reached has no gradient, which torch.optim.Muon skips and a "
+                "flat gradient buffer cannot tell from a zero one: run --model gpt or llama"}
+# Exact in fp32: the same update on the same gradient, averaged in another order at most.
+LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+
+
+# Copied from 04_zero/baseline_muon.py: hidden_matrices
+def hidden_matrices(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Parameter]:
+    """Muon's parameters: every 2-D weight of the repeated blocks (attention's and the MLP's
+    projections), in the model's order. The embeddings and the head are 2-D too but take AdamW:
+    a row of an embedding is looked up, not multiplied, and the head's output is the loss's."""
+    in_blocks = {p for block in blocks for p in block.parameters()}
+    return [p for p in model.parameters() if p in in_blocks and p.ndim == 2]
+
+
+def deal_out(model: nn.Module, matrices: list[nn.Parameter], world: int
+             ) -> list[list[nn.Parameter]]:
+    """Each rank's parameters: the matrices by Newton-Schulz FLOPs, then every other parameter
+    by values, each to the rank with the least so far (largest first, lowest rank on a tie;
+    longest-processing-time-first: the busiest rank has at most 4/3 of the best split's load).
+    Each rank's list keeps the model's order."""
+    if world > len(matrices):
+        raise ValueError(f"{len(matrices)} Muon matrices for {world} ranks: a rank would own "
+                         f"none; run at most {len(matrices)} ranks")
+    flops, values, owner = [0.0] * world, [0] * world, {}
+    for p in sorted(matrices, key=lambda p: -newton_schulz_flops(p.shape, MUON["ns_steps"])):
+        rank = min(range(world), key=lambda r: (flops[r], r))
+        owner[p] = rank
+        flops[rank] += newton_schulz_flops(p.shape, MUON["ns_steps"])
+        values[rank] += p.numel()
+    for p in sorted((p for p in model.parameters() if p not in owner), key=lambda p: -p.numel()):
+        rank = min(range(world), key=lambda r: (values[r], r))
+        owner[p] = rank
+        values[rank] += p.numel()
+    return [[p for p in model.parameters() if owner[p] == rank] for rank in range(world)]
+
+
+def flatten_by_owner(owned: list[list[nn.Parameter]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Move every parameter into one flat buffer, rank r's back to back from r x S (S: the
+    largest owner's values, so the N slices are equal), its gradient into a second laid out
+    alike: each `p` and `p.grad` becomes a view. Returns both buffers and S."""
+    slice_values = max(sum(p.numel() for p in params) for params in owned)
+    first = owned[0][0]
+    flat_params = torch.zeros(len(owned) * slice_values, dtype=first.dtype, device=first.device)
+    flat_grads = torch.zeros_like(flat_params)
+    for rank, params in enumerate(owned):
+        offset = rank * slice_values
+        for p in params:
+            view = slice(offset, offset + p.numel())
+            flat_params[view].copy_(p.detach().flatten())
+            p.data = flat_params[view].view_as(p)
+            p.grad = flat_grads[view].view_as(p)
+            offset += p.numel()
+    return flat_params, flat_grads, slice_values
+
+
+class DistributedMuon:
+    """baseline_muon's optimizer (torch.optim.Muon on `matrices`, default the blocks' 2-D
+    weights, AdamW on every other parameter of `model`) with each tensor's update computed by
+    one owner: `zero_grad()`, one or more `loss.backward()`, `step()`. Every collective runs on
+    `group` (default: the world), and every rank starts from the group's first rank's weights.
+    The gradients live in a flat buffer: `zero_grad()` zeroes it in place, and a gradient that
+    backward made anew (after `model.zero_grad()`) is moved back into it."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], lr: float = 1e-3,
+                 group: dist.ProcessGroup | None = None,
+                 matrices: list[nn.Parameter] | None = None):
+        matrices = hidden_matrices(model, blocks) if matrices is None else matrices
+        names = {p: name for name, p in model.named_parameters()}
+        for p in matrices:
+            if p.ndim != 2:
+                raise ValueError(f"{names.get(p, 'a parameter')} has shape {tuple(p.shape)}: "
+                                 "Muon orthogonalizes matrices; give it only 2-D weights")
+        self.matrices, self.group, self.rank = matrices, group, dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.owned = deal_out(model, matrices, self.world)
+        self.flat_params, self.flat_grads, self.slice_values = flatten_by_owner(self.owned)
+        self.grad_views = {p: p.grad for params in self.owned for p in params}
+        dist.broadcast(self.flat_params, dist.get_global_rank(group or dist.group.WORLD, 0),
+                       group=group)  # start alike, as DDP
+        mine = self.owned[self.rank]  # a matrix at least, by deal_out; maybe nothing else
+        rest = [p for p in mine if all(p is not q for q in matrices)]
+        self.muon = torch.optim.Muon([p for p in mine if any(p is q for q in matrices)], lr=lr,
+                                     **MUON)
+        # a rank that owns no other tensor gets an AdamW over an empty tensor (with no gradient:
+        # never stepped), torch refusing an empty list
+        self.adamw = torch.optim.AdamW(rest or [torch.empty(0)], lr=lr,
+                                       weight_decay=MUON["weight_decay"])
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+        for p in self.grad_views:
+            p.register_post_accumulate_grad_hook(self.keep_grad_in_flat_buffer)
+
+    @property
+    def state(self) -> dict:
+        return {**self.muon.state, **self.adamw.state}
+
+    def keep_grad_in_flat_buffer(self, p: nn.Parameter) -> None:
+        view = self.grad_views[p]
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+
+    def my_slice(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.rank * self.slice_values:(self.rank + 1) * self.slice_values]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.flat_grads.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        common.reduce_scatter(self.my_slice(self.flat_grads), self.flat_grads, self.group)
+        self.my_slice(self.flat_grads).div_(self.world)  # every rank's own: the mean
+        self.muon.step()  # Newton-Schulz on the matrices this rank owns, and no others
+        self.adamw.step()
+        common.all_gather_single(self.flat_params, self.my_slice(self.flat_params),
+                                 group=self.group)
+
+
+# Copied from 04_zero/baseline_muon.py: timed
+def timed(step, device: torch.device, seconds: list[float]) -> None:
+    """Run `step()` and append its seconds, the device synchronised on both sides."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds.append(time.perf_counter() - start)
+
+# Copied from 04_zero/baseline_muon.py: optimizer_ms
+def optimizer_ms(seconds: list[float], args) -> float | None:
+    """The timed steps' median optimizer time in ms (`timed`'s seconds); none for a dry run,
+    whose fake tensors take no real time."""
+    if common.dry_run():
+        return None
+    return round(common.summarize_times(common.of_timed_steps(seconds, args))[0], 3)
+
+
+
+# Copied from 04_zero/baseline_muon.py: newton_schulz_flops
+def newton_schulz_flops(shape: torch.Size | tuple[int, int], steps: int) -> float:
+    """FLOPs of `steps` quintic Newton-Schulz iterations on a matrix of `shape`, on its shorter
+    side m (n the longer): A = XX^T (2m^2 n), B = bA + cA^2 (2m^3), X <- aX + BX (2m^2 n)."""
+    m, n = sorted(shape)
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+# Copied from 04_zero/baseline_muon.py: planned_matrix_shapes
+def planned_matrix_shapes(plan: "PlanInput") -> list[tuple[int, int]]:
+    """The planner's decoder's hidden matrices: a layer's q and o (h x h), k and v (the KV width
+    x h) and as many MLP matrices (ffn x h) as its blocks' parameters hold (a GPT's 2, a
+    Llama's 3). A GPT's fused qkv counts as three: Newton-Schulz costs it 14h^3 FLOPs a step
+    where the three cost 18h^3, within what the planner prices."""
+    h, kv = plan.hidden, plan.kv_width or plan.hidden
+    attention = [(h, h), (kv, h), (kv, h), (h, h)]
+    mlp = round((plan.blocks / plan.layers - 2 * h * h - 2 * kv * h) / (plan.ffn * h))
+    return (attention + [(plan.ffn, h)] * mlp) * plan.layers
+
+
+def theory(opt: DistributedMuon) -> dict:
+    """Per rank in MB: the flat weights and gradients (N slices of S values), Muon's momentum
+    for the matrices it owns and Adam's two moments for its other tensors (the busiest rank's);
+    sent, the reduce-scatter and the all-gather of the flat buffer. The Newton-Schulz GFLOP the
+    busiest owner runs, beside every matrix's (what each baseline rank runs)."""
+    value_bytes = opt.flat_params.element_size()
+    flat_mb = value_bytes * opt.world * opt.slice_values / 2**20
+    is_matrix = {p: any(p is q for q in opt.matrices) for params in opt.owned for p in params}
+    optim = max(sum(p.numel() * (1 if is_matrix[p] else 2) for p in params)
+                for params in opt.owned)
+    ns = [sum(newton_schulz_flops(p.shape, MUON["ns_steps"]) for p in params if is_matrix[p])
+          for params in opt.owned]
+    params = sum(p.numel() for params in opt.owned for p in params)
+    return {"params_mb": flat_mb, "grads_mb": flat_mb, "optim_mb": value_bytes * optim / 2**20,
+            "state_mb": 2 * flat_mb + value_bytes * optim / 2**20,
+            "comm_mb": 2 * (opt.world - 1) / opt.world * flat_mb,
+            "padding_mb": value_bytes * (opt.world * opt.slice_values - params) / 2**20,
+            "ns_gflop_rank": max(ns) / 1e9, "ns_gflop_all": sum(ns) / 1e9,
+            "ns_gflop_by_rank": [round(f / 1e9, 3) for f in ns]}
+
+
+def planned_zero1_muon(plan: "PlanInput") -> dict[str, float] | None:
+    """The planner's ZeRO-1 + Muon row: weights and gradients whole, Muon's and AdamW's state
+    1/N, the gradients reduce-scattered and the weights all-gathered (the slices' padding left
+    out), and 1/N of the Newton-Schulz FLOPs a GPU."""
+    if plan.experts:
+        return None
+    w, g, o = plan.state_bytes
+    shapes = planned_matrix_shapes(plan)
+    matrices = sum(m * n for m, n in shapes)
+    optim = o / 2 * matrices + o * (plan.params - matrices)
+    return {"state": (w + g) * plan.params + optim / plan.gpus,
+            "sent": (plan.gpus - 1) / plan.gpus * (g + w) * plan.params,
+            "cast": plan.cast(plan.params), "fp32_residual": True,
+            "optimizer_flops": sum(newton_schulz_flops(s, MUON["ns_steps"])
+                                   for s in shapes) / plan.gpus}
+
+
+def main():
+    parser = common.parser(__doc__, skips=SKIPS)
+    parser.set_defaults(steps=10)  # the optimizer is most of a step: fewer steps fit make zero
+    args = parser.parse_args()
+    topo = common.setup(args)
+    model, batches = common.workload(args, topo)
+    try:
+        opt = DistributedMuon(model, common.transformer_blocks(model), lr=args.lr)
+    except ValueError as bad:  # a world its matrices cannot fill: the launch's
+        raise common.SetupError(str(bad)) from bad
+    optimizer_seconds = []
+
+    def train_step(inputs, targets):
+        opt.zero_grad()
+        loss = model(inputs, targets)
+        loss.backward()
+        timed(opt.step, topo.device, optimizer_seconds)
+        return loss
+
+    stats = common.timed_steps(train_step, batches, args, topo,
+                               memory_of=(model, opt.muon, opt.adamw))
+    common.record(args, topo, stats, baseline="baseline_muon", model=model, optimizer=opt,
+                  comm_mb=stats.comm_mb, theory=theory(opt),
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype],
+                  optimizer_ms=optimizer_ms(optimizer_seconds, args),
+                  **common.state_split_mb(model, opt))
+
+
+# The planner's rows (report/planner.py reads this; the script never does), with --muon only.
+PLANNED = [{"strategy": "ZeRO-1 + Muon", "place": 22, "figures": planned_zero1_muon,
+            "muon": True}]
+
+
+if __name__ == "__main__":
+    common.run_main(main)
