@@ -280,19 +280,25 @@ def zero3_bytes(params: float, blocks: list[float], root: float, world: int, wei
 
 
 def theory(model: nn.Module, blocks: list[nn.Module], opt: ShardedMuon) -> dict:
-    """This rank's MB: FSDP2's shards of the weights and gradients (1/N of each, as chunked),
-    Adam's moments of the rest's shards and Muon's momentum of the owned matrices, whole; sent,
-    FSDP2's all-gathers (the blocks twice, the root once: it stays gathered) and reduce-scatter,
-    and Muon's two all-to-alls. The Newton-Schulz GFLOP of the busiest owner and of all."""
-    b, n, me = next(model.parameters()).element_size(), opt.world, opt.rank
-    params = [p for p in model.parameters()]
-    local = sum(row_counts(p.shape[0], n)[me] * p.shape[1:].numel() for p in params)
-    rest = sum(row_counts(p.shape[0], n)[me] * p.shape[1:].numel() for p in params
-               if all(p is not q for q in opt.matrices))
-    optim = b * (2 * rest + sum(p.numel() for p in opt.mine))
+    """In MB: FSDP2's shards of the weights and gradients (a rank's rows of each, as chunked),
+    Adam's moments of the rest's shards and Muon's momentum of the owned matrices, whole (this
+    rank's, and the busiest rank's state as the record's); sent by this rank, FSDP2's
+    all-gathers (the blocks twice, the root once: it stays gathered) and reduce-scatter of the
+    rows padded to a multiple of N, and Muon's two all-to-alls. The Newton-Schulz GFLOP of the
+    busiest owner and of all."""
+    b, n, me, mb = next(model.parameters()).element_size(), opt.world, opt.rank, 2**20
+    params = list(model.parameters())
+
+    def rows(p: nn.Parameter, r: int) -> int:  # rank r's values of p
+        return row_counts(p.shape[0], n)[r] * p.shape[1:].numel()
+
     def padded(p: nn.Parameter) -> int:  # FSDP2 moves each tensor's rows padded to N's multiple
         return -(-p.shape[0] // n) * n * p.shape[1:].numel()
 
+    local = [sum(rows(p, r) for p in params) for r in range(n)]
+    optim = [b * (2 * sum(rows(p, r) for p in params if all(p is not q for q in opt.matrices))
+                  + sum(p.numel() for p in opt.matrices if opt.owner[p] == r))
+             for r in range(n)]
     block_values = sum(padded(p) for block in blocks for p in block.parameters())
     total = sum(padded(p) for p in params)
     share = (n - 1) / n
@@ -301,9 +307,10 @@ def theory(model: nn.Module, blocks: list[nn.Module], opt: ShardedMuon) -> dict:
     back = 2 * sum(p.numel() - opt.rows_of(p, me) for p in opt.mine)  # bf16 updates
     ns = [sum(newton_schulz_flops(p.shape, MUON["ns_steps"]) for p in opt.matrices
               if opt.owner[p] == r) for r in range(n)]
-    mb = 2**20
-    return {"params_mb": b * local / mb, "grads_mb": b * local / mb, "optim_mb": optim / mb,
-            "state_mb": (2 * b * local + optim) / mb, "comm_mb": (fsdp + to_owners + back) / mb,
+    return {"params_mb": b * local[me] / mb, "grads_mb": b * local[me] / mb,
+            "optim_mb": optim[me] / mb,
+            "state_mb": max(2 * b * local[r] + optim[r] for r in range(n)) / mb,
+            "comm_mb": (fsdp + to_owners + back) / mb,
             "fsdp_comm_mb": fsdp / mb, "muon_comm_mb": (to_owners + back) / mb,
             "allgather_comm_mb_avoided": share * b * sum(p.numel() for p in opt.matrices) / mb,
             "ns_gflop_rank": max(ns) / 1e9, "ns_gflop_all": sum(ns) / 1e9,

@@ -152,12 +152,24 @@ class DistributedMuon:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.flat_grads.zero_()
 
-    @torch.no_grad()
     def step(self) -> None:
+        self.reduce_scatter_gradients()
+        self.update_owned()
+        self.all_gather_weights()
+
+    @torch.no_grad()
+    def reduce_scatter_gradients(self) -> None:
+        """Each rank's slice: the mean over ranks of the gradients of the tensors it owns."""
         common.reduce_scatter(self.my_slice(self.flat_grads), self.flat_grads, self.group)
-        self.my_slice(self.flat_grads).div_(self.world)  # every rank's own: the mean
+        self.my_slice(self.flat_grads).div_(self.world)
+
+    @torch.no_grad()
+    def update_owned(self) -> None:
         self.muon.step()  # Newton-Schulz on the matrices this rank owns, and no others
         self.adamw.step()
+
+    @torch.no_grad()
+    def all_gather_weights(self) -> None:
         common.all_gather_single(self.flat_params, self.my_slice(self.flat_params),
                                  group=self.group)
 
@@ -204,22 +216,24 @@ def planned_matrix_shapes(plan: "PlanInput") -> list[tuple[int, int]]:
 
 
 def theory(opt: DistributedMuon) -> dict:
-    """Per rank in MB: the flat weights and gradients (N slices of S values), Muon's momentum
-    for the matrices it owns and Adam's two moments for its other tensors (the busiest rank's);
-    sent, the reduce-scatter and the all-gather of the flat buffer. The Newton-Schulz GFLOP the
-    busiest owner runs, beside every matrix's (what each baseline rank runs)."""
-    value_bytes = opt.flat_params.element_size()
-    flat_mb = value_bytes * opt.world * opt.slice_values / 2**20
+    """In MB: the flat weights and gradients (N slices of S values, on every rank); Muon's
+    momentum for the matrices a rank owns and Adam's two moments for its other tensors (this
+    rank's in optim_mb, each rank's in optim_mb_by_rank, the busiest's in state_mb, as the
+    record's); sent, the reduce-scatter and the all-gather of the flat buffer. The Newton-Schulz
+    GFLOP the busiest owner runs, beside every matrix's (what each baseline rank runs)."""
+    b, mb = opt.flat_params.element_size(), 2**20
+    flat = b * opt.world * opt.slice_values
     is_matrix = {p: any(p is q for q in opt.matrices) for params in opt.owned for p in params}
-    optim = max(sum(p.numel() * (1 if is_matrix[p] else 2) for p in params)
-                for params in opt.owned)
+    optim = [b * sum(p.numel() * (1 if is_matrix[p] else 2) for p in params)
+             for params in opt.owned]
     ns = [sum(newton_schulz_flops(p.shape, MUON["ns_steps"]) for p in params if is_matrix[p])
           for params in opt.owned]
-    params = sum(p.numel() for params in opt.owned for p in params)
-    return {"params_mb": flat_mb, "grads_mb": flat_mb, "optim_mb": value_bytes * optim / 2**20,
-            "state_mb": 2 * flat_mb + value_bytes * optim / 2**20,
-            "comm_mb": 2 * (opt.world - 1) / opt.world * flat_mb,
-            "padding_mb": value_bytes * (opt.world * opt.slice_values - params) / 2**20,
+    values = sum(p.numel() for params in opt.owned for p in params)
+    return {"params_mb": flat / mb, "grads_mb": flat / mb, "optim_mb": optim[opt.rank] / mb,
+            "optim_mb_by_rank": [round(o / mb, 3) for o in optim],
+            "state_mb": (2 * flat + max(optim)) / mb,
+            "comm_mb": 2 * (opt.world - 1) / opt.world * flat / mb,
+            "padding_mb": b * (opt.world * opt.slice_values - values) / mb,
             "ns_gflop_rank": max(ns) / 1e9, "ns_gflop_all": sum(ns) / 1e9,
             "ns_gflop_by_rank": [round(f / 1e9, 3) for f in ns]}
 
@@ -251,13 +265,15 @@ def main():
         opt = DistributedMuon(model, common.transformer_blocks(model), lr=args.lr)
     except ValueError as bad:  # a world its matrices cannot fill: the launch's
         raise common.SetupError(str(bad)) from bad
-    optimizer_seconds = []
+    parts = {"reduce_scatter": [], "update": [], "all_gather": []}  # opt.step()'s, timed apart
 
     def train_step(inputs, targets):
         opt.zero_grad()
         loss = model(inputs, targets)
         loss.backward()
-        timed(opt.step, topo.device, optimizer_seconds)
+        timed(opt.reduce_scatter_gradients, topo.device, parts["reduce_scatter"])
+        timed(opt.update_owned, topo.device, parts["update"])
+        timed(opt.all_gather_weights, topo.device, parts["all_gather"])
         return loss
 
     stats = common.timed_steps(train_step, batches, args, topo,
@@ -265,7 +281,9 @@ def main():
     common.record(args, topo, stats, baseline="baseline_muon", model=model, optimizer=opt,
                   comm_mb=stats.comm_mb, theory=theory(opt),
                   loss_tolerance=LOSS_TOLERANCE[args.dtype],
-                  optimizer_ms=optimizer_ms(optimizer_seconds, args),
+                  optimizer_ms=optimizer_ms([sum(t) for t in zip(*parts.values(), strict=True)],
+                                            args),
+                  optimizer_parts_ms={part: optimizer_ms(t, args) for part, t in parts.items()},
                   **common.state_split_mb(model, opt))
 
 
