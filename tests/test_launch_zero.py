@@ -3,8 +3,10 @@
 Seven launches shared through one module-scoped fixture, on the GPT: the DDP baseline, ZeRO-1 and
 PyTorch's own ZeRO-1; on the Llama: the DDP baseline, ZeRO-2, ZeRO-3 (with --summary) and FSDP2
 as ZeRO-3, each compared with the baseline of its own model; one of ZeRO-3 with its optimizer
-offloaded, on the Llama, against ZeRO-3's; and two short traced ZeRO-1
-launches at `small` (a profiler crash they once hit). tests/test_zero.py runs every stage on
+offloaded, on the Llama, against ZeRO-3's; two of Muon on the Llama, DDP with torch.optim.Muon
+and Muon on FSDP2's shards (at once); and two short traced ZeRO-1 launches at `small` (a
+profiler crash they once hit). tests/test_muon.py runs the Muon scripts in-process at 2, 3 and
+4 ranks. tests/test_zero.py runs every stage on
 the GPT in-process (3 ranks, 1, clipped at 2).
 """
 
@@ -14,7 +16,13 @@ import shutil
 import pytest
 
 import common
-from helpers import assert_bad_input_is_one_line, assert_within_its_tolerance, finish, torchrun
+from helpers import (
+    assert_bad_input_is_one_line,
+    assert_within_its_tolerance,
+    finish,
+    finish_all,
+    torchrun,
+)
 
 FOLDER = common.ROOT / "04_zero"
 LLAMA = ["--model", "llama"]
@@ -141,7 +149,8 @@ def test_summary_prints_each_ranks_state_beside_its_formula(runs):
     assert f"({runs['ddp llama'][0]['peak_mem_mb']:,.1f})" in rows["0"]  # the baseline's peak
 
 
-@pytest.mark.parametrize("script", sorted(path.stem for path in FOLDER.glob("*.py")))
+@pytest.mark.parametrize("script", sorted(path.stem for path in FOLDER.glob("*.py")
+                                           if "muon" not in path.stem))  # AdamW's: it clips
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_every_script_refuses_a_clip_norm_not_above_zero_in_one_line(script, value, tmp_path):
     assert_bad_input_is_one_line(FOLDER / f"{script}.py", ["--clip-grad-norm", value],
@@ -191,3 +200,30 @@ def test_offloaded_zero3_trains_like_zero3_with_its_optimizer_in_host_memory(run
     assert rec["state_mb"] == pytest.approx(rec["device_state_mb"], abs=0.005)  # the device's
     assert rec["device_state_mb"] + rec["host_state_mb"] == pytest.approx(zero3["state_mb"],
                                                                           abs=0.01)
+
+
+# --- Muon: DDP with torch.optim.Muon, and Muon on FSDP2's shards by owners -------------------
+@pytest.fixture(scope="module")
+def muon(tmp_path_factory):
+    """Two launches at once, on the Llama: baseline_muon and optimized_fsdp_muon."""
+    files = {script: tmp_path_factory.mktemp(script) / "results.jsonl"
+             for script in ("baseline_muon", "optimized_fsdp_muon")}
+    consoles = finish_all([lambda s=s, f=f: torchrun(FOLDER / f"{s}.py", f, *LLAMA)
+                           for s, f in files.items()])
+    return {script: (common.load_results(f)[-1], console)
+            for (script, f), console in zip(files.items(), consoles, strict=True)}
+
+
+def test_muon_on_fsdp2s_shards_trains_like_ddp_with_torchs_muon_under_torchrun(muon):
+    (base, _), (rec, console) = muon["baseline_muon"], muon["optimized_fsdp_muon"]
+    assert base["status"] == rec["status"] == "ok" and rec["world_size"] == 2
+    assert rec["baseline"] == "baseline_muon" and rec["model"] == "llama"
+    assert_within_its_tolerance(rec, base)
+    assert relative_diff(rec["losses"], base["losses"]) <= 1e-5
+    for r in (base, rec):  # state and bytes counted from the tensors and the collectives
+        for key in ("state_mb", "params_mb", "grads_mb", "optim_mb", "comm_mb"):
+            assert r[key] == pytest.approx(r["theory"][key], abs=0.01), (r["script"], key)
+        assert r["optimizer_ms"] > 0 and r["optimizer_ms"] < r["step_ms"]
+    assert rec["comm_by_op"]["alltoall/2"][1] == 2  # two all-to-alls a step: out and back
+    assert rec["theory"]["ns_gflop_rank"] < base["theory"]["ns_gflop_rank"]
+    assert "optimized_fsdp_muon: " in console
