@@ -180,7 +180,7 @@ def test_the_speedup_chart_pairs_exactly_what_the_table_compares(records):
     compared = [line for line in table.splitlines() if line.startswith("| optimized")
                 and line.split("|")[1 + results_table.REPORT_HEADERS.index("speedup")]
                 .strip().endswith("x")]
-    assert len(pairs) == len(compared) == 29
+    assert len(pairs) == len(compared) == 31
     assert all(rec["baseline"] == base["script"] for rec, base in pairs)
 
 

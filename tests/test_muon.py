@@ -5,8 +5,9 @@ in one line, and in spawned gloo processes at 2, 3 and 4 ranks (odd worlds: unev
 baseline_muon, optimized_zero1_muon and optimized_fsdp_muon's own main() on the tiny GPT and
 Llama, each run's losses the baseline's to 1e-5 and its state and bytes its theory; then, in the
 spawn of 2, the README's lines with DistributedMuon and with ShardedMuon on tiny transformers
-Llama, Qwen2 and Mistral models (sdpa and eager, tied and untied heads) seeded apart, against
-DDP with torch.optim.Muon on the same model."""
+Llama, Qwen2 and Mistral models (sdpa and eager, tied and untied heads), Phi-3 (fused
+projections) and a Llama with a scaled rotary, seeded apart, against DDP with torch.optim.Muon
+on the same model."""
 
 import argparse
 import os
@@ -316,11 +317,11 @@ def test_fsdp_muons_all_to_alls_send_less_than_gathering_every_gradient_to_every
     assert theory["muon_comm_mb"] < theory["allgather_comm_mb_avoided"]
 
 
-# The README's lines: each class on each of hf_models.CASES, beside DDP with torch.optim.Muon
+# The README's lines: each class on each of hf_readme_models(), beside DDP with torch.optim.Muon
 LR, STEPS = 3e-3, 3
 
 
-def _on_a_hf_model(kind: str, case) -> dict:
+def _on_a_hf_model(kind: str, model_args: dict) -> dict:
     """The README's lines for `kind` ("zero1": DistributedMuon, "fsdp": ShardedMuon), or the
     reference (DDP + torch.optim.Muon, "ddp"), on a tiny transformers model seeded by rank:
     each step's loss and the loss after, averaged over the ranks, and whether the ranks'
@@ -329,7 +330,7 @@ def _on_a_hf_model(kind: str, case) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
-    model = hf_models.tiny_model(case.family, case.attn, case.tied)
+    model = hf_models.tiny_model(**model_args)
     apart = hf_models.seeded_apart(model)
     *batches, (eval_x, eval_y) = hf_models.token_batches(STEPS + 1, rank, world)
     losses = []
@@ -367,31 +368,39 @@ HEADINGS = {"zero1": "### Use it in your trainer: `DistributedMuon`",
 
 
 def _readme_scenarios(rank: int, world: int, port: int, out: str) -> None:
-    import hf_models
 
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
-    for case in hf_models.CASES:
+    for name, model_args in hf_readme_models().items():
         for kind in ("ddp", "zero1", "fsdp"):
-            results[(str(case), kind)] = _on_a_hf_model(kind, case)
+            results[(name, kind)] = _on_a_hf_model(kind, model_args)
     if rank == 0:
         torch.save(results, f"{out}/readme.pt")
     dist.destroy_process_group()
 
 
-def hf_cases():
+def hf_readme_models() -> dict[str, dict]:
+    """hf_models.readme_models() in fp32: the three families, sdpa and eager, tied and untied,
+    and Phi-3's fused projections and a scaled rotary (a 2-D weight each: Muon's)."""
     import hf_models
 
-    return [str(case) for case in hf_models.CASES]
+    return {name: args for name, args in hf_models.readme_models().items()
+            if "bf16" not in name}
+
+
+def pytest_generate_tests(metafunc):
+    """The README test's models, listed at collection in pytest's process alone: a spawned rank
+    imports this module too, and transformers costs it seconds."""
+    if "readme_model" in metafunc.fixturenames:
+        metafunc.parametrize("readme_model", list(hf_readme_models()))
 
 
 @pytest.mark.parametrize("kind", ["zero1", "fsdp"])
-@pytest.mark.parametrize("case", hf_cases())
-def test_the_readmes_lines_train_a_transformers_model_like_ddp_with_torchs_muon(spawned, kind,
-                                                                               case):
+def test_the_readmes_lines_train_a_transformers_model_like_ddp_with_torchs_muon(
+        spawned, kind, readme_model):
     _, scenarios = spawned(2)
-    mine, ddp = scenarios[(case, kind)], scenarios[(case, "ddp")]
+    mine, ddp = scenarios[(readme_model, kind)], scenarios[(readme_model, "ddp")]
     assert mine["seeded_apart"]  # else matching DDP's start from rank 0 would prove nothing
     assert relative_diff([*mine["losses"], mine["final"]], [*ddp["losses"], ddp["final"]]) \
         <= 1e-5

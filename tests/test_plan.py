@@ -38,7 +38,9 @@ STRATEGY_OF = {
     "optimized_pipeline_pytorch --schedule 1f1b": "pipeline",
     "optimized_pipeline_pytorch --schedule dualpipev": "pipeline",
     "baseline_symmem_tp": "TP", "optimized_symmem_tp": "TP", "optimized_symmem_tp_pytorch": "TP",
-    "baseline_context": "DDP", "baseline_moe": "DDP", "optimized_moe_ep": "EP"}
+    "baseline_context": "DDP", "baseline_moe": "DDP", "optimized_moe_ep": "EP",
+    "baseline_muon": "DDP + Muon", "optimized_zero1_muon": "ZeRO-1 + Muon",
+    "optimized_fsdp_muon": "FSDP + Muon"}
 
 
 def plan(*flags) -> subprocess.CompletedProcess:
@@ -124,6 +126,11 @@ def test_the_planner_figure_is_the_recorded_theory():
             continue
         figures, theory = planned(strategy, rec), rec["theory"]
         slack = 0.0015 + 3 * theory.get("padding_mb_max", 0.0)
+        if "optim_mb_by_rank" in theory:  # whole tensors to owners (ZeRO-1 + Muon): the planner
+            # splits evenly; the run pads every slice to the largest owner's (weights, gradients
+            # and both collectives) and its state is the busiest owner's
+            owners = theory["optim_mb_by_rank"]
+            slack += 2 * theory["padding_mb"] + max(owners) - sum(owners) / len(owners)
         if "alltoall_uniform_mb" in theory:  # EP: the planner's all-to-all is uniform routing's
             theory = {**theory, "comm_mb": theory["comm_mb"] - theory["alltoall_mb"]
                       + theory["alltoall_uniform_mb"],
@@ -173,7 +180,8 @@ BYTES_OF = {
     "optimized_pipeline_1f1b": "pipeline", "optimized_pipeline_pytorch": "pipeline",
     "optimized_pipeline_pytorch --schedule 1f1b": "pipeline",
     "baseline_symmem_tp": "TP", "optimized_symmem_tp": "TP", "optimized_symmem_tp_pytorch": "TP",
-    "baseline_context": "DDP", "baseline_moe": "DDP"}
+    "baseline_context": "DDP", "baseline_moe": "DDP", "baseline_muon": "DDP + Muon",
+    "optimized_zero1_muon": "ZeRO-1 + Muon", "optimized_fsdp_muon": "FSDP + Muon"}
 
 
 def test_the_planned_bytes_are_what_each_folder_counted():
@@ -202,8 +210,9 @@ def figure(strategy: str, key: str, **numbers) -> float:
 
 
 def test_the_strategies_come_from_the_scripts_simplest_first():
-    assert list(ENTRIES) == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 + offload",
-                             "FSDP full", "FSDP + LoRA", "FSDP grad-op",
+    assert list(ENTRIES) == ["DDP", "DDP + Muon", "ZeRO-1", "ZeRO-1 + Muon", "ZeRO-2", "ZeRO-3",
+                             "ZeRO-3 + offload", "FSDP full", "FSDP + Muon", "FSDP + LoRA",
+                             "FSDP grad-op",
                              "FSDP hybrid", "pipeline", "TP", "TP x DP", "FSDP x TP",
                              "FSDP x CP", "PP x FSDP x TP", "EP", "EP x FSDP"]
 
