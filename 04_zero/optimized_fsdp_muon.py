@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
@@ -63,9 +63,11 @@ def hidden_matrices(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Parame
     return [p for p in model.parameters() if p in in_blocks and p.ndim == 2]
 
 
-def deal_out_matrices(matrices: list[nn.Parameter], world: int) -> dict[nn.Parameter, int]:
-    """Each matrix's owner: by Newton-Schulz FLOPs, each to the rank with the least so far
-    (largest first, lowest rank on a tie), as optimized_zero1_muon.py's deal_out."""
+# Copied from 04_zero/optimized_zero1_muon.py: deal_out
+def deal_out(matrices: list[nn.Parameter], world: int) -> list[list[nn.Parameter]]:
+    """Each rank's matrices, dealt out by Newton-Schulz FLOPs: each to the rank with the least
+    so far, largest first, lowest rank on a tie (longest-processing-time-first: the busiest rank
+    has at most 4/3 of the best split's load). Each rank's list keeps the given order."""
     if world > len(matrices):
         raise ValueError(f"{len(matrices)} Muon matrices for {world} ranks: a rank would own "
                          f"none; run at most {len(matrices)} ranks")
@@ -74,7 +76,7 @@ def deal_out_matrices(matrices: list[nn.Parameter], world: int) -> dict[nn.Param
         rank = min(range(world), key=lambda r: (flops[r], r))
         owner[p] = rank
         flops[rank] += newton_schulz_flops(p.shape, MUON["ns_steps"])
-    return owner
+    return [[p for p in matrices if owner[p] == rank] for rank in range(world)]
 
 
 def newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
@@ -120,7 +122,8 @@ class ShardedMuon:
                                  "Muon orthogonalizes matrices; give it only 2-D weights")
         self.lr, self.group = lr, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.matrices, self.owner = matrices, deal_out_matrices(matrices, self.world)
+        self.matrices = matrices
+        self.owner = {p: r for r, owned in enumerate(deal_out(matrices, self.world)) for p in owned}
         self.mine = [p for p in matrices if self.owner[p] == self.rank]
         self.momentum = {p: torch.zeros(p.shape, dtype=p.dtype, device=p.to_local().device)
                          for p in self.mine}  # whole, for the owned matrices only
@@ -279,13 +282,13 @@ def zero3_bytes(params: float, blocks: list[float], root: float, world: int, wei
             "gathered": gather * (root + two_blocks)}
 
 
-def theory(model: nn.Module, blocks: list[nn.Module], opt: ShardedMuon) -> dict:
+def theory(model: nn.Module, blocks: list[nn.Module], opt: ShardedMuon, gather: int) -> dict:
     """In MB: FSDP2's shards of the weights and gradients (a rank's rows of each, as chunked),
     Adam's moments of the rest's shards and Muon's momentum of the owned matrices, whole (this
     rank's, and the busiest rank's state as the record's); sent by this rank, FSDP2's
-    all-gathers (the blocks twice, the root once: it stays gathered) and reduce-scatter of the
-    rows padded to a multiple of N, and Muon's two all-to-alls. The Newton-Schulz GFLOP of the
-    busiest owner and of all."""
+    all-gathers in `gather` bytes a value (the blocks twice, the root once: it stays gathered)
+    and reduce-scatter of the rows padded to a multiple of N, and Muon's two all-to-alls. The
+    Newton-Schulz GFLOP of the busiest owner and of all."""
     b, n, me, mb = next(model.parameters()).element_size(), opt.world, opt.rank, 2**20
     params = list(model.parameters())
 
@@ -302,7 +305,7 @@ def theory(model: nn.Module, blocks: list[nn.Module], opt: ShardedMuon) -> dict:
     block_values = sum(padded(p) for block in blocks for p in block.parameters())
     total = sum(padded(p) for p in params)
     share = (n - 1) / n
-    fsdp = share * b * (2 * block_values + (total - block_values)) + share * b * total
+    fsdp = share * gather * (2 * block_values + (total - block_values)) + share * b * total
     to_owners = b * sum(opt.rows_of(p, me) for p in opt.matrices if opt.owner[p] != me)
     back = 2 * sum(p.numel() - opt.rows_of(p, me) for p in opt.mine)  # bf16 updates
     ns = [sum(newton_schulz_flops(p.shape, MUON["ns_steps"]) for p in opt.matrices
@@ -347,9 +350,12 @@ def main():
     blocks = common.transformer_blocks(model)
     mesh = DeviceMesh.from_group(dist.group.WORLD, topo.device.type)
     same_weights_on_every_rank(model, mesh)
+    # under bf16 autocast (GPU) gathered in bf16 and reduced in fp32, as 03_fsdp's FSDP
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if args.dtype == "bf16" else MixedPrecisionPolicy()
     for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     try:
         opt = ShardedMuon(model, blocks, lr=args.lr)
     except ValueError as bad:  # a world its matrices cannot fill: the launch's
@@ -366,7 +372,8 @@ def main():
     stats = common.timed_steps(train_step, batches, args, topo, memory_of=(model, opt.adamw))
     common.record(args, topo, stats, baseline="baseline_muon", model=model, optimizer=opt,
                   overlapped=common.FSDP_OVERLAP, comm_mb=stats.comm_mb,
-                  theory=theory(model, blocks, opt), loss_tolerance=LOSS_TOLERANCE[args.dtype],
+                  theory=theory(model, blocks, opt, 2 if args.dtype == "bf16" else 4),
+                  loss_tolerance=LOSS_TOLERANCE[args.dtype],
                   optimizer_ms=optimizer_ms(optimizer_seconds, args),
                   **common.state_split_mb(model, opt))
 

@@ -26,6 +26,7 @@ Theory:     Newton-Schulz k(4m^2 n + 2m^3) FLOPs an m x n matrix (m <= n), the b
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,54 +60,70 @@ def hidden_matrices(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Parame
     return [p for p in model.parameters() if p in in_blocks and p.ndim == 2]
 
 
-def deal_out(model: nn.Module, matrices: list[nn.Parameter], world: int
-             ) -> list[list[nn.Parameter]]:
-    """Each rank's parameters: the matrices by Newton-Schulz FLOPs, then every other parameter
-    by values, each to the rank with the least so far (largest first, lowest rank on a tie;
-    longest-processing-time-first: the busiest rank has at most 4/3 of the best split's load).
-    Each rank's list keeps the model's order."""
+def deal_out(matrices: list[nn.Parameter], world: int) -> list[list[nn.Parameter]]:
+    """Each rank's matrices, dealt out by Newton-Schulz FLOPs: each to the rank with the least
+    so far, largest first, lowest rank on a tie (longest-processing-time-first: the busiest rank
+    has at most 4/3 of the best split's load). Each rank's list keeps the given order."""
     if world > len(matrices):
         raise ValueError(f"{len(matrices)} Muon matrices for {world} ranks: a rank would own "
                          f"none; run at most {len(matrices)} ranks")
-    flops, values, owner = [0.0] * world, [0] * world, {}
+    flops, owner = [0.0] * world, {}
     for p in sorted(matrices, key=lambda p: -newton_schulz_flops(p.shape, MUON["ns_steps"])):
         rank = min(range(world), key=lambda r: (flops[r], r))
         owner[p] = rank
         flops[rank] += newton_schulz_flops(p.shape, MUON["ns_steps"])
-        values[rank] += p.numel()
-    for p in sorted((p for p in model.parameters() if p not in owner), key=lambda p: -p.numel()):
-        rank = min(range(world), key=lambda r: (values[r], r))
-        owner[p] = rank
-        values[rank] += p.numel()
-    return [[p for p in model.parameters() if owner[p] == rank] for rank in range(world)]
+    return [[p for p in matrices if owner[p] == rank] for rank in range(world)]
 
 
-def flatten_by_owner(owned: list[list[nn.Parameter]]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Move every parameter into one flat buffer, rank r's back to back from r x S (S: the
-    largest owner's values, so the N slices are equal), its gradient into a second laid out
-    alike: each `p` and `p.grad` becomes a view. Returns both buffers and S."""
-    slice_values = max(sum(p.numel() for p in params) for params in owned)
+@dataclass
+class Region:
+    """N equal slices of `per_rank` values from `offset` of a flat buffer, rank r's the r-th."""
+    offset: int
+    per_rank: int
+    world: int
+
+    def whole(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset:self.offset + self.world * self.per_rank]
+
+    def owned(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        start = self.offset + rank * self.per_rank
+        return flat[start:start + self.per_rank]
+
+
+def flatten_by_owner(owned: list[list[nn.Parameter]], rest: list[nn.Parameter]
+                     ) -> tuple[torch.Tensor, torch.Tensor, Region, Region]:
+    """Move every parameter into one flat buffer of two regions, and its gradient into a second
+    laid out alike (each `p` and `p.grad` becomes a view): the matrices, rank r's back to back
+    in the r-th of N slices as large as the largest owner's values; then the rest back to back,
+    padded to N's multiple, rank r owning the r-th 1/N (ZeRO-1's slices: an embedding is too
+    large to give one rank whole). Returns both buffers and the two regions."""
+    world = len(owned)
+    matrices = Region(0, max(sum(p.numel() for p in params) for params in owned), world)
+    others = Region(world * matrices.per_rank, -(-sum(p.numel() for p in rest) // world), world)
     first = owned[0][0]
-    flat_params = torch.zeros(len(owned) * slice_values, dtype=first.dtype, device=first.device)
+    flat_params = torch.zeros(others.offset + world * others.per_rank, dtype=first.dtype,
+                              device=first.device)
     flat_grads = torch.zeros_like(flat_params)
-    for rank, params in enumerate(owned):
-        offset = rank * slice_values
+    starts = [(matrices.offset + rank * matrices.per_rank, params)
+              for rank, params in enumerate(owned)] + [(others.offset, rest)]
+    for offset, params in starts:
         for p in params:
             view = slice(offset, offset + p.numel())
             flat_params[view].copy_(p.detach().flatten())
             p.data = flat_params[view].view_as(p)
             p.grad = flat_grads[view].view_as(p)
             offset += p.numel()
-    return flat_params, flat_grads, slice_values
+    return flat_params, flat_grads, matrices, others
 
 
 class DistributedMuon:
     """baseline_muon's optimizer (torch.optim.Muon on `matrices`, default the blocks' 2-D
-    weights, AdamW on every other parameter of `model`) with each tensor's update computed by
-    one owner: `zero_grad()`, one or more `loss.backward()`, `step()`. Every collective runs on
-    `group` (default: the world), and every rank starts from the group's first rank's weights.
-    The gradients live in a flat buffer: `zero_grad()` zeroes it in place, and a gradient that
-    backward made anew (after `model.zero_grad()`) is moved back into it."""
+    weights, AdamW on every other parameter of `model`), each matrix's update computed by one
+    owner and AdamW's as ZeRO-1's: `zero_grad()`, one or more `loss.backward()`, `step()`.
+    Every collective runs on `group` (default: the world), and every rank starts from the
+    group's first rank's weights. The gradients live in a flat buffer: `zero_grad()` zeroes it
+    in place, and a gradient that backward made anew (after `model.zero_grad()`) is moved back
+    into it."""
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], lr: float = 1e-3,
                  group: dist.ProcessGroup | None = None,
@@ -117,21 +134,19 @@ class DistributedMuon:
             if p.ndim != 2:
                 raise ValueError(f"{names.get(p, 'a parameter')} has shape {tuple(p.shape)}: "
                                  "Muon orthogonalizes matrices; give it only 2-D weights")
-        self.matrices, self.group, self.rank = matrices, group, dist.get_rank(group)
+        self.group, self.rank = group, dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.owned = deal_out(model, matrices, self.world)
-        self.flat_params, self.flat_grads, self.slice_values = flatten_by_owner(self.owned)
-        self.grad_views = {p: p.grad for params in self.owned for p in params}
+        self.owned = deal_out(matrices, self.world)
+        rest = [p for p in model.parameters() if all(p is not q for q in matrices)]
+        self.flat_params, self.flat_grads, self.matrix_region, self.rest_region = \
+            flatten_by_owner(self.owned, rest)
+        self.grad_views = {p: p.grad for p in model.parameters()}
         dist.broadcast(self.flat_params, dist.get_global_rank(group or dist.group.WORLD, 0),
                        group=group)  # start alike, as DDP
-        mine = self.owned[self.rank]  # a matrix at least, by deal_out; maybe nothing else
-        rest = [p for p in mine if all(p is not q for q in matrices)]
-        self.muon = torch.optim.Muon([p for p in mine if any(p is q for q in matrices)], lr=lr,
-                                     **MUON)
-        # a rank that owns no other tensor gets an AdamW over an empty tensor (with no gradient:
-        # never stepped), torch refusing an empty list
-        self.adamw = torch.optim.AdamW(rest or [torch.empty(0)], lr=lr,
-                                       weight_decay=MUON["weight_decay"])
+        self.muon = torch.optim.Muon(self.owned[self.rank], lr=lr, **MUON)
+        rest_shard = nn.Parameter(self.rest_region.owned(self.flat_params, self.rank))
+        rest_shard.grad = self.rest_region.owned(self.flat_grads, self.rank)
+        self.adamw = torch.optim.AdamW([rest_shard], lr=lr, weight_decay=MUON["weight_decay"])
         self.param_groups = self.muon.param_groups + self.adamw.param_groups
         for p in self.grad_views:
             p.register_post_accumulate_grad_hook(self.keep_grad_in_flat_buffer)
@@ -146,9 +161,6 @@ class DistributedMuon:
             view.copy_(p.grad)
             p.grad = view
 
-    def my_slice(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.rank * self.slice_values:(self.rank + 1) * self.slice_values]
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.flat_grads.zero_()
 
@@ -159,9 +171,12 @@ class DistributedMuon:
 
     @torch.no_grad()
     def reduce_scatter_gradients(self) -> None:
-        """Each rank's slice: the mean over ranks of the gradients of the tensors it owns."""
-        common.reduce_scatter(self.my_slice(self.flat_grads), self.flat_grads, self.group)
-        self.my_slice(self.flat_grads).div_(self.world)
+        """Each rank's slices: the mean over ranks of the gradients of the matrices it owns,
+        whole, and of its 1/N of the rest."""
+        for region in (self.matrix_region, self.rest_region):
+            mine = region.owned(self.flat_grads, self.rank)
+            common.reduce_scatter(mine, region.whole(self.flat_grads), self.group)
+            mine.div_(self.world)
 
     @torch.no_grad()
     def update_owned(self) -> None:
@@ -170,8 +185,9 @@ class DistributedMuon:
 
     @torch.no_grad()
     def all_gather_weights(self) -> None:
-        common.all_gather_single(self.flat_params, self.my_slice(self.flat_params),
-                                 group=self.group)
+        for region in (self.matrix_region, self.rest_region):
+            common.all_gather_single(region.whole(self.flat_params),
+                                     region.owned(self.flat_params, self.rank), group=self.group)
 
 
 # Copied from 04_zero/baseline_muon.py: timed
@@ -216,24 +232,22 @@ def planned_matrix_shapes(plan: "PlanInput") -> list[tuple[int, int]]:
 
 
 def theory(opt: DistributedMuon) -> dict:
-    """In MB: the flat weights and gradients (N slices of S values, on every rank); Muon's
-    momentum for the matrices a rank owns and Adam's two moments for its other tensors (this
-    rank's in optim_mb, each rank's in optim_mb_by_rank, the busiest's in state_mb, as the
-    record's); sent, the reduce-scatter and the all-gather of the flat buffer. The Newton-Schulz
-    GFLOP the busiest owner runs, beside every matrix's (what each baseline rank runs)."""
-    b, mb = opt.flat_params.element_size(), 2**20
-    flat = b * opt.world * opt.slice_values
-    is_matrix = {p: any(p is q for q in opt.matrices) for params in opt.owned for p in params}
-    optim = [b * sum(p.numel() * (1 if is_matrix[p] else 2) for p in params)
+    """In MB: the flat weights and gradients (both regions, on every rank); Muon's momentum for
+    the matrices a rank owns and Adam's two moments for its 1/N of the rest (this rank's in
+    optim_mb, each rank's in optim_mb_by_rank, the busiest's in state_mb, as the record's);
+    sent, each region's reduce-scatter and all-gather. The Newton-Schulz GFLOP the busiest
+    owner runs, beside every matrix's (what each baseline rank runs)."""
+    b, mb, n = opt.flat_params.element_size(), 2**20, opt.world
+    flat = b * opt.flat_params.numel()
+    optim = [b * (sum(p.numel() for p in params) + 2 * opt.rest_region.per_rank)
              for params in opt.owned]
-    ns = [sum(newton_schulz_flops(p.shape, MUON["ns_steps"]) for p in params if is_matrix[p])
+    ns = [sum(newton_schulz_flops(p.shape, MUON["ns_steps"]) for p in params)
           for params in opt.owned]
-    values = sum(p.numel() for params in opt.owned for p in params)
+    values = sum(p.numel() for p in opt.grad_views)
     return {"params_mb": flat / mb, "grads_mb": flat / mb, "optim_mb": optim[opt.rank] / mb,
             "optim_mb_by_rank": [round(o / mb, 3) for o in optim],
-            "state_mb": (2 * flat + max(optim)) / mb,
-            "comm_mb": 2 * (opt.world - 1) / opt.world * flat / mb,
-            "padding_mb": b * (opt.world * opt.slice_values - values) / mb,
+            "state_mb": (2 * flat + max(optim)) / mb, "comm_mb": 2 * (n - 1) / n * flat / mb,
+            "padding_mb": (flat - b * values) / mb,
             "ns_gflop_rank": max(ns) / 1e9, "ns_gflop_all": sum(ns) / 1e9,
             "ns_gflop_by_rank": [round(f / 1e9, 3) for f in ns]}
 

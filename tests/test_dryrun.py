@@ -63,9 +63,16 @@ PLANNED_DRY_RUNS = {
                        [*LARGE, "--dry-run", "16", "--tp", "8"], {"pp": 2, "micro_batches": 4}),
     "EP x FSDP": ("08_moe/optimized_moe_ep.py",
                   ["--size", "small", "--model", "moe", "--dry-run", "8", "--fsdp"], {}),
+    "ZeRO-1 + Muon": ("04_zero/optimized_zero1_muon.py", [*LARGE, "--dry-run", "8"],
+                      {"muon": True}),
+    "FSDP + Muon": ("04_zero/optimized_fsdp_muon.py", [*LARGE, "--dry-run", "8"], {"muon": True}),
 }
+# Muon's owners hold whole matrices, which the planner splits evenly: a run's state and bytes
+# are the busiest owner's and carry the slices' padding, within this of the planner's
+OWNERS_TOLERANCE = {"ZeRO-1 + Muon": 0.02, "FSDP + Muon": 0.01}
 # ... and those that do not, each with why: DDP's reducer; 06's TP spans every rank it is given
 CANNOT_DRY_RUN = {"DDP": "DDP cannot dry-run", "EP": "DDP cannot dry-run",
+                  "DDP + Muon": "DDP cannot dry-run",
                   "TP x DP": "no script runs it: 06's TP spans the world"}
 
 
@@ -139,8 +146,8 @@ def test_every_planned_strategy_dry_runs_to_the_planners_figures(dry_runs, strat
     figures = plan_cases.beside_dry_run(planner_flags(strategy, rec, PLANNED_DRY_RUNS[strategy][2]),
                                      strategy, rec)
     dry, planned = zip(*figures.values(), strict=True)
-    assert dry[0] == pytest.approx(planned[0], rel=1e-4), "state"
-    assert dry[2] == pytest.approx(planned[2], rel=1e-4), "sent"
+    assert dry[0] == pytest.approx(planned[0], rel=OWNERS_TOLERANCE.get(strategy, 1e-4)), "state"
+    assert dry[2] == pytest.approx(planned[2], rel=OWNERS_TOLERANCE.get(strategy, 1e-4)), "sent"
     assert dry[1] == pytest.approx(planned[1], rel=plan_cases.DRY_RUN_ACTIVATIONS_TOLERANCE), \
         "activations"
 

@@ -98,31 +98,27 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(family):
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_every_parameter_has_one_owner_and_the_newton_schulz_work_is_balanced(family, world):
+def test_every_matrix_has_one_owner_and_the_newton_schulz_work_is_balanced(family, world):
     model = tiny(family)
     matrices = BASELINE.hidden_matrices(model, common.transformer_blocks(model))
-    owned = ZERO1.deal_out(model, matrices, world)
+    owned = ZERO1.deal_out(matrices, world)
     flat = [p for params in owned for p in params]
-    assert len(flat) == len({id(p) for p in flat}) == len(list(model.parameters()))
-    flops = [sum(BASELINE.newton_schulz_flops(p.shape, 5) for p in params
-                 if any(p is q for q in matrices)) for params in owned]
+    assert sorted(map(id, flat)) == sorted(map(id, matrices))
+    flops = [sum(BASELINE.newton_schulz_flops(p.shape, 5) for p in params) for params in owned]
     assert min(flops) > 0  # every rank owns a matrix
     # longest-processing-time-first's bound: at most 4/3 of the best split's busiest rank
     assert max(flops) <= 4 / 3 * max(sum(flops) / world, max(
         BASELINE.newton_schulz_flops(p.shape, 5) for p in matrices))
-    sharded_owner = FSDP.deal_out_matrices(matrices, world)  # the same deal for the matrices
-    assert all(any(p is q for q in owned[sharded_owner[p]]) for p in matrices)
 
 
 @pytest.mark.parametrize("world", [9, 40])
 def test_a_world_larger_than_the_matrices_is_refused_in_one_line(world):
     model = tiny("gpt")
     matrices = BASELINE.hidden_matrices(model, common.transformer_blocks(model))  # 8
-    for deal in (lambda: ZERO1.deal_out(model, matrices, world),
-                 lambda: FSDP.deal_out_matrices(matrices, world)):
+    for deal_out in (ZERO1.deal_out, FSDP.deal_out):  # the FSDP script's copy
         with pytest.raises(ValueError, match=f"^8 Muon matrices for {world} ranks: a rank would "
                                              "own none; run at most 8 ranks$"):
-            deal()
+            deal_out(matrices, world)
 
 
 def test_the_scripts_refuse_a_world_larger_than_the_matrices_in_one_line(tmp_path):
@@ -156,21 +152,29 @@ def test_a_muon_parameter_that_is_not_a_matrix_is_refused_in_one_line(cls):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_flat_layout_holds_each_owners_tensors_in_its_slice_as_views(world):
+def test_the_flat_layout_holds_each_owners_matrices_then_zero1s_slices_of_the_rest(world):
     model = tiny("gpt")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    owned = ZERO1.deal_out(model, BASELINE.hidden_matrices(
-        model, common.transformer_blocks(model)), world)
-    flat_params, flat_grads, slice_values = ZERO1.flatten_by_owner(owned)
-    assert flat_params.numel() == world * slice_values == \
-        world * max(sum(p.numel() for p in params) for params in owned)
-    for rank, params in enumerate(owned):
-        mine = range(rank * slice_values, (rank + 1) * slice_values)
-        for p in params:  # inside the owner's slice, in the flat buffers' storage
-            start = (p.data_ptr() - flat_params.data_ptr()) // p.element_size()
-            assert start in mine and start + p.numel() - 1 in mine
-            assert p.grad.data_ptr() - flat_grads.data_ptr() == p.data_ptr() - \
-                flat_params.data_ptr()
+    matrices = BASELINE.hidden_matrices(model, common.transformer_blocks(model))
+    owned = ZERO1.deal_out(matrices, world)
+    rest = [p for p in model.parameters() if all(p is not q for q in matrices)]
+    flat_params, flat_grads, mine, others = ZERO1.flatten_by_owner(owned, rest)
+    assert mine.per_rank == max(sum(p.numel() for p in params) for params in owned)
+    assert others.offset == world * mine.per_rank and others.per_rank * world - \
+        sum(p.numel() for p in rest) in range(world)  # padded by under N values
+    assert flat_params.numel() == others.offset + world * others.per_rank
+
+    def where(p):  # p's first and last value in the flat buffer
+        start = (p.data_ptr() - flat_params.data_ptr()) // p.element_size()
+        return start, start + p.numel() - 1
+
+    for rank, params in enumerate(owned):  # inside the owner's slice, whole
+        first, last = mine.offset + rank * mine.per_rank, mine.offset + (rank + 1) * mine.per_rank
+        assert all(first <= where(p)[0] and where(p)[1] < first + mine.per_rank
+                   for p in params) and last == first + mine.per_rank
+    assert all(where(p)[0] >= others.offset for p in rest)
+    for p in model.parameters():  # each gradient where its parameter is, in the other buffer
+        assert p.grad.data_ptr() - flat_grads.data_ptr() == p.data_ptr() - flat_params.data_ptr()
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name])
     assert model.head.weight is model.tok_emb.weight  # still tied
