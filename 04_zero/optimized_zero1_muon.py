@@ -1,27 +1,28 @@
 """Distributed Muon by hand: each rank orthogonalizes the whole matrices it owns, once, for all.
 
 What it does: `DistributedMuon(model, blocks, lr=...)` is baseline_muon.py's optimizer (PyTorch's
-Muon on the hidden matrices, AdamW on the rest) as ZeRO-1 by whole tensors, as Moonlight's and
-DeepSpeed's distributed Muon: every parameter has one owner. The matrices are dealt out by their
-Newton-Schulz FLOPs (the largest to the least loaded rank), then the rest by size. The weights
-move into one flat buffer laid out by owner, rank r's tensors back to back in the r-th of N
-equal slices (the largest owner's size), and backward accumulates into a flat gradient laid out
-alike. `step()` reduce-scatters it: each rank receives the summed gradient of exactly the
-tensors it owns, whole. It runs torch.optim.Muon and AdamW on those alone (their state exists
-for them alone) and all-gathers the slices back into every rank's weights. Why an all-gather of
-the updated weights and not a broadcast per owner: the slices are equal, so one collective
-moves each value once, (N-1)/N of the buffer a rank, as a ring does.
-Why it helps: the baseline's ranks all run Newton-Schulz on every matrix; here each runs it on
-about 1/N of the FLOPs, and Muon's and Adam's state fall by N, for the bytes of DDP's all-reduce
-(a reduce-scatter plus an all-gather) and the slices' padding. The update is torch's own on the
+Muon on the hidden matrices, AdamW on the rest) as ZeRO-1, as Moonlight's and DeepSpeed's
+distributed Muon: each matrix has one owner, dealt out by Newton-Schulz FLOPs (the largest to
+the least loaded rank), and the rest is cut into ZeRO-1's N even slices. The weights move into
+one flat buffer of two regions, backward's gradients into a second laid out alike: the
+matrices, rank r's back to back in the r-th of N equal slices (the largest owner's size); then
+the rest. `step()` reduce-scatters each region: each rank receives the averaged gradient of
+exactly the matrices it owns, whole, and of its slice of the rest. It runs torch.optim.Muon and
+AdamW on those alone (their state exists for them alone) and all-gathers each region back into
+every rank's weights. An all-gather of the new weights, not a broadcast per owner: the slices
+are equal, so one collective moves each value once, (N-1)/N of the buffer a rank, as a ring.
+Why it helps: the baseline's ranks all run Newton-Schulz on every matrix; here each runs about
+1/N of the FLOPs, and Muon's and Adam's state fall by N, for the bytes of DDP's all-reduce (a
+reduce-scatter plus an all-gather) and the slices' padding. The update is torch's own on the
 same averaged gradient, so the losses are the baseline's to float rounding.
 Run:        torchrun --nproc_per_node=2 04_zero/optimized_zero1_muon.py --size small [--model llama]
-Look for:   `make zero report`: speedup over baseline_muon, optimizer_ms against the baseline's,
-            theory.ns_gflop_rank (the busiest owner's) against theory.ns_gflop_all, equal losses.
+Look for:   `make zero report`: speedup over baseline_muon; optimizer_ms against the baseline's
+            (optimizer_parts_ms: the collectives and the update apart); theory.ns_gflop_rank
+            (the busiest owner's) against theory.ns_gflop_all; equal losses.
 Theory:     Newton-Schulz k(4m^2 n + 2m^3) FLOPs an m x n matrix (m <= n), the busiest rank its
-            owned matrices'. Per rank b x NS for weights and gradients (S: the largest owner's
-            values) + b a value of its matrices + 2b a value of its other tensors; sent a step
-            2(N-1)/N x b x NS (reduce-scatter and all-gather), b = bytes a value.
+            owned matrices'. Per rank b x F for weights and gradients (F: the flat buffer, P and
+            its padding) + b a value of its matrices + 2b x its slice of the rest; sent a step
+            2(N-1)/N x b x F (reduce-scatters and all-gathers), b = bytes a value.
 """
 
 import sys
