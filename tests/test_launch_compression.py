@@ -1,16 +1,17 @@
 """Launch tests: the 02_compression scripts under torchrun with CPU processes at `tiny`.
 
-Each script once under torchrun (10-20 s of start-up each), two in flight: the baseline, INT8
-and the hand-written PowerSGD on the Llama at 2 processes (held to the Llama's baseline), and
-PyTorch's hook (optimized_compression_powersgd_pytorch) on the GPT. The other runs, in spawned
-gloo processes that run one after another what torchrun would (no launcher's start-up): in a
-world of 2, PowerSGD's `--long-run` on the Llama with the steps given (its record's tolerance
-kind), the hand-written PowerSGD on the GPT compressing every matrix beside PyTorch's hook, and
-PyTorch's hook where it cannot run; in a world of 3, both hand-written hooks with several
-buckets. All of it shared through one module-scoped fixture. PowerSGD runs at rank 8, the
-hand-written default's share of the model width (32 of `small`'s 256, 8 of `tiny`'s 64): the
-defaults (32, and PyTorch's script's 64) would compress nothing at `tiny`, which one more run, a
-world of one at the hand-written default (in this process), says in its log and its record.
+Each script once under torchrun (10-20 s of start-up each), two in flight: the baseline, INT8,
+the hand-written PowerSGD and DiLoCo on the Llama at 2 processes (held to the Llama's
+baseline), and PyTorch's hook (optimized_compression_powersgd_pytorch) on the GPT. The other
+runs, in spawned gloo processes that run one after another what torchrun would (no launcher's
+start-up): in a world of 2, PowerSGD's `--long-run` on the Llama with the steps given (its
+record's tolerance kind), the hand-written PowerSGD on the GPT compressing every matrix beside
+PyTorch's hook, and PyTorch's hook where it cannot run; in a world of 3, both hand-written hooks
+with several buckets. All of it shared through one module-scoped fixture. PowerSGD runs at
+rank 8, the hand-written default's share of the model width (32 of `small`'s 256, 8 of `tiny`'s
+64): the defaults (32, and PyTorch's script's 64) would compress nothing at `tiny`, which one
+more run, a world of one at the hand-written default (in this process), says in its log and its
+record.
 """
 
 import functools
@@ -53,6 +54,7 @@ RUNS = {  # name: (script, processes, flags); the first run of each script is it
     "int8": ("optimized_compression_int8", 2, [*WARMUP, *LLAMA]),
     "powersgd": ("optimized_compression_powersgd", 2, [*RANK, *LLAMA]),
     "powersgd_torch": ("optimized_compression_powersgd_pytorch", 2, RANK),
+    "diloco": ("optimized_compression_diloco", 2, [*WARMUP, *LLAMA, "--sync-every", "2"]),
     "powersgd_long": ("optimized_compression_powersgd", 2, [*RANK, *LLAMA, "--long-run"]),
     "powersgd_every_matrix": ("optimized_compression_powersgd", 2, EVERY_MATRIX),
     "powersgd_torch_buckets": ("optimized_compression_powersgd_pytorch", 2,
@@ -106,6 +108,15 @@ def test_each_run_records_sane_figures_and_the_bytes_its_theory_predicts(runs, n
                                            rel=0.05 if "int8" in name else 1e-3)
     if "compression" in rec["theory"]:
         assert rec["compression"] == pytest.approx(rec["theory"]["compression"], rel=0.05)
+
+
+def test_diloco_sends_ddps_bytes_once_in_h_steps_and_ends_near_ddps_loss(runs):
+    base, rec = runs["baseline"], runs["diloco"]
+    assert rec["baseline"] == "baseline_compression"
+    assert rec["exchanges_timed"] == rec["outer_steps"] - 2 == 2  # steps 6 and 8 of 5..8
+    assert base["comm_mb"] / rec["comm_mb"] == pytest.approx(2, rel=0.01)  # H 2; MB to 3 places
+    assert rec["largest_exchange_mb"] == pytest.approx(base["comm_mb"], rel=0.01)
+    assert rec["loss_tolerance_final_rel"] == 0.05 and not results_table.over_tolerance(rec, base)
 
 
 def test_int8_sends_a_quarter_and_trains_like_fp32(runs):
