@@ -53,16 +53,17 @@ CPU_PIECE = 2**19
 
 
 class DiLoCo:
-    """The outer loop around an inner optimizer the caller steps: call `step()` after each inner
-    step. Every rank starts from the group's (default: the world's) first rank's weights, and
-    keeps the outer weights as one flat fp32 buffer cut into `fragments` equal slices, each
-    with its own outer SGD (Nesterov momentum). Slice f is synced once in `sync_every` steps,
-    the slices in turn, one every sync_every / fragments steps (Streaming DiLoCo; one fragment:
-    DiLoCo): `delay` steps before its sync lands, its pseudo-gradient (outer weights minus the
-    replica's) starts its all-reduce, under the inner steps between; when it lands, the outer
-    SGD steps the slice, and the replica takes (1 - mix) x the new outer weights + mix x its
-    own. `int8_block`: the pseudo-gradients sent as int8 by INT8's exchange, a scale a block
-    of that many values (None: fp32). `sent_bytes`: what this rank sent so far."""
+    """The outer loop around the inner optimizer: call `step()` where you would step it (after
+    backward); it steps it, then lands and starts the syncs that fall there. Every rank starts
+    from the group's (default: the world's) first rank's weights and keeps the outer weights as
+    one flat fp32 buffer cut into `fragments` equal slices, each with its own outer SGD
+    (Nesterov momentum). Slice f is synced once in `sync_every` steps, the slices in turn, one
+    every sync_every / fragments steps (Streaming DiLoCo; one fragment: DiLoCo): `delay` steps
+    before its sync lands, its pseudo-gradient (outer weights minus the replica's) starts its
+    all-reduce, under the inner steps between; when it lands, the outer SGD steps the slice,
+    and the replica takes (1 - mix) x the new outer weights + mix x its own. `int8_block`: the
+    pseudo-gradients sent as int8 by INT8's exchange, a scale a block of that many values
+    (None: fp32). `sent_bytes`: what this rank sent so far."""
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                  group: dist.ProcessGroup | None = None, sync_every: int = 16,
@@ -87,7 +88,7 @@ class DiLoCo:
         self.outer_optimizers = [
             torch.optim.SGD([o], lr=outer_lr, momentum=outer_momentum,
                             nesterov=outer_momentum > 0) for o in self.outer_slices]
-        self.inner_optimizer, self.sync_every = inner_optimizer, sync_every
+        self.inner_optimizer = inner_optimizer
         self.period, self.delay, self.mix = sync_every // fragments, delay, mix
         self.pseudo_gradient = torch.zeros_like(self.outer)
         # INT8's exchange (each fragment a bucket of its own, with its error feedback) or fp32's
@@ -121,6 +122,7 @@ class DiLoCo:
 
     @torch.no_grad()
     def step(self) -> None:
+        self.inner_optimizer.step()
         self.inner_steps += 1
         starting = self.fragment_synced_at(self.inner_steps + self.delay)
         if starting is not None:  # its pseudo-gradient's all-reduce, under the next steps
@@ -424,8 +426,7 @@ def main():
         inner.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
-        inner.step()
-        diloco.step()
+        diloco.step()  # the inner AdamW's, and the outer's where a sync lands
         seconds.append(time.perf_counter() - start)
         sent.append(diloco.sent_bytes - before)
         return loss

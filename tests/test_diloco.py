@@ -114,7 +114,6 @@ def diloco_as_ddp(rank: int, world: int, lr: float, steps: int) -> list[float]:
         opt.zero_grad()
         loss = model(inputs, targets)
         loss.backward()
-        opt.step()
         diloco.step()
         losses.append(loss.item())
     return mean_over_ranks(losses)
@@ -142,9 +141,10 @@ def paper_diloco(rank: int, world: int, by_torchft: bool, steps: int = 9) -> dic
             inner.zero_grad()
             loss = model(inputs, targets)
             loss.backward()
-            inner.step()  # torchft's DiLoCo hooks the inner step
-            if not by_torchft:
-                mine.step()
+            if by_torchft:
+                inner.step()  # torchft's DiLoCo hooks the inner optimizer's step
+            else:
+                mine.step()  # the inner step, then the outer where it lands
             losses.append(loss.item())
     return {"losses": mean_over_ranks(losses),
             "weights": torch.cat([p.detach().flatten() for p in model.parameters()])}
@@ -159,23 +159,24 @@ def streaming(rank: int, world: int, overlap: int, mix: float, steps: int = 12) 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     diloco = DILOCO.DiLoCo(model, opt, sync_every=4, outer_lr=1.0, outer_momentum=0.0,
                            fragments=2, delay=overlap, mix=mix)
-    started, checks = {}, []
+    started, checks, after_inner = {}, [], {}
+    opt.register_step_post_hook(  # the replica after each inner step, before any landing
+        lambda *_: after_inner.update(weights=diloco.replica(slice(0, diloco.outer.numel()))))
     for step, (inputs, targets) in enumerate(batches_of(steps, rank, world), start=1):
         opt.zero_grad()
         model(inputs, targets).backward()
-        opt.step()
+        diloco.step()
+        replica = after_inner["weights"]
         starting = diloco.fragment_synced_at(step + overlap)
         if starting is not None:  # the ranks' mean where it starts
             where = diloco.slices[starting]
-            mean = diloco.replica(where).clone()
+            mean = replica[where].clone()
             dist.all_reduce(mean)
             started[starting] = mean / world
         landing = diloco.fragment_synced_at(step)
-        own = diloco.replica(diloco.slices[landing]).clone() if landing is not None else None
-        diloco.step()
         if landing is not None:
             now = diloco.replica(diloco.slices[landing])
-            expected = torch.lerp(started.pop(landing), own, mix)
+            expected = torch.lerp(started.pop(landing), replica[diloco.slices[landing]], mix)
             checks.append(torch.allclose(now, expected, rtol=1e-5, atol=1e-6))
     return checks
 

@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import sys
+import unittest.mock
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: find `common`
@@ -17,7 +18,7 @@ import pytest
 from matplotlib.colors import to_hex
 
 import common
-from report import charts, cli
+from report import charts, cli, costmodel
 
 FIXTURES = common.ROOT / "tests" / "fixtures"
 GOLDEN = FIXTURES / "golden"
@@ -74,7 +75,18 @@ def chart_picture(records: list[dict]) -> dict:
     return picture
 
 
+# The step-time model's calibration the tables are priced at: a fixture's, not this host's
+# outputs/calibration.json (absent on a fresh clone), so that a record that carries its work is
+# priced alike everywhere.
+CALIBRATION = FIXTURES / "calibration_small.json"
+
+
 def outputs(tmp) -> dict[str, str]:
+    with unittest.mock.patch.object(costmodel, "CALIBRATION", CALIBRATION):
+        return _outputs(tmp)
+
+
+def _outputs(tmp) -> dict[str, str]:
     out = {}
     for name in RECORDS:
         stem = name.removesuffix(".jsonl")
