@@ -203,13 +203,15 @@ EXTRA_RUNS_fsdp := $(if $(filter resnet,$(MODEL)),,\
 # PowerSGD where it is meant to run: 110 steps beside the baseline's 110, at rank 8 (10x fewer
 # bytes at `small`), judged by its final loss; on the GPT, where 110 steps settle (README).
 # DiLoCo: in 4 streamed fragments at the folder's 25 steps (its largest exchange); beside the
-# long pair, syncing every 16 steps, in fp32 and in int8, judged by its final loss.
+# long pair, syncing every 16 steps, in fp32 and in int8, judged by its final loss, and at the
+# paper's outer momentum beside the script's.
 EXTRA_RUNS_compression := $(if $(filter-out gpt,$(MODEL)),,\
 	"02_compression/baseline_compression.py --long-run" \
 	"02_compression/optimized_compression_powersgd.py --rank 8 --long-run" \
 	"02_compression/optimized_compression_diloco.py --fragments 4" \
 	"02_compression/optimized_compression_diloco.py --long-run" \
-	"02_compression/optimized_compression_diloco.py --long-run --quantize int8")
+	"02_compression/optimized_compression_diloco.py --long-run --quantize int8" \
+	"02_compression/optimized_compression_diloco.py --long-run --outer-momentum 0.9")
 # 06's short token batches are a decoder's (a ResNet's BatchNorm needs two images a rank).
 EXTRA_RUNS_symmem := "06_symmem/optimized_symmem_training.py --replicated-optimizer" \
 	$(if $(filter resnet,$(MODEL)),,"06_symmem/baseline_symmem_training.py --batch-size 1 --seq-len 32" \
