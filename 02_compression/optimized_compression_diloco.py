@@ -5,11 +5,11 @@ inner optimizer (AdamW at the baseline's learning rate; --inner-optimizer sgd) a
 every H steps (--sync-every). Then the pseudo-gradient, how far the H inner steps moved the
 replica from the outer weights, is averaged over the ranks by one all-reduce and taken as the
 gradient of an outer SGD with Nesterov momentum (the paper's lr 0.7; momentum 0.5 here, its
-0.9 wanting hundreds of outer steps) on the outer weights, kept in fp32 on every rank; every replica restarts from the new outer weights,
-its inner optimizer's state kept. Douillard et al., 2023 (arXiv 2311.08105), Algorithm 1:
-Delta = (1/N) sum_i (theta^(t-1) - theta_i^(t)), theta^(t) = OuterOpt(theta^(t-1), Delta).
-With an inner SGD, H = 1, outer lr 1 and no momentum it is DDP with SGD: theta - (1/N) sum_i
-lr g_i (tests/test_diloco.py holds the two to 1e-5).
+0.9 wanting hundreds of outer steps) on the outer weights, kept in fp32 on every rank; every
+replica restarts from the new outer weights, its inner optimizer's state kept. Douillard et
+al., 2023 (arXiv 2311.08105), Algorithm 1: Delta = (1/N) sum_i (theta^(t-1) - theta_i^(t)),
+theta^(t) = OuterOpt(theta^(t-1), Delta). With an inner SGD, H = 1, outer lr 1 and no momentum
+it is DDP with SGD: theta - (1/N) sum_i lr g_i (tests/test_diloco.py holds the two to 1e-5).
 Why it helps: it sends DDP's bytes once in H steps, so a link too slow for DDP's all-reduce
 every step (between clusters, over Ethernet) carries it; the paper matched synchronous training
 on C4 at H = 500. The replicas drift apart between syncs: the loss is judged where it ends.
