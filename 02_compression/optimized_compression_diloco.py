@@ -40,9 +40,9 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py: repo root
 import common  # noqa: E402
 
-# Of the final-loss kind, as PowerSGD's long pair: the final loss within 5% of DDP's. The
-# replicas train apart between syncs, each on its share of the batch, so the losses on the way
-# differ by design; where they end is the test.
+# Of the final-loss kind, on the long pair (--long-run), as PowerSGD's: the final loss within
+# 5% of DDP's. The replicas train apart between syncs, each on its share of the batch, so the
+# losses on the way differ by design; where they end, after several syncs, is the test.
 LOSS_TOLERANCE = 0.05
 # No planner row: DiLoCo changes how often DDP's bytes move, not where state lives.
 PLANNED = []
@@ -449,7 +449,8 @@ def main():
                   exchanges_timed=sum(1 for b in timed_sent if b), outer_steps=diloco.outer_steps,
                   largest_exchange_mb=max(sent) / 2**20,
                   outer_state_mb=common.tensor_mb([diloco.outer, *momenta]),
-                  loss_tolerance_final_rel=LOSS_TOLERANCE)
+                  # judged on the long pair: a 25-step run holds one sync, too few to judge
+                  **({"loss_tolerance_final_rel": LOSS_TOLERANCE} if args.long_run else {}))
 
 
 if __name__ == "__main__":

@@ -242,7 +242,8 @@ def _scenarios(rank: int, world: int, port: int, out: str) -> None:
 
 RUNS = [("baseline_compression", []), ("optimized_compression_diloco", ["--sync-every", "4"]),
         ("optimized_compression_diloco", ["--sync-every", "8", "--fragments", "4"]),
-        ("optimized_compression_diloco", ["--sync-every", "4", "--quantize", "int8"])]
+        ("optimized_compression_diloco", ["--sync-every", "4", "--quantize", "int8"]),
+        ("optimized_compression_diloco", ["--sync-every", "4", "--long-run"])]
 
 
 def _run_the_world(rank: int, world: int, port: int, out: str) -> None:
@@ -305,7 +306,8 @@ def test_each_fragment_lands_as_the_ranks_mean_mixed_with_the_replica(spawned, n
 
 def test_the_scripts_record_their_bytes_exchanges_and_mean_step(spawned):
     _, records = spawned(2)
-    base, diloco, streamed, int8 = records
+    base, diloco, streamed, int8, long_run = records
+    assert long_run["loss_tolerance_final_rel"] == DILOCO.LOSS_TOLERANCE  # the long pair's
     assert base["script"] == "baseline_compression" and diloco["baseline"] == base["script"]
     for rec in (diloco, streamed, int8):
         assert rec["status"] == "ok"
@@ -314,7 +316,7 @@ def test_the_scripts_record_their_bytes_exchanges_and_mean_step(spawned):
                                                            abs=0.001)
         assert rec["outer_state_mb"] == pytest.approx(rec["theory"]["outer_state_mb"], abs=0.01)
         assert rec["step_ms"] >= rec["step_ms_median"] * 0.5  # the mean, syncs in it
-        assert rec["loss_tolerance_final_rel"] == DILOCO.LOSS_TOLERANCE
+        assert "loss_tolerance_final_rel" not in rec  # judged on the long pair alone
     # H 4 at steps 7..25: syncs at 8, 12, ..., 24; H 8 in 4 fragments: one every 2 steps
     assert diloco["exchanges_timed"] == 5 and streamed["exchanges_timed"] == 10
     assert diloco["comm_mb"] < base["comm_mb"] / 3

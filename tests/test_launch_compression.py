@@ -116,7 +116,8 @@ def test_diloco_sends_ddps_bytes_once_in_h_steps_and_ends_near_ddps_loss(runs):
     assert rec["exchanges_timed"] == rec["outer_steps"] - 2 == 2  # steps 6 and 8 of 5..8
     assert base["comm_mb"] / rec["comm_mb"] == pytest.approx(2, rel=0.01)  # H 2; MB to 3 places
     assert rec["largest_exchange_mb"] == pytest.approx(base["comm_mb"], rel=0.01)
-    assert rec["loss_tolerance_final_rel"] == 0.05 and not results_table.over_tolerance(rec, base)
+    assert "loss_tolerance_final_rel" not in rec  # a short run: its losses shown, not judged
+    assert abs(rec["losses"][-1] / base["losses"][-1] - 1) < 0.05  # four syncs in 8 steps
 
 
 def test_int8_sends_a_quarter_and_trains_like_fp32(runs):
