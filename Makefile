@@ -210,8 +210,8 @@ EXTRA_RUNS_compression := $(if $(filter-out gpt,$(MODEL)),,\
 	"02_compression/optimized_compression_powersgd.py --rank 8 --long-run" \
 	"02_compression/optimized_compression_diloco.py --fragments 4" \
 	"02_compression/optimized_compression_diloco.py --long-run" \
-	"02_compression/optimized_compression_diloco.py --long-run --quantize int8" \
-	"02_compression/optimized_compression_diloco.py --long-run --outer-momentum 0.9")
+	"02_compression/optimized_compression_diloco.py --quantize int8 --long-run" \
+	"02_compression/optimized_compression_diloco.py --outer-momentum 0.9 --long-run")
 # 06's short token batches are a decoder's (a ResNet's BatchNorm needs two images a rank).
 EXTRA_RUNS_symmem := "06_symmem/optimized_symmem_training.py --replicated-optimizer" \
 	$(if $(filter resnet,$(MODEL)),,"06_symmem/baseline_symmem_training.py --batch-size 1 --seq-len 32" \

@@ -147,21 +147,24 @@ def test_compression_theory_of_the_llama_keeps_its_untied_embedding_and_head_who
 
 
 # --- The long pair: PowerSGD once training has settled, judged by its final loss --------------
-def long_pair() -> dict[str, list[str]]:
+def long_pair() -> dict[str, list[list[str]]]:
     """`make compression`'s runs beyond one a script, as the Makefile's EXTRA_RUNS_compression
-    lists them: script name -> flags."""
+    lists them: script name -> the flags of each of its runs."""
     makefile = (common.ROOT / "Makefile").read_text()
     found = re.search(r"^EXTRA_RUNS_compression :=((?:.*\\\n)*.*)$", makefile, re.M)
     assert found, "the Makefile has no EXTRA_RUNS_compression"
-    runs = [run.split() for run in re.findall(r'"([^"]+)"', found[1])]
-    return {Path(script).stem: flags for script, *flags in runs}
+    runs = {}
+    for script, *flags in (run.split() for run in re.findall(r'"([^"]+)"', found[1])):
+        runs.setdefault(Path(script).stem, []).append(flags)
+    return runs
 
 
 def test_make_compression_runs_the_baseline_and_powersgd_long_at_8x_fewer_bytes_or_more():
     runs = long_pair()
-    assert set(runs) == {"baseline_compression", "optimized_compression_powersgd"}
-    assert runs["baseline_compression"] == ["--long-run"]  # the same steps on both sides
-    flags = runs["optimized_compression_powersgd"]
+    assert set(runs) == {"baseline_compression", "optimized_compression_powersgd",
+                         "optimized_compression_diloco"}
+    assert runs["baseline_compression"] == [["--long-run"]]  # the same steps on both sides
+    flags, = runs["optimized_compression_powersgd"]
     assert "--long-run" in flags and "--uncompressed" not in flags  # the embedding sent whole
     # in the order the record's variant lists them, by which `make smoke` finds the run's record
     assert flags == ["--rank", flags[1], "--long-run"]
@@ -169,6 +172,11 @@ def test_make_compression_runs_the_baseline_and_powersgd_long_at_8x_fewer_bytes_
     size = common.SIZES["small"]  # the size `make compression` runs at
     model = common.GPT(size, size.seq_len)
     assert powersgd.compression_theory(model, rank, [model.tok_emb.weight]) >= 8
+    # DiLoCo: 4 fragments at 25 steps; beside the long pair in fp32, in int8 and at the paper's
+    # outer momentum, each --long-run last, as its variant lists it
+    assert runs["optimized_compression_diloco"] == [
+        ["--fragments", "4"], ["--long-run"], ["--quantize", "int8", "--long-run"],
+        ["--outer-momentum", "0.9", "--long-run"]]
 
 
 @pytest.mark.parametrize("argv, warmup, steps", [
