@@ -97,15 +97,15 @@ def tiny_model(family: str = "llama", attn_implementation: str = "sdpa", tied: b
     return model
 
 
-def readme_models() -> dict[str, dict]:
+def readme_models(bf16: bool = True) -> dict[str, dict]:
     """The models a whole-model README block runs on, by name: tiny_model's arguments. Each of
-    CASES (three families, sdpa and eager), each family's sdpa case in bf16, and the
-    UNSUPPORTED models: a recipe that wraps the whole model leaves its forward to it, so both
-    must train like DDP."""
+    CASES (three families, sdpa and eager), each family's sdpa case in bf16 (unless `bf16` is
+    False: an optimizer whose state and update are fp32's), and the UNSUPPORTED models: a
+    recipe that wraps the whole model leaves its forward to it, so both must train like DDP."""
     models = {str(case): dict(family=case.family, attn_implementation=case.attn, tied=case.tied)
               for case in CASES}
     models.update({f"{case} bf16": {**models[str(case)], "dtype": torch.bfloat16}
-                   for case in CASES if case.attn == "sdpa"})
+                   for case in CASES if bf16 and case.attn == "sdpa"})
     models.update({name: dict(family=name) for name in UNSUPPORTED})
     return models
 

@@ -321,7 +321,8 @@ def test_fsdp_muons_all_to_alls_send_less_than_gathering_every_gradient_to_every
     assert theory["muon_comm_mb"] < theory["allgather_comm_mb_avoided"]
 
 
-# The README's lines: each class on each of hf_readme_models(), beside DDP with torch.optim.Muon
+# The README's lines: each class on each fp32 model of hf_models.readme_models(), beside DDP
+# with torch.optim.Muon
 LR, STEPS = 3e-3, 3
 
 
@@ -374,9 +375,11 @@ HEADINGS = {"zero1": "### Use it in your trainer: `DistributedMuon`",
 def _readme_scenarios(rank: int, world: int, port: int, out: str) -> None:
 
     os.environ["MASTER_PORT"] = str(port)
+    import hf_models
+
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
-    for name, model_args in hf_readme_models().items():
+    for name, model_args in hf_models.readme_models(bf16=False).items():
         for kind in ("ddp", "zero1", "fsdp"):
             results[(name, kind)] = _on_a_hf_model(kind, model_args)
     if rank == 0:
@@ -384,20 +387,13 @@ def _readme_scenarios(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def hf_readme_models() -> dict[str, dict]:
-    """hf_models.readme_models() in fp32: the three families, sdpa and eager, tied and untied,
-    and Phi-3's fused projections and a scaled rotary (a 2-D weight each: Muon's)."""
-    import hf_models
-
-    return {name: args for name, args in hf_models.readme_models().items()
-            if "bf16" not in name}
-
-
 def pytest_generate_tests(metafunc):
     """The README test's models, listed at collection in pytest's process alone: a spawned rank
     imports this module too, and transformers costs it seconds."""
     if "readme_model" in metafunc.fixturenames:
-        metafunc.parametrize("readme_model", list(hf_readme_models()))
+        import hf_models
+
+        metafunc.parametrize("readme_model", list(hf_models.readme_models(bf16=False)))
 
 
 @pytest.mark.parametrize("kind", ["zero1", "fsdp"])
